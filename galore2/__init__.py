@@ -1,0 +1,12 @@
+"""galore2: drop-in torch.optim optimizers with GaLore 2 low-rank gradient projection.
+
+Only torch is required to import this package; optional backends
+(bitsandbytes, triton, transformers) are imported lazily where used.
+"""
+
+from .groups import param_groups
+from .optim import ChainOptimizer, GaLoreAdamW
+
+__version__ = "0.1.0"
+
+__all__ = ["ChainOptimizer", "GaLoreAdamW", "__version__", "param_groups"]

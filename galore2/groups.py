@@ -1,0 +1,113 @@
+"""``param_groups``: split a model's parameters into a GaLore group and a plain group."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from .optim.config import GALORE_DEFAULTS
+
+_OUTPUT_HEADS = ("lm_head", "output", "classifier", "score", "head")
+
+
+def _output_head_names(model: nn.Module) -> set[str]:
+    """Names of Linear modules that are the model's output head (skipped by ``all-linear``)."""
+    heads: set[str] = set()
+    get_out = getattr(model, "get_output_embeddings", None)
+    if callable(get_out):
+        try:
+            out = get_out()
+        except (NotImplementedError, AttributeError):
+            out = None
+        if out is not None:
+            heads.update(name for name, mod in model.named_modules() if mod is out)
+    linears = [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    heads.update(n for n in linears if n.split(".")[-1] in _OUTPUT_HEADS)
+    return heads
+
+
+def _matcher(target_modules: str | Sequence[str]) -> tuple[list[str], Any]:
+    if isinstance(target_modules, str):
+        if target_modules == "all-linear":
+            return [], None
+        try:
+            pattern = re.compile(target_modules)
+        except re.error as e:
+            raise ValueError(f"target_modules is not a valid regex ({e}): {target_modules!r}") from e
+        return [target_modules], lambda name, t: pattern.fullmatch(name) or pattern.search(name)
+    targets = list(target_modules)
+    if not targets or not all(isinstance(t, str) and t for t in targets):
+        raise ValueError(
+            "target_modules must be 'all-linear', a regex string, or a non-empty list of "
+            f"non-empty module-name substrings; got {target_modules!r}"
+        )
+    return targets, lambda name, t: t in name
+
+
+def param_groups(
+    model: nn.Module,
+    target_modules: str | Sequence[str] = "all-linear",
+    *,
+    no_galore: dict[str, Any] | None = None,
+    **galore_settings: Any,
+) -> list[dict[str, Any]]:
+    """Parameter groups for a galore2 optimizer.
+
+    ``target_modules`` selects modules whose ≥2-D weights are projected:
+    ``"all-linear"`` (every ``nn.Linear`` except the output head, as Hugging
+    Face's ``optim_target_modules="all-linear"``), a regex searched in module
+    names, or a list of substrings of module names. Every trainable parameter
+    lands in exactly one group: ``[galore_group, other_group]`` (empty groups are
+    dropped). ``galore_settings`` (``rank`` required, plus ``update_proj_gap``,
+    ``scale``, ``proj_type``, ``projector``…) go on the GaLore group;
+    ``no_galore`` holds extra keys for the plain group (e.g. its own
+    ``weight_decay``). Targets that match nothing are named in a warning.
+    """
+    unknown = set(galore_settings) - set(GALORE_DEFAULTS) - {
+        "lr", "betas", "eps", "weight_decay", "state_dtype", "maximize", "nonfinite"
+    }
+    if unknown:
+        raise ValueError(
+            f"unknown GaLore settings {sorted(unknown)}; allowed: {sorted(GALORE_DEFAULTS)}"
+        )
+    if galore_settings.get("rank") is None:
+        raise ValueError("param_groups needs rank=<int >= 1> for the GaLore group")
+    targets, match = _matcher(target_modules)
+    heads = _output_head_names(model) if match is None else set()
+
+    galore_ids: set[int] = set()
+    hits = dict.fromkeys(targets, 0)
+    for mod_name, module in model.named_modules():
+        if match is None:
+            chosen = isinstance(module, nn.Linear) and mod_name not in heads
+        else:
+            matched = [t for t in targets if match(mod_name, t)]
+            for t in matched:
+                hits[t] += 1
+            chosen = bool(matched)
+        if not chosen:
+            continue
+        for _, p in module.named_parameters(recurse=False):
+            if p.requires_grad and p.dim() >= 2:
+                galore_ids.add(id(p))
+    missing = [t for t, n in hits.items() if n == 0]
+    if missing:
+        warnings.warn(f"galore2.param_groups: target_modules {missing} matched no module", stacklevel=2)
+
+    galore_params, other_params, seen = [], [], set()
+    for _, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (galore_params if id(p) in galore_ids else other_params).append(p)
+    if not galore_params:
+        warnings.warn("galore2.param_groups: no parameter was selected for GaLore", stacklevel=2)
+    groups = [
+        {"params": galore_params, **galore_settings},
+        {"params": other_params, **(no_galore or {})},
+    ]
+    return [g for g in groups if g["params"]]

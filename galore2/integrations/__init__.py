@@ -1,0 +1,1 @@
+"""Framework integrations (Hugging Face Trainer / accelerate) — built by the recipe issue."""

@@ -1,0 +1,146 @@
+"""GaLore as a wrapper transform: project, run the inner chain in the subspace, project back.
+
+Acts on: the full gradient of a ≥2-D parameter in a group whose ``rank`` is
+set (weights with more than two dims are treated as ``shape[0] × rest``). For
+every other parameter — 1-D, ``rank`` unset, or ``rank ≥ min(m, n)`` — it is
+transparent and the inner chain runs on the full gradient (plain AdamW for
+``GaLoreAdamW``).
+
+State per projected parameter: the basis (r·m or r·n fp32, see the projector),
+the inner chain's state at the low-rank shape, and four int64 CPU counters
+(``galore.side``, ``galore.step``, ``galore.next_refresh``,
+``galore.refreshes``) plus the parameter's seed.
+
+Refresh schedule: at the parameter's first step and then every
+``update_proj_gap`` steps (steps 0, T, 2T, … when every step is usable). A
+refresh whose gradient is non-finite or all zero keeps the previous basis and
+is retried at the next step. On a successful refresh the inner moments are
+kept (``keep``, galore-torch's behaviour), zeroed with their step count
+(``reset``), or rotated into the new basis (``project``: M ← C·M with
+C = P_newᵀ·P_old, and second moments with C∘C so they stay non-negative —
+the variance of a sum of independent coordinates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from ..projectors import FULL, LEFT, NONE, RIGHT, Plan, choose_side, get_projector, low_rank_shape
+from ..projectors._sketch import mix_seed
+from .adam import counter
+from .transform import Context, Group, State, Transform, init_chain, run_chain
+
+
+class GaLore(Transform):
+    name = "galore"
+    kinds: ClassVar[dict[str, str]] = {
+        "galore.side": "other",
+        "galore.step": "other",
+        "galore.next_refresh": "other",
+        "galore.refreshes": "other",
+        "galore.seed": "other",
+    }
+
+    def __init__(self, *inner: Transform) -> None:
+        if not inner:
+            raise ValueError("GaLore needs at least one inner transform (e.g. ScaleByAdam())")
+        self.inner: list[Transform] = list(inner)
+
+    # ---- planning ----------------------------------------------------------------
+    @staticmethod
+    def matrix_shape(shape: torch.Size) -> tuple[int, int]:
+        n = 1
+        for d in shape[1:]:
+            n *= int(d)
+        return int(shape[0]), n
+
+    def plan(self, state: State, group: Group, device: torch.device, shape: torch.Size) -> Plan:
+        m, n = self.matrix_shape(shape)
+        return Plan(int(state["galore.side"]), m, n, int(group["rank"]), device)
+
+    # ---- transform protocol ------------------------------------------------------
+    def init(self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context) -> None:
+        rank = group.get("rank")
+        side = choose_side(tuple(shape), group["proj_type"], rank)
+        state["galore.side"] = counter(side)
+        if side == NONE:
+            if rank is not None and len(shape) >= 2:
+                ctx.warn_once(
+                    f"galore2: rank={rank} >= min dimension of a parameter of shape "
+                    f"{tuple(shape)}; it is updated without projection (full-rank inner update)"
+                )
+            init_chain(self.inner, shape, ref, group, state, ctx)
+            return
+        plan = self.plan(state, group, ref.device, shape)
+        state["galore.step"] = counter()
+        state["galore.next_refresh"] = counter()
+        state["galore.refreshes"] = counter()
+        state["galore.seed"] = counter(mix_seed(group["seed"], ctx.index))
+        get_projector(group["projector"]).init_state(state, plan, group)
+        low = torch.Size(low_rank_shape(plan.m, plan.n, side, plan.rank))
+        init_chain(self.inner, low, ref, group, state, ctx)
+
+    def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
+        if int(state["galore.side"]) == NONE:
+            return run_chain(self.inner, u, state, group, ctx)
+        plan = self.plan(state, group, u.device, u.shape)
+        G = u.reshape(plan.m, plan.n)
+        projector = get_projector(group["projector"])
+        step = int(state["galore.step"])
+        if step >= int(state["galore.next_refresh"]):
+            self.refresh(G, state, group, plan, step)
+        R = projector.project(G, state, plan)
+        N = run_chain(self.inner, R, state, group, ctx)
+        out = projector.project_back(N, state, plan, ctx.param.dtype).mul_(group["scale"])
+        state["galore.step"] += 1
+        return out.view(u.shape)
+
+    # ---- refresh -----------------------------------------------------------------
+    def refresh(self, G: Tensor, state: State, group: Group, plan: Plan, step: int) -> bool:
+        """Refresh the basis from ``G``; returns False (basis kept) when ``G`` is unusable."""
+        projector = get_projector(group["projector"])
+        done = int(state["galore.refreshes"])
+        new = projector.refresh(G, state, plan, group, mix_seed(int(state["galore.seed"]), done))
+        if new is None:
+            state["galore.next_refresh"].fill_(step + 1)
+            return False
+        mode = group["moments_on_refresh"]
+        old = None
+        if done > 0 and mode == "project":
+            old = tuple(None if b is None else b.clone() for b in projector.bases(state, plan))
+        projector.store(state, new)
+        if done > 0 and mode == "reset":
+            for t in self.inner:
+                t.reset(state, group)
+        elif old is not None:
+            rotate = _rotation(old, projector.bases(state, plan), plan.side)
+            for t in self.inner:
+                t.rotate(state, rotate)
+        state["galore.refreshes"] += 1
+        state["galore.next_refresh"].fill_(step + group["update_proj_gap"])
+        return True
+
+
+def _rotation(
+    old: tuple[Tensor | None, Tensor | None], new: tuple[Tensor | None, Tensor | None], side: int
+) -> Callable[[Tensor, bool], Tensor]:
+    """Change of coordinates for moments when the basis moves from ``old`` to ``new``."""
+    C = new[0].float().mT @ old[0].float() if side in (LEFT, FULL) else None  # r×r
+    D = old[1].float().mT @ new[1].float() if side in (RIGHT, FULL) else None  # r×r
+
+    def rotate(t: Tensor, squared: bool) -> Tensor:
+        x = t.float()
+        if C is not None:
+            x = (C * C if squared else C) @ x
+        if D is not None:
+            x = x @ (D * D if squared else D)
+        return x
+
+    return rotate
+
+
+__all__ = ["FULL", "LEFT", "NONE", "RIGHT", "GaLore"]

@@ -1,0 +1,186 @@
+"""``ChainOptimizer``: the one ``torch.optim.Optimizer`` that every galore2 optimizer is.
+
+A preset (``GaLoreAdamW``…) only chooses the chain of transforms and the
+defaults; the step below is shared, never copied. Per parameter, a step is:
+
+1. skip parameters without a gradient; refuse sparse gradients;
+2. create state lazily (every key at its final shape, see :meth:`init_state`);
+3. non-finite gradient → ``nonfinite="skip"`` leaves the parameter and its
+   state untouched and counts it; ``"raise"`` raises before anything changes;
+4. ``u = chain(grad)``; decoupled weight decay ``p ← p·(1 − lr·λ)``; ``p ← p − lr·u``
+   (the decay-then-update order of ``torch.optim.AdamW``).
+
+State holds tensors only, so ``state_dict()`` round-trips through
+``torch.load(weights_only=True)``; :meth:`load_state_dict` keeps each state
+tensor's saved dtype (torch's default would cast int counters, seeds and fp32
+moments of bf16 parameters to the parameter's dtype).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from itertools import chain as iter_chain
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..projectors import _BY_NAME as _PROJECTORS
+from ..projectors.base import Projector
+from .adam import counter
+from .config import validate_group
+from .transform import Context, Transform, init_chain, run_chain, state_kind
+
+_PROJECTOR_KINDS: dict[str, str] = {}
+for _p in _PROJECTORS.values():
+    _PROJECTOR_KINDS.update(type(_p).kinds)
+_PROJECTOR_KINDS.update(Projector.kinds)
+
+ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
+
+
+class ChainOptimizer(torch.optim.Optimizer):
+    """Runs a chain of :class:`~galore2.optim.transform.Transform` per parameter."""
+
+    def __init__(self, params: ParamsT, chain: list[Transform], defaults: dict[str, Any]) -> None:
+        self._chain = list(chain)
+        self._warned: set[str] = set()
+        super().__init__(params, defaults)
+
+    # ---- groups ------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Fill defaults, validate every key, then add (nothing is added if validation fails)."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        group = dict(param_group)
+        for key, value in self.defaults.items():
+            group.setdefault(key, value)
+        group.update(validate_group(group))
+        super().add_param_group(group)
+
+    # ---- state -------------------------------------------------------------------
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(message, stacklevel=4)
+
+    def _context(self, p: Tensor, index: int) -> Context:
+        return Context(param=p, index=index, warn_once=self._warn_once)
+
+    def _init_param_state(self, p: Tensor, group: dict[str, Any], index: int) -> None:
+        state = self.state[p]
+        state["nonfinite.skips"] = counter()
+        init_chain(self._chain, p.shape, p, group, state, self._context(p, index))
+
+    def _indexed_params(self) -> Iterable[tuple[int, dict[str, Any], Tensor]]:
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                yield index, group, p
+                index += 1
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create the state of every parameter now (as the first ``step()`` would).
+
+        Useful to size state without training (works on the meta device) and
+        before loading a checkpoint.
+        """
+        for index, group, p in self._indexed_params():
+            if not self.state[p]:
+                self._init_param_state(p, group, index)
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of optimizer state by kind: ``moments``, ``basis``, ``other`` and ``total``."""
+        out = {"moments": 0, "basis": 0, "other": 0}
+        for state in self.state.values():
+            for key, value in state.items():
+                if not isinstance(value, Tensor):
+                    continue
+                kind = _PROJECTOR_KINDS.get(key) or state_kind(self._chain, key)
+                out[kind] = out.get(kind, 0) + value.numel() * value.element_size()
+        out["total"] = sum(out.values())
+        return out
+
+    @property
+    def nonfinite_skips(self) -> int:
+        """How many per-parameter updates were skipped for non-finite gradients."""
+        return sum(int(s["nonfinite.skips"]) for s in self.state.values() if "nonfinite.skips" in s)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        saved_ids = iter_chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = iter_chain.from_iterable(g["params"] for g in self.param_groups)
+        saved_state = state_dict["state"]
+        for pid, p in zip(saved_ids, params, strict=True):
+            for key, value in saved_state.get(pid, {}).items():
+                if isinstance(value, Tensor):
+                    device = torch.device("cpu") if value.dim() == 0 else p.device
+                    self.state[p][key] = value.detach().to(device=device, copy=True)
+
+    # ---- step --------------------------------------------------------------------
+    def _finite_flags(self, grads: list[Tensor]) -> list[bool]:
+        if not grads:
+            return []
+        norms = torch.stack([n.float() for n in torch._foreach_norm(grads)]).tolist()
+        return [
+            (n == n and n != float("inf")) or (n == float("inf") and bool(torch.isfinite(g).all()))
+            for n, g in zip(norms, grads, strict=True)
+        ]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        work: list[tuple[dict[str, Any], list[tuple[int, Tensor, Tensor]]]] = []
+        for group in self.param_groups:
+            items = []
+            for index, g_, p in self._indexed_params_of(group):
+                items.append((index, p, g_))
+            work.append((group, items))
+        flags = [self._finite_flags([g for _, _, g in items]) for _, items in work]
+        for (group, items), ok in zip(work, flags, strict=True):
+            if group["nonfinite"] == "raise" and not all(ok):
+                bad = [tuple(p.shape) for (_, p, _), f in zip(items, ok, strict=True) if not f]
+                raise FloatingPointError(
+                    f"non-finite gradient in parameters of shape {bad} (nonfinite='raise'); "
+                    "use nonfinite='skip' to skip such updates instead"
+                )
+
+        for (group, items), ok in zip(work, flags, strict=True):
+            lr = float(group["lr"])
+            decay = 1.0 - lr * group["weight_decay"]
+            for (index, p, grad), finite in zip(items, ok, strict=True):
+                state = self.state[p]
+                if not state:
+                    self._init_param_state(p, group, index)
+                if not finite:
+                    state["nonfinite.skips"] += 1
+                    continue
+                if group["maximize"]:
+                    grad = -grad
+                u = run_chain(self._chain, grad, state, group, self._context(p, index))
+                if decay != 1.0:
+                    p.mul_(decay)
+                p.add_(u, alpha=-lr)
+        return loss
+
+    def _indexed_params_of(self, group: dict[str, Any]) -> Iterable[tuple[int, Tensor, Tensor]]:
+        offset = 0
+        for g in self.param_groups:
+            if g is group:
+                break
+            offset += len(g["params"])
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(
+                    "galore2 optimizers do not support sparse gradients (got one for a parameter "
+                    f"of shape {tuple(p.shape)}); use torch.optim.SparseAdam for sparse embeddings"
+                )
+            yield offset + i, p.grad, p

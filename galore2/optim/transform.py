@@ -1,0 +1,98 @@
+"""The per-tensor transform protocol every update rule and module implements.
+
+A :class:`Transform` turns an incoming direction (a gradient, or a projected
+gradient inside GaLore) into an outgoing one, keeping its own state as tensors
+in the parameter's state dict under keys prefixed with its name
+(``"adam.exp_avg"``...). Transforms are stateless objects: all state lives in
+the optimizer's ``state`` (so ``state_dict``/DCP see it) and all
+hyperparameters are read from the parameter group at every step (so LR
+schedulers and per-group settings just work).
+
+Contract (like optax's ``(init, update)`` pairs):
+
+* ``init(shape, ref, group, state)`` creates every key this transform will ever
+  use, at its final shape, for a direction of ``shape``. It runs once, lazily,
+  on the first ``step()``.
+* ``update(u, state, group, ctx)`` returns the new direction. It may not keep
+  references to ``u``.
+* ``kinds`` maps each state key to its accounting kind (``"moments"``,
+  ``"basis"``, ``"other"``) for :meth:`state_bytes`.
+* ``linear_keys`` / ``quadratic_keys`` list moment tensors that live in the
+  direction's coordinates (first-order: rotate like the direction; second-order:
+  rotate with squared coefficients). A subspace change (GaLore refresh) uses
+  them; ``reset`` re-initialises them through :meth:`reset`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+State = dict[str, Tensor]
+Group = dict[str, Any]
+
+
+@dataclass
+class Context:
+    """What a transform may need besides the direction: the parameter and bookkeeping."""
+
+    param: Tensor
+    index: int
+    warn_once: Callable[[str], None] = field(default=lambda msg: None)
+
+
+class Transform:
+    """Base class of a per-tensor update rule; see the module docstring for the contract."""
+
+    name: ClassVar[str] = "transform"
+    kinds: ClassVar[dict[str, str]] = {}
+    linear_keys: ClassVar[tuple[str, ...]] = ()
+    quadratic_keys: ClassVar[tuple[str, ...]] = ()
+
+    def init(self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context) -> None:
+        """Create this transform's state for directions of ``shape`` (``ref`` gives the device)."""
+
+    def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
+        raise NotImplementedError
+
+    def reset(self, state: State, group: Group) -> None:
+        """Forget accumulated statistics (moments and their step counts)."""
+        for key in (*self.linear_keys, *self.quadratic_keys):
+            state[key].zero_()
+
+    def rotate(self, state: State, rotate_fn: Callable[[Tensor, bool], Tensor]) -> None:
+        """Move moments into new coordinates: ``rotate_fn(t, squared)`` returns the rotated tensor."""
+        for key in self.linear_keys:
+            state[key].copy_(rotate_fn(state[key], False))
+        for key in self.quadratic_keys:
+            state[key].copy_(rotate_fn(state[key], True).clamp_(min=0))
+
+
+def state_kind(transforms: list[Transform], key: str) -> str:
+    """The accounting kind of a state key, asked of every transform in a chain."""
+    for t in transforms:
+        if key in t.kinds:
+            return t.kinds[key]
+        inner = getattr(t, "inner", None)
+        if inner:
+            kind = state_kind(list(inner), key)
+            if kind != "other":
+                return kind
+    return "other"
+
+
+def run_chain(chain: list[Transform], u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
+    for t in chain:
+        u = t.update(u, state, group, ctx)
+    return u
+
+
+def init_chain(
+    chain: list[Transform], shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
+) -> None:
+    for t in chain:
+        t.init(shape, ref, group, state, ctx)

@@ -1,0 +1,160 @@
+"""The projector protocol: side rule, basis storage, project / project back.
+
+A projector owns three operations on a 2-D gradient ``G`` (m×n):
+
+* ``refresh(G, state, side, rank, group)`` finds a new basis from ``G`` and
+  returns it (a dict ``{"left": P, "right": Q}``, the sides in use) or ``None``
+  when ``G`` is unusable (non-finite, all zero) or the result is not finite —
+  the caller then keeps the previous basis; it never raises a linear-algebra
+  error for bad input;
+* ``project(G, state, side)`` → ``R`` (left: PᵀG, r×n; right: GQ, m×r;
+  full: PᵀGQ, r×r);
+* ``project_back(N, state, side)`` → ``P·N`` / ``N·Qᵀ`` / ``P·N·Qᵀ``.
+
+Bases are stored in the optimizer state as tensors whose dim 0 is the
+projected dimension (``"proj.left"``: P, m×r; ``"proj.right"``: Q, n×r), so a
+left basis shards on dim 0 exactly like its weight. Subclasses differ only in
+how :meth:`find` computes a basis (exact / randomized / warm power / seeded
+random) or, by overriding :meth:`init_state` / :meth:`bases` / :meth:`store`,
+in how it is kept (e.g. regenerated from a seed, or quantized).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+State = dict[str, Tensor]
+
+NONE, LEFT, RIGHT, FULL = 0, 1, 2, 3
+SIDE_NAMES = {NONE: "none", LEFT: "left", RIGHT: "right", FULL: "full"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one parameter is projected: side, its 2-D global shape (m, n), rank, device."""
+
+    side: int
+    m: int
+    n: int
+    rank: int
+    device: torch.device
+
+
+def choose_side(shape: tuple[int, ...] | torch.Size, proj_type: str, rank: int | None) -> int:
+    """Decide the projection side from a weight's *global* 2-D shape (m, n).
+
+    ``std`` projects the smaller dimension: left (P, m×r) when m < n, right
+    (Q, n×r) when m ≥ n — ties go right, as in galore-torch 1.0, so results match
+    it. ``reverse_std`` does the opposite; ``left``/``right``/``full`` are forced.
+    Returns ``NONE`` when there is nothing to gain (``rank`` unset or
+    ``rank ≥ min(m, n)``): the parameter then gets the plain inner update.
+    """
+    if rank is None or len(shape) < 2:
+        return NONE
+    m, n = shape[0], _prod(shape[1:])
+    if rank >= min(m, n):
+        return NONE
+    if proj_type == "std":
+        return RIGHT if m >= n else LEFT
+    if proj_type == "reverse_std":
+        return LEFT if m >= n else RIGHT
+    return {"left": LEFT, "right": RIGHT, "full": FULL}[proj_type]
+
+
+def _prod(dims: Any) -> int:
+    out = 1
+    for d in dims:
+        out *= int(d)
+    return out
+
+
+def usable(G: Tensor) -> bool:
+    """A gradient is usable for a refresh when it is finite and not all zero."""
+    norm = float(torch.linalg.vector_norm(G))
+    if norm != norm:  # NaN somewhere
+        return False
+    if norm == float("inf"):  # an inf, or finite values whose norm overflows
+        return bool(torch.isfinite(G).all())
+    return norm > 0
+
+
+def low_rank_shape(m: int, n: int, side: int, rank: int) -> tuple[int, int]:
+    if side == LEFT:
+        return (rank, n)
+    if side == RIGHT:
+        return (m, rank)
+    return (rank, rank)
+
+
+def align_signs(new: Tensor, old: Tensor) -> Tensor:
+    """Flip columns of ``new`` so each has a non-negative inner product with ``old``'s.
+
+    Keeps moment coordinates consistent across refreshes when the subspace
+    barely moves (the sign of a singular vector is arbitrary).
+    """
+    dots = (new * old.to(new.dtype)).sum(dim=0)
+    signs = torch.where(dots < 0, -1.0, 1.0).to(new.dtype)
+    return new * signs
+
+
+class Projector:
+    """Base projector; subclasses implement :meth:`find`."""
+
+    name: ClassVar[str] = "base"
+    kinds: ClassVar[dict[str, str]] = {"proj.left": "basis", "proj.right": "basis"}
+
+    # ---- storage -----------------------------------------------------------------
+    def init_state(self, state: State, plan: Plan, group: dict) -> None:
+        """Allocate the basis at its final shape (zeros until the first refresh)."""
+        if plan.side in (LEFT, FULL):
+            state["proj.left"] = torch.zeros(plan.m, plan.rank, device=plan.device)
+        if plan.side in (RIGHT, FULL):
+            state["proj.right"] = torch.zeros(plan.n, plan.rank, device=plan.device)
+
+    def bases(self, state: State, plan: Plan) -> tuple[Tensor | None, Tensor | None]:
+        """The current (P, Q) as dense tensors; ``None`` for an unused side."""
+        return state.get("proj.left"), state.get("proj.right")
+
+    def store(self, state: State, new: dict[str, Tensor]) -> None:
+        for key, basis in new.items():
+            state["proj." + key].copy_(basis)
+
+    # ---- refresh -----------------------------------------------------------------
+    def refresh(
+        self, G: Tensor, state: State, plan: Plan, group: dict, seed: int
+    ) -> dict[str, Tensor] | None:
+        G32 = G.float()
+        if not usable(G32):
+            return None
+        new = self.find(G32, state, plan, group, seed)
+        if any(not bool(torch.isfinite(b).all()) for b in new.values()):
+            return None
+        return new
+
+    def find(self, G: Tensor, state: State, plan: Plan, group: dict, seed: int) -> dict[str, Tensor]:
+        """Compute new bases from a finite, nonzero fp32 ``G`` (``{"left": P, "right": Q}``)."""
+        raise NotImplementedError
+
+    # ---- projection --------------------------------------------------------------
+    def project(self, G: Tensor, state: State, plan: Plan) -> Tensor:
+        P, Q = self.bases(state, plan)
+        side = plan.side
+        if side == LEFT:
+            return P.to(G.dtype).mT @ G
+        if side == RIGHT:
+            return G @ Q.to(G.dtype)
+        return P.to(G.dtype).mT @ G @ Q.to(G.dtype)
+
+    def project_back(self, N: Tensor, state: State, plan: Plan, dtype: torch.dtype) -> Tensor:
+        P, Q = self.bases(state, plan)
+        side = plan.side
+        N = N.to(dtype)
+        if side == LEFT:
+            return P.to(dtype) @ N
+        if side == RIGHT:
+            return N @ Q.to(dtype).mT
+        return P.to(dtype) @ N @ Q.to(dtype).mT

@@ -1,0 +1,34 @@
+"""Warm-started power (subspace) iteration projector.
+
+The first refresh of a parameter is a randomized-SVD cold start; later ones
+start from the stored basis and run ``power_iters`` rounds of
+Y ← orth(G·(Gᵀ·Y)). Between refreshes a gradient's dominant subspace moves
+slowly, so one round is usually enough: two thin matmuls and a thin QR, no SVD.
+QR keeps each column close to the previous one (columns are sign-aligned), so
+moment coordinates stay consistent across refreshes.
+Cost: O(m·n·r·2q) per refresh.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ._sketch import orthonormalize, subspace_iterate
+from .base import FULL, LEFT, RIGHT, Plan, State, align_signs
+from .randomized import RandomizedProjector
+
+
+class PowerProjector(RandomizedProjector):
+    name = "power"
+
+    def find(self, G: Tensor, state: State, plan: Plan, group: dict, seed: int) -> dict[str, Tensor]:
+        side, rank = plan.side, plan.rank
+        if int(state["galore.refreshes"]) == 0:
+            return super().find(G, state, plan, group, seed)
+        out: dict[str, Tensor] = {}
+        for key, A, wanted in (("left", G, (LEFT, FULL)), ("right", G.mT, (RIGHT, FULL))):
+            if side in wanted:
+                old = state["proj." + key]
+                Y = subspace_iterate(A, orthonormalize(old.to(A.dtype)), group["power_iters"])
+                out[key] = align_signs(Y, old)
+        return out
