@@ -37,7 +37,9 @@ def _matcher(target_modules: str | Sequence[str]) -> tuple[list[str], Any]:
         try:
             pattern = re.compile(target_modules)
         except re.error as e:
-            raise ValueError(f"target_modules is not a valid regex ({e}): {target_modules!r}") from e
+            raise ValueError(
+                f"target_modules is not a valid regex ({e}): {target_modules!r}"
+            ) from e
         return [target_modules], lambda name, t: pattern.fullmatch(name) or pattern.search(name)
     targets = list(target_modules)
     if not targets or not all(isinstance(t, str) and t for t in targets):
@@ -67,9 +69,11 @@ def param_groups(
     ``no_galore`` holds extra keys for the plain group (e.g. its own
     ``weight_decay``). Targets that match nothing are named in a warning.
     """
-    unknown = set(galore_settings) - set(GALORE_DEFAULTS) - {
-        "lr", "betas", "eps", "weight_decay", "state_dtype", "maximize", "nonfinite"
-    }
+    unknown = (
+        set(galore_settings)
+        - set(GALORE_DEFAULTS)
+        - {"lr", "betas", "eps", "weight_decay", "state_dtype", "maximize", "nonfinite"}
+    )
     if unknown:
         raise ValueError(
             f"unknown GaLore settings {sorted(unknown)}; allowed: {sorted(GALORE_DEFAULTS)}"
@@ -96,7 +100,9 @@ def param_groups(
                 galore_ids.add(id(p))
     missing = [t for t, n in hits.items() if n == 0]
     if missing:
-        warnings.warn(f"galore2.param_groups: target_modules {missing} matched no module", stacklevel=2)
+        warnings.warn(
+            f"galore2.param_groups: target_modules {missing} matched no module", stacklevel=2
+        )
 
     galore_params, other_params, seen = [], [], set()
     for _, p in model.named_parameters():

@@ -39,7 +39,9 @@ class ScaleByAdam(Transform):
     linear_keys = ("adam.exp_avg",)
     quadratic_keys = ("adam.exp_avg_sq",)
 
-    def init(self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context) -> None:
+    def init(
+        self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
+    ) -> None:
         dtype = STATE_DTYPES[group["state_dtype"]]
         state["adam.exp_avg"] = torch.zeros(shape, dtype=dtype, device=ref.device)
         state["adam.exp_avg_sq"] = torch.zeros(shape, dtype=dtype, device=ref.device)

@@ -72,7 +72,9 @@ def validate_group(group: Mapping[str, Any]) -> dict[str, Any]:
     lr = group["lr"]
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
-            raise ValueError(f"lr must be a float or a one-element tensor, got shape {tuple(lr.shape)}")
+            raise ValueError(
+                f"lr must be a float or a one-element tensor, got shape {tuple(lr.shape)}"
+            )
         lr_value = float(lr)
     elif _real(lr):
         lr_value = float(lr)
@@ -102,9 +104,8 @@ def validate_group(group: Mapping[str, Any]) -> dict[str, Any]:
     out["state_dtype"] = normalize_state_dtype(group["state_dtype"])
 
     rank = group.get("rank")
-    if rank is not None:
-        if not _is_int(rank) or rank < 1:
-            raise ValueError(f"rank must be an int >= 1 (or None for plain AdamW), got {rank!r}")
+    if rank is not None and (not _is_int(rank) or rank < 1):
+        raise ValueError(f"rank must be an int >= 1 (or None for plain AdamW), got {rank!r}")
     gap = group["update_proj_gap"]
     if not _is_int(gap) or gap < 1:
         raise ValueError(f"update_proj_gap must be an int >= 1, got {gap!r}")

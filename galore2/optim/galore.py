@@ -63,7 +63,9 @@ class GaLore(Transform):
         return Plan(int(state["galore.side"]), m, n, int(group["rank"]), device)
 
     # ---- transform protocol ------------------------------------------------------
-    def init(self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context) -> None:
+    def init(
+        self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
+    ) -> None:
         rank = group.get("rank")
         side = choose_side(tuple(shape), group["proj_type"], rank)
         state["galore.side"] = counter(side)

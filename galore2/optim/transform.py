@@ -53,7 +53,9 @@ class Transform:
     linear_keys: ClassVar[tuple[str, ...]] = ()
     quadratic_keys: ClassVar[tuple[str, ...]] = ()
 
-    def init(self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context) -> None:
+    def init(
+        self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
+    ) -> None:
         """Create this transform's state for directions of ``shape`` (``ref`` gives the device)."""
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
@@ -85,7 +87,9 @@ def state_kind(transforms: list[Transform], key: str) -> str:
     return "other"
 
 
-def run_chain(chain: list[Transform], u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
+def run_chain(
+    chain: list[Transform], u: Tensor, state: State, group: Group, ctx: Context
+) -> Tensor:
     for t in chain:
         u = t.update(u, state, group, ctx)
     return u

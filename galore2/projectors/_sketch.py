@@ -12,7 +12,9 @@ def mix_seed(*parts: int) -> int:
     """Combine integers into one 63-bit seed (deterministic, process-independent)."""
     h = 0x243F6A8885A308D3
     for p in parts:
-        h = ((h ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * _GOLDEN + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
+        h = (
+            (h ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * _GOLDEN + 0x632BE59BD9B4E019
+        ) & 0xFFFFFFFFFFFFFFFF
         h ^= h >> 29
     return h & 0x7FFFFFFFFFFFFFFF
 

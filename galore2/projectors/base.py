@@ -135,7 +135,9 @@ class Projector:
             return None
         return new
 
-    def find(self, G: Tensor, state: State, plan: Plan, group: dict, seed: int) -> dict[str, Tensor]:
+    def find(
+        self, G: Tensor, state: State, plan: Plan, group: dict, seed: int
+    ) -> dict[str, Tensor]:
         """Compute new bases from a finite, nonzero fp32 ``G`` (``{"left": P, "right": Q}``)."""
         raise NotImplementedError
 

@@ -21,8 +21,10 @@ from .randomized import RandomizedProjector
 class PowerProjector(RandomizedProjector):
     name = "power"
 
-    def find(self, G: Tensor, state: State, plan: Plan, group: dict, seed: int) -> dict[str, Tensor]:
-        side, rank = plan.side, plan.rank
+    def find(
+        self, G: Tensor, state: State, plan: Plan, group: dict, seed: int
+    ) -> dict[str, Tensor]:
+        side = plan.side
         if int(state["galore.refreshes"]) == 0:
             return super().find(G, state, plan, group, seed)
         out: dict[str, Tensor] = {}

@@ -20,7 +20,9 @@ from .base import FULL, LEFT, RIGHT, Plan, Projector, State, align_signs
 class RandomizedProjector(Projector):
     name = "randomized"
 
-    def find(self, G: Tensor, state: State, plan: Plan, group: dict, seed: int) -> dict[str, Tensor]:
+    def find(
+        self, G: Tensor, state: State, plan: Plan, group: dict, seed: int
+    ) -> dict[str, Tensor]:
         side, rank = plan.side, plan.rank
         out: dict[str, Tensor] = {}
         over, iters = group["oversample"], group["power_iters"]

@@ -17,7 +17,9 @@ from .base import FULL, LEFT, RIGHT, Plan, Projector, State
 class SVDProjector(Projector):
     name = "svd"
 
-    def find(self, G: Tensor, state: State, plan: Plan, group: dict, seed: int) -> dict[str, Tensor]:
+    def find(
+        self, G: Tensor, state: State, plan: Plan, group: dict, seed: int
+    ) -> dict[str, Tensor]:
         side, rank = plan.side, plan.rank
         U, _, Vh = torch.linalg.svd(G, full_matrices=False)
         out: dict[str, Tensor] = {}
