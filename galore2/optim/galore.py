@@ -97,7 +97,11 @@ class GaLore(Transform):
             self.refresh(G, state, group, plan, step)
         R = projector.project(G, state, plan)
         N = run_chain(self.inner, R, state, group, ctx)
-        out = projector.project_back(N, state, plan, ctx.param.dtype).mul_(group["scale"])
+        # The optimizer decays before applying the update (torch.optim.AdamW's order). For a
+        # projected matrix GaLore decays *after* it (galore-torch, GaLore 2 paper):
+        # (W − lr·u)(1 − lr·λ) = W(1 − lr·λ) − lr·(1 − lr·λ)·u, so fold (1 − lr·λ) in here.
+        factor = group["scale"] * (1.0 - float(group["lr"]) * group["weight_decay"])
+        out = projector.project_back(N, state, plan, ctx.param.dtype).mul_(factor)
         state["galore.step"] += 1
         return out.view(u.shape)
 

@@ -1,0 +1,78 @@
+"""Helpers shared by the benchmarks: timing, machine description, Markdown tables."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+
+def time_call(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds per call of ``fn`` for ``repeats`` calls, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def machine() -> dict[str, str]:
+    """What the numbers were measured on."""
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "cpu_count": str(os.cpu_count()),
+        "torch": torch.__version__,
+        "torch_threads": str(torch.get_num_threads()),
+    }
+
+
+def machine_md() -> str:
+    return "\n".join(f"- {k}: `{v}`" for k, v in machine().items())
+
+
+def command(module: str) -> str:
+    """The command line that reproduces this run."""
+    return " ".join(["python -m", module, *sys.argv[1:]])
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub-flavoured Markdown table (floats already formatted by the caller)."""
+    lines = [
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join("---" for _ in headers) + "|",
+    ]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def import_galore_torch() -> Any:
+    """``galore_torch`` (it imports bitsandbytes, whose CPU-kernel notices are silenced)."""
+    log = logging.getLogger("bitsandbytes")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import galore_torch
+    finally:
+        log.setLevel(level)
+    return galore_torch

@@ -1,0 +1,1 @@
+"""Pre-training recipes (torchrun + FSDP2). Built by the recipe issue; nothing here yet."""

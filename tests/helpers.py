@@ -1,0 +1,50 @@
+"""Small models and deterministic data shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class TinyNet(nn.Module):
+    """Matrices of every orientation: wide (m < n), tall (m > n), square; plus biases."""
+
+    def __init__(self, d_in: int = 24, d_hidden: int = 40, d_out: int = 12) -> None:
+        super().__init__()
+        self.up = nn.Linear(d_in, d_hidden)  # weight 40×24: tall
+        self.mid = nn.Linear(d_hidden, d_hidden)  # 40×40: square
+        self.down = nn.Linear(d_hidden, d_out)  # 12×40: wide
+        self.norm = nn.LayerNorm(d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.down(torch.tanh(self.mid(torch.tanh(self.up(x))))))
+
+
+def batch(step: int, n: int = 32, d_in: int = 24, d_out: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g)
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = batch(step)
+        dtype = next(model.parameters()).dtype
+        x, y = x.to(dtype), y.to(dtype)
+        opt.zero_grad()
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def galore_groups(model: TinyNet, **settings) -> list[dict]:
+    mats = [model.up.weight, model.mid.weight, model.down.weight]
+    ids = {id(p) for p in mats}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    return [{"params": mats, **settings}, {"params": rest}]
+
+
+def max_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
