@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import platform
@@ -76,3 +77,21 @@ def import_galore_torch() -> Any:
     finally:
         log.setLevel(level)
     return galore_torch
+
+
+def arg_parser(doc: str | None) -> argparse.ArgumentParser:
+    """An argument parser with the options every benchmark takes (``--quick``, ``--threads``)."""
+    p = argparse.ArgumentParser(
+        description=(doc or "").splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true", help="small sizes, for smoke tests only")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)"
+    )
+    return p
+
+
+def setup(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)

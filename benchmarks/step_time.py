@@ -10,19 +10,22 @@ access): hidden 256, ffn 688, 4 layers, 4 heads, vocab 256, untied head —
 3,295,488 fp32 parameters on the CPU. GaLore targets every linear layer except
 ``lm_head`` (q/k/v/o 256×256, gate/up 688×256, down 256×688) at rank 64 (a
 quarter of hidden), scale 0.25, proj_type "std"; embeddings, norms and the head
-get plain AdamW in every optimizer.
+get plain AdamW in every optimizer. All optimizers share the one model (each keeps
+its own state).
 
 Only non-refresh steps are timed: ``update_proj_gap`` is 10**9, every
 optimizer takes ``WARMUP`` untimed steps first (the first one creates state
 and computes the basis), and the gradients are fixed seeded random tensors
 assigned to ``.grad`` once. Timed steps are interleaved across optimizers
 (rounds of ``steps`` steps each) so background load hits all of them alike;
-each step is timed on its own and the median is reported.
+each step is timed on its own and the median is reported. galore2 uses its
+default projector (randomized); non-refresh steps do not depend on it.
+On a machine with other load, OpenMP threads contend and single steps can
+take 100× longer; measure on a quiet machine (or pass ``--threads 1``).
 """
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import torch
@@ -30,12 +33,37 @@ from torch import nn
 
 import galore2
 
-from ._common import command, import_galore_torch, machine_md, median, table, time_call
+from ._common import (
+    arg_parser,
+    command,
+    import_galore_torch,
+    machine_md,
+    median,
+    setup,
+    table,
+    time_call,
+)
 
-FULL_SIZE = {"hidden": 256, "ffn": 688, "layers": 4, "heads": 4, "vocab": 256, "rank": 64,
-             "rounds": 10, "steps": 10}
-QUICK_SIZE = {"hidden": 64, "ffn": 172, "layers": 2, "heads": 2, "vocab": 256, "rank": 16,
-              "rounds": 2, "steps": 3}
+FULL_SIZE = {
+    "hidden": 256,
+    "ffn": 688,
+    "layers": 4,
+    "heads": 4,
+    "vocab": 256,
+    "rank": 64,
+    "rounds": 10,
+    "steps": 10,
+}
+QUICK_SIZE = {
+    "hidden": 64,
+    "ffn": 172,
+    "layers": 2,
+    "heads": 2,
+    "vocab": 256,
+    "rank": 16,
+    "rounds": 2,
+    "steps": 3,
+}
 WARMUP = 3
 GAP = 10**9
 HPARAMS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
@@ -46,9 +74,12 @@ def build_model(size: dict[str, int]) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=size["hidden"], intermediate_size=size["ffn"],
-        num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
-        num_key_value_heads=size["heads"], vocab_size=size["vocab"],
+        hidden_size=size["hidden"],
+        intermediate_size=size["ffn"],
+        num_hidden_layers=size["layers"],
+        num_attention_heads=size["heads"],
+        num_key_value_heads=size["heads"],
+        vocab_size=size["vocab"],
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
@@ -103,9 +134,7 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
         check_no_refresh(opt)
     ms = {name: 1e3 * median(ts) for name, ts in times.items()}
     base, ref = ms["torch AdamW (foreach)"], ms["galore-torch 1.0 GaLoreAdamW"]
-    rows = [
-        [name, f"{v:.2f}", f"{v / base:.2f}×", f"{v / ref:.2f}×"] for name, v in ms.items()
-    ]
+    rows = [[name, f"{v:.2f}", f"{v / base:.2f}×", f"{v / ref:.2f}×"] for name, v in ms.items()]
     headers = ["optimizer", "median ms/step", "vs AdamW(foreach)", "vs galore-torch"]
     md = (
         f"LlamaForCausalLM: hidden {size['hidden']}, ffn {size['ffn']}, {size['layers']} layers, "
@@ -119,10 +148,10 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
+    parser = arg_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds")
     args = parser.parse_args(argv)
+    setup(args)
     out = run(quick=args.quick, rounds=args.rounds)
     print(f"`{command('benchmarks.step_time')}`\n\n{machine_md()}\n\n{out['markdown']}")
 

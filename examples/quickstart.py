@@ -17,7 +17,9 @@ import galore2
 
 def make_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 64))
+    return nn.Sequential(
+        nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 64)
+    )
 
 
 def run(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 300) -> float:
@@ -41,7 +43,9 @@ def main() -> None:
     base = make_model()
     adamw_model, galore_model = copy.deepcopy(base), copy.deepcopy(base)
     adamw = torch.optim.AdamW(adamw_model.parameters(), lr=1e-3)
-    groups = galore2.param_groups(galore_model, "all-linear", rank=16, update_proj_gap=50, scale=1.0)
+    groups = galore2.param_groups(
+        galore_model, "all-linear", rank=16, update_proj_gap=50, scale=1.0
+    )
     galore = galore2.GaLoreAdamW(groups, lr=1e-3)
     loss_a, loss_g = run(adamw_model, adamw), run(galore_model, galore)
     bytes_a, bytes_g = state_bytes(adamw), galore.state_bytes()["total"]

@@ -25,8 +25,21 @@ def _output_head_names(model: nn.Module) -> set[str]:
             out = None
         if out is not None:
             heads.update(name for name, mod in model.named_modules() if mod is out)
-    linears = [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
-    heads.update(n for n in linears if n.split(".")[-1] in _OUTPUT_HEADS)
+    # By name only outside repeated blocks: ``layers.0.output`` (BERT) is not a head.
+    in_blocks = {
+        f"{name}.{child}" if name else child
+        for name, mod in model.named_modules()
+        if isinstance(mod, (nn.ModuleList, nn.ModuleDict))
+        for child, _ in mod.named_modules()
+        if child
+    }
+    heads.update(
+        name
+        for name, mod in model.named_modules()
+        if isinstance(mod, nn.Linear)
+        and name not in in_blocks
+        and name.split(".")[-1] in _OUTPUT_HEADS
+    )
     return heads
 
 
@@ -41,6 +54,11 @@ def _matcher(target_modules: str | Sequence[str]) -> tuple[list[str], Any]:
                 f"target_modules is not a valid regex ({e}): {target_modules!r}"
             ) from e
         return [target_modules], lambda name, t: pattern.fullmatch(name) or pattern.search(name)
+    if not isinstance(target_modules, (list, tuple)):
+        raise ValueError(
+            "target_modules must be 'all-linear', a regex string, or a list of module-name "
+            f"substrings; got {target_modules!r}"
+        )
     targets = list(target_modules)
     if not targets or not all(isinstance(t, str) and t for t in targets):
         raise ValueError(

@@ -20,7 +20,9 @@ class TinyNet(nn.Module):
         return self.norm(self.down(torch.tanh(self.mid(torch.tanh(self.up(x))))))
 
 
-def batch(step: int, n: int = 32, d_in: int = 24, d_out: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    step: int, n: int = 32, d_in: int = 24, d_out: int = 12
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g)
 
@@ -47,4 +49,6 @@ def galore_groups(model: TinyNet, **settings) -> list[dict]:
 
 
 def max_diff(a: nn.Module, b: nn.Module) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
+    return max(
+        (x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters(), strict=False)
+    )

@@ -142,7 +142,9 @@ def test_all_linear_custom_module_skips_lm_head(tie):
     check_partition(model, groups)
     galore, other = split(model, groups)
     assert galore == {
-        f"blocks.{i}.{name}.weight" for i in range(2) for name in ("attn_qkv", "attn_out", "ff_in", "ff_out")
+        f"blocks.{i}.{name}.weight"
+        for i in range(2)
+        for name in ("attn_qkv", "attn_out", "ff_in", "ff_out")
     }
     assert "lm_head.weight" not in galore
     assert "conv.weight" in other  # not a Linear
@@ -198,11 +200,16 @@ def test_regex_targets():
         groups = galore2.param_groups(model, r"layers\.1\.self_attn\.(q|v)_proj", rank=2)
     check_partition(model, groups)
     galore, _ = split(model, groups)
-    assert galore == {"model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.v_proj.weight"}
+    assert galore == {
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.v_proj.weight",
+    }
 
     # a regex is searched in module names: "mlp" selects every ≥2-D weight under any mlp
     galore, _ = split(model, galore2.param_groups(model, "mlp", rank=2))
-    assert galore == {f"model.layers.{i}.mlp.{n}.weight" for i in range(2) for n in LLAMA_LINEARS[4:]}
+    assert galore == {
+        f"model.layers.{i}.mlp.{n}.weight" for i in range(2) for n in LLAMA_LINEARS[4:]
+    }
 
 
 def test_list_of_substrings_targets():
@@ -211,7 +218,9 @@ def test_list_of_substrings_targets():
     check_partition(model, groups)
     galore, other = split(model, groups)
     assert galore == {
-        f"model.layers.{i}.{n}.weight" for i in range(2) for n in ("self_attn.q_proj", "mlp.down_proj")
+        f"model.layers.{i}.{n}.weight"
+        for i in range(2)
+        for n in ("self_attn.q_proj", "mlp.down_proj")
     }
     assert "model.layers.0.self_attn.q_proj.bias" in other
 
@@ -240,6 +249,7 @@ def test_frozen_parameters_excluded():
     assert not any(id(p) in ids for p in frozen)
 
 
+@pytest.mark.filterwarnings("ignore:galore2.param_groups. no parameter was selected")
 def test_warning_names_targets_that_matched_nothing():
     model = tiny_llama()
     with pytest.warns(UserWarning, match="matched no module") as rec:

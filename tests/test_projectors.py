@@ -38,7 +38,9 @@ def test_cold_bases_capture_99pct_of_exact_energy(shape, side, name):
     m, n = shape
     G = low_rank_plus_noise(m, n, 40, 0.05, seed=1)
     plan = Plan(side, m, n, 16, G.device)
-    B = get_projector(name).refresh(G, {}, plan, group(), seed=3)["left" if side == LEFT else "right"]
+    B = get_projector(name).refresh(G, {}, plan, group(), seed=3)[
+        "left" if side == LEFT else "right"
+    ]
     assert (B.T @ B - torch.eye(16)).norm() <= 1e-4
     assert energy(G, B, side) >= 0.99 * exact_energy(G, 16)
 

@@ -26,13 +26,16 @@ from galore2.projectors import Plan, get_projector
 NONE, LEFT, RIGHT, FULL = 0, 1, 2, 3
 PROJ_TYPES = ["std", "reverse_std", "left", "right", "full"]
 PROJECTORS = ["svd", "randomized", "power", "random"]
-LR, SCALE, EPS = 1e-2, 0.25, 1e-3
+# eps large enough that R / (|R| + eps) is well conditioned for the float64 comparison
+LR, SCALE, EPS = 1e-2, 0.25, 0.1
 
-SETTINGS = settings(
-    max_examples=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+
+def budget(n: int) -> settings:
+    return settings(
+        max_examples=n,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
 
 
 def expected_side(m: int, n: int, rank: int, proj_type: str) -> int:
@@ -87,7 +90,7 @@ def project(G: torch.Tensor, P: torch.Tensor | None, Q: torch.Tensor | None) -> 
 
 
 def out_of_subspace(delta: torch.Tensor, P: torch.Tensor | None, Q: torch.Tensor | None):
-    """‖ΔW − Π(ΔW)‖ / ‖ΔW‖ where Π projects onto {P·X·Qᵀ} (float64)."""
+    """‖ΔW − Π(ΔW)‖ where Π projects onto {P·X·Qᵀ} (float64)."""
     inside = delta
     if P is not None:
         U = col_space(P)
@@ -95,10 +98,10 @@ def out_of_subspace(delta: torch.Tensor, P: torch.Tensor | None, Q: torch.Tensor
     if Q is not None:
         V = col_space(Q)
         inside = (inside @ V) @ V.mT
-    return float(torch.linalg.norm(delta - inside) / torch.linalg.norm(delta))
+    return float(torch.linalg.norm(delta - inside))
 
 
-@SETTINGS
+@budget(150)
 @given(
     case=shape_and_rank(),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
@@ -195,21 +198,24 @@ def test_projected_steps(case, dtype, proj_type, projector, moments, gap, steps,
                     assert torch.linalg.norm(B.double().mT @ B.double() - eye) <= 1e-4
 
         # (d) the update lies in span(P)·X·span(Q)ᵀ
+        # slack for rounding the weights to fp32 (a few ulps of ‖W‖) on top of a relative bound
+        size = float(torch.linalg.norm(delta))
+        slack = 2.0**-20 * float(torch.linalg.norm(p.detach().double())) if fp32 else 0.0
         if fp32 or step == 0:
-            assert out_of_subspace(delta, P, Q) <= (1e-4 if fp32 else 3e-2)
+            assert out_of_subspace(delta, P, Q) <= (1e-4 if fp32 else 3e-2) * size + slack
         if fp32 and step == 0:
             # first Adam step: m̂ = R, v̂ = R², so ΔW = −lr·α·back(R / (|R| + eps)).
             P64 = None if P is None else P.double()
             Q64 = None if Q is None else Q.double()
             R = project(grad.double(), P64, Q64)
             want = -LR * SCALE * back(R / (R.abs() + EPS), P64, Q64)
-            assert torch.linalg.norm(delta - want) <= 1e-4 * torch.linalg.norm(want)
+            assert torch.linalg.norm(delta - want) <= 1e-4 * torch.linalg.norm(want) + slack
 
     # (a) the parameter moved
     assert not torch.equal(p.detach(), start)
 
 
-@SETTINGS
+@budget(80)
 @given(
     dims=st.lists(st.integers(1, 9), min_size=2, max_size=4),
     rank=st.integers(1, 12),
@@ -248,7 +254,7 @@ def test_side_rule_and_init_state(dims, rank, proj_type, projector):
         assert opt2.state[q][key].dtype == value.dtype, key
 
 
-@SETTINGS
+@budget(80)
 @given(
     case=shape_and_rank(),
     proj_type=st.sampled_from(PROJ_TYPES),

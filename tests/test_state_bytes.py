@@ -8,8 +8,15 @@ from torch import nn
 
 import galore2
 
-SCALARS = {"nonfinite.skips", "galore.side", "galore.step", "galore.next_refresh",
-           "galore.refreshes", "galore.seed", "adam.step"}
+SCALARS = {
+    "nonfinite.skips",
+    "galore.side",
+    "galore.step",
+    "galore.next_refresh",
+    "galore.refreshes",
+    "galore.seed",
+    "adam.step",
+}
 
 
 @pytest.mark.parametrize("shape", [(64, 96), (96, 64), (80, 80)])
@@ -56,7 +63,9 @@ def test_meta_device_sizing_allocates_nothing():
     opt = galore2.GaLoreAdamW([{"params": [layer.weight], "rank": 1024}], lr=1e-3)
     opt.init_state()
     assert opt.state[layer.weight]["adam.exp_avg"].is_meta
-    assert opt.state_bytes()["moments"] + opt.state_bytes()["basis"] == 4 * 1024 * (4096 + 2 * 11008)
+    assert opt.state_bytes()["moments"] + opt.state_bytes()["basis"] == 4 * 1024 * (
+        4096 + 2 * 11008
+    )
 
 
 def test_plain_adamw_bytes_match_torch():

@@ -32,7 +32,16 @@ from torch import Tensor
 from ..projectors import FULL, LEFT, NONE, RIGHT, Plan, choose_side, get_projector, low_rank_shape
 from ..projectors._sketch import mix_seed
 from .adam import counter
-from .transform import Context, Group, State, Transform, init_chain, run_chain
+from .transform import (
+    Context,
+    Group,
+    LowRankUpdate,
+    NonFiniteUpdate,
+    State,
+    Transform,
+    init_chain,
+    run_chain,
+)
 
 
 class GaLore(Transform):
@@ -86,7 +95,7 @@ class GaLore(Transform):
         low = torch.Size(low_rank_shape(plan.m, plan.n, side, plan.rank))
         init_chain(self.inner, low, ref, group, state, ctx)
 
-    def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
+    def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor | LowRankUpdate:
         if int(state["galore.side"]) == NONE:
             return run_chain(self.inner, u, state, group, ctx)
         plan = self.plan(state, group, u.device, u.shape)
@@ -96,14 +105,20 @@ class GaLore(Transform):
         if step >= int(state["galore.next_refresh"]):
             self.refresh(G, state, group, plan, step)
         R = projector.project(G, state, plan)
+        if not bool(torch.isfinite(R).all()):
+            raise NonFiniteUpdate  # moments untouched (a refresh may already have happened)
         N = run_chain(self.inner, R, state, group, ctx)
-        # The optimizer decays before applying the update (torch.optim.AdamW's order). For a
+        # The optimizer decays before applying an update (torch.optim.AdamW's order). For a
         # projected matrix GaLore decays *after* it (galore-torch, GaLore 2 paper):
-        # (W − lr·u)(1 − lr·λ) = W(1 − lr·λ) − lr·(1 − lr·λ)·u, so fold (1 − lr·λ) in here.
+        # (W − lr·u)(1 − lr·λ) = W(1 − lr·λ) − lr·(1 − lr·λ)·u, so fold (1 − lr·λ) in here,
+        # on the small N rather than the m×n update.
         factor = group["scale"] * (1.0 - float(group["lr"]) * group["weight_decay"])
-        out = projector.project_back(N, state, plan, ctx.param.dtype).mul_(factor)
+        A, B = projector.back_factors(N * factor, state, plan, ctx.param.dtype)
         state["galore.step"] += 1
-        return out.view(u.shape)
+        return LowRankUpdate(A, B, u.shape)
+
+    def checks_nonfinite(self, state: State) -> bool:
+        return int(state["galore.side"]) != NONE
 
     # ---- refresh -----------------------------------------------------------------
     def refresh(self, G: Tensor, state: State, group: Group, plan: Plan, step: int) -> bool:
@@ -111,8 +126,7 @@ class GaLore(Transform):
         projector = get_projector(group["projector"])
         done = int(state["galore.refreshes"])
         new = projector.refresh(G, state, plan, group, mix_seed(int(state["galore.seed"]), done))
-        if new is None:
-            state["galore.next_refresh"].fill_(step + 1)
+        if new is None:  # schedule untouched (next_refresh ≤ step): the next step retries
             return False
         mode = group["moments_on_refresh"]
         old = None

@@ -30,7 +30,15 @@ from ..projectors import _BY_NAME as _PROJECTORS
 from ..projectors.base import Projector
 from .adam import counter
 from .config import validate_group
-from .transform import Context, Transform, init_chain, run_chain, state_kind
+from .transform import (
+    Context,
+    LowRankUpdate,
+    NonFiniteUpdate,
+    Transform,
+    init_chain,
+    run_chain,
+    state_kind,
+)
 
 _PROJECTOR_KINDS: dict[str, str] = {}
 for _p in _PROJECTORS.values():
@@ -129,44 +137,56 @@ class ChainOptimizer(torch.optim.Optimizer):
             for n, g in zip(norms, grads, strict=True)
         ]
 
+    def _check_sparse(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise RuntimeError(
+                        "galore2 optimizers do not support sparse gradients (got one for a "
+                        f"parameter of shape {tuple(p.shape)}); use torch.optim.SparseAdam for "
+                        "sparse embeddings"
+                    )
+
+    def _check_raise(self) -> None:
+        """``nonfinite="raise"``: look at every gradient before any parameter changes."""
+        for group in self.param_groups:
+            if group["nonfinite"] != "raise":
+                continue
+            items = list(self._indexed_params_of(group))
+            ok = self._finite_flags([g for _, g, _ in items])
+            bad = [tuple(p.shape) for (_, _, p), f in zip(items, ok, strict=True) if not f]
+            if bad:
+                raise FloatingPointError(
+                    f"non-finite gradient in parameters of shape {bad} (nonfinite='raise'); "
+                    "use nonfinite='skip' to skip such updates instead"
+                )
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-
-        work: list[tuple[dict[str, Any], list[tuple[int, Tensor, Tensor]]]] = []
+        self._check_sparse()
+        self._check_raise()
+        first = self._chain[0]
         for group in self.param_groups:
-            items = []
-            for index, g_, p in self._indexed_params_of(group):
-                items.append((index, p, g_))
-            work.append((group, items))
-        flags = [self._finite_flags([g for _, _, g in items]) for _, items in work]
-        for (group, items), ok in zip(work, flags, strict=True):
-            if group["nonfinite"] == "raise" and not all(ok):
-                bad = [tuple(p.shape) for (_, p, _), f in zip(items, ok, strict=True) if not f]
-                raise FloatingPointError(
-                    f"non-finite gradient in parameters of shape {bad} (nonfinite='raise'); "
-                    "use nonfinite='skip' to skip such updates instead"
-                )
-
-        for (group, items), ok in zip(work, flags, strict=True):
             lr = float(group["lr"])
             decay = 1.0 - lr * group["weight_decay"]
-            for (index, p, grad), finite in zip(items, ok, strict=True):
+            for index, grad, p in self._indexed_params_of(group):
                 state = self.state[p]
                 if not state:
                     self._init_param_state(p, group, index)
-                if not finite:
-                    state["nonfinite.skips"] += 1
-                    continue
                 if group["maximize"]:
                     grad = -grad
-                u = run_chain(self._chain, grad, state, group, self._context(p, index))
-                if decay != 1.0:
-                    p.mul_(decay)
-                p.add_(u, alpha=-lr)
+                try:
+                    if not first.checks_nonfinite(state) and not self._finite_flags([grad])[0]:
+                        raise NonFiniteUpdate
+                    u = run_chain(self._chain, grad, state, group, self._context(p, index))
+                except NonFiniteUpdate:
+                    state["nonfinite.skips"] += 1
+                    continue
+                apply_update(p, u, lr, decay)
         return loss
 
     def _indexed_params_of(self, group: dict[str, Any]) -> Iterable[tuple[int, Tensor, Tensor]]:
@@ -178,9 +198,17 @@ class ChainOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
-            if p.grad.is_sparse:
-                raise RuntimeError(
-                    "galore2 optimizers do not support sparse gradients (got one for a parameter "
-                    f"of shape {tuple(p.shape)}); use torch.optim.SparseAdam for sparse embeddings"
-                )
             yield offset + i, p.grad, p
+
+
+def apply_update(p: Tensor, u: Tensor | LowRankUpdate, lr: float, decay: float) -> None:
+    """p ← decay·p − lr·u; a low-rank u is applied by one fused ``addmm_`` (no m×n temporary)."""
+    if isinstance(u, LowRankUpdate):
+        target = p.view(u.A.shape[0], u.B.shape[1]) if p.is_contiguous() else None
+        if target is not None:
+            target.addmm_(u.A, u.B, beta=decay, alpha=-lr)
+            return
+        u = u.dense()
+    if decay != 1.0:
+        p.mul_(decay)
+    p.add_(u, alpha=-lr)

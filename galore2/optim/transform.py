@@ -36,6 +36,27 @@ State = dict[str, Tensor]
 Group = dict[str, Any]
 
 
+class NonFiniteUpdate(Exception):
+    """Raised by a transform that finds its input non-finite before touching any state."""
+
+
+@dataclass
+class LowRankUpdate:
+    """A full-space direction ``A @ B`` (for a weight of ``shape``) kept as its two factors.
+
+    The optimizer applies it with one fused ``addmm_`` (decay, update and the
+    matmul in a single pass over the weight); :meth:`dense` materializes it for
+    transforms that need the full matrix.
+    """
+
+    A: Tensor
+    B: Tensor
+    shape: torch.Size
+
+    def dense(self) -> Tensor:
+        return (self.A @ self.B).view(self.shape)
+
+
 @dataclass
 class Context:
     """What a transform may need besides the direction: the parameter and bookkeeping."""
@@ -60,6 +81,12 @@ class Transform:
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
         raise NotImplementedError
+
+    def checks_nonfinite(self, state: State) -> bool:
+        """True if this (first) transform checks its input for NaN/Inf itself, raising
+        :class:`NonFiniteUpdate` before changing any state — cheaper than the optimizer's
+        check when it can look at a smaller tensor (GaLore checks the projected gradient)."""
+        return False
 
     def reset(self, state: State, group: Group) -> None:
         """Forget accumulated statistics (moments and their step counts)."""

@@ -25,9 +25,29 @@ def generator_for(device: torch.device, seed: int) -> torch.Generator:
     return gen
 
 
+def _cholesky_qr(Y: Tensor) -> Tensor | None:
+    """One CholeskyQR pass in float64: Y·R⁻¹ with RᵀR = YᵀY; None if YᵀY is not PD."""
+    Y64 = Y.double()
+    R, info = torch.linalg.cholesky_ex(Y64.mT @ Y64, upper=True)
+    if int(info) != 0:
+        return None
+    return torch.linalg.solve_triangular(R, Y64, upper=True, left=False)
+
+
 def orthonormalize(Y: Tensor) -> Tensor:
-    """An orthonormal basis of Y's columns (reduced QR)."""
-    return torch.linalg.qr(Y, mode="reduced").Q
+    """An orthonormal basis of Y's columns, column order and signs kept (R has a positive diagonal).
+
+    CholeskyQR2 (two CholeskyQR passes, Gram matrices in float64) is all BLAS-3 and
+    several times faster than Householder QR for tall thin Y; it falls back to
+    Householder QR when Y is too ill-conditioned for a Cholesky factorization.
+    """
+    Q = _cholesky_qr(Y)
+    if Q is not None:
+        Q = _cholesky_qr(Q)
+    if Q is None or not bool(torch.isfinite(Q).all()):
+        Q, R = torch.linalg.qr(Y.double(), mode="reduced")
+        Q = Q * torch.sign(torch.diagonal(R)).where(torch.diagonal(R) != 0, 1.0)
+    return Q.to(Y.dtype)
 
 
 def subspace_iterate(A: Tensor, Y: Tensor, iters: int) -> Tensor:

@@ -9,7 +9,9 @@ A projector owns three operations on a 2-D gradient ``G`` (m×n):
   error for bad input;
 * ``project(G, state, side)`` → ``R`` (left: PᵀG, r×n; right: GQ, m×r;
   full: PᵀGQ, r×r);
-* ``project_back(N, state, side)`` → ``P·N`` / ``N·Qᵀ`` / ``P·N·Qᵀ``.
+* ``back_factors(N, state, plan, dtype)`` → ``(A, B)`` with the full-space update
+  ``A·B`` = ``P·N`` / ``N·Qᵀ`` / ``(P·N)·Qᵀ``, never materialized here: the optimizer
+  applies it in one fused ``addmm_`` (``project_back`` materializes it).
 
 Bases are stored in the optimizer state as tensors whose dim 0 is the
 projected dimension (``"proj.left"``: P, m×r; ``"proj.right"``: Q, n×r), so a
@@ -72,14 +74,20 @@ def _prod(dims: Any) -> int:
     return out
 
 
-def usable(G: Tensor) -> bool:
-    """A gradient is usable for a refresh when it is finite and not all zero."""
+def usable_norm(G: Tensor) -> float | None:
+    """‖G‖_F (fp64-safe) when G is usable for a refresh — finite and not all zero — else None."""
     norm = float(torch.linalg.vector_norm(G))
     if norm != norm:  # NaN somewhere
-        return False
-    if norm == float("inf"):  # an inf, or finite values whose norm overflows
-        return bool(torch.isfinite(G).all())
-    return norm > 0
+        return None
+    if norm == float("inf"):  # an inf, or finite values whose fp32 norm overflows
+        if not bool(torch.isfinite(G).all()):
+            return None
+        norm = float(torch.linalg.vector_norm(G.double()))
+        if norm == float("inf"):
+            return None
+    if norm == 0.0 and bool(G.any()):  # tiny entries whose fp32 squares underflow
+        norm = float(torch.linalg.vector_norm(G.double()))
+    return norm if norm > 0 else None
 
 
 def low_rank_shape(m: int, n: int, side: int, rank: int) -> tuple[int, int]:
@@ -128,9 +136,17 @@ class Projector:
         self, G: Tensor, state: State, plan: Plan, group: dict, seed: int
     ) -> dict[str, Tensor] | None:
         G32 = G.float()
-        if not usable(G32):
+        norm = usable_norm(G32)
+        if norm is None:
             return None
-        new = self.find(G32, state, plan, group, seed)
+        # The basis does not depend on G's scale: normalizing keeps Gram matrices of huge
+        # (finite) gradients from overflowing.
+        try:
+            ok = 1e-30 < norm < 1e30
+            scaled = G32 / norm if ok else (G32.double() / norm).float()
+            new = self.find(scaled, state, plan, group, seed)
+        except torch.linalg.LinAlgError:
+            return None
         if any(not bool(torch.isfinite(b).all()) for b in new.values()):
             return None
         return new
@@ -151,12 +167,18 @@ class Projector:
             return G @ Q.to(G.dtype)
         return P.to(G.dtype).mT @ G @ Q.to(G.dtype)
 
-    def project_back(self, N: Tensor, state: State, plan: Plan, dtype: torch.dtype) -> Tensor:
+    def back_factors(
+        self, N: Tensor, state: State, plan: Plan, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor]:
+        """Factors (A, B) of the full-space update A·B, in ``dtype``."""
         P, Q = self.bases(state, plan)
-        side = plan.side
         N = N.to(dtype)
-        if side == LEFT:
-            return P.to(dtype) @ N
-        if side == RIGHT:
-            return N @ Q.to(dtype).mT
-        return P.to(dtype) @ N @ Q.to(dtype).mT
+        if plan.side == LEFT:
+            return P.to(dtype), N
+        if plan.side == RIGHT:
+            return N, Q.to(dtype).mT
+        return P.to(dtype) @ N, Q.to(dtype).mT
+
+    def project_back(self, N: Tensor, state: State, plan: Plan, dtype: torch.dtype) -> Tensor:
+        A, B = self.back_factors(N, state, plan, dtype)
+        return A @ B

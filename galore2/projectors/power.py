@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ._sketch import orthonormalize, subspace_iterate
+from ._sketch import subspace_iterate
 from .base import FULL, LEFT, RIGHT, Plan, State, align_signs
 from .randomized import RandomizedProjector
 
@@ -31,6 +31,7 @@ class PowerProjector(RandomizedProjector):
         for key, A, wanted in (("left", G, (LEFT, FULL)), ("right", G.mT, (RIGHT, FULL))):
             if side in wanted:
                 old = state["proj." + key]
-                Y = subspace_iterate(A, orthonormalize(old.to(A.dtype)), group["power_iters"])
+                # The stored basis is orthonormal already: iterate from it directly.
+                Y = subspace_iterate(A, old.to(A.dtype), group["power_iters"])
                 out[key] = align_signs(Y, old)
         return out

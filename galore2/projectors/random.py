@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ._sketch import generator_for, mix_seed
-from .base import FULL, LEFT, RIGHT, Plan, Projector, State
+from .base import FULL, LEFT, RIGHT, Plan, Projector, State, usable_norm
 
 
 def gaussian_basis(rows: int, rank: int, seed: int, device: torch.device) -> Tensor:
@@ -43,6 +43,8 @@ class RandomProjector(Projector):
     def refresh(
         self, G: Tensor, state: State, plan: Plan, group: dict, seed: int
     ) -> dict[str, Tensor] | None:
+        if usable_norm(G) is None:  # same contract as every projector: keep the basis
+            return None
         return {"seed": torch.tensor(seed, dtype=torch.int64)}
 
     def store(self, state: State, new: dict[str, Tensor]) -> None:
