@@ -58,8 +58,38 @@ class ScaleByAdam(Transform):
         exp_avg_sq.mul_(beta2).addcmul_(u, u, value=1 - beta2)
         bias_correction1 = 1 - beta1**t
         bias_correction2_sqrt = math.sqrt(1 - beta2**t)
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"])
-        return torch.div(exp_avg, denom).div_(bias_correction1)
+        # m̂/(√v̂ + eps) = m / (bc1·√v/√bc2 + bc1·eps): both corrections folded into one
+        # denominator, computed in a single buffer that then receives the result.
+        denom = exp_avg_sq.sqrt().mul_(bias_correction1 / bias_correction2_sqrt)
+        denom.add_(bias_correction1 * group["eps"])
+        return torch.div(exp_avg, denom, out=denom)
+
+    def update_many(
+        self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
+    ) -> list[Tensor]:
+        """The same arithmetic as :meth:`update`, one ``torch._foreach_*`` kernel per op."""
+        if not us or us[0].device.type == "cpu":
+            # torch's CPU foreach kernels are a slower per-tensor loop (measured: a step of
+            # torch.optim.AdamW(foreach=True) takes ~1.5x its for-loop on 2 cores).
+            return [self.update(u, s, group, c) for u, s, c in zip(us, states, ctxs, strict=True)]
+        beta1, beta2 = group["betas"]
+        exp_avgs = [s["adam.exp_avg"] for s in states]
+        exp_avg_sqs = [s["adam.exp_avg_sq"] for s in states]
+        us = [u if u.dtype == m.dtype else u.to(m.dtype) for u, m in zip(us, exp_avgs, strict=True)]
+        scale, shift = [], []
+        for s in states:  # steps may differ per tensor (reset, parameters added later)
+            s["adam.step"] += 1
+            t = int(s["adam.step"])
+            bias_correction1 = 1 - beta1**t
+            scale.append(bias_correction1 / math.sqrt(1 - beta2**t))
+            shift.append(bias_correction1 * group["eps"])
+        torch._foreach_lerp_(exp_avgs, us, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, us, us, value=1 - beta2)
+        denoms = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_mul_(denoms, scale)
+        torch._foreach_add_(denoms, shift)
+        return list(torch._foreach_div(exp_avgs, denoms))
 
     def reset(self, state: State, group: Group) -> None:
         super().reset(state, group)

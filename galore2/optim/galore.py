@@ -29,6 +29,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from .._numerics import all_finite, finite_flags
 from ..projectors import FULL, LEFT, NONE, RIGHT, Plan, choose_side, get_projector, low_rank_shape
 from ..projectors._sketch import mix_seed
 from .adam import counter
@@ -39,8 +40,10 @@ from .transform import (
     NonFiniteUpdate,
     State,
     Transform,
+    _dense,
     init_chain,
     run_chain,
+    run_chain_one,
 )
 
 
@@ -96,26 +99,63 @@ class GaLore(Transform):
         init_chain(self.inner, low, ref, group, state, ctx)
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor | LowRankUpdate:
-        if int(state["galore.side"]) == NONE:
-            return run_chain(self.inner, u, state, group, ctx)
+        if int(state["galore.side"]) == NONE:  # plain: full-rank inner update
+            return run_chain_one(self.inner, u, state, group, ctx)
+        plan, R = self._project(u, state, group)
+        if not all_finite(R):  # NaN/Inf in G shows in R = PᵀG, a much smaller tensor
+            raise NonFiniteUpdate  # moments untouched (a refresh may already have run)
+        N = run_chain_one(self.inner, R, state, group, ctx)
+        return self._back(N, state, group, plan, ctx, u.shape)
+
+    def update_many(
+        self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
+    ) -> list[Tensor | LowRankUpdate | None]:
+        out: list[Tensor | LowRankUpdate | None] = [None] * len(us)
+        inner_idx: list[int] = []  # tensors handed to the inner chain
+        inner_in: list[Tensor] = []
+        plans: dict[int, Plan] = {}
+        projected: list[Tensor] = []
+        for i, (u, state) in enumerate(zip(us, states, strict=True)):
+            if int(state["galore.side"]) == NONE:
+                inner_idx.append(i)
+                inner_in.append(u)
+                continue
+            plans[i], R = self._project(u, state, group)
+            projected.append(R)
+        for i, R, ok in zip(plans, projected, finite_flags(projected), strict=True):
+            if ok:
+                inner_idx.append(i)
+                inner_in.append(R)
+        inner_states = [states[i] for i in inner_idx]
+        results = run_chain(self.inner, inner_in, inner_states, group, [ctxs[i] for i in inner_idx])
+        for i, N in zip(inner_idx, results, strict=True):
+            if N is None or i not in plans:
+                out[i] = N
+            else:
+                out[i] = self._back(_dense(N), states[i], group, plans[i], ctxs[i], us[i].shape)
+        return out
+
+    def _project(self, u: Tensor, state: State, group: Group) -> tuple[Plan, Tensor]:
+        """Refresh when due, then R = project(G)."""
         plan = self.plan(state, group, u.device, u.shape)
         G = u.reshape(plan.m, plan.n)
-        projector = get_projector(group["projector"])
         step = int(state["galore.step"])
         if step >= int(state["galore.next_refresh"]):
             self.refresh(G, state, group, plan, step)
-        R = projector.project(G, state, plan)
-        if not bool(torch.isfinite(R).all()):
-            raise NonFiniteUpdate  # moments untouched (a refresh may already have happened)
-        N = run_chain(self.inner, R, state, group, ctx)
+        return plan, get_projector(group["projector"]).project(G, state, plan)
+
+    def _back(
+        self, N: Tensor, state: State, group: Group, plan: Plan, ctx: Context, shape: torch.Size
+    ) -> LowRankUpdate:
         # The optimizer decays before applying an update (torch.optim.AdamW's order). For a
         # projected matrix GaLore decays *after* it (galore-torch, GaLore 2 paper):
         # (W − lr·u)(1 − lr·λ) = W(1 − lr·λ) − lr·(1 − lr·λ)·u, so fold (1 − lr·λ) in here,
-        # on the small N rather than the m×n update.
+        # as a scalar of the low-rank update (applied inside the optimizer's addmm_).
         factor = group["scale"] * (1.0 - float(group["lr"]) * group["weight_decay"])
-        A, B = projector.back_factors(N * factor, state, plan, ctx.param.dtype)
+        projector = get_projector(group["projector"])
+        A, B = projector.back_factors(N, state, plan, ctx.param.dtype)
         state["galore.step"] += 1
-        return LowRankUpdate(A, B, u.shape)
+        return LowRankUpdate(A, B, shape, factor)
 
     def checks_nonfinite(self, state: State) -> bool:
         return int(state["galore.side"]) != NONE

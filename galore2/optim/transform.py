@@ -42,7 +42,7 @@ class NonFiniteUpdate(Exception):
 
 @dataclass
 class LowRankUpdate:
-    """A full-space direction ``A @ B`` (for a weight of ``shape``) kept as its two factors.
+    """A full-space direction ``scale · A @ B`` (for a weight of ``shape``) kept as factors.
 
     The optimizer applies it with one fused ``addmm_`` (decay, update and the
     matmul in a single pass over the weight); :meth:`dense` materializes it for
@@ -52,9 +52,11 @@ class LowRankUpdate:
     A: Tensor
     B: Tensor
     shape: torch.Size
+    scale: float = 1.0
 
     def dense(self) -> Tensor:
-        return (self.A @ self.B).view(self.shape)
+        out = (self.A @ self.B).view(self.shape)
+        return out if self.scale == 1.0 else out.mul_(self.scale)
 
 
 @dataclass
@@ -81,6 +83,23 @@ class Transform:
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
         raise NotImplementedError
+
+    def update_many(
+        self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
+    ) -> list[Tensor | LowRankUpdate | None]:
+        """Batched :meth:`update` over a parameter group's tensors (``None`` = skipped).
+
+        The default loops over :meth:`update`, turning :class:`NonFiniteUpdate` into
+        ``None``; transforms override it with ``torch._foreach_*`` kernels, which must
+        give the same result as the loop.
+        """
+        out: list[Tensor | LowRankUpdate | None] = []
+        for u, state, ctx in zip(us, states, ctxs, strict=True):
+            try:
+                out.append(self.update(u, state, group, ctx))
+            except NonFiniteUpdate:
+                out.append(None)
+        return out
 
     def checks_nonfinite(self, state: State) -> bool:
         """True if this (first) transform checks its input for NaN/Inf itself, raising
@@ -115,11 +134,40 @@ def state_kind(transforms: list[Transform], key: str) -> str:
 
 
 def run_chain(
-    chain: list[Transform], u: Tensor, state: State, group: Group, ctx: Context
-) -> Tensor:
+    chain: list[Transform],
+    us: list[Tensor],
+    states: list[State],
+    group: Group,
+    ctxs: list[Context],
+) -> list[Tensor | LowRankUpdate | None]:
+    """Thread a batch of directions through ``chain``; ``None`` marks a skipped tensor."""
+    out: list[Tensor | LowRankUpdate | None] = list(us)
+    alive = list(range(len(us)))
     for t in chain:
+        if not alive:
+            break
+        inputs = [_dense(out[i]) for i in alive]
+        results = t.update_many(inputs, [states[i] for i in alive], group, [ctxs[i] for i in alive])
+        for i, r in zip(alive, results, strict=True):
+            out[i] = r
+        alive = [i for i in alive if out[i] is not None]
+    return out
+
+
+def run_chain_one(
+    chain: list[Transform], u: Tensor, state: State, group: Group, ctx: Context
+) -> Tensor | LowRankUpdate:
+    """One tensor through ``chain`` (raises :class:`NonFiniteUpdate` to skip it)."""
+    for t in chain:
+        if isinstance(u, LowRankUpdate):
+            u = u.dense()
         u = t.update(u, state, group, ctx)
     return u
+
+
+def _dense(u: Tensor | LowRankUpdate | None) -> Tensor:
+    assert u is not None
+    return u.dense() if isinstance(u, LowRankUpdate) else u
 
 
 def init_chain(

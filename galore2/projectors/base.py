@@ -23,11 +23,12 @@ in how it is kept (e.g. regenerated from a seed, or quantized).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
+
+from .._numerics import all_finite
 
 State = dict[str, Tensor]
 
@@ -35,8 +36,7 @@ NONE, LEFT, RIGHT, FULL = 0, 1, 2, 3
 SIDE_NAMES = {NONE: "none", LEFT: "left", RIGHT: "right", FULL: "full"}
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     """How one parameter is projected: side, its 2-D global shape (m, n), rank, device."""
 
     side: int
@@ -88,6 +88,10 @@ def usable_norm(G: Tensor) -> float | None:
     if norm == 0.0 and bool(G.any()):  # tiny entries whose fp32 squares underflow
         norm = float(torch.linalg.vector_norm(G.double()))
     return norm if norm > 0 else None
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def low_rank_shape(m: int, n: int, side: int, rank: int) -> tuple[int, int]:
@@ -147,7 +151,7 @@ class Projector:
             new = self.find(scaled, state, plan, group, seed)
         except torch.linalg.LinAlgError:
             return None
-        if any(not bool(torch.isfinite(b).all()) for b in new.values()):
+        if not all(all_finite(b) for b in new.values()):
             return None
         return new
 
@@ -162,22 +166,22 @@ class Projector:
         P, Q = self.bases(state, plan)
         side = plan.side
         if side == LEFT:
-            return P.to(G.dtype).mT @ G
+            return _as(P, G.dtype).mT @ G
         if side == RIGHT:
-            return G @ Q.to(G.dtype)
-        return P.to(G.dtype).mT @ G @ Q.to(G.dtype)
+            return G @ _as(Q, G.dtype)
+        return _as(P, G.dtype).mT @ G @ _as(Q, G.dtype)
 
     def back_factors(
         self, N: Tensor, state: State, plan: Plan, dtype: torch.dtype
     ) -> tuple[Tensor, Tensor]:
         """Factors (A, B) of the full-space update A·B, in ``dtype``."""
         P, Q = self.bases(state, plan)
-        N = N.to(dtype)
+        N = _as(N, dtype)
         if plan.side == LEFT:
-            return P.to(dtype), N
+            return _as(P, dtype), N
         if plan.side == RIGHT:
-            return N, Q.to(dtype).mT
-        return P.to(dtype) @ N, Q.to(dtype).mT
+            return N, _as(Q, dtype).mT
+        return _as(P, dtype) @ N, _as(Q, dtype).mT
 
     def project_back(self, N: Tensor, state: State, plan: Plan, dtype: torch.dtype) -> Tensor:
         A, B = self.back_factors(N, state, plan, dtype)

@@ -1,0 +1,35 @@
+"""Small numerical helpers shared by optimizers and projectors."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def all_finite(t: Tensor) -> bool:
+    """True when every entry of ``t`` is finite.
+
+    A sum is NaN/Inf whenever some entry is, and is an order of magnitude cheaper
+    than ``torch.isfinite(t).all()`` on CPU; only a non-finite sum (an overflow of
+    huge finite values, or a real NaN/Inf) pays for the exact elementwise check.
+    """
+    if t.numel() == 0:
+        return True
+    if math.isfinite(float(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else None))):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
+def finite_flags(tensors: list[Tensor]) -> list[bool]:
+    """``all_finite`` for a list of tensors with one fused norm kernel and one host sync."""
+    if not tensors:
+        return []
+    if tensors[0].device.type == "cpu":  # CPU foreach kernels are slower than a loop
+        return [all_finite(t) for t in tensors]
+    norms = torch.stack([n.float() for n in torch._foreach_norm(tensors)]).tolist()
+    return [
+        n == n and (n != math.inf or bool(torch.isfinite(t).all()))
+        for n, t in zip(norms, tensors, strict=True)
+    ]
