@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._numerics import all_finite
+
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
@@ -25,26 +27,44 @@ def generator_for(device: torch.device, seed: int) -> torch.Generator:
     return gen
 
 
-def _cholesky_qr(Y: Tensor) -> Tensor | None:
-    """One CholeskyQR pass in float64: Y·R⁻¹ with RᵀR = YᵀY; None if YᵀY is not PD."""
-    Y64 = Y.double()
-    R, info = torch.linalg.cholesky_ex(Y64.mT @ Y64, upper=True)
+def _cholesky_qr(Y: Tensor, equilibrate: bool = False) -> Tensor | None:
+    """One CholeskyQR pass: Y·R⁻¹ with RᵀR = YᵀY; None if YᵀY is not numerically PD.
+
+    ``equilibrate`` factors D⁻¹·YᵀY·D⁻¹ (D = column norms, read off the Gram diagonal)
+    instead, and solves with R·D: the same Q, but Cholesky sees a well-scaled matrix.
+    """
+    gram = Y.mT @ Y
+    if equilibrate:
+        d = torch.diagonal(gram).sqrt()
+        if not bool((d > 0).all()):
+            return None
+        R, info = torch.linalg.cholesky_ex(gram / d[:, None] / d[None, :], upper=True)
+        R = R * d[None, :]
+    else:
+        R, info = torch.linalg.cholesky_ex(gram, upper=True)
     if int(info) != 0:
         return None
-    return torch.linalg.solve_triangular(R, Y64, upper=True, left=False)
+    return torch.linalg.solve_triangular(R, Y, upper=True, left=False)
+
+
+def _cholesky_qr2(Y: Tensor) -> Tensor | None:
+    Q = _cholesky_qr(Y, equilibrate=True)
+    return None if Q is None else _cholesky_qr(Q)
 
 
 def orthonormalize(Y: Tensor) -> Tensor:
     """An orthonormal basis of Y's columns, column order and signs kept (R has a positive diagonal).
 
-    CholeskyQR2 (two CholeskyQR passes, Gram matrices in float64) is all BLAS-3 and
-    several times faster than Householder QR for tall thin Y; it falls back to
-    Householder QR when Y is too ill-conditioned for a Cholesky factorization.
+    CholeskyQR2 is all BLAS-3 and several times faster than Householder QR for tall
+    thin Y. Columns are equilibrated first (warm-started iterates are near-orthogonal
+    with very different norms, σᵢ²), which lets it run in the input dtype; it falls
+    back to float64 CholeskyQR2, then to Householder QR, when Y is too ill-conditioned.
     """
-    Q = _cholesky_qr(Y)
-    if Q is not None:
-        Q = _cholesky_qr(Q)
-    if Q is None or not bool(torch.isfinite(Q).all()):
+    Q = _cholesky_qr2(Y)
+    if Q is not None and all_finite(Q):
+        return Q
+    Q = _cholesky_qr2(Y.double())
+    if Q is None or not all_finite(Q):
         Q, R = torch.linalg.qr(Y.double(), mode="reduced")
         Q = Q * torch.sign(torch.diagonal(R)).where(torch.diagonal(R) != 0, 1.0)
     return Q.to(Y.dtype)

@@ -143,11 +143,11 @@ class Projector:
         norm = usable_norm(G32)
         if norm is None:
             return None
-        # The basis does not depend on G's scale: normalizing keeps Gram matrices of huge
-        # (finite) gradients from overflowing.
+        # The basis does not depend on G's scale: normalizing an extreme G keeps Gram
+        # matrices of huge (finite) gradients from overflowing.
         try:
-            ok = 1e-30 < norm < 1e30
-            scaled = G32 / norm if ok else (G32.double() / norm).float()
+            ordinary = 1e-15 < norm < 1e15  # no copy of G in the ordinary case
+            scaled = G32 if ordinary else (G32.double() / norm).float()
             new = self.find(scaled, state, plan, group, seed)
         except torch.linalg.LinAlgError:
             return None
