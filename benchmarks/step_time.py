@@ -102,6 +102,9 @@ def optimizers(model: nn.Module, rank: int) -> dict[str, torch.optim.Optimizer]:
             gt_groups, no_deprecation_warning=True, **HPARAMS
         ),
         "galore2 GaLoreAdamW": galore2.GaLoreAdamW(groups, **HPARAMS),
+        "galore2 GaLoreAdamW, nonfinite='ignore' (no NaN check)": galore2.GaLoreAdamW(
+            groups, nonfinite="ignore", **HPARAMS
+        ),
         "galore2 GaLoreAdamW, rank=None (plain)": galore2.GaLoreAdamW(params, **HPARAMS),
     }
 

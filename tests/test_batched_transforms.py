@@ -24,6 +24,7 @@ GROUP = {
     "oversample": 4,
     "power_iters": 1,
     "moments_on_refresh": "project",
+    "nonfinite": "skip",
     "seed": 0,
 }
 

@@ -41,7 +41,7 @@ INVALID = [
     ({"rank": 2, "proj_type": "diag"}, "proj_type", list(PROJ_TYPES)),
     ({"rank": 2, "projector": "qr"}, "projector", PROJECTORS),
     ({"rank": 2, "moments_on_refresh": "zero"}, "moments_on_refresh", ["keep", "reset", "project"]),
-    ({"nonfinite": "ignore"}, "nonfinite", ["skip", "raise"]),
+    ({"nonfinite": "warn"}, "nonfinite", ["skip", "raise", "ignore"]),
     ({"state_dtype": "int8"}, "state_dtype", ["float32", "bfloat16"]),
     ({"state_dtype": torch.int32}, "state_dtype", ["float32", "bfloat16"]),
     ({"rank": 2, "projector": "power", "power_iters": 0}, "power_iters", [">= 1", "power"]),
@@ -393,3 +393,16 @@ def test_warning_for_rank_above_min_dim_once():
     assert len(msgs) == 1 and "(4, 6)" in msgs[0]
     assert "proj.left" not in opt.state[p] and opt.state[p]["adam.exp_avg"].shape == (4, 6)
     assert copy.deepcopy(opt.state_dict())["state"][0]["galore.side"] == 0
+
+
+@pytest.mark.parametrize("rank", [None, 3])
+def test_nonfinite_ignore_propagates_like_torch_adamw(rank):
+    """nonfinite="ignore" does not check: NaN reaches the parameter, nothing is counted."""
+    p = nn.Parameter(torch.randn(8, 12))
+    opt = galore2.GaLoreAdamW([{"params": [p], "rank": rank}], nonfinite="ignore")
+    p.grad = torch.randn_like(p)
+    opt.step()
+    p.grad = torch.full_like(p, float("nan"))
+    opt.step()
+    assert torch.isnan(p).any()
+    assert opt.nonfinite_skips == 0

@@ -26,7 +26,9 @@ class GaLoreAdamW(ChainOptimizer):
         lr, betas, eps, weight_decay, maximize: as ``torch.optim.AdamW``.
         state_dtype: dtype of the moments (``"float32"`` default, ``"bfloat16"``…).
         nonfinite: ``"skip"`` (default) skips a parameter's update when its gradient
-            has NaN/Inf and counts it in :attr:`nonfinite_skips`; ``"raise"`` raises.
+            has NaN/Inf and counts it in :attr:`nonfinite_skips`; ``"raise"`` raises before
+            any parameter changes; ``"ignore"`` does not check (NaN propagates, as in
+            ``torch.optim.AdamW``; saves the check's ~5% of a CPU step).
         rank: default rank for groups that do not set one (``None`` = plain AdamW).
         update_proj_gap: steps between subspace refreshes (T).
         scale: α, the multiplier of the back-projected update.

@@ -16,7 +16,7 @@ import torch
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
 PROJECTORS = ("svd", "randomized", "power", "random")
 MOMENTS_ON_REFRESH = ("keep", "reset", "project")
-NONFINITE = ("skip", "raise")
+NONFINITE = ("skip", "raise", "ignore")
 STATE_DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,

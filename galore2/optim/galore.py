@@ -102,7 +102,8 @@ class GaLore(Transform):
         if int(state["galore.side"]) == NONE:  # plain: full-rank inner update
             return run_chain_one(self.inner, u, state, group, ctx)
         plan, R = self._project(u, state, group)
-        if not all_finite(R):  # NaN/Inf in G shows in R = PᵀG, a much smaller tensor
+        # NaN/Inf in G shows in R = PᵀG, a much smaller tensor.
+        if group["nonfinite"] != "ignore" and not all_finite(R):
             raise NonFiniteUpdate  # moments untouched (a refresh may already have run)
         N = run_chain_one(self.inner, R, state, group, ctx)
         return self._back(N, state, group, plan, ctx, u.shape)
@@ -122,7 +123,9 @@ class GaLore(Transform):
                 continue
             plans[i], R = self._project(u, state, group)
             projected.append(R)
-        for i, R, ok in zip(plans, projected, finite_flags(projected), strict=True):
+        check = group["nonfinite"] != "ignore"
+        flags = finite_flags(projected) if check else [True] * len(projected)
+        for i, R, ok in zip(plans, projected, flags, strict=True):
             if ok:
                 inner_idx.append(i)
                 inner_in.append(R)

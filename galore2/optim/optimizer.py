@@ -7,6 +7,7 @@ defaults; the step below is shared, never copied. Per parameter, a step is:
 2. create state lazily (every key at its final shape, see :meth:`init_state`);
 3. non-finite gradient → ``nonfinite="skip"`` leaves the parameter and its
    state untouched and counts it; ``"raise"`` raises before anything changes;
+   ``"ignore"`` does not look (NaN propagates, as in ``torch.optim.AdamW``);
 4. ``u = chain(grad)``; decoupled weight decay ``p ← p·(1 − lr·λ)``; ``p ← p − lr·u``
    (the decay-then-update order of ``torch.optim.AdamW``).
 
@@ -196,7 +197,11 @@ class ChainOptimizer(torch.optim.Optimizer):
         if len(chunk) == 1:  # the CPU path: no list machinery
             i = chunk[0]
             try:
-                if not first.checks_nonfinite(states[i]) and not all_finite(grads[i]):
+                if (
+                    group["nonfinite"] != "ignore"
+                    and not first.checks_nonfinite(states[i])
+                    and not all_finite(grads[i])
+                ):
                     raise NonFiniteUpdate
                 u = run_chain_one(self._chain, grads[i], states[i], group, ctxs[i])
             except NonFiniteUpdate:
@@ -205,7 +210,11 @@ class ChainOptimizer(torch.optim.Optimizer):
             apply_update(params[i], u, lr, decay)
             return
         # Tensors whose first transform does not check for NaN/Inf itself: one fused check.
-        unchecked = [i for i in chunk if not first.checks_nonfinite(states[i])]
+        unchecked = [
+            i
+            for i in chunk
+            if group["nonfinite"] != "ignore" and not first.checks_nonfinite(states[i])
+        ]
         flags = finite_flags([grads[i] for i in unchecked])
         bad = {i for i, ok in zip(unchecked, flags, strict=True) if not ok}
         live = [i for i in chunk if i not in bad]
