@@ -5,7 +5,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
-BLOCKED = ("bitsandbytes", "triton", "transformers", "galore_torch", "scipy", "datasets", "accelerate")
+BLOCKED = (
+    "bitsandbytes",
+    "triton",
+    "transformers",
+    "galore_torch",
+    "scipy",
+    "datasets",
+    "accelerate",
+)
 
 
 def test_import_with_optional_backends_missing():

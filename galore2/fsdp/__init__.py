@@ -1,5 +1,11 @@
-"""FSDP2 / DTensor support lives here (sharded state, distributed refresh, DCP checkpoints).
+"""FSDP2 / HSDP support: DTensor parameters, sharded state, collectives.
 
-Not implemented yet: the FSDP issue builds it. Projectors and transforms never
-see a DTensor; this package will supply local views to them.
+Everything that knows about DTensor or process groups lives in this package;
+projectors and transforms see plain local tensors through a
+:class:`~galore2.placement.Placement`. It is imported lazily, only when an
+optimizer meets a DTensor parameter.
 """
+
+from .placement import ShardedPlacement, placement_for
+
+__all__ = ["ShardedPlacement", "placement_for"]

@@ -43,8 +43,8 @@ class ScaleByAdam(Transform):
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
     ) -> None:
         dtype = STATE_DTYPES[group["state_dtype"]]
-        state["adam.exp_avg"] = torch.zeros(shape, dtype=dtype, device=ref.device)
-        state["adam.exp_avg_sq"] = torch.zeros(shape, dtype=dtype, device=ref.device)
+        state["adam.exp_avg"] = ctx.zeros(shape, dtype)
+        state["adam.exp_avg_sq"] = ctx.zeros(shape, dtype)
         state["adam.step"] = counter()
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:

@@ -24,6 +24,7 @@ the variance of a sum of independent coordinates).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
@@ -70,9 +71,10 @@ class GaLore(Transform):
             n *= int(d)
         return int(shape[0]), n
 
-    def plan(self, state: State, group: Group, device: torch.device, shape: torch.Size) -> Plan:
-        m, n = self.matrix_shape(shape)
-        return Plan(int(state["galore.side"]), m, n, int(group["rank"]), device)
+    def plan(self, state: State, group: Group, ctx: Context) -> Plan:
+        m, n = self.matrix_shape(ctx.global_shape)
+        side, rank = int(state["galore.side"]), int(group["rank"])
+        return Plan(side, m, n, rank, ctx.param.device, ctx.placement)
 
     # ---- transform protocol ------------------------------------------------------
     def init(
@@ -89,21 +91,23 @@ class GaLore(Transform):
                 )
             init_chain(self.inner, shape, ref, group, state, ctx)
             return
-        plan = self.plan(state, group, ref.device, shape)
+        plan = self.plan(state, group, ctx)
         state["galore.step"] = counter()
         state["galore.next_refresh"] = counter()
         state["galore.refreshes"] = counter()
         state["galore.seed"] = counter(mix_seed(group["seed"], ctx.index))
         get_projector(group["projector"]).init_state(state, plan, group)
         low = torch.Size(low_rank_shape(plan.m, plan.n, side, plan.rank))
-        init_chain(self.inner, low, ref, group, state, ctx)
+        # Low-rank state: left r×n shards by columns, right m×r by rows, full r×r replicated.
+        layout = {LEFT: "cols", RIGHT: "rows", FULL: "replicate"}[side]
+        init_chain(self.inner, low, ref, group, state, replace(ctx, layout=layout))
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor | LowRankUpdate:
         if int(state["galore.side"]) == NONE:  # plain: full-rank inner update
             return run_chain_one(self.inner, u, state, group, ctx)
-        plan, R = self._project(u, state, group)
+        plan, R = self._project(u, state, group, ctx)
         # NaN/Inf in G shows in R = PᵀG, a much smaller tensor.
-        if group["nonfinite"] != "ignore" and not all_finite(R):
+        if group["nonfinite"] != "ignore" and not ctx.finite_checked and not all_finite(R):
             raise NonFiniteUpdate  # moments untouched (a refresh may already have run)
         N = run_chain_one(self.inner, R, state, group, ctx)
         return self._back(N, state, group, plan, ctx, u.shape)
@@ -121,9 +125,9 @@ class GaLore(Transform):
                 inner_idx.append(i)
                 inner_in.append(u)
                 continue
-            plans[i], R = self._project(u, state, group)
+            plans[i], R = self._project(u, state, group, ctxs[i])
             projected.append(R)
-        check = group["nonfinite"] != "ignore"
+        check = group["nonfinite"] != "ignore" and not any(c.finite_checked for c in ctxs)
         flags = finite_flags(projected) if check else [True] * len(projected)
         for i, R, ok in zip(plans, projected, flags, strict=True):
             if ok:
@@ -138,14 +142,21 @@ class GaLore(Transform):
                 out[i] = self._back(_dense(N), states[i], group, plans[i], ctxs[i], us[i].shape)
         return out
 
-    def _project(self, u: Tensor, state: State, group: Group) -> tuple[Plan, Tensor]:
-        """Refresh when due, then R = project(G)."""
-        plan = self.plan(state, group, u.device, u.shape)
-        G = u.reshape(plan.m, plan.n)
+    def _project(self, u: Tensor, state: State, group: Group, ctx: Context) -> tuple[Plan, Tensor]:
+        """Refresh when due, then R = project(G) (this rank's part of it when sharded)."""
+        plan = self.plan(state, group, ctx)
+        G = u.reshape(-1, plan.n)  # this rank's rows of the m×n matrix
         step = int(state["galore.step"])
         if step >= int(state["galore.next_refresh"]):
             self.refresh(G, state, group, plan, step)
-        return plan, get_projector(group["projector"]).project(G, state, plan)
+        R = get_projector(group["projector"]).project(G, state, plan)
+        # Sharded rows: PᵀG is a sum over ranks. Left: reduce-scatter it so Adam runs on a
+        # column shard (r × n/p); full: all-reduce the r×r. Right (G·Q) needs nothing.
+        if plan.side == LEFT:
+            R = plan.placement.reduce_scatter_cols(R)
+        elif plan.side == FULL:
+            R = plan.placement.reduce(R)
+        return plan, R
 
     def _back(
         self, N: Tensor, state: State, group: Group, plan: Plan, ctx: Context, shape: torch.Size
@@ -156,6 +167,8 @@ class GaLore(Transform):
         # as a scalar of the low-rank update (applied inside the optimizer's addmm_).
         factor = group["scale"] * (1.0 - float(group["lr"]) * group["weight_decay"])
         projector = get_projector(group["projector"])
+        if plan.side == LEFT:  # every rank needs all of N for its rows P_i·N
+            N = plan.placement.all_gather_cols(N, plan.n)
         A, B = projector.back_factors(N, state, plan, ctx.param.dtype)
         state["galore.step"] += 1
         return LowRankUpdate(A, B, shape, factor)
@@ -180,7 +193,7 @@ class GaLore(Transform):
             for t in self.inner:
                 t.reset(state, group)
         elif old is not None:
-            rotate = _rotation(old, projector.bases(state, plan), plan.side)
+            rotate = _rotation(old, projector.bases(state, plan), plan)
             for t in self.inner:
                 t.rotate(state, rotate)
         state["galore.refreshes"] += 1
@@ -189,10 +202,15 @@ class GaLore(Transform):
 
 
 def _rotation(
-    old: tuple[Tensor | None, Tensor | None], new: tuple[Tensor | None, Tensor | None], side: int
+    old: tuple[Tensor | None, Tensor | None],
+    new: tuple[Tensor | None, Tensor | None],
+    plan: Plan,
 ) -> Callable[[Tensor, bool], Tensor]:
     """Change of coordinates for moments when the basis moves from ``old`` to ``new``."""
-    C = new[0].float().mT @ old[0].float() if side in (LEFT, FULL) else None  # r×r
+    side = plan.side
+    C = None
+    if side in (LEFT, FULL):  # P is row-sharded: the r×r product is a sum over ranks
+        C = plan.placement.reduce(new[0].float().mT @ old[0].float())
     D = old[1].float().mT @ new[1].float() if side in (RIGHT, FULL) else None  # r×r
 
     def rotate(t: Tensor, squared: bool) -> Tensor:

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .._numerics import all_finite, finite_flags
+from ..placement import LOCAL, Placement
 from ..projectors import _BY_NAME as _PROJECTORS
 from ..projectors.base import Projector
 from .adam import counter
@@ -57,6 +58,7 @@ class ChainOptimizer(torch.optim.Optimizer):
     def __init__(self, params: ParamsT, chain: list[Transform], defaults: dict[str, Any]) -> None:
         self._chain = list(chain)
         self._warned: set[str] = set()
+        self._placements: dict[int, Placement] = {}
         super().__init__(params, defaults)
 
     # ---- groups ------------------------------------------------------------------
@@ -76,13 +78,33 @@ class ChainOptimizer(torch.optim.Optimizer):
             self._warned.add(message)
             warnings.warn(message, stacklevel=4)
 
+    def _placement(self, p: Tensor) -> Placement:
+        """LOCAL for a plain tensor; a galore2.fsdp placement for a DTensor (imported lazily)."""
+        placement = self._placements.get(id(p))
+        if placement is None:
+            placement = LOCAL
+            if type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor":
+                from ..fsdp import placement_for
+
+                placement = placement_for(p) or LOCAL
+            self._placements[id(p)] = placement
+        return placement
+
     def _context(self, p: Tensor, index: int) -> Context:
-        return Context(param=p, index=index, warn_once=self._warn_once)
+        placement = self._placement(p)
+        return Context(
+            param=placement.local(p),
+            index=index,
+            warn_once=self._warn_once,
+            placement=placement,
+            shape=p.shape,
+        )
 
     def _init_param_state(self, p: Tensor, group: dict[str, Any], index: int) -> None:
         state = self.state[p]
         state["nonfinite.skips"] = counter()
-        init_chain(self._chain, p.shape, p, group, state, self._context(p, index))
+        ctx = self._context(p, index)
+        init_chain(self._chain, p.shape, ctx.param, group, state, ctx)
 
     def _indexed_params(self) -> Iterable[tuple[int, dict[str, Any], Tensor]]:
         index = 0
@@ -110,7 +132,8 @@ class ChainOptimizer(torch.optim.Optimizer):
                 if not isinstance(value, Tensor):
                     continue
                 kind = _PROJECTOR_KINDS.get(key) or state_kind(self._chain, key)
-                out[kind] = out.get(kind, 0) + value.numel() * value.element_size()
+                local = value.to_local() if hasattr(value, "to_local") else value  # this rank's
+                out[kind] = out.get(kind, 0) + local.numel() * local.element_size()
         out["total"] = sum(out.values())
         return out
 
@@ -174,13 +197,39 @@ class ChainOptimizer(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     self._init_param_state(p, group, index)
-                params.append(p)
+                ctx = self._context(p, index)
+                grad = ctx.placement.local(grad)
+                if ctx.placement.distributed:  # transforms see local views of DTensor state
+                    state = {k: ctx.placement.local(v) for k, v in state.items()}
+                params.append(ctx.param)
                 states.append(state)
-                ctxs.append(self._context(p, index))
+                ctxs.append(ctx)
                 grads.append(-grad if group["maximize"] else grad)
+            self._agree_on_nonfinite(group, states, ctxs, grads)
             for chunk in _chunks(params):
                 self._step_chunk(chunk, params, states, ctxs, grads, group, lr, decay)
         return loss
+
+    def _agree_on_nonfinite(
+        self,
+        group: dict[str, Any],
+        states: list[dict[str, Tensor]],
+        ctxs: list[Context],
+        grads: list[Tensor],
+    ) -> None:
+        """Sharded parameters: decide NaN/Inf skips from every rank's shard, in one all-reduce.
+
+        A NaN lands only on the rank owning its row; skipping on some ranks but not on
+        others would desynchronize collectives, so the decision is made together.
+        """
+        sharded = [i for i, c in enumerate(ctxs) if c.placement.distributed]
+        if not sharded or group["nonfinite"] == "ignore":
+            return
+        bad = [not f for f in finite_flags([grads[i] for i in sharded])]
+        bad = ctxs[sharded[0]].placement.any_global(bad)
+        for i, b in zip(sharded, bad, strict=True):
+            ctxs[i].finite_checked = True
+            ctxs[i].skip = b
 
     def _step_chunk(
         self,
@@ -197,7 +246,10 @@ class ChainOptimizer(torch.optim.Optimizer):
         if len(chunk) == 1:  # the CPU path: no list machinery
             i = chunk[0]
             try:
-                if (
+                if ctxs[i].finite_checked:
+                    if ctxs[i].skip:
+                        raise NonFiniteUpdate
+                elif (
                     group["nonfinite"] != "ignore"
                     and not first.checks_nonfinite(states[i])
                     and not all_finite(grads[i])
@@ -213,10 +265,13 @@ class ChainOptimizer(torch.optim.Optimizer):
         unchecked = [
             i
             for i in chunk
-            if group["nonfinite"] != "ignore" and not first.checks_nonfinite(states[i])
+            if group["nonfinite"] != "ignore"
+            and not ctxs[i].finite_checked
+            and not first.checks_nonfinite(states[i])
         ]
         flags = finite_flags([grads[i] for i in unchecked])
         bad = {i for i, ok in zip(unchecked, flags, strict=True) if not ok}
+        bad |= {i for i in chunk if ctxs[i].finite_checked and ctxs[i].skip}
         live = [i for i in chunk if i not in bad]
         outs = run_chain(
             self._chain,

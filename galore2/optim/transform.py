@@ -32,6 +32,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from ..placement import LOCAL, Placement
+
 State = dict[str, Tensor]
 Group = dict[str, Any]
 
@@ -63,9 +65,22 @@ class LowRankUpdate:
 class Context:
     """What a transform may need besides the direction: the parameter and bookkeeping."""
 
-    param: Tensor
+    param: Tensor  # the local parameter tensor (a shard under FSDP)
     index: int
     warn_once: Callable[[str], None] = field(default=lambda msg: None)
+    placement: Placement = LOCAL
+    layout: str = "param"  # how state allocated for this direction is laid out (see Placement)
+    shape: torch.Size | None = None  # the parameter's global shape (None: param.shape)
+    finite_checked: bool = False  # NaN/Inf already decided by the optimizer (sharded params)
+    skip: bool = False  # ... and the decision: skip this parameter's update
+
+    @property
+    def global_shape(self) -> torch.Size:
+        return self.shape if self.shape is not None else self.param.shape
+
+    def zeros(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tensor:
+        """A state tensor for a direction of global ``shape``, laid out per ``self.layout``."""
+        return self.placement.zeros(shape, dtype, self.param.device, self.layout)
 
 
 class Transform:

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from .._numerics import all_finite
+from ..placement import LOCAL, Placement
 
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -27,13 +28,16 @@ def generator_for(device: torch.device, seed: int) -> torch.Generator:
     return gen
 
 
-def _cholesky_qr(Y: Tensor, equilibrate: bool = False) -> Tensor | None:
+def _cholesky_qr(
+    Y: Tensor, equilibrate: bool = False, placement: Placement = LOCAL
+) -> Tensor | None:
     """One CholeskyQR pass: Y·R⁻¹ with RᵀR = YᵀY; None if YᵀY is not numerically PD.
 
     ``equilibrate`` factors D⁻¹·YᵀY·D⁻¹ (D = column norms, read off the Gram diagonal)
     instead, and solves with R·D: the same Q, but Cholesky sees a well-scaled matrix.
+    Y may be row-sharded: the Gram matrix is summed over ``placement``.
     """
-    gram = Y.mT @ Y
+    gram = placement.reduce(Y.mT @ Y)
     if equilibrate:
         d = torch.diagonal(gram).sqrt()
         if not bool((d > 0).all()):
@@ -47,9 +51,24 @@ def _cholesky_qr(Y: Tensor, equilibrate: bool = False) -> Tensor | None:
     return torch.linalg.solve_triangular(R, Y, upper=True, left=False)
 
 
-def _cholesky_qr2(Y: Tensor) -> Tensor | None:
-    Q = _cholesky_qr(Y, equilibrate=True)
-    return None if Q is None else _cholesky_qr(Q)
+def _cholesky_qr2(Y: Tensor, placement: Placement = LOCAL) -> Tensor | None:
+    Q = _cholesky_qr(Y, True, placement)
+    return None if Q is None else _cholesky_qr(Q, False, placement)
+
+
+def orthonormalize_rows(Y: Tensor, placement: Placement) -> Tensor:
+    """``orthonormalize`` for a Y whose rows are sharded over ``placement`` (CholeskyQR2
+    with all-reduced Gram matrices; float64 retry; LinAlgError if Y is too ill-conditioned).
+    Every rank takes the same branch: the Gram matrices are identical everywhere."""
+    if not placement.distributed:
+        return orthonormalize(Y)
+    Q = _cholesky_qr2(Y, placement)
+    if Q is None:
+        Q = _cholesky_qr2(Y.double(), placement)
+        if Q is None:
+            raise torch.linalg.LinAlgError("sharded CholeskyQR2 failed: basis kept")
+        Q = Q.to(Y.dtype)
+    return Q
 
 
 def orthonormalize(Y: Tensor) -> Tensor:
@@ -70,39 +89,69 @@ def orthonormalize(Y: Tensor) -> Tensor:
     return Q.to(Y.dtype)
 
 
-def subspace_iterate(A: Tensor, Y: Tensor, iters: int) -> Tensor:
-    """``iters`` rounds of Y ← orth(A·(Aᵀ·Y)), starting from Y (rows×k)."""
+def top_eigvecs(gram: Tensor, rank: int, dtype: torch.dtype) -> Tensor:
+    """Eigenvectors of the ``rank`` largest eigenvalues of a small symmetric PSD matrix."""
+    _, vecs = torch.linalg.eigh(gram.double())  # ascending
+    return vecs[:, -rank:].flip(-1).to(dtype)
+
+
+def _gaussian(rows: int, k: int, seed: int, like: Tensor) -> Tensor:
+    gen = generator_for(like.device, seed)
+    return torch.randn(rows, k, generator=gen, device=like.device, dtype=like.dtype)
+
+
+def left_basis(
+    G: Tensor, m: int, rank: int, oversample: int, iters: int, seed: int, pl: Placement = LOCAL
+) -> Tensor:
+    """Randomized (Halko–Martinsson–Tropp) top-``rank`` basis of G's column space (m×rank).
+
+    G (m×n) may be row-sharded over ``pl`` (this rank holds some rows); the basis comes
+    back sharded the same way. Ω (n×k, k = rank + oversample) is seeded, so every rank
+    draws the same. Collectives: k×k and n×k all-reduces.
+    """
+    n = G.shape[1]
+    k = min(rank + oversample, m, n)
+    Y = orthonormalize_rows(G @ _gaussian(n, k, seed, G), pl)
     for _ in range(iters):
-        Y = orthonormalize(A @ (A.mT @ Y))
+        Y = orthonormalize_rows(G @ pl.reduce(G.mT @ Y), pl)
+    if k == rank:
+        return Y
+    B = pl.reduce(Y.mT @ G)  # k×n
+    return Y @ top_eigvecs(B @ B.mT, rank, Y.dtype)
+
+
+def right_basis(
+    G: Tensor, m: int, rank: int, oversample: int, iters: int, seed: int, pl: Placement = LOCAL
+) -> Tensor:
+    """Randomized top-``rank`` basis of Gᵀ's column space (n×rank), replicated on every rank.
+
+    G (m×n) may be row-sharded: Gᵀ·X = Σ over ranks of G_iᵀ·X_i. Ω (m×k) is seeded and
+    each rank uses its own rows of it. Collectives: n×k and k×k all-reduces.
+    """
+    n = G.shape[1]
+    k = min(rank + oversample, m, n)
+    start, stop = pl.row_range(m)
+    omega = _gaussian(m, k, seed, G)[start:stop]
+    Y = orthonormalize(pl.reduce(G.mT @ omega))
+    for _ in range(iters):
+        Y = orthonormalize(pl.reduce(G.mT @ (G @ Y)))
+    if k == rank:
+        return Y
+    C = G @ Y  # m×k (rows sharded)
+    return Y @ top_eigvecs(pl.reduce(C.mT @ C), rank, Y.dtype)
+
+
+def warm_left(G: Tensor, P: Tensor, iters: int, pl: Placement = LOCAL) -> Tensor:
+    """Subspace iteration from an orthonormal (row-sharded) basis P: Y ← orth(G·(Gᵀ·Y))."""
+    Y = P
+    for _ in range(iters):
+        Y = orthonormalize_rows(G @ pl.reduce(G.mT @ Y), pl)
     return Y
 
 
-def rayleigh_ritz(A: Tensor, Y: Tensor, rank: int) -> Tensor:
-    """The best rank-``rank`` basis of A's column space inside span(Y) (Y orthonormal).
-
-    Uses the small k×k Gram matrix of B = YᵀA (eigendecomposition in float64),
-    which is far cheaper than an SVD of the k×n matrix B for the same answer.
-    """
-    B = Y.mT @ A
-    gram = (B @ B.mT).double()
-    _, vecs = torch.linalg.eigh(gram)  # ascending
-    top = vecs[:, -rank:].flip(-1).to(Y.dtype)
-    return Y @ top
-
-
-def randomized_range(A: Tensor, rank: int, oversample: int, power_iters: int, seed: int) -> Tensor:
-    """Halko–Martinsson–Tropp randomized range finder: an orthonormal rows×rank basis.
-
-    Ω (cols×(rank+oversample), seeded Gaussian), Y = A·Ω, ``power_iters`` rounds of
-    subspace iteration with re-orthonormalization, then Rayleigh–Ritz to keep the
-    top ``rank`` directions.
-    """
-    rows, cols = A.shape
-    k = min(rank + oversample, rows, cols)
-    gen = generator_for(A.device, seed)
-    omega = torch.randn(cols, k, generator=gen, device=A.device, dtype=A.dtype)
-    Y = orthonormalize(A @ omega)
-    Y = subspace_iterate(A, Y, power_iters)
-    if k == rank:
-        return Y
-    return rayleigh_ritz(A, Y, rank)
+def warm_right(G: Tensor, Q: Tensor, iters: int, pl: Placement = LOCAL) -> Tensor:
+    """Subspace iteration from an orthonormal (replicated) basis Q: Y ← orth(Gᵀ·(G·Y))."""
+    Y = Q
+    for _ in range(iters):
+        Y = orthonormalize(pl.reduce(G.mT @ (G @ Y)))
+    return Y

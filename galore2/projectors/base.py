@@ -23,12 +23,14 @@ in how it is kept (e.g. regenerated from a seed, or quantized).
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
 from .._numerics import all_finite
+from ..placement import LOCAL, Placement
 
 State = dict[str, Tensor]
 
@@ -44,6 +46,7 @@ class Plan(NamedTuple):
     n: int
     rank: int
     device: torch.device
+    placement: Placement = LOCAL  # how G, P and Q are distributed (identity: one process)
 
 
 def choose_side(shape: tuple[int, ...] | torch.Size, proj_type: str, rank: int | None) -> int:
@@ -74,20 +77,23 @@ def _prod(dims: Any) -> int:
     return out
 
 
-def usable_norm(G: Tensor) -> float | None:
-    """‖G‖_F (fp64-safe) when G is usable for a refresh — finite and not all zero — else None."""
+def usable_norm(G: Tensor, placement: Placement = LOCAL) -> float | None:
+    """‖G‖_F of the whole (possibly sharded) G when it is usable for a refresh — finite
+    and not all zero — else None. Every rank gets the same answer."""
     norm = float(torch.linalg.vector_norm(G))
-    if norm != norm:  # NaN somewhere
+    bad = norm != norm  # NaN somewhere
+    if norm == math.inf:  # an inf, or finite values whose fp32 norm overflows
+        bad = not bool(torch.isfinite(G).all())
+        norm = 0.0 if bad else float(torch.linalg.vector_norm(G.double()))
+    elif norm == 0.0 and bool(G.any()):  # tiny entries whose fp32 squares underflow
+        norm = float(torch.linalg.vector_norm(G.double()))
+    if placement.distributed:
+        bad = placement.any([bad])[0]
+        total = torch.tensor([0.0 if bad else norm * norm], dtype=torch.float64)
+        norm = math.sqrt(float(placement.reduce(total)[0]))
+    if bad or not math.isfinite(norm) or norm <= 0:
         return None
-    if norm == float("inf"):  # an inf, or finite values whose fp32 norm overflows
-        if not bool(torch.isfinite(G).all()):
-            return None
-        norm = float(torch.linalg.vector_norm(G.double()))
-        if norm == float("inf"):
-            return None
-    if norm == 0.0 and bool(G.any()):  # tiny entries whose fp32 squares underflow
-        norm = float(torch.linalg.vector_norm(G.double()))
-    return norm if norm > 0 else None
+    return norm
 
 
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -102,13 +108,14 @@ def low_rank_shape(m: int, n: int, side: int, rank: int) -> tuple[int, int]:
     return (rank, rank)
 
 
-def align_signs(new: Tensor, old: Tensor) -> Tensor:
+def align_signs(new: Tensor, old: Tensor, placement: Placement = LOCAL) -> Tensor:
     """Flip columns of ``new`` so each has a non-negative inner product with ``old``'s.
 
     Keeps moment coordinates consistent across refreshes when the subspace
-    barely moves (the sign of a singular vector is arbitrary).
+    barely moves (the sign of a singular vector is arbitrary). For row-sharded bases
+    pass their placement (the inner products are summed over ranks).
     """
-    dots = (new * old.to(new.dtype)).sum(dim=0)
+    dots = placement.reduce((new * old.to(new.dtype)).sum(dim=0))
     signs = torch.where(dots < 0, -1.0, 1.0).to(new.dtype)
     return new * signs
 
@@ -122,10 +129,13 @@ class Projector:
     # ---- storage -----------------------------------------------------------------
     def init_state(self, state: State, plan: Plan, group: dict) -> None:
         """Allocate the basis at its final shape (zeros until the first refresh)."""
-        if plan.side in (LEFT, FULL):
-            state["proj.left"] = torch.zeros(plan.m, plan.rank, device=plan.device)
-        if plan.side in (RIGHT, FULL):
-            state["proj.right"] = torch.zeros(plan.n, plan.rank, device=plan.device)
+        zeros = plan.placement.zeros
+        if plan.side in (LEFT, FULL):  # P shards on dim 0 with its weight's rows
+            state["proj.left"] = zeros((plan.m, plan.rank), torch.float32, plan.device, "rows")
+        if plan.side in (RIGHT, FULL):  # Q is replicated
+            state["proj.right"] = zeros(
+                (plan.n, plan.rank), torch.float32, plan.device, "replicate"
+            )
 
     def bases(self, state: State, plan: Plan) -> tuple[Tensor | None, Tensor | None]:
         """The current (P, Q) as dense tensors; ``None`` for an unused side."""
@@ -140,7 +150,7 @@ class Projector:
         self, G: Tensor, state: State, plan: Plan, group: dict, seed: int
     ) -> dict[str, Tensor] | None:
         G32 = G.float()
-        norm = usable_norm(G32)
+        norm = usable_norm(G32, plan.placement)
         if norm is None:
             return None
         # The basis does not depend on G's scale: normalizing an extreme G keeps Gram
@@ -151,9 +161,10 @@ class Projector:
             new = self.find(scaled, state, plan, group, seed)
         except torch.linalg.LinAlgError:
             return None
-        if not all(all_finite(b) for b in new.values()):
-            return None
-        return new
+        ok = all(all_finite(b) for b in new.values())
+        if plan.placement.distributed:  # a row-sharded basis: every rank must agree
+            ok = not plan.placement.any([not ok])[0]
+        return new if ok else None
 
     def find(
         self, G: Tensor, state: State, plan: Plan, group: dict, seed: int

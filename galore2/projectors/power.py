@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ._sketch import subspace_iterate
+from ._sketch import warm_left, warm_right
 from .base import FULL, LEFT, RIGHT, Plan, State, align_signs
 from .randomized import RandomizedProjector
 
@@ -28,10 +28,11 @@ class PowerProjector(RandomizedProjector):
         if int(state["galore.refreshes"]) == 0:
             return super().find(G, state, plan, group, seed)
         out: dict[str, Tensor] = {}
-        for key, A, wanted in (("left", G, (LEFT, FULL)), ("right", G.mT, (RIGHT, FULL))):
-            if side in wanted:
-                old = state["proj." + key]
-                # The stored basis is orthonormal already: iterate from it directly.
-                Y = subspace_iterate(A, old.to(A.dtype), group["power_iters"])
-                out[key] = align_signs(Y, old)
+        pl, iters = plan.placement, group["power_iters"]
+        if side in (LEFT, FULL):  # the stored bases are orthonormal: iterate from them
+            old = state["proj.left"]
+            out["left"] = align_signs(warm_left(G, old.to(G.dtype), iters, pl), old, pl)
+        if side in (RIGHT, FULL):
+            old = state["proj.right"]
+            out["right"] = align_signs(warm_right(G, old.to(G.dtype), iters, pl), old)
         return out

@@ -34,8 +34,9 @@ class RandomProjector(Projector):
     def bases(self, state: State, plan: Plan) -> tuple[Tensor | None, Tensor | None]:
         seed = int(state["proj.seed"])
         P = Q = None
-        if plan.side in (LEFT, FULL):
-            P = gaussian_basis(plan.m, plan.rank, mix_seed(seed, 1), plan.device)
+        if plan.side in (LEFT, FULL):  # every rank draws all m rows and keeps its own
+            start, stop = plan.placement.row_range(plan.m)
+            P = gaussian_basis(plan.m, plan.rank, mix_seed(seed, 1), plan.device)[start:stop]
         if plan.side in (RIGHT, FULL):
             Q = gaussian_basis(plan.n, plan.rank, mix_seed(seed, 2), plan.device)
         return P, Q
@@ -43,7 +44,9 @@ class RandomProjector(Projector):
     def refresh(
         self, G: Tensor, state: State, plan: Plan, group: dict, seed: int
     ) -> dict[str, Tensor] | None:
-        if usable_norm(G) is None:  # same contract as every projector: keep the basis
+        if (
+            usable_norm(G, plan.placement) is None
+        ):  # same contract as every projector: keep the basis
             return None
         return {"seed": torch.tensor(seed, dtype=torch.int64)}
 

@@ -1,7 +1,7 @@
 """Randomized-SVD projector (GaLore 2's default): a seeded sketch instead of a full SVD.
 
 For each side in use, the basis spans the top-r range of G (left) or Gᵀ
-(right), found by :func:`randomized_range` with ``oversample`` extra columns
+(right), found by :func:`left_basis` / :func:`right_basis` with ``oversample`` extra columns
 and ``power_iters`` subspace iterations. The sketch is seeded from the group
 seed, the parameter and the refresh count, so a resumed run redraws exactly the
 same Ω. Columns are sign-aligned with the previous basis so ``keep``-mode
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ._sketch import mix_seed, randomized_range
+from ._sketch import left_basis, mix_seed, right_basis
 from .base import FULL, LEFT, RIGHT, Plan, Projector, State, align_signs
 
 
@@ -25,13 +25,13 @@ class RandomizedProjector(Projector):
     ) -> dict[str, Tensor]:
         side, rank = plan.side, plan.rank
         out: dict[str, Tensor] = {}
-        over, iters = group["oversample"], group["power_iters"]
+        over, iters, pl = group["oversample"], group["power_iters"], plan.placement
         if side in (LEFT, FULL):
-            out["left"] = randomized_range(G, rank, over, iters, mix_seed(seed, 1))
+            P = left_basis(G, plan.m, rank, over, iters, mix_seed(seed, 1), pl)
+            old = state.get("proj.left")
+            out["left"] = P if old is None else align_signs(P, old, pl)
         if side in (RIGHT, FULL):
-            out["right"] = randomized_range(G.mT, rank, over, iters, mix_seed(seed, 2))
-        for key, basis in out.items():
-            old = state.get("proj." + key)
-            if old is not None:
-                out[key] = align_signs(basis, old)
+            Q = right_basis(G, plan.m, rank, over, iters, mix_seed(seed, 2), pl)
+            old = state.get("proj.right")
+            out["right"] = Q if old is None else align_signs(Q, old)
         return out

@@ -21,6 +21,37 @@ class SVDProjector(Projector):
         self, G: Tensor, state: State, plan: Plan, group: dict, seed: int
     ) -> dict[str, Tensor]:
         side, rank = plan.side, plan.rank
+        pl = plan.placement
+        if not pl.distributed:
+            return self._svd(G, side, rank)
+        # Sharded G: gather it onto one owner rank (spread by the parameter's seed), whose
+        # SVD is broadcast; no rank repeats another's work. A failed SVD sends NaNs, so
+        # every rank keeps its old basis together.
+        owner = int(state["galore.seed"]) % pl.world
+        full = pl.gather_rows(G, owner)
+        bases: dict[str, Tensor] = {}
+        if full is not None:
+            try:
+                bases = self._svd(full, side, rank)
+            except torch.linalg.LinAlgError:
+                bases = {}
+        out: dict[str, Tensor] = {}
+        for key, rows, wanted in (("left", plan.m, (LEFT, FULL)), ("right", plan.n, (RIGHT, FULL))):
+            if side in wanted:
+                mine = bases.get(key)
+                if full is not None and mine is None:
+                    mine = torch.full((rows, rank), float("nan"), device=G.device)
+                got = pl.broadcast(
+                    None if full is None else mine.contiguous(), owner, (rows, rank), G.device
+                )
+                if key == "left":
+                    start, stop = pl.row_range(plan.m)
+                    got = got[start:stop]
+                out[key] = got
+        return out
+
+    @staticmethod
+    def _svd(G: Tensor, side: int, rank: int) -> dict[str, Tensor]:
         U, _, Vh = torch.linalg.svd(G, full_matrices=False)
         out: dict[str, Tensor] = {}
         if side in (LEFT, FULL):

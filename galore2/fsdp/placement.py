@@ -1,0 +1,165 @@
+"""``ShardedPlacement``: galore2's view of an FSDP2 / HSDP parameter (a DTensor).
+
+Supported parameter placements (what ``fully_shard`` produces):
+
+* 1-D mesh, ``(Shard(0),)`` — FSDP;
+* 2-D mesh, ``(Replicate(), Shard(0))`` — HSDP (replicate × shard).
+
+Anything else (``Shard(1)`` from tensor parallelism, ``Partial``, 3-D meshes…)
+raises ``ValueError`` naming the parameter's shape and placement, never a silently
+wrong update. State tensors are DTensors on the parameter's mesh (so DCP can
+save and reshard them); transforms get their local tensors. Collectives run on
+the shard dimension's process group only: replicas of an HSDP mesh compute the
+same thing from the same (already all-reduced) gradients and seeds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from ..placement import LAYOUTS, Placement
+
+
+def _chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
+    """Rows [start, stop) of chunk ``index`` when ``size`` is split like ``torch.chunk``."""
+    chunk = -(-size // parts) if size else 0
+    start = min(index * chunk, size)
+    return start, min(start + chunk, size)
+
+
+class ShardedPlacement(Placement):
+    def __init__(self, param: DTensor) -> None:
+        mesh, placements = param.device_mesh, tuple(param.placements)
+        if mesh.ndim == 1 and placements == (Shard(0),):
+            shard_dim = 0
+        elif mesh.ndim == 2 and placements == (Replicate(), Shard(0)):
+            shard_dim = 1
+        else:
+            raise ValueError(
+                f"galore2 supports DTensor parameters sharded on dim 0 only — FSDP2 "
+                f"(Shard(0),) on a 1-D mesh or HSDP (Replicate(), Shard(0)) on a 2-D mesh; got a "
+                f"parameter of shape {tuple(param.shape)} with placements {placements} on a "
+                f"{mesh.ndim}-D mesh (tensor/sequence parallel layouts are not supported)"
+            )
+        self.mesh = mesh
+        self.shard_dim = shard_dim
+        self.group = mesh.get_group(shard_dim)
+        self.world = mesh.size(shard_dim)
+        self.rank = mesh.get_local_rank(shard_dim)
+        self.param_shape = tuple(param.shape)
+        self.param_placements = placements
+
+    # ---- state allocation --------------------------------------------------------
+    def _placements(self, inner: object) -> list:
+        out: list = [Replicate()] * self.mesh.ndim
+        out[self.shard_dim] = inner
+        return out
+
+    def zeros(
+        self,
+        shape: tuple[int, ...] | torch.Size,
+        dtype: torch.dtype,
+        device: torch.device,
+        layout: str,
+    ) -> Tensor:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        shape = tuple(shape)
+        if layout == "param":
+            layout = "rows"
+        if layout == "rows":
+            start, stop = _chunk_bounds(shape[0], self.world, self.rank)
+            local_shape, inner = (stop - start, *shape[1:]), Shard(0)
+        elif layout == "cols":
+            start, stop = _chunk_bounds(shape[1], self.world, self.rank)
+            local_shape, inner = (shape[0], stop - start, *shape[2:]), Shard(1)
+        else:
+            local_shape, inner = shape, Replicate()
+        local = torch.zeros(local_shape, dtype=dtype, device=device)
+        return DTensor.from_local(
+            local,
+            self.mesh,
+            self._placements(inner),
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=torch.empty(shape, device="meta").stride(),
+        )
+
+    def local(self, t: Tensor) -> Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def row_range(self, m: int) -> tuple[int, int]:
+        return _chunk_bounds(m, self.world, self.rank)
+
+    # ---- collectives (shard group only) ------------------------------------------
+    def reduce(self, t: Tensor) -> Tensor:
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def reduce_scatter_cols(self, t: Tensor) -> Tensor:
+        """Partial sums r×n on every rank → this rank's column chunk of the sum."""
+        partial = DTensor.from_local(t, self.mesh, self._placements(Partial()), run_check=False)
+        return partial.redistribute(self.mesh, self._placements(Shard(1))).to_local()
+
+    def all_gather_cols(self, t: Tensor, n: int) -> Tensor:
+        """Column chunks → the full r×n tensor on every rank."""
+        shape = torch.Size((t.shape[0], n))
+        sharded = DTensor.from_local(
+            t,
+            self.mesh,
+            self._placements(Shard(1)),
+            run_check=False,
+            shape=shape,
+            stride=(n, 1),
+        )
+        return sharded.redistribute(self.mesh, self._placements(Replicate())).to_local()
+
+    def any(self, flags: list[bool]) -> list[bool]:
+        if not flags:
+            return flags
+        t = torch.tensor(flags, dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [bool(x) for x in t.tolist()]
+
+    def any_global(self, flags: list[bool]) -> list[bool]:
+        if not flags:
+            return flags
+        t = torch.tensor(flags, dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [bool(x) for x in t.tolist()]
+
+    def gather_rows(self, t: Tensor, owner: int) -> Tensor | None:
+        """Gather a row-sharded matrix (torch.chunk layout) onto ``owner``; None elsewhere."""
+        m = self.param_shape[0]
+        chunk = -(-m // self.world)
+        padded = torch.zeros((chunk, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        padded[: t.shape[0]] = t
+        dst = dist.get_global_rank(self.group, owner)
+        parts = (
+            [torch.empty_like(padded) for _ in range(self.world)] if self.rank == owner else None
+        )
+        dist.gather(padded, parts, dst=dst, group=self.group)
+        if parts is None:
+            return None
+        return torch.cat(parts)[:m]
+
+    def broadcast(
+        self,
+        t: Tensor | None,
+        owner: int,
+        shape: tuple[int, ...],
+        device: torch.device | None = None,
+    ) -> Tensor:
+        if t is None:
+            t = torch.empty(shape, device=device)
+        t = t.contiguous()
+        dist.broadcast(t, src=dist.get_global_rank(self.group, owner), group=self.group)
+        return t
+
+
+def placement_for(param: Tensor) -> Placement | None:
+    """A ``ShardedPlacement`` for a DTensor parameter, None for a plain tensor."""
+    return ShardedPlacement(param) if isinstance(param, DTensor) else None
