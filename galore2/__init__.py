@@ -6,7 +6,15 @@ Only torch is required to import this package; optional backends
 
 from .groups import param_groups
 from .optim import ChainOptimizer, GaLoreAdamW
+from .optim.per_layer import PerLayerUpdates, per_layer
 
 __version__ = "0.1.0"
 
-__all__ = ["ChainOptimizer", "GaLoreAdamW", "__version__", "param_groups"]
+__all__ = [
+    "ChainOptimizer",
+    "GaLoreAdamW",
+    "PerLayerUpdates",
+    "__version__",
+    "param_groups",
+    "per_layer",
+]

@@ -59,6 +59,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         self._chain = list(chain)
         self._warned: set[str] = set()
         self._placements: dict[int, Placement] = {}
+        self._where: tuple[int, dict[int, tuple[dict[str, Any], int]]] | None = None
         super().__init__(params, defaults)
 
     # ---- groups ------------------------------------------------------------------
@@ -187,28 +188,56 @@ class ChainOptimizer(torch.optim.Optimizer):
         self._check_sparse()
         self._check_raise()
         for group in self.param_groups:
-            items = list(self._indexed_params_of(group))
-            if not items:
-                continue
-            lr = float(group["lr"])
-            decay = 1.0 - lr * group["weight_decay"]
-            params, states, ctxs, grads = [], [], [], []
-            for index, grad, p in items:
-                state = self.state[p]
-                if not state:
-                    self._init_param_state(p, group, index)
-                ctx = self._context(p, index)
-                grad = ctx.placement.local(grad)
-                if ctx.placement.distributed:  # transforms see local views of DTensor state
-                    state = {k: ctx.placement.local(v) for k, v in state.items()}
-                params.append(ctx.param)
-                states.append(state)
-                ctxs.append(ctx)
-                grads.append(-grad if group["maximize"] else grad)
-            self._agree_on_nonfinite(group, states, ctxs, grads)
-            for chunk in _chunks(params):
-                self._step_chunk(chunk, params, states, ctxs, grads, group, lr, decay)
+            self._step_items(group, list(self._indexed_params_of(group)))
         return loss
+
+    @torch.no_grad()
+    def step_param(self, p: Tensor) -> None:
+        """Update one parameter now from its ``.grad`` (per-layer updates inside backward).
+
+        Same arithmetic as :meth:`step` restricted to ``p``; ``nonfinite="raise"`` checks
+        only ``p``'s gradient. Step hooks registered on the optimizer are not run.
+        """
+        if p.grad is None:
+            return
+        count = sum(len(g["params"]) for g in self.param_groups)
+        if self._where is None or self._where[0] != count:  # (re)build after add_param_group
+            where = {id(q): (g, i) for i, g, q in self._indexed_params()}
+            self._where = (count, where)
+        found = self._where[1].get(id(p))
+        if found is None:
+            raise ValueError(f"parameter of shape {tuple(p.shape)} is not in this optimizer")
+        group, index = found
+        grad = p.grad
+        if grad.is_sparse:
+            self._check_sparse()
+        if group["nonfinite"] == "raise" and not finite_flags([grad])[0]:
+            raise FloatingPointError(
+                f"non-finite gradient in a parameter of shape {tuple(p.shape)} (nonfinite='raise')"
+            )
+        self._step_items(group, [(index, grad, p)])
+
+    def _step_items(self, group: dict[str, Any], items: list[tuple[int, Tensor, Tensor]]) -> None:
+        if not items:
+            return
+        lr = float(group["lr"])
+        decay = 1.0 - lr * group["weight_decay"]
+        params, states, ctxs, grads = [], [], [], []
+        for index, grad, p in items:
+            state = self.state[p]
+            if not state:
+                self._init_param_state(p, group, index)
+            ctx = self._context(p, index)
+            grad = ctx.placement.local(grad)
+            if ctx.placement.distributed:  # transforms see local views of DTensor state
+                state = {k: ctx.placement.local(v) for k, v in state.items()}
+            params.append(ctx.param)
+            states.append(state)
+            ctxs.append(ctx)
+            grads.append(-grad if group["maximize"] else grad)
+        self._agree_on_nonfinite(group, states, ctxs, grads)
+        for chunk in _chunks(params):
+            self._step_chunk(chunk, params, states, ctxs, grads, group, lr, decay)
 
     def _agree_on_nonfinite(
         self,
