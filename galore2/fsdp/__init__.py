@@ -6,6 +6,14 @@ projectors and transforms see plain local tensors through a
 optimizer meets a DTensor parameter.
 """
 
-from .placement import ShardedPlacement, placement_for
+from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from .placement import ShardedPlacement, assign_owners, placement_for
 
-__all__ = ["ShardedPlacement", "placement_for"]
+__all__ = [
+    "ShardedPlacement",
+    "assign_owners",
+    "list_checkpoints",
+    "load_checkpoint",
+    "placement_for",
+    "save_checkpoint",
+]

@@ -15,6 +15,8 @@ same thing from the same (already all-reduced) gradients and seeds.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -51,6 +53,7 @@ class ShardedPlacement(Placement):
         self.rank = mesh.get_local_rank(shard_dim)
         self.param_shape = tuple(param.shape)
         self.param_placements = placements
+        self.owner: int | None = None  # rank that runs this matrix's exact SVD (assign_owners)
 
     # ---- state allocation --------------------------------------------------------
     def _placements(self, inner: object) -> list:
@@ -158,6 +161,23 @@ class ShardedPlacement(Placement):
         t = t.contiguous()
         dist.broadcast(t, src=dist.get_global_rank(self.group, owner), group=self.group)
         return t
+
+
+def assign_owners(params: list[tuple[torch.Size, Placement]]) -> None:
+    """Spread exact-SVD work: each sharded ≥2-D parameter gets an owner rank, the largest
+    SVDs first (cost m·n·min(m, n)), each to the least-loaded rank. Deterministic, so every
+    rank computes the same assignment."""
+    loads: dict[int, list[float]] = {}
+    sized = [
+        (float(shape[0]) * math.prod(shape[1:]) * min(shape[0], math.prod(shape[1:])), i, pl)
+        for i, (shape, pl) in enumerate(params)
+        if isinstance(pl, ShardedPlacement) and len(shape) >= 2
+    ]
+    for cost, _, pl in sorted(sized, key=lambda t: (-t[0], t[1])):
+        load = loads.setdefault(pl.world, [0.0] * pl.world)
+        owner = min(range(pl.world), key=lambda r: (load[r], r))
+        load[owner] += cost
+        pl.owner = owner
 
 
 def placement_for(param: Tensor) -> Placement | None:

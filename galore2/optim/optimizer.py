@@ -85,9 +85,14 @@ class ChainOptimizer(torch.optim.Optimizer):
         if placement is None:
             placement = LOCAL
             if type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor":
-                from ..fsdp import placement_for
+                from ..fsdp import assign_owners, placement_for
 
-                placement = placement_for(p) or LOCAL
+                for _, _, q in self._indexed_params():
+                    self._placements.setdefault(id(q), placement_for(q) or LOCAL)
+                assign_owners(
+                    [(q.shape, self._placements[id(q)]) for _, _, q in self._indexed_params()]
+                )
+                placement = self._placements[id(p)]
             self._placements[id(p)] = placement
         return placement
 

@@ -24,10 +24,12 @@ class SVDProjector(Projector):
         pl = plan.placement
         if not pl.distributed:
             return self._svd(G, side, rank)
-        # Sharded G: gather it onto one owner rank (spread by the parameter's seed), whose
-        # SVD is broadcast; no rank repeats another's work. A failed SVD sends NaNs, so
-        # every rank keeps its old basis together.
-        owner = int(state["galore.seed"]) % pl.world
+        # Sharded G: gather it onto its owner rank (balanced by SVD cost, see
+        # galore2.fsdp.assign_owners), whose SVD is broadcast; no rank repeats another's
+        # work. A failed SVD sends NaNs, so every rank keeps its old basis together.
+        owner = getattr(pl, "owner", None)
+        if owner is None:
+            owner = int(state["galore.seed"]) % pl.world
         full = pl.gather_rows(G, owner)
         bases: dict[str, Tensor] = {}
         if full is not None:
