@@ -8,10 +8,14 @@ optimizer meets a DTensor parameter.
 
 from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from .placement import ShardedPlacement, assign_owners, placement_for
+from .traffic import Collective, Traffic, collective_bytes
 
 __all__ = [
+    "Collective",
     "ShardedPlacement",
+    "Traffic",
     "assign_owners",
+    "collective_bytes",
     "list_checkpoints",
     "load_checkpoint",
     "placement_for",

@@ -157,7 +157,7 @@ class ShardedPlacement(Placement):
         device: torch.device | None = None,
     ) -> Tensor:
         if t is None:
-            t = torch.empty(shape, device=device)
+            t = torch.empty(shape, device=device, dtype=torch.float32)  # bases are fp32
         t = t.contiguous()
         dist.broadcast(t, src=dist.get_global_rank(self.group, owner), group=self.group)
         return t

@@ -170,13 +170,24 @@ class ChainOptimizer(torch.optim.Optimizer):
                         "sparse embeddings"
                     )
 
+    def _finite_everywhere(self, params: list[Tensor], grads: list[Tensor]) -> list[bool]:
+        """Finite flags; for sharded parameters, of the whole gradient (agreed by all ranks),
+        so that every rank raises — or goes on — together."""
+        ok = finite_flags([self._placement(p).local(g) for p, g in zip(params, grads, strict=True)])
+        sharded = [i for i, p in enumerate(params) if self._placement(p).distributed]
+        if sharded:
+            bad = self._placement(params[sharded[0]]).any_global([not ok[i] for i in sharded])
+            for i, b in zip(sharded, bad, strict=True):
+                ok[i] = not b
+        return ok
+
     def _check_raise(self) -> None:
         """``nonfinite="raise"``: look at every gradient before any parameter changes."""
         for group in self.param_groups:
             if group["nonfinite"] != "raise":
                 continue
             items = list(self._indexed_params_of(group))
-            ok = finite_flags([g for _, g, _ in items])
+            ok = self._finite_everywhere([p for _, _, p in items], [g for _, g, _ in items])
             bad = [tuple(p.shape) for (_, _, p), f in zip(items, ok, strict=True) if not f]
             if bad:
                 raise FloatingPointError(
@@ -216,7 +227,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         grad = p.grad
         if grad.is_sparse:
             self._check_sparse()
-        if group["nonfinite"] == "raise" and not finite_flags([grad])[0]:
+        if group["nonfinite"] == "raise" and not self._finite_everywhere([p], [grad])[0]:
             raise FloatingPointError(
                 f"non-finite gradient in a parameter of shape {tuple(p.shape)} (nonfinite='raise')"
             )

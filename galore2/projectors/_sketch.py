@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -65,10 +67,18 @@ def orthonormalize_rows(Y: Tensor, placement: Placement) -> Tensor:
     Q = _cholesky_qr2(Y, placement)
     if Q is None:
         Q = _cholesky_qr2(Y.double(), placement)
+    if Q is None:
+        # Rank-deficient Y (a gradient of rank < k): complete it with tiny random directions
+        # (they carry none of G's energy) — what Householder QR does in one process.
+        Y64 = Y.double()
+        total = placement.reduce(Y64.pow(2).sum().reshape(1))
+        rms = math.sqrt(float(total) / max(1, Y.numel() * placement.world)) or 1.0
+        gen = generator_for(Y.device, mix_seed(placement.rank, *Y.shape))
+        noise = torch.randn(Y.shape, generator=gen, device=Y.device, dtype=torch.float64)
+        Q = _cholesky_qr2(Y64 + 1e-6 * rms * noise, placement)
         if Q is None:
             raise torch.linalg.LinAlgError("sharded CholeskyQR2 failed: basis kept")
-        Q = Q.to(Y.dtype)
-    return Q
+    return Q.to(Y.dtype)
 
 
 def orthonormalize(Y: Tensor) -> Tensor:
