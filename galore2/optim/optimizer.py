@@ -107,9 +107,9 @@ class ChainOptimizer(torch.optim.Optimizer):
         )
 
     def _init_param_state(self, p: Tensor, group: dict[str, Any], index: int) -> None:
+        ctx = self._context(p, index)  # validates a DTensor's placement before any state exists
         state = self.state[p]
         state["nonfinite.skips"] = counter()
-        ctx = self._context(p, index)
         init_chain(self._chain, p.shape, ctx.param, group, state, ctx)
 
     def _indexed_params(self) -> Iterable[tuple[int, dict[str, Any], Tensor]]:

@@ -90,6 +90,9 @@ class PerLayerUpdates:
         if last:
             self.micro_step = 0
             if self.scheduler is not None:
+                # The parameters were stepped (inside backward): tell torch's LR scheduler,
+                # which otherwise warns that optimizer.step() was never called.
+                self.optimizer._opt_called = True  # type: ignore[attr-defined]
                 self.scheduler.step()
         return last
 
