@@ -142,3 +142,13 @@ def _fsdp_per_layer(rank: int, world: int) -> None:
 
 def test_per_layer_under_fsdp2_equals_ordinary_step():
     spawn(_fsdp_per_layer, 2)
+
+
+def _ddp_refused(rank: int, world: int) -> None:
+    model = nn.parallel.DistributedDataParallel(TinyNet())
+    with pytest.raises(ValueError, match="DistributedDataParallel"):
+        galore2.per_layer(model, _opt(model.module))
+
+
+def test_per_layer_refuses_ddp_with_a_clear_error():
+    spawn(_ddp_refused, 1)
