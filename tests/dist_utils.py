@@ -26,6 +26,13 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
+        # Let every rank finish and drop its DTensors before gloo tears down: ranks exiting
+        # at different times otherwise abort now and then ("terminate called without an
+        # active exception").
+        import gc
+
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -76,19 +76,30 @@ def failed_init_leaves_no_state(rank: int, world: int) -> None:
 
 
 def unsupported_in_later_group_changes_nothing(rank: int, world: int) -> None:
-    """An FSDP parameter in group 0 and a refused one in group 1: nothing is updated."""
-    fsdp = nn.Parameter(_dtensor((world,), [Shard(0)], seed=3))
-    fsdp.grad = _dtensor((world,), [Shard(0)], seed=4)
-    bad = nn.Parameter(_dtensor((world,), [Shard(1)], seed=1))
-    bad.grad = _dtensor((world,), [Shard(1)], seed=2)
-    before = fsdp.to_local().clone()
-    opt = galore2.GaLoreAdamW(
-        [{"params": [fsdp], "rank": 2}, {"params": [bad], "rank": None}], lr=0.1
-    )
-    with pytest.raises(ValueError, match="shape") as err:
-        opt.step()
-    _check_message(err, [Shard(1)])
-    assert torch.equal(fsdp.to_local(), before), "group 0 was updated before the error"
+    """A good parameter in group 0 and a refused one in group 1: nothing is updated.
+
+    The good one is an FSDP2 DTensor, or a plain tensor (a module left out of
+    ``fully_shard``): either way the refused layout must be found before any update.
+    """
+    for kind in ("fsdp", "plain"):
+        if kind == "fsdp":
+            good = nn.Parameter(_dtensor((world,), [Shard(0)], seed=3))
+            good.grad = _dtensor((world,), [Shard(0)], seed=4)
+        else:
+            good = nn.Parameter(_dtensor((world,), [Shard(0)], seed=3).full_tensor())
+            good.grad = _dtensor((world,), [Shard(0)], seed=4).full_tensor()
+        bad = nn.Parameter(_dtensor((world,), [Shard(1)], seed=1))
+        bad.grad = _dtensor((world,), [Shard(1)], seed=2)
+        local = good.to_local if kind == "fsdp" else good.detach
+        before = local().clone()
+        opt = galore2.GaLoreAdamW(
+            [{"params": [good], "rank": 2}, {"params": [bad], "rank": None}], lr=0.1
+        )
+        with pytest.raises(ValueError, match="shape") as err:
+            opt.step()
+        _check_message(err, [Shard(1)])
+        assert torch.equal(local(), before), f"group 0 ({kind}) was updated before the error"
+        assert not opt.state.get(good), f"group 0 ({kind}) got state before the error"
 
 
 # ---- NaN on one rank only --------------------------------------------------------------

@@ -80,20 +80,25 @@ class ChainOptimizer(torch.optim.Optimizer):
             warnings.warn(message, stacklevel=4)
 
     def _placement(self, p: Tensor) -> Placement:
-        """LOCAL for a plain tensor; a galore2.fsdp placement for a DTensor (imported lazily)."""
+        """LOCAL for a plain tensor; a galore2.fsdp placement for a DTensor (imported lazily).
+
+        Built for every parameter at once (and again after ``add_param_group``), so an
+        unsupported DTensor anywhere raises before any parameter is touched.
+        """
         placement = self._placements.get(id(p))
         if placement is None:
-            placement = LOCAL
-            if type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor":
+            params = [q for _, _, q in self._indexed_params()]
+            built: dict[int, Placement] = {}
+            if any(_is_dtensor(q) for q in params):
                 from ..fsdp import assign_owners, placement_for
 
-                for _, _, q in self._indexed_params():
-                    self._placements.setdefault(id(q), placement_for(q) or LOCAL)
-                assign_owners(
-                    [(q.shape, self._placements[id(q)]) for _, _, q in self._indexed_params()]
-                )
-                placement = self._placements[id(p)]
-            self._placements[id(p)] = placement
+                for q in params:
+                    built[id(q)] = placement_for(q) if _is_dtensor(q) else LOCAL
+                assign_owners([(q.shape, built[id(q)]) for q in params])
+            else:
+                built = {id(q): LOCAL for q in params}
+            self._placements = built
+            placement = built.get(id(p), LOCAL)
         return placement
 
     def _context(self, p: Tensor, index: int) -> Context:
@@ -343,6 +348,10 @@ class ChainOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             yield offset + i, p.grad, p
+
+
+def _is_dtensor(p: Tensor) -> bool:
+    return type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor"
 
 
 def _chunks(params: list[Tensor]) -> list[list[int]]:
