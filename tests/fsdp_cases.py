@@ -75,3 +75,50 @@ def fsdp_matches_single_process(rank: int, world: int) -> None:
             )
             > 1e-3
         )
+
+
+def exact_refresh_is_split_and_batched(rank: int, world: int) -> None:
+    """Each due matrix is factored once, by its owner; gathers all precede the SVDs."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from galore2.fsdp.placement import ShardedPlacement
+    from galore2.projectors.svd import SVDProjector
+
+    events: list[str] = []
+    real_svd, real_gather, real_bcast = (
+        SVDProjector._svd,
+        ShardedPlacement.gather_rows,
+        ShardedPlacement.broadcast,
+    )
+    SVDProjector._svd = staticmethod(lambda *a: (events.append("svd"), real_svd(*a))[1])
+    ShardedPlacement.gather_rows = lambda self, *a: (
+        events.append("gather"),
+        real_gather(self, *a),
+    )[1]
+    ShardedPlacement.broadcast = lambda self, *a: (events.append("bcast"), real_bcast(self, *a))[1]
+    try:
+        model = make_model()
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = optimizer(model, {"projector": "svd"})
+        x, y = data(0)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()  # step 0: every matrix refreshes
+    finally:
+        SVDProjector._svd, ShardedPlacement.gather_rows, ShardedPlacement.broadcast = (
+            real_svd,
+            real_gather,
+            real_bcast,
+        )
+    matrices = 3
+    assert events.count("gather") == matrices and events.count("bcast") == matrices
+    last_gather = max(i for i, e in enumerate(events) if e == "gather")
+    assert all(i > last_gather for i, e in enumerate(events) if e == "svd")
+    counts = torch.tensor([events.count("svd")])
+    dist.all_reduce(counts)
+    assert int(counts) == matrices  # factored once each, not once per rank

@@ -13,6 +13,11 @@ def test_fsdp_matches_single_process(world):
     spawn(fsdp_cases.fsdp_matches_single_process, world)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_exact_refresh_is_split_across_ranks_and_batched(world):
+    spawn(fsdp_cases.exact_refresh_is_split_and_batched, world)
+
+
 def test_svd_owners_are_balanced_by_cost():
     import torch
 

@@ -147,7 +147,7 @@ class GaLore(Transform):
         plan = self.plan(state, group, ctx)
         G = u.reshape(-1, plan.n)  # this rank's rows of the m×n matrix
         step = int(state["galore.step"])
-        if step >= int(state["galore.next_refresh"]):
+        if step >= int(state["galore.next_refresh"]) and not ctx.refreshed:
             self.refresh(G, state, group, plan, step)
         R = get_projector(group["projector"]).project(G, state, plan)
         # Sharded rows: PᵀG is a sum over ranks. Left: reduce-scatter it so Adam runs on a
@@ -177,11 +177,52 @@ class GaLore(Transform):
         return int(state["galore.side"]) != NONE
 
     # ---- refresh -----------------------------------------------------------------
-    def refresh(self, G: Tensor, state: State, group: Group, plan: Plan, step: int) -> bool:
-        """Refresh the basis from ``G``; returns False (basis kept) when ``G`` is unusable."""
+    def prepare(
+        self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
+    ) -> None:
+        """Exact refreshes of sharded matrices, batched: gather every due matrix to its owner
+        rank, let each rank run its own SVDs (concurrently with the others), then broadcast."""
+        if group["projector"] != "svd" or not any(c.placement.distributed for c in ctxs):
+            return
+        projector = get_projector("svd")
+        due = []
+        for u, state, ctx in zip(us, states, ctxs, strict=True):
+            if int(state["galore.side"]) == NONE or ctx.skip or not ctx.placement.distributed:
+                continue
+            if int(state["galore.step"]) < int(state["galore.next_refresh"]):
+                continue
+            plan = self.plan(state, group, ctx)
+            scaled = projector.refresh_input(u.reshape(-1, plan.n), plan)
+            ctx.refreshed = True  # this step's refresh is decided here, done or not
+            if scaled is not None:
+                owner = projector.owner(state, plan)
+                due.append((state, plan, owner, plan.placement.gather_rows(scaled, owner), u))
+        computed = [projector.compute(full, plan) for _, plan, _, full, _ in due]
+        for (state, plan, owner, _, u), bases in zip(due, computed, strict=True):
+            new = projector.distribute(bases, owner, plan, u.device)
+            self.refresh(
+                None, state, group, plan, int(state["galore.step"]), projector.checked(new, plan)
+            )
+
+    def refresh(
+        self,
+        G: Tensor | None,
+        state: State,
+        group: Group,
+        plan: Plan,
+        step: int,
+        precomputed: dict[str, Tensor] | None = None,
+    ) -> bool:
+        """Refresh the basis from ``G`` (or install ``precomputed`` bases when G is None);
+        returns False (basis kept, retried next step) when there is no usable result."""
         projector = get_projector(group["projector"])
         done = int(state["galore.refreshes"])
-        new = projector.refresh(G, state, plan, group, mix_seed(int(state["galore.seed"]), done))
+        if G is None:
+            new = precomputed
+        else:
+            new = projector.refresh(
+                G, state, plan, group, mix_seed(int(state["galore.seed"]), done)
+            )
         if new is None:  # schedule untouched (next_refresh ≤ step): the next step retries
             return False
         mode = group["moments_on_refresh"]

@@ -257,6 +257,7 @@ class ChainOptimizer(torch.optim.Optimizer):
             ctxs.append(ctx)
             grads.append(-grad if group["maximize"] else grad)
         self._agree_on_nonfinite(group, states, ctxs, grads)
+        self._chain[0].prepare(grads, states, group, ctxs)
         for chunk in _chunks(params):
             self._step_chunk(chunk, params, states, ctxs, grads, group, lr, decay)
 

@@ -73,6 +73,7 @@ class Context:
     shape: torch.Size | None = None  # the parameter's global shape (None: param.shape)
     finite_checked: bool = False  # NaN/Inf already decided by the optimizer (sharded params)
     skip: bool = False  # ... and the decision: skip this parameter's update
+    refreshed: bool = False  # a group-level prepare() already ran this step's refresh
 
     @property
     def global_shape(self) -> torch.Size:
@@ -115,6 +116,13 @@ class Transform:
             except NonFiniteUpdate:
                 out.append(None)
         return out
+
+    def prepare(
+        self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
+    ) -> None:
+        """Group-level work before the per-tensor updates (default: nothing). Runs once per
+        group and step with every tensor of the group, so work that needs all of them at
+        once — e.g. spreading exact SVDs over ranks — can be batched."""
 
     def checks_nonfinite(self, state: State) -> bool:
         """True if this (first) transform checks its input for NaN/Inf itself, raising

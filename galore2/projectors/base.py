@@ -149,18 +149,30 @@ class Projector:
     def refresh(
         self, G: Tensor, state: State, plan: Plan, group: dict, seed: int
     ) -> dict[str, Tensor] | None:
+        scaled = self.refresh_input(G, plan)
+        if scaled is None:
+            return None
+        try:
+            new = self.find(scaled, state, plan, group, seed)
+        except torch.linalg.LinAlgError:
+            return None
+        return self.checked(new, plan)
+
+    @staticmethod
+    def refresh_input(G: Tensor, plan: Plan) -> Tensor | None:
+        """G in fp32, rescaled if its norm is extreme; None when G is unusable (all ranks agree)."""
         G32 = G.float()
         norm = usable_norm(G32, plan.placement)
         if norm is None:
             return None
         # The basis does not depend on G's scale: normalizing an extreme G keeps Gram
         # matrices of huge (finite) gradients from overflowing.
-        try:
-            ordinary = 1e-15 < norm < 1e15  # no copy of G in the ordinary case
-            scaled = G32 if ordinary else (G32.double() / norm).float()
-            new = self.find(scaled, state, plan, group, seed)
-        except torch.linalg.LinAlgError:
-            return None
+        ordinary = 1e-15 < norm < 1e15  # no copy of G in the ordinary case
+        return G32 if ordinary else (G32.double() / norm).float()
+
+    @staticmethod
+    def checked(new: dict[str, Tensor], plan: Plan) -> dict[str, Tensor] | None:
+        """``new`` if every basis is finite (on every rank), else None."""
         ok = all(all_finite(b) for b in new.values())
         if plan.placement.distributed:  # a row-sharded basis: every rank must agree
             ok = not plan.placement.any([not ok])[0]

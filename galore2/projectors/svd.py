@@ -26,26 +26,41 @@ class SVDProjector(Projector):
             return self._svd(G, side, rank)
         # Sharded G: gather it onto its owner rank (balanced by SVD cost, see
         # galore2.fsdp.assign_owners), whose SVD is broadcast; no rank repeats another's
-        # work. A failed SVD sends NaNs, so every rank keeps its old basis together.
-        owner = getattr(pl, "owner", None)
-        if owner is None:
-            owner = int(state["galore.seed"]) % pl.world
+        # work. GaLore.prepare batches this over a group so owners factor concurrently.
+        owner = self.owner(state, plan)
         full = pl.gather_rows(G, owner)
-        bases: dict[str, Tensor] = {}
-        if full is not None:
-            try:
-                bases = self._svd(full, side, rank)
-            except torch.linalg.LinAlgError:
-                bases = {}
-        out: dict[str, Tensor] = {}
+        return self.distribute(self.compute(full, plan), owner, plan, G.device)
+
+    @staticmethod
+    def owner(state: State, plan: Plan) -> int:
+        owner = getattr(plan.placement, "owner", None)
+        return int(state["galore.seed"]) % plan.placement.world if owner is None else owner
+
+    def compute(self, full: Tensor | None, plan: Plan) -> dict[str, Tensor] | None:
+        """The owner's SVD of the gathered G (NaN bases if it fails); None on other ranks."""
+        if full is None:
+            return None
+        try:
+            return self._svd(full, plan.side, plan.rank)
+        except torch.linalg.LinAlgError:  # NaNs make every rank keep its basis together
+            nan = float("nan")
+            out = {}
+            if plan.side in (LEFT, FULL):
+                out["left"] = torch.full((plan.m, plan.rank), nan, device=full.device)
+            if plan.side in (RIGHT, FULL):
+                out["right"] = torch.full((plan.n, plan.rank), nan, device=full.device)
+            return out
+
+    @staticmethod
+    def distribute(
+        bases: dict[str, Tensor] | None, owner: int, plan: Plan, device: torch.device
+    ) -> dict[str, Tensor]:
+        """Broadcast the owner's bases; each rank keeps its rows of P and all of Q."""
+        pl, out = plan.placement, {}
         for key, rows, wanted in (("left", plan.m, (LEFT, FULL)), ("right", plan.n, (RIGHT, FULL))):
-            if side in wanted:
-                mine = bases.get(key)
-                if full is not None and mine is None:
-                    mine = torch.full((rows, rank), float("nan"), device=G.device)
-                got = pl.broadcast(
-                    None if full is None else mine.contiguous(), owner, (rows, rank), G.device
-                )
+            if plan.side in wanted:
+                mine = None if bases is None else bases[key].contiguous()
+                got = pl.broadcast(mine, owner, (rows, plan.rank), device)
                 if key == "left":
                     start, stop = pl.row_range(plan.m)
                     got = got[start:stop]
