@@ -95,3 +95,40 @@ def arg_parser(doc: str | None) -> argparse.ArgumentParser:
 def setup(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
+
+
+def llama(size: dict[str, int], device: str | None = None) -> torch.nn.Module:
+    """An untied ``transformers.LlamaForCausalLM`` from a size dict (hidden, ffn, layers,
+    heads, vocab), built from its config (no hub access); ``device="meta"`` allocates nothing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=size["hidden"],
+        intermediate_size=size["ffn"],
+        num_hidden_layers=size["layers"],
+        num_attention_heads=size["heads"],
+        num_key_value_heads=size["heads"],
+        vocab_size=size["vocab"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device(device or "cpu"):
+        return LlamaForCausalLM(config)
+
+
+def cli(
+    module: str,
+    doc: str | None,
+    run: Callable[..., dict[str, Any]],
+    argv: list[str] | None = None,
+    **options: str,
+) -> None:
+    """The ``main()`` of a benchmark: ``--quick``/``--threads`` plus optional int ``options``
+    (name → help, passed to ``run``), then print the command, the machine and the result."""
+    parser = arg_parser(doc)
+    for name, help_text in options.items():
+        parser.add_argument(f"--{name}", type=int, default=None, help=help_text)
+    args = parser.parse_args(argv)
+    setup(args)
+    out = run(quick=args.quick, **{name: getattr(args, name) for name in options})
+    print(f"`{command(module)}`\n\n{machine_md()}\n\n{out['markdown']}")

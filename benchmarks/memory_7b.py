@@ -28,7 +28,7 @@ from torch import nn
 
 import galore2
 
-from ._common import arg_parser, command, machine_md, setup, table
+from ._common import cli, llama, table
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 FULL_SIZE = {"hidden": 4096, "ffn": 11008, "layers": 32, "heads": 32, "vocab": 32000, "rank": 1024}
@@ -36,19 +36,7 @@ QUICK_SIZE = {"hidden": 256, "ffn": 688, "layers": 2, "heads": 4, "vocab": 1000,
 
 
 def meta_llama(size: dict[str, int]) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=size["hidden"],
-        intermediate_size=size["ffn"],
-        num_hidden_layers=size["layers"],
-        num_attention_heads=size["heads"],
-        num_key_value_heads=size["heads"],
-        vocab_size=size["vocab"],
-        tie_word_embeddings=False,
-    )
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+    model = llama(size, device="meta")
     bad = {p.dtype for p in model.parameters()} - {torch.float32}
     assert not bad, f"expected fp32 parameters, got {bad}"
     return model
@@ -119,11 +107,7 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = arg_parser(__doc__)
-    args = parser.parse_args(argv)
-    setup(args)
-    out = run(quick=args.quick)
-    print(f"`{command('benchmarks.memory_7b')}`\n\n{machine_md()}\n\n{out['markdown']}")
+    cli("benchmarks.memory_7b", __doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -35,12 +35,9 @@ from torch import Tensor
 from galore2.projectors import LEFT, Plan, choose_side, get_projector
 
 from ._common import (
-    arg_parser,
-    command,
+    cli,
     import_galore_torch,
-    machine_md,
     median,
-    setup,
     table,
     time_call,
 )
@@ -141,12 +138,7 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = arg_parser(__doc__)
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per method")
-    args = parser.parse_args(argv)
-    setup(args)
-    out = run(quick=args.quick, repeats=args.repeats)
-    print(f"`{command('benchmarks.refresh')}`\n\n{machine_md()}\n\n{out['markdown']}")
+    cli("benchmarks.refresh", __doc__, run, argv, repeats="timed repeats per method")
 
 
 if __name__ == "__main__":

@@ -34,12 +34,10 @@ from torch import nn
 import galore2
 
 from ._common import (
-    arg_parser,
-    command,
+    cli,
     import_galore_torch,
-    machine_md,
+    llama,
     median,
-    setup,
     table,
     time_call,
 )
@@ -68,22 +66,6 @@ WARMUP = 3
 GAP = 10**9
 HPARAMS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 GALORE = {"update_proj_gap": GAP, "scale": 0.25, "proj_type": "std"}
-
-
-def build_model(size: dict[str, int]) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=size["hidden"],
-        intermediate_size=size["ffn"],
-        num_hidden_layers=size["layers"],
-        num_attention_heads=size["heads"],
-        num_key_value_heads=size["heads"],
-        vocab_size=size["vocab"],
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
 
 
 def optimizers(model: nn.Module, rank: int) -> dict[str, torch.optim.Optimizer]:
@@ -119,7 +101,7 @@ def check_no_refresh(opt: torch.optim.Optimizer) -> None:
 def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
     size = QUICK_SIZE if quick else FULL_SIZE
     rounds = rounds or size["rounds"]
-    model = build_model(size)
+    model = llama(size)
     n_params = sum(p.numel() for p in model.parameters())
     gen = torch.Generator().manual_seed(1)
     for p in model.parameters():
@@ -151,12 +133,7 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = arg_parser(__doc__)
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds")
-    args = parser.parse_args(argv)
-    setup(args)
-    out = run(quick=args.quick, rounds=args.rounds)
-    print(f"`{command('benchmarks.step_time')}`\n\n{machine_md()}\n\n{out['markdown']}")
+    cli("benchmarks.step_time", __doc__, run, argv, rounds="interleaved timing rounds")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import torch
 
 from galore2.fsdp.traffic import Traffic, collective_bytes
 
-from ._common import arg_parser, command, machine_md, setup, table
+from ._common import cli, table
 from .memory_7b import FULL_SIZE, QUICK_SIZE, TARGETS, meta_llama
 
 FULL_WORLDS = (8, 64, 512)
@@ -162,11 +162,7 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = arg_parser(__doc__)
-    args = parser.parse_args(argv)
-    setup(args)
-    out = run(quick=args.quick)
-    print(f"`{command('benchmarks.traffic_7b')}`\n\n{machine_md()}\n\n{out['markdown']}")
+    cli("benchmarks.traffic_7b", __doc__, run, argv)
 
 
 if __name__ == "__main__":

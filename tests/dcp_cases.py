@@ -9,7 +9,7 @@ from torch import nn
 
 from galore2.fsdp.checkpoint import load_checkpoint, save_checkpoint
 
-from .fsdp_cases import BATCH, data, make_model, optimizer
+from .fsdp_cases import BATCH, data, make_model, optimizer, shard
 
 STOP, END = 10, 20  # refreshes at 0 and 8 before the save, 16 after it
 SETTINGS = {"projector": "randomized", "moments_on_refresh": "project"}
@@ -19,13 +19,9 @@ def _build(world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = make_model()
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard(model, mesh)
     return model, optimizer(model, SETTINGS)
 
 

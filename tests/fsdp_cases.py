@@ -26,6 +26,17 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(10, 7), nn.Tanh(), nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
 
 
+def shard(model: nn.Module, mesh) -> nn.Module:
+    """``fully_shard`` every Linear, then the root (FSDP2 on a 1-D mesh, HSDP on a 2-D one)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
     return torch.randn(BATCH, 10, generator=g), torch.randn(BATCH, 5, generator=g)
@@ -48,17 +59,13 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int = 0, world: in
 
 def fsdp_matches_single_process(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
     for settings in CONFIGS:
         reference = make_model()
         sharded = copy.deepcopy(reference)
         train(reference, optimizer(reference, settings))
-        for layer in sharded:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(sharded, mesh=mesh)
+        shard(sharded, mesh)
         opt = optimizer(sharded, settings)
         train(sharded, opt, rank, world)
         for (name, p), q in zip(sharded.named_parameters(), reference.parameters(), strict=True):
@@ -81,7 +88,6 @@ def exact_refresh_is_split_and_batched(rank: int, world: int) -> None:
     """Each due matrix is factored once, by its owner; gathers all precede the SVDs."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from galore2.fsdp.placement import ShardedPlacement
     from galore2.projectors.svd import SVDProjector
@@ -101,10 +107,7 @@ def exact_refresh_is_split_and_batched(rank: int, world: int) -> None:
     try:
         model = make_model()
         mesh = init_device_mesh("cpu", (world,))
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard(model, mesh)
         opt = optimizer(model, {"projector": "svd"})
         x, y = data(0)
         nn.functional.mse_loss(model(x), y).backward()

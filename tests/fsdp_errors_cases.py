@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import galore2
 
-from .fsdp_cases import STEPS, data, make_model, optimizer
+from .fsdp_cases import STEPS, data, make_model, optimizer, shard
 
 SHAPE = (8, 6)
 
@@ -142,7 +142,6 @@ def _train_with_nans(model: nn.Module, opt, rank: int, world: int, check=None) -
 
 def nan_on_one_rank_is_skipped_everywhere(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     assert world == NAN_WORLD
     settings = {"projector": "randomized"}
@@ -153,10 +152,7 @@ def nan_on_one_rank_is_skipped_everywhere(rank: int, world: int) -> None:
     assert reference_opt.nonfinite_skips == len(NAN_AT)  # the reference skips them too
 
     mesh = init_device_mesh("cpu", (world,))
-    for layer in sharded:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(sharded, mesh=mesh)
+    shard(sharded, mesh)
     opt = optimizer(sharded, settings)
     params = list(sharded.parameters())
     skips = 0

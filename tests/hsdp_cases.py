@@ -13,10 +13,9 @@ import copy
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .fsdp_cases import make_model, optimizer, train
+from .fsdp_cases import make_model, optimizer, shard, train
 
 CONFIGS = [{"projector": "svd"}, {"projector": "randomized"}]
 
@@ -30,7 +29,6 @@ def _gather(t: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
 
 def hsdp_matches_single_process(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     assert world == 4
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -39,10 +37,7 @@ def hsdp_matches_single_process(rank: int, world: int) -> None:
         reference = make_model()
         hsdp = copy.deepcopy(reference)
         train(reference, optimizer(reference, settings))
-        for layer in hsdp:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(hsdp, mesh=mesh)
+        shard(hsdp, mesh)
         for name, p in hsdp.named_parameters():  # the layout under test really is HSDP
             assert isinstance(p, DTensor) and p.device_mesh.ndim == 2, name
             assert tuple(p.placements) == (Replicate(), Shard(0)), (name, p.placements)

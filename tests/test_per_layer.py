@@ -98,19 +98,15 @@ def test_refusals():
 
 def _fsdp_per_layer(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    from .fsdp_cases import BATCH, data, make_model, optimizer
+    from .fsdp_cases import BATCH, data, make_model, optimizer, shard
     from .fsdp_cases import STEPS as N
 
     mesh = init_device_mesh("cpu", (world,))
     models = []
     for per_layer_mode in (False, True):
         model = make_model()
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard(model, mesh)
         opt = optimizer(model, {"projector": "randomized"})
         updates = galore2.per_layer(model, opt, accumulation_steps=2) if per_layer_mode else None
         per = BATCH // world // 2
