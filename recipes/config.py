@@ -1,0 +1,255 @@
+"""Recipe configuration: TOML files read into dataclasses, any field overridable from the CLI.
+
+    python -m recipes.pretrain --config recipes/configs/tiny.toml \\
+        --optimizer galore_adamw --steps 200 --out runs/tiny --optim.rank 32 --data.seq_len 128
+
+A TOML file has one table per section (``[model]``, ``[data]``, ``[optim]``,
+``[train]``); every key must be a field of that section (typos are errors, not
+silently ignored). On the command line ``--section.field VALUE`` overrides a field;
+``--optimizer``, ``--steps`` and ``--out`` are shorthands for ``--optim.name``,
+``--train.steps`` and ``--train.out``. Values are parsed by the field's type
+(``true``/``false`` for booleans, ``none`` for optional fields, comma-separated
+lists).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass
+class ModelConfig:
+    """A Llama (``transformers.LlamaForCausalLM``) built from these fields; no hub access."""
+
+    vocab_size: int = 32000
+    dim: int = 512  # hidden_size
+    n_layers: int = 8
+    n_heads: int = 8
+    n_kv_heads: int | None = None  # None: = n_heads (no GQA)
+    ffn_dim: int = 1376  # intermediate_size
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    dtype: str = "auto"  # parameter dtype: auto = bf16 on GPU, fp32 on CPU; or fp32 / bf16
+    activation_checkpointing: bool = False
+    compile: bool = False
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from and how it becomes fixed-length token sequences."""
+
+    dataset: str = "embedded"  # "embedded", a local .txt/.jsonl file or folder, or a hub name
+    dataset_config: str | None = None  # hub dataset configuration, e.g. "en" for allenai/c4
+    split: str = "train"
+    text_field: str = "text"
+    streaming: bool = True  # hub datasets are streamed; local files are tokenized once
+    tokenizer: str = "byte"  # "byte" (no files), a local tokenizer folder, or a hub name
+    seq_len: int = 256
+    val_fraction: float = 0.05  # held-out share of documents (embedded / local files)
+    val_documents: int = 2000  # held-out documents at the head of a streamed dataset
+    shuffle_buffer: int = 10000  # streamed datasets only
+    seed: int = 0
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer (by name, see recipes.optimizers) and LR schedule."""
+
+    name: str = "galore_adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    # GaLore settings (galore_* optimizers; ignored by the others)
+    rank: int = 128
+    update_proj_gap: int = 200
+    scale: float = 0.25
+    proj_type: str = "std"
+    projector: str = "randomized"
+    target_modules: list[str] = field(default_factory=lambda: ["attn", "mlp"])
+    per_layer: bool = False  # update each parameter inside backward (frees its gradient)
+    max_grad_norm: float = 0.0  # 0: no clipping (per_layer refuses clipping)
+    # schedule: linear warmup, then cosine to min_lr_ratio·lr (GaLore's pre-training setup)
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.1  # used when warmup_steps == 0
+    min_lr_ratio: float = 0.1
+    num_iterations: int = 0  # 0: train.steps (Ranger21's schedule length)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 8  # sequences per rank per micro-batch
+    grad_accum: int = 1
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 2
+    out: str = "runs/pretrain"
+    resume: bool = True  # continue from the newest checkpoint under out/checkpoints
+    seed: int = 0
+    device: str = "auto"  # auto: cuda if available, else cpu
+    progress: bool = True
+    threads: int = 0  # CPU intra-op threads; 0: torch's default
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SHORTHANDS = {"optimizer": "optim.name", "steps": "train.steps", "out": "train.out"}
+
+
+def _field_type(section: Any, name: str) -> Any:
+    hints = typing.get_type_hints(type(section))
+    return hints[name]
+
+
+def _parse(value: Any, tp: Any, where: str) -> Any:
+    """Convert a TOML or CLI value to the field type ``tp``; clear error otherwise."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return None
+        return _parse(value, inner[0], where)
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ValueError(f"{where} must be a list, got {value!r}")
+        return [_parse(v, args[0], where) for v in value]
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+                return value.lower() in ("true", "1", "yes")
+            raise ValueError
+        if tp is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if tp is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if tp is str:
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+    except (TypeError, ValueError):
+        name = getattr(tp, "__name__", str(tp))
+        raise ValueError(f"{where} must be {name}, got {value!r}") from None
+    return value
+
+
+def _set(job: JobConfig, dotted: str, value: Any) -> None:
+    section_name, _, name = dotted.partition(".")
+    sections = {f.name for f in dataclasses.fields(job)}
+    if section_name not in sections or not name:
+        raise ValueError(
+            f"unknown setting {dotted!r}: use SECTION.FIELD with SECTION in {sorted(sections)}"
+        )
+    section = getattr(job, section_name)
+    names = [f.name for f in dataclasses.fields(section)]
+    if name not in names:
+        raise ValueError(f"unknown setting {dotted!r}; [{section_name}] has: {', '.join(names)}")
+    setattr(section, name, _parse(value, _field_type(section, name), dotted))
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A path as given, or a name in recipes/configs (``tiny`` → recipes/configs/tiny.toml)."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    named = CONFIG_DIR / (p.name if p.suffix == ".toml" else f"{p.name}.toml")
+    if named.is_file():
+        return named
+    known = sorted(q.stem for q in CONFIG_DIR.glob("*.toml"))
+    raise FileNotFoundError(
+        f"--config: no file {str(path)!r} and no recipe config of that name ({known})"
+    )
+
+
+def load_toml(job: JobConfig, path: str | Path) -> JobConfig:
+    with open(resolve_config_path(path), "rb") as f:
+        data = tomllib.load(f)
+    for section_name, values in data.items():
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: top-level key {section_name!r} must be a [section] table")
+        for name, value in values.items():
+            _set(job, f"{section_name}.{name}", value)
+    return job
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """Build a JobConfig from ``--config`` and ``--section.field value`` overrides."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pairs: list[tuple[str, str]] = []
+    config_path: str | None = None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            raise SystemExit(usage())
+        if not arg.startswith("--"):
+            raise ValueError(f"unexpected argument {arg!r}; settings are --section.field VALUE")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ValueError(f"--{key} needs a value")
+            value = argv[i + 1]
+            i += 1
+        i += 1
+        if key == "config":
+            config_path = value
+        else:
+            pairs.append((SHORTHANDS.get(key, key), value))
+    job = JobConfig()
+    if config_path is not None:
+        load_toml(job, config_path)
+    for dotted, value in pairs:
+        _set(job, dotted, value)
+    return job
+
+
+def usage() -> str:
+    lines = [
+        "usage: python -m recipes.pretrain [--config PATH|NAME] [--optimizer NAME] [--steps N]",
+        "                                  [--out DIR] [--SECTION.FIELD VALUE ...]",
+        "",
+        "settings (defaults shown; a TOML config sets them per section):",
+    ]
+    job = JobConfig()
+    for f in dataclasses.fields(job):
+        section = getattr(job, f.name)
+        for g in dataclasses.fields(section):
+            lines.append(f"  --{f.name}.{g.name} = {getattr(section, g.name)!r}")
+    return "\n".join(lines)

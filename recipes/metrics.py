@@ -1,0 +1,156 @@
+"""Run metrics: JSONL log, progress bar, throughput, MFU, peak memory, optimizer-state bytes.
+
+``DIR/metrics.jsonl`` gets one JSON object per log step (rank 0 only) with at
+least ``step``, ``loss``, ``lr``, ``tokens_per_s``, ``tokens``; eval steps add
+``val_loss``; GPU runs add ``mfu`` and ``peak_mem_gb`` (``max_memory_allocated``),
+CPU runs ``peak_rss_gb``. ``opt_state_bytes`` is the whole job's optimizer state
+(summed over ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+# Dense bf16 peak FLOP/s by device-name substring (vendor datasheets, no sparsity).
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """This rank's optimizer-state bytes (galore2's own count, else every state tensor's)."""
+    own = getattr(optimizer, "state_bytes", None)
+    if callable(own):
+        return int(own()["total"])
+    total = 0
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, DTensor):
+                v = v.to_local()
+            if isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+    return total
+
+
+def adamw_state_bytes(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> int:
+    """What torch's AdamW would hold for ``model``: two moments per element plus a step scalar."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * p.numel() * size + 4 for p in model.parameters() if p.requires_grad)
+
+
+def memory_fields(device: torch.device) -> dict[str, float]:
+    if device.type == "cuda":
+        return {"peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9}
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return {"peak_rss_gb": rss_kb * scale / 1e9}
+
+
+class Metrics:
+    """Accumulates losses between log steps and writes ``metrics.jsonl`` on rank 0."""
+
+    def __init__(
+        self,
+        out: str | Path,
+        *,
+        rank: int,
+        total_steps: int,
+        start_step: int,
+        flops_per_token: float,
+        device: torch.device,
+        progress: bool,
+    ) -> None:
+        self.rank = rank
+        self.device = device
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops(device)
+        self.path = Path(out) / "metrics.jsonl"
+        if rank == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if start_step == 0 and self.path.exists():
+                self.path.unlink()  # a fresh run; a resumed run appends
+        self._losses: list[float] = []
+        self._tokens = 0
+        self._t0 = time.perf_counter()
+        self.total_tokens = 0
+        self.history: list[dict[str, Any]] = []
+        self.bar = None
+        if progress and rank == 0:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def add(self, loss: torch.Tensor, tokens: int) -> None:
+        """Record one optimizer step's loss (a tensor, synced only at log time) and its tokens
+        (all ranks together)."""
+        self._losses.append(loss.detach())
+        self._tokens += tokens
+        self.total_tokens += tokens
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def log(self, step: int, lr: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Reduce over ranks, write one JSONL line, return it (every rank gets the same dict)."""
+        elapsed = max(time.perf_counter() - self._t0, 1e-9)
+        local = torch.stack(self._losses).float().mean().item() if self._losses else float("nan")
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        (loss_sum,) = all_reduce_sum([local], self.device)
+        rec: dict[str, Any] = {
+            "step": step,
+            "loss": loss_sum / world,
+            "lr": lr,
+            "tokens_per_s": self._tokens / elapsed,
+            "tokens": self.total_tokens,
+        }
+        if self.peak is not None:
+            rec["mfu"] = rec["tokens_per_s"] * self.flops_per_token / (self.peak * world)
+        rec.update(memory_fields(self.device))
+        rec.update(extra or {})
+        self.write(rec)
+        self._losses, self._tokens = [], 0
+        self._t0 = time.perf_counter()
+        return rec
+
+    def write(self, rec: dict[str, Any]) -> None:
+        self.history.append(rec)
+        if self.rank != 0:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.bar is not None:
+            shown = {k: rec[k] for k in ("loss", "val_loss", "tokens_per_s") if k in rec}
+            self.bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()})
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "metrics.jsonl"
+    with open(p) as f:
+        return [json.loads(line) for line in f if line.strip()]

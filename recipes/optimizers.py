@@ -1,0 +1,162 @@
+"""Optimizer factory (``--optimizer NAME``) and the recipe's LR schedule.
+
+Names and what they build:
+
+=====================  ==========================================================
+``adamw``              ``torch.optim.AdamW`` (foreach)
+``adamw8bit``          bitsandbytes ``AdamW8bit`` (8-bit blockwise moments)
+``galore_adamw``       ``galore2.GaLoreAdamW`` (low-rank fp32 moments)
+``galore_adamw8bit``   ``galore2.GaLoreAdamW8bit`` (low-rank 8-bit moments)
+``galore_adafactor``   ``galore2.GaLoreAdafactor`` (factored low-rank second moment)
+``ranger21``           ``galore2.Ranger21`` (full rank)
+``galore_ranger21``    ``galore2.GaLoreRanger21``
+=====================  ==========================================================
+
+Every optimizer gets the same parameter split: weight decay on ≥2-D weights only
+(norm weights and biases get none), and for ``galore_*`` the weights of modules
+matching ``optim.target_modules`` are projected (GaLore's recipe: attention and
+MLP matrices; embeddings and the output head stay full rank). Names whose
+galore2 class has not been built yet fail with a clear message.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import galore2
+
+from .config import OptimConfig
+
+# name -> (galore2 class or None for a non-galore2 optimizer, projected?)
+_GALORE2 = {
+    "galore_adamw": ("GaLoreAdamW", True),
+    "galore_adamw8bit": ("GaLoreAdamW8bit", True),
+    "galore_adafactor": ("GaLoreAdafactor", True),
+    "ranger21": ("Ranger21", False),
+    "galore_ranger21": ("GaLoreRanger21", True),
+}
+NAMES = ("adamw", "adamw8bit", *_GALORE2)
+_PENDING = {
+    "GaLoreAdamW8bit": "the 8-bit / quantized-state issue (#6)",
+    "GaLoreAdafactor": "the 8-bit / quantized-state issue (#6)",
+    "Ranger21": "the Ranger21 modules issue (#5)",
+    "GaLoreRanger21": "the Ranger21 modules issue (#5)",
+}
+
+
+def _split_decay(params: list[nn.Parameter], settings: dict[str, Any], wd: float) -> list[dict]:
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [
+        {"params": decay, **settings, "weight_decay": wd},
+        {"params": no_decay, **settings, "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def param_groups(model: nn.Module, cfg: OptimConfig, projected: bool) -> list[dict[str, Any]]:
+    """Groups for ``cfg``: projected weights (if any), then decayed / undecayed plain params."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not projected:
+        return _split_decay(params, {}, cfg.weight_decay)
+    galore_keys = {
+        "rank": cfg.rank,
+        "update_proj_gap": cfg.update_proj_gap,
+        "scale": cfg.scale,
+        "proj_type": cfg.proj_type,
+        "projector": cfg.projector,
+    }
+    found = galore2.param_groups(
+        model, cfg.target_modules, weight_decay=cfg.weight_decay, **galore_keys
+    )
+    projected_group = [g for g in found if "rank" in g]
+    plain = [p for g in found if "rank" not in g for p in g["params"]]
+    return projected_group + _split_decay(plain, {}, cfg.weight_decay)
+
+
+def _resolve(name: str) -> Callable[..., torch.optim.Optimizer]:
+    if name == "adamw":
+        return torch.optim.AdamW
+    if name == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError as e:
+            raise RuntimeError(
+                "optim.name='adamw8bit' needs bitsandbytes: pip install bitsandbytes"
+            ) from e
+        return bnb.optim.AdamW8bit
+    cls_name, _ = _GALORE2[name]
+    cls = getattr(galore2, cls_name, None)
+    if cls is None:
+        raise NotImplementedError(
+            f"optim.name={name!r}: galore2.{cls_name} is not available yet (it lands with "
+            f"{_PENDING.get(cls_name, 'a later release')}); available now: "
+            f"{', '.join(n for n in NAMES if available(n))}"
+        )
+    return cls
+
+
+def available(name: str) -> bool:
+    try:
+        _resolve(name)
+    except (NotImplementedError, RuntimeError):
+        return False
+    return True
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int) -> torch.optim.Optimizer:
+    """The optimizer ``cfg.name`` over ``model``'s trainable parameters."""
+    if cfg.name not in NAMES:
+        raise ValueError(f"optim.name must be one of {', '.join(NAMES)}; got {cfg.name!r}")
+    cls = _resolve(cfg.name)
+    projected = _GALORE2.get(cfg.name, (None, False))[1]
+    groups = param_groups(model, cfg, projected)
+    kwargs: dict[str, Any] = {
+        "lr": cfg.lr,
+        "betas": (cfg.beta1, cfg.beta2),
+        "eps": cfg.eps,
+        "weight_decay": cfg.weight_decay,
+    }
+    if cfg.name in ("ranger21", "galore_ranger21"):
+        kwargs["num_iterations"] = cfg.num_iterations or total_steps
+    return cls(groups, **kwargs)
+
+
+def schedule_fn(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
+    """LR multiplier at step s: linear warmup, then cosine from 1 to ``min_lr_ratio``."""
+    if total_steps < 1:
+        raise ValueError(f"train.steps must be >= 1, got {total_steps}")
+    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
+        raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    warmup = cfg.warmup_steps or int(cfg.warmup_ratio * total_steps)
+    warmup = min(max(warmup, 0), total_steps)
+
+    def fn(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
+
+    return fn
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_fn(cfg, total_steps))
+
+
+def restore_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> None:
+    """After loading an optimizer checkpoint taken at ``step``: continue the schedule from there.
+
+    The loaded param groups already carry that step's learning rates; only the
+    scheduler's counter has to follow.
+    """
+    scheduler.last_epoch = step
+    scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]  # type: ignore[attr-defined]

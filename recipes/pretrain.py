@@ -1,0 +1,91 @@
+"""Llama pre-training: ``python -m recipes.pretrain`` (one process) or ``torchrun -m recipes.pretrain``.
+
+    python -m recipes.pretrain --config tiny --optimizer galore_adamw --steps 300 --out runs/tiny
+    torchrun --nproc_per_node 8 -m recipes.pretrain --config llama_60m --out runs/60m
+
+Settings: recipes/config.py (``--help`` lists them all). Under torchrun the model
+is FSDP2-sharded (gloo on CPU, nccl on GPU). The run resumes from the newest
+checkpoint in ``--out`` and writes ``metrics.jsonl``, ``config.json`` and
+``summary.json`` there.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch.distributed as dist
+
+import galore2
+
+from . import checkpoint, data, optimizers
+from . import model as modeling
+from .config import parse_args
+from .metrics import Metrics, adamw_state_bytes, all_reduce_sum, optimizer_state_bytes
+from .runtime import evaluate, setup, train_step
+from .summary import print_summary, write_config
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    job = parse_args(argv)
+    t, o = job.train, job.optim
+    if o.per_layer and o.max_grad_norm:
+        raise ValueError(
+            "optim.per_layer cannot clip the global gradient norm: set max_grad_norm 0"
+        )
+    rank, world, device = setup(job)
+
+    tokenizer = data.load_tokenizer(job.data.tokenizer)
+    if tokenizer.vocab_size > job.model.vocab_size:  # e.g. T5's sentinel ids, never in text
+        msg = f"tokenizer has {tokenizer.vocab_size} ids; model.vocab_size={job.model.vocab_size}"
+        warnings.warn(msg, stacklevel=1)
+    train_loader, val_loader = data.build_loaders(job.data, tokenizer, t.batch_size, rank, world)
+    model = modeling.prepare(modeling.build_model(job.model, device), job.model, device, world)
+    opt = optimizers.build_optimizer(model, o, t.steps)
+    sched = optimizers.build_scheduler(opt, o, t.steps)
+    updates = None
+    if o.per_layer:
+        updates = galore2.per_layer(model, opt, accumulation_steps=t.grad_accum, scheduler=sched)
+    start, tokens = (0, 0)
+    if t.resume:
+        start, tokens = checkpoint.resume(t.out, model, opt, sched, train_loader, device)
+
+    n_body = modeling.n_params(model, exclude_embeddings=True)
+    metrics = Metrics(
+        t.out,
+        rank=rank,
+        total_steps=t.steps,
+        start_step=start,
+        flops_per_token=modeling.flops_per_token(job.model, n_body, job.data.seq_len),
+        device=device,
+        progress=t.progress,
+    )
+    metrics.total_tokens = tokens
+    if rank == 0:
+        write_config(t.out, job)
+    opt_bytes = None
+    for step in range(start + 1, t.steps + 1):
+        loss = train_step(model, train_loader, opt, sched, updates, job, device)
+        metrics.add(loss, train_loader.tokens_per_batch * t.grad_accum * world)
+        last = step == t.steps
+        if step % t.log_every == 0 or last:
+            if opt_bytes is None:  # state exists after the first step; its size is fixed
+                opt_bytes = int(all_reduce_sum([float(optimizer_state_bytes(opt))], device)[0])
+            extra = {"opt_state_bytes": opt_bytes}
+            if step % t.eval_every == 0 or last:
+                extra["val_loss"] = evaluate(model, val_loader, t.eval_batches, device)
+            metrics.log(step, sched.get_last_lr()[0], extra)
+        if (t.checkpoint_every and step % t.checkpoint_every == 0) or last:
+            total = metrics.total_tokens
+            checkpoint.save(
+                t.out, step, model, opt, train_loader, total, device, t.keep_checkpoints
+            )
+    metrics.close()
+    if rank == 0 and metrics.history:
+        print_summary(job, metrics.history, opt_bytes, adamw_state_bytes(model))
+    if world > 1:
+        dist.destroy_process_group()
+    return metrics.history
+
+
+if __name__ == "__main__":
+    main()

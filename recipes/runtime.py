@@ -1,0 +1,72 @@
+"""The recipe's moving parts: process setup, one optimizer step, evaluation."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from .config import JobConfig
+from .metrics import all_reduce_sum
+
+
+def setup(job: JobConfig) -> tuple[int, int, torch.device]:
+    """(rank, world size, device); starts the process group under torchrun (gloo / nccl)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if job.train.device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"train.device must be auto, cpu or cuda; got {job.train.device!r}")
+    cuda = job.train.device == "cuda" or (job.train.device == "auto" and torch.cuda.is_available())
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    if job.train.threads:
+        torch.set_num_threads(job.train.threads)
+    torch.manual_seed(job.train.seed)  # identical on every rank: same init, replicated RNG
+    return (dist.get_rank() if world > 1 else 0), world, device
+
+
+def train_step(
+    model, loader, optimizer, scheduler, updates, job: JobConfig, device
+) -> torch.Tensor:
+    """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss (a tensor).
+
+    With per-layer ``updates`` the parameters are stepped inside backward (and the
+    schedule advanced by it); otherwise: clip (optional), step, schedule, zero.
+    """
+    accum = job.train.grad_accum
+    total = torch.zeros((), device=device)
+    for _ in range(accum):
+        batch = {k: v.to(device, non_blocking=True) for k, v in loader.next_batch().items()}
+        loss = model(**batch).loss / accum
+        if updates is not None:
+            updates.backward(loss)
+        else:
+            loss.backward()
+        total += loss.detach()
+    if updates is None:
+        if job.optim.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), job.optim.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+@torch.no_grad()
+def evaluate(model, val_loader, n_batches: int, device: torch.device) -> float:
+    """Mean validation loss over the first ``n_batches`` batches of every rank."""
+    model.eval()
+    losses = [
+        model(**{k: v.to(device) for k, v in b.items()}).loss.float()
+        for b in val_loader.batches(n_batches)
+    ]
+    model.train()
+    local = torch.stack(losses).sum().item() if losses else 0.0
+    total, count = all_reduce_sum([local, float(len(losses))], device)
+    return total / max(count, 1.0)

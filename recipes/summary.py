@@ -1,0 +1,59 @@
+"""End-of-run summary and the run's resolved configuration (``OUT/config.json``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .config import JobConfig
+
+
+def write_config(out: str | Path, job: JobConfig) -> None:
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(job.to_dict(), indent=2) + "\n")
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def summarize(history: list[dict[str, Any]], opt_bytes: int | None, adamw_bytes: int) -> dict:
+    """Final train loss (last log window), last val loss, mean tokens/s, state bytes vs AdamW's."""
+    last = history[-1]
+    vals = [r["val_loss"] for r in history if "val_loss" in r]
+    rates = [r["tokens_per_s"] for r in history[1:]] or [last["tokens_per_s"]]  # skip warm-up
+    out = {
+        "step": last["step"],
+        "train_loss": last["loss"],
+        "val_loss": vals[-1] if vals else None,
+        "tokens_per_s": sum(rates) / len(rates),
+        "tokens": last["tokens"],
+        "opt_state_bytes": opt_bytes,
+        "adamw_state_bytes": adamw_bytes,
+    }
+    if opt_bytes is not None and adamw_bytes:
+        out["state_ratio"] = opt_bytes / adamw_bytes
+    return out
+
+
+def print_summary(
+    job: JobConfig, history: list[dict[str, Any]], opt_bytes: int | None, adamw_bytes: int
+) -> dict:
+    s = summarize(history, opt_bytes, adamw_bytes)
+    val = f"{s['val_loss']:.4f}" if s["val_loss"] is not None else "n/a"
+    lines = [
+        f"== {job.optim.name}: {s['step']} steps, {s['tokens']:,} tokens ==",
+        f"final train loss   {s['train_loss']:.4f}",
+        f"final val loss     {val}",
+        f"throughput         {s['tokens_per_s']:,.0f} tokens/s",
+    ]
+    if opt_bytes is not None:
+        lines.append(
+            f"optimizer state    {_gb(opt_bytes)}  vs AdamW's {_gb(adamw_bytes)} "
+            f"({s.get('state_ratio', float('nan')):.3f}×)"
+        )
+    print("\n".join(lines), flush=True)
+    Path(job.train.out, "summary.json").write_text(json.dumps(s, indent=2) + "\n")
+    return s
