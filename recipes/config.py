@@ -95,7 +95,8 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 1000
+    steps: int = 1000  # the run's length (the LR schedule spans it)
+    stop_after: int = 0  # >0: checkpoint and exit after this step (resume later); 0: run to steps
     batch_size: int = 8  # sequences per rank per micro-batch
     grad_accum: int = 1
     log_every: int = 10

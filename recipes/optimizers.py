@@ -93,10 +93,10 @@ def _resolve(name: str) -> Callable[..., torch.optim.Optimizer]:
     cls_name, _ = _GALORE2[name]
     cls = getattr(galore2, cls_name, None)
     if cls is None:
+        ready = [n for n in NAMES if n not in _GALORE2 or hasattr(galore2, _GALORE2[n][0])]
         raise NotImplementedError(
             f"optim.name={name!r}: galore2.{cls_name} is not available yet (it lands with "
-            f"{_PENDING.get(cls_name, 'a later release')}); available now: "
-            f"{', '.join(n for n in NAMES if available(n))}"
+            f"{_PENDING.get(cls_name, 'a later release')}); available now: {', '.join(ready)}"
         )
     return cls
 

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import warnings
 
-import torch.distributed as dist
-
 import galore2
 
 from . import checkpoint, data, optimizers
 from . import model as modeling
 from .config import parse_args
 from .metrics import Metrics, adamw_state_bytes, all_reduce_sum, optimizer_state_bytes
-from .runtime import evaluate, setup, train_step
+from .runtime import evaluate, setup, teardown, train_step
 from .summary import print_summary, write_config
 
 
@@ -63,10 +61,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if rank == 0:
         write_config(t.out, job)
     opt_bytes = None
-    for step in range(start + 1, t.steps + 1):
+    stop = min(t.stop_after, t.steps) if t.stop_after > 0 else t.steps
+    for step in range(start + 1, stop + 1):
         loss = train_step(model, train_loader, opt, sched, updates, job, device)
         metrics.add(loss, train_loader.tokens_per_batch * t.grad_accum * world)
-        last = step == t.steps
+        last = step == stop
         if step % t.log_every == 0 or last:
             if opt_bytes is None:  # state exists after the first step; its size is fixed
                 opt_bytes = int(all_reduce_sum([float(optimizer_state_bytes(opt))], device)[0])
@@ -82,8 +81,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     metrics.close()
     if rank == 0 and metrics.history:
         print_summary(job, metrics.history, opt_bytes, adamw_state_bytes(model))
-    if world > 1:
-        dist.destroy_process_group()
+    teardown(world)
     return metrics.history
 
 

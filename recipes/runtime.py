@@ -10,10 +10,14 @@ import torch.distributed as dist
 from .config import JobConfig
 from .metrics import all_reduce_sum
 
+_OWNED: list[bool] = []  # non-empty while this module owns the process group
+
 
 def setup(job: JobConfig) -> tuple[int, int, torch.device]:
     """(rank, world size, device); starts the process group under torchrun (gloo / nccl)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = (
+        dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    )
     if job.train.device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"train.device must be auto, cpu or cuda; got {job.train.device!r}")
     cuda = job.train.device == "cuda" or (job.train.device == "auto" and torch.cuda.is_available())
@@ -25,10 +29,20 @@ def setup(job: JobConfig) -> tuple[int, int, torch.device]:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
+        _OWNED.append(True)
     if job.train.threads:
         torch.set_num_threads(job.train.threads)
     torch.manual_seed(job.train.seed)  # identical on every rank: same init, replicated RNG
     return (dist.get_rank() if world > 1 else 0), world, device
+
+
+def teardown(world: int) -> None:
+    """Every rank meets the others before the process group goes (gloo aborts otherwise)."""
+    if world > 1 and dist.is_initialized():
+        dist.barrier()
+        if _OWNED:  # a group the caller created is the caller's to destroy
+            _OWNED.clear()
+            dist.destroy_process_group()
 
 
 def train_step(
@@ -62,11 +76,11 @@ def train_step(
 def evaluate(model, val_loader, n_batches: int, device: torch.device) -> float:
     """Mean validation loss over the first ``n_batches`` batches of every rank."""
     model.eval()
-    losses = [
-        model(**{k: v.to(device) for k, v in b.items()}).loss.float()
-        for b in val_loader.batches(n_batches)
-    ]
+    total, rows = torch.zeros((), device=device, dtype=torch.float64), 0
+    for b in val_loader.batches(n_batches):  # the last batch may be short: weight by rows
+        n = b["input_ids"].shape[0]
+        total += model(**{k: v.to(device) for k, v in b.items()}).loss.double() * n
+        rows += n
     model.train()
-    local = torch.stack(losses).sum().item() if losses else 0.0
-    total, count = all_reduce_sum([local, float(len(losses))], device)
-    return total / max(count, 1.0)
+    total_all, rows_all = all_reduce_sum([total.item(), float(rows)], device)
+    return total_all / max(rows_all, 1.0)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,14 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+@contextmanager
+def _quiet_single_process():
+    """DCP warns that it 'assumes a single process' when no group exists: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -90,7 +100,8 @@ def save_checkpoint(
         "optim": get_optimizer_state_dict(model, optimizer, options=_options(flatten)),
         "extra": extra or {},
     }
-    dcp.save(state, checkpoint_id=str(tmp))
+    with _quiet_single_process():
+        dcp.save(state, checkpoint_id=str(tmp))
     _barrier()
     if _rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -127,7 +138,8 @@ def load_checkpoint(
         "optim": get_optimizer_state_dict(model, optimizer, options=_options(flatten)),
         "extra": dict(extra or {}),
     }
-    dcp.load(state, checkpoint_id=str(found[step]))
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=str(found[step]))
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"], options=_options(flatten))
     return state["extra"]

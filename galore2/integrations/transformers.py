@@ -1,0 +1,196 @@
+"""Hugging Face ``Trainer`` integration: a :class:`~galore2.GaLoreAdamW` from ``TrainingArguments``.
+
+Two ways in::
+
+    opt = create_optimizer(model, args, rank=128)
+    trainer = Trainer(model, args, optimizers=(opt, None), ...)
+
+    trainer = GaLoreTrainer(model, args, galore_settings={"rank": 128}, ...)
+
+Use :class:`GaLoreTrainer` with FSDP: the Trainer refuses ``optimizers=`` there. FSDP2
+(``fsdp_version=2``) works: the optimizer is built on the unsharded model, accelerate swaps
+the sharded parameters in before the first step, and galore2 creates its state lazily on
+that step. FSDP1's flattened 1-D parameters cannot be projected.
+
+Importing this module imports ``transformers``; ``import galore2`` does not.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import transformers
+from torch import nn
+from transformers.trainer_utils import check_target_module_exists
+
+from ..groups import _output_head_names, param_groups
+from ..optim.adamw import GaLoreAdamW
+from ..optim.config import GALORE_DEFAULTS
+
+#: Settings for the optimizer as a whole (every group), not only the GaLore groups.
+OPTIMIZER_SETTINGS = ("state_dtype", "nonfinite")
+#: Every key accepted in ``galore_settings`` and in ``args.optim_args``.
+ALLOWED_SETTINGS = (*GALORE_DEFAULTS, *OPTIMIZER_SETTINGS, "target_modules")
+#: The rank used when neither ``galore_settings`` nor ``args.optim_args`` sets one
+#: (the default of the Trainer's own ``optim="galore_adamw"``).
+DEFAULT_RANK = 128
+
+_INT_KEYS = ("rank", "update_proj_gap", "oversample", "power_iters", "seed")
+
+
+def parse_optim_args(optim_args: str | None) -> dict[str, Any]:
+    """Parse ``TrainingArguments.optim_args`` (``"rank=128,update_proj_gap=200,scale=0.25"``).
+
+    Integer settings become ``int``, ``scale`` a ``float``; the rest stay strings. Unknown
+    keys and malformed entries raise ``ValueError``.
+    """
+    out: dict[str, Any] = {}
+    if not optim_args:
+        return out
+    for item in optim_args.replace(" ", "").split(","):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"optim_args entries must look like key=value, got {item!r}")
+        _check_keys([key], "optim_args")
+        try:
+            out[key] = int(value) if key in _INT_KEYS else float(value) if key == "scale" else value
+        except ValueError as e:
+            raise ValueError(f"optim_args: {key}={value!r} is not a valid {key}") from e
+    return out
+
+
+def _check_keys(keys: Iterable[str], source: str) -> None:
+    unknown = sorted(set(keys) - set(ALLOWED_SETTINGS))
+    if unknown:
+        raise ValueError(
+            f"{source}: unknown GaLore setting(s) {unknown}; allowed: {sorted(ALLOWED_SETTINGS)}"
+        )
+
+
+def target_module_names(model: nn.Module, target_modules: str | list[str]) -> list[str]:
+    """Names of the ``nn.Linear`` modules whose weights are projected, as the Trainer picks them.
+
+    ``target_modules`` follows ``TrainingArguments.optim_target_modules``: a string is
+    ``re.fullmatch``-ed against each module name; a list matches a name equal to an entry,
+    containing an entry, or fullmatching an entry as a regex (``check_target_module_exists``).
+    ``"all-linear"`` is every ``nn.Linear`` except the output head (``lm_head``), unlike the
+    Trainer's own GaLore path, which projects the head too. Matched modules that are not
+    ``nn.Linear`` are skipped, with a warning when matched by name rather than by regex.
+    """
+    if isinstance(target_modules, str) and target_modules.replace("_", "-") == "all-linear":
+        heads = _output_head_names(model)
+        names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in heads]
+    elif isinstance(target_modules, (str, list, tuple)):
+        targets = target_modules if isinstance(target_modules, str) else list(target_modules)
+        names, ignored = [], []
+        for name, module in model.named_modules():
+            found, is_regex = check_target_module_exists(targets, name, return_is_regex=True)
+            if found and isinstance(module, nn.Linear):
+                names.append(name)
+            elif found and not is_regex:
+                ignored.append(name)
+        if ignored:
+            warnings.warn(
+                f"galore2: modules {ignored} match optim_target_modules but are not nn.Linear; "
+                "they are trained without projection",
+                stacklevel=3,
+            )
+    else:
+        raise TypeError(
+            "optim_target_modules must be a list of strings, a regex string or 'all-linear', "
+            f"got {target_modules!r}"
+        )
+    if not names:
+        raise ValueError(f"galore2: no nn.Linear module matches {target_modules!r}")
+    return names
+
+
+def _decay_parameter_names(model: nn.Module) -> list[str]:
+    # The Trainer's rule (biases and LayerNorm/RMSNorm weights are not decayed); the method
+    # does not use ``self``, so it can be called on the class.
+    return transformers.Trainer.get_decay_parameter_names(None, model)
+
+
+def _build(
+    model: nn.Module,
+    args: transformers.TrainingArguments,
+    galore_settings: dict[str, Any],
+    decay_names: Iterable[str],
+) -> GaLoreAdamW:
+    _check_keys(galore_settings, "galore_settings")
+    settings = {"rank": DEFAULT_RANK, **parse_optim_args(args.optim_args), **galore_settings}
+    target = settings.pop("target_modules", None) or args.optim_target_modules or "all-linear"
+    optimizer_wide = {k: settings.pop(k) for k in OPTIMIZER_SETTINGS if k in settings}
+
+    names = target_module_names(model, target)
+    # An anchored alternation of the exact names: param_groups then picks exactly these
+    # modules and does the rest (trainable, ≥2-D, tied parameters once, settings checked).
+    exact = "^(?:" + "|".join(map(re.escape, names)) + ")$"
+    decay = set(decay_names)
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    groups = []
+    for group in param_groups(model, exact, **settings):
+        for wd, decayed in ((args.weight_decay, True), (0.0, False)):
+            params = [p for p in group["params"] if (name_of[id(p)] in decay) == decayed]
+            if params:
+                groups.append({**group, "params": params, "weight_decay": wd})
+    return GaLoreAdamW(
+        groups,
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        weight_decay=args.weight_decay,
+        **optimizer_wide,
+    )
+
+
+def create_optimizer(
+    model: nn.Module, args: transformers.TrainingArguments, **galore_settings: Any
+) -> GaLoreAdamW:
+    """A :class:`~galore2.GaLoreAdamW` for ``Trainer(model, args, optimizers=(opt, None))``.
+
+    From ``args``: ``learning_rate``, ``weight_decay``, ``adam_beta1``/``adam_beta2``,
+    ``adam_epsilon``, ``optim_target_modules`` (``None`` → ``"all-linear"``; see
+    :func:`target_module_names`) and ``optim_args`` (``"rank=128,update_proj_gap=200"``).
+    ``galore_settings`` override both: GaLore keys (``rank`` — default 128 —,
+    ``update_proj_gap``, ``scale``, ``proj_type``, ``projector``, ``oversample``,
+    ``power_iters``, ``moments_on_refresh``, ``seed``) go on the projected groups;
+    ``state_dtype`` and ``nonfinite`` apply to every group; ``target_modules`` replaces
+    ``args.optim_target_modules``. Any other key raises ``ValueError``.
+
+    Up to four groups (projected/plain × decayed/not): parameters the Trainer would not
+    decay (biases, norm weights; ``Trainer.get_decay_parameter_names``) get
+    ``weight_decay=0``. Only trainable parameters are included.
+    """
+    return _build(model, args, galore_settings, _decay_parameter_names(model))
+
+
+class GaLoreTrainer(transformers.Trainer):
+    """``transformers.Trainer`` whose optimizer is a :class:`~galore2.GaLoreAdamW`.
+
+    ``galore_settings`` are those of :func:`create_optimizer` (checked here, before any
+    training). The optimizer is built in :meth:`create_optimizer`, so this also works where
+    the Trainer refuses ``optimizers=`` (FSDP). An optimizer passed in ``optimizers=`` is
+    kept as is; ``args.optim`` is not used.
+    """
+
+    def __init__(self, *args: Any, galore_settings: dict[str, Any] | None = None, **kwargs: Any):
+        self.galore_settings = dict(galore_settings or {})
+        _check_keys(self.galore_settings, "galore_settings")
+        super().__init__(*args, **kwargs)
+
+    def create_optimizer(self, model: nn.Module | None = None) -> GaLoreAdamW:
+        opt_model = self.model if model is None else model
+        if self.optimizer is None:
+            self.optimizer = _build(
+                opt_model,
+                self.args,
+                self.galore_settings,
+                self.get_decay_parameter_names(opt_model),
+            )
+        return self.optimizer
