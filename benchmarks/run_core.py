@@ -6,6 +6,7 @@ Usage (repository root, venv active, ideally on a quiet machine)::
     python -m benchmarks.run_core --quick               # small sizes → runs/BENCHMARKS-quick.md
     python -m benchmarks.run_core --only refresh,memory_7b --out /tmp/bench.md
     python -m benchmarks.run_core --only traffic_7b          # meta-device math, seconds
+    python -m benchmarks.run_core --only recipe_tiny,recipe_memory_7b   # the recipe's figures
 
 Full-size results go to ``BENCHMARKS.md`` at the repository root. ``--quick``
 (a smoke test: small sizes, numbers not meaningful) writes to
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import memory_7b, refresh, step_time, traffic_7b
+from . import memory_7b, recipe_memory_7b, recipe_tiny, refresh, step_time, traffic_7b
 from ._common import arg_parser, command, machine_md, setup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +40,8 @@ BENCHMARKS: dict[str, tuple[str, Callable[[bool], dict[str, Any]]]] = {
     "step_time": ("Optimizer step time (non-refresh steps)", step_time.run),
     "memory_7b": ("Optimizer-state memory, Llama-7B shapes", memory_7b.run),
     "traffic_7b": ("Collective traffic under FSDP2, Llama-7B shapes (on paper)", traffic_7b.run),
+    "recipe_tiny": ("Main job: tiny recipe, AdamW vs GaLoreAdamW", recipe_tiny.run),
+    "recipe_memory_7b": ("Llama-7B recipe: expected per-GPU memory", recipe_memory_7b.run),
 }
 
 

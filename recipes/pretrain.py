@@ -79,6 +79,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 t.out, step, model, opt, train_loader, total, device, t.keep_checkpoints
             )
     metrics.close()
+    if rank == 0 and start >= stop:
+        print(
+            f"{t.out}: already at step {start} of {stop}; nothing to do "
+            "(use another --out, --train.resume false, or more --steps)"
+        )
     if rank == 0 and metrics.history:
         print_summary(job, metrics.history, opt_bytes, adamw_state_bytes(model))
     teardown(world)
