@@ -211,3 +211,18 @@ def test_torchrun_fsdp2_resume_matches_uninterrupted(tmp_path):
     )
     assert whole[-1]["loss"] == pytest.approx(single[-1]["loss"], rel=2e-3)
     assert torch.distributed.is_initialized() is False
+
+
+def test_activation_checkpointing_gives_the_same_run(tmp_path):
+    plain = run(tmp_path / "plain", "--steps", "6")
+    ckpt = run(tmp_path / "ac", "--steps", "6", "--model.activation_checkpointing", "true")
+    for a, b in zip(plain, ckpt, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_like_eager(tmp_path):
+    eager = run(tmp_path / "eager", "--steps", "6")
+    compiled = run(tmp_path / "compiled", "--steps", "6", "--model.compile", "true")
+    for a, b in zip(eager, compiled, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
