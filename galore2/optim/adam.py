@@ -91,6 +91,13 @@ class ScaleByAdam(Transform):
         torch._foreach_add_(denoms, shift)
         return list(torch._foreach_div(exp_avgs, denoms))
 
+    def second_moment_sum(self, state: State, group: Group) -> Tensor | None:
+        t = int(state["adam.step"])
+        if t == 0:
+            return torch.zeros((), dtype=torch.float64)
+        v = state["adam.exp_avg_sq"]
+        return v.sum(dtype=torch.float64) / (1 - group["betas"][1] ** t)
+
     def reset(self, state: State, group: Group) -> None:
         super().reset(state, group)
         state["adam.step"].zero_()

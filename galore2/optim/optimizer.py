@@ -20,7 +20,7 @@ moments of bf16 parameters to the parameter's dtype).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain as iter_chain
 from typing import Any
 
@@ -33,6 +33,7 @@ from ..projectors import _BY_NAME as _PROJECTORS
 from ..projectors.base import Projector
 from .adam import counter
 from .config import validate_group
+from .hooks import GradientTransform, ParamTransform, run_param_transforms
 from .transform import (
     Context,
     LowRankUpdate,
@@ -55,8 +56,19 @@ ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
 class ChainOptimizer(torch.optim.Optimizer):
     """Runs a chain of :class:`~galore2.optim.transform.Transform` per parameter."""
 
-    def __init__(self, params: ParamsT, chain: list[Transform], defaults: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        params: ParamsT,
+        chain: list[Transform],
+        defaults: dict[str, Any],
+        *,
+        grad_transforms: Sequence[GradientTransform] = (),
+        param_transforms: Sequence[ParamTransform] = (),
+    ) -> None:
         self._chain = list(chain)
+        self._grad_transforms = list(grad_transforms)
+        self._param_transforms = list(param_transforms)
+        self._owns_decay = any(t.owns_weight_decay for t in self._param_transforms)
         self._warned: set[str] = set()
         self._placements: dict[int, Placement] = {}
         self._where: tuple[int, dict[int, tuple[dict[str, Any], int]]] | None = None
@@ -71,6 +83,8 @@ class ChainOptimizer(torch.optim.Optimizer):
         for key, value in self.defaults.items():
             group.setdefault(key, value)
         group.update(validate_group(group))
+        for module in (*self._grad_transforms, *self._chain, *self._param_transforms):
+            module.validate(group)
         super().add_param_group(group)
 
     # ---- state -------------------------------------------------------------------
@@ -115,6 +129,8 @@ class ChainOptimizer(torch.optim.Optimizer):
         ctx = self._context(p, index)  # validates a DTensor's placement before any state exists
         state = self.state[p]
         state["nonfinite.skips"] = counter()
+        for hook in (*self._grad_transforms, *self._param_transforms):
+            hook.init(p.shape, ctx.param, group, state, ctx)
         init_chain(self._chain, p.shape, ctx.param, group, state, ctx)
 
     def _indexed_params(self) -> Iterable[tuple[int, dict[str, Any], Tensor]]:
@@ -142,11 +158,22 @@ class ChainOptimizer(torch.optim.Optimizer):
             for key, value in state.items():
                 if not isinstance(value, Tensor):
                     continue
-                kind = _PROJECTOR_KINDS.get(key) or state_kind(self._chain, key)
+                kind = (
+                    _PROJECTOR_KINDS.get(key)
+                    or self._hook_kinds.get(key)
+                    or state_kind(self._chain, key)
+                )
                 local = value.to_local() if hasattr(value, "to_local") else value  # this rank's
                 out[kind] = out.get(kind, 0) + local.numel() * local.element_size()
         out["total"] = sum(out.values())
         return out
+
+    @property
+    def _hook_kinds(self) -> dict[str, str]:
+        kinds: dict[str, str] = {}
+        for hook in (*self._grad_transforms, *self._param_transforms):
+            kinds.update(hook.kinds)
+        return kinds
 
     @property
     def nonfinite_skips(self) -> int:
@@ -208,8 +235,10 @@ class ChainOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._check_sparse()
         self._check_raise()
+        stepped: list[tuple[dict[str, Any], dict[str, Tensor], Context]] = []
         for group in self.param_groups:
-            self._step_items(group, list(self._indexed_params_of(group)))
+            stepped += self._step_items(group, list(self._indexed_params_of(group)))
+        run_param_transforms(self._param_transforms, self._chain, stepped)
         return loss
 
     @torch.no_grad()
@@ -221,6 +250,12 @@ class ChainOptimizer(torch.optim.Optimizer):
         """
         if p.grad is None:
             return
+        needs_all = [t.name for t in self._param_transforms if t.needs_stats]
+        if needs_all:
+            raise ValueError(
+                f"{', '.join(needs_all)} needs statistics over every parameter each step, "
+                "which per-layer updates (step_param) cannot provide; use optimizer.step()"
+            )
         count = sum(len(g["params"]) for g in self.param_groups)
         if self._where is None or self._where[0] != count:  # (re)build after add_param_group
             where = {id(q): (g, i) for i, g, q in self._indexed_params()}
@@ -236,11 +271,18 @@ class ChainOptimizer(torch.optim.Optimizer):
             raise FloatingPointError(
                 f"non-finite gradient in a parameter of shape {tuple(p.shape)} (nonfinite='raise')"
             )
-        self._step_items(group, [(index, grad, p)])
+        stepped = self._step_items(group, [(index, grad, p)])
+        run_param_transforms(self._param_transforms, self._chain, stepped)
 
-    def _step_items(self, group: dict[str, Any], items: list[tuple[int, Tensor, Tensor]]) -> None:
+    def _step_items(
+        self, group: dict[str, Any], items: list[tuple[int, Tensor, Tensor]]
+    ) -> list[tuple[dict[str, Any], dict[str, Tensor], Context]]:
+        """Step ``items`` of ``group``; returns (group, local state, ctx) of those updated."""
         if not items:
-            return
+            return []
+        given = group  # parameter modules see the group as given
+        if self._owns_decay:  # a parameter module (stable weight decay) applies the decay
+            group = {**group, "weight_decay": 0.0}
         lr = float(group["lr"])
         decay = 1.0 - lr * group["weight_decay"]
         params, states, ctxs, grads = [], [], [], []
@@ -256,10 +298,15 @@ class ChainOptimizer(torch.optim.Optimizer):
             states.append(state)
             ctxs.append(ctx)
             grads.append(-grad if group["maximize"] else grad)
+        for hook in self._grad_transforms:  # full-space gradient modules, in place
+            for g, state, ctx in zip(grads, states, ctxs, strict=True):
+                hook.apply_(g, group, state, ctx)
         self._agree_on_nonfinite(group, states, ctxs, grads)
         self._chain[0].prepare(grads, states, group, ctxs)
+        updated: list[int] = []
         for chunk in _chunks(params):
-            self._step_chunk(chunk, params, states, ctxs, grads, group, lr, decay)
+            updated += self._step_chunk(chunk, params, states, ctxs, grads, group, lr, decay)
+        return [(given, states[i], ctxs[i]) for i in updated]
 
     def _agree_on_nonfinite(
         self,
@@ -292,7 +339,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         group: dict[str, Any],
         lr: float,
         decay: float,
-    ) -> None:
+    ) -> list[int]:
         first = self._chain[0]
         if len(chunk) == 1:  # the CPU path: no list machinery
             i = chunk[0]
@@ -309,9 +356,9 @@ class ChainOptimizer(torch.optim.Optimizer):
                 u = run_chain_one(self._chain, grads[i], states[i], group, ctxs[i])
             except NonFiniteUpdate:
                 states[i]["nonfinite.skips"] += 1
-                return
+                return []
             apply_update(params[i], u, lr, decay)
-            return
+            return [i]
         # Tensors whose first transform does not check for NaN/Inf itself: one fused check.
         unchecked = [
             i
@@ -333,11 +380,14 @@ class ChainOptimizer(torch.optim.Optimizer):
         )
         for i in bad:
             states[i]["nonfinite.skips"] += 1
+        done = []
         for i, u in zip(live, outs, strict=True):
             if u is None:
                 states[i]["nonfinite.skips"] += 1
             else:
                 apply_update(params[i], u, lr, decay)
+                done.append(i)
+        return done
 
     def _indexed_params_of(self, group: dict[str, Any]) -> Iterable[tuple[int, Tensor, Tensor]]:
         offset = 0

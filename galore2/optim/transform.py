@@ -92,6 +92,11 @@ class Transform:
     linear_keys: ClassVar[tuple[str, ...]] = ()
     quadratic_keys: ClassVar[tuple[str, ...]] = ()
 
+    def validate(self, group: Group) -> None:
+        """Raise ``ValueError`` naming any of this transform's group keys that is invalid."""
+        for t in getattr(self, "inner", ()):
+            t.validate(group)
+
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
     ) -> None:
@@ -129,6 +134,11 @@ class Transform:
         :class:`NonFiniteUpdate` before changing any state — cheaper than the optimizer's
         check when it can look at a smaller tensor (GaLore checks the projected gradient)."""
         return False
+
+    def second_moment_sum(self, state: State, group: Group) -> Tensor | None:
+        """Σ of this transform's bias-corrected second moment (for stable weight decay's σ);
+        None if it keeps no second moment."""
+        return None
 
     def reset(self, state: State, group: Group) -> None:
         """Forget accumulated statistics (moments and their step counts)."""

@@ -1,0 +1,134 @@
+"""Modules that act outside the moment chain: on the full gradient before it, on weights after it.
+
+A :class:`ChainOptimizer` step runs, per parameter group:
+
+1. every :class:`GradientTransform` on each parameter's **full** (local) gradient, in
+   place and in the order given (AGC, centralization, normalization...). They run
+   before GaLore projects the gradient, so inside GaLore they still see the full
+   gradient;
+2. the moment chain (Adam, PNM..., wrapped in GaLore for projected matrices) and the
+   update ``p ← decay·p − lr·u``;
+
+and after every group has been updated:
+
+3. every :class:`ParamTransform` on the parameters, in the order given (norm loss,
+   stable weight decay, lookahead). Those that need statistics over *all*
+   parameters (stable weight decay's σ) set ``needs_stats``; the optimizer then
+   computes :class:`Stats` once per step (all-reduced across ranks for sharded
+   parameters).
+
+Both kinds keep their state (if any) as tensors in the parameter's state dict, under
+keys prefixed with their name, created once in ``init`` — like :class:`Transform`.
+Gradient transforms modify ``.grad`` in place (as ``clip_grad_norm_`` does): a skipped
+(non-finite) parameter's gradient may have been rescaled, its weights and state not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from .transform import Context, Group, State
+
+
+@dataclass
+class Stats:
+    """Statistics over every parameter stepped this step (global under FSDP)."""
+
+    second_moment_mean: Tensor  # Σ bias-corrected second moments / Σ parameter elements
+
+
+class GradientTransform:
+    """Acts on a parameter's full local gradient, in place, before the moment chain."""
+
+    name: ClassVar[str] = "gradient"
+    kinds: ClassVar[dict[str, str]] = {}
+
+    def validate(self, group: Group) -> None:
+        """Raise ``ValueError`` naming any of this module's group keys that is invalid."""
+
+    def init(
+        self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
+    ) -> None:
+        """Create this module's state for a parameter of global ``shape`` (default: none)."""
+
+    def apply_(self, grad: Tensor, group: Group, state: State, ctx: Context) -> None:
+        """Transform ``grad`` (the local gradient; ``ctx.param`` is the local weight) in place."""
+        raise NotImplementedError
+
+
+class ParamTransform:
+    """Acts on a parameter after the step's update has been applied."""
+
+    name: ClassVar[str] = "param"
+    kinds: ClassVar[dict[str, str]] = {}
+    #: True when :meth:`apply_` needs :class:`Stats` over all parameters (not available to
+    #: per-layer updates, which step one parameter at a time).
+    needs_stats: ClassVar[bool] = False
+    #: True when this module applies the group's ``weight_decay`` itself, replacing the
+    #: optimizer's decoupled decay (stable weight decay).
+    owns_weight_decay: ClassVar[bool] = False
+
+    def validate(self, group: Group) -> None:
+        """Raise ``ValueError`` naming any of this module's group keys that is invalid."""
+
+    def init(
+        self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
+    ) -> None:
+        """Create this module's state for a parameter of global ``shape`` (default: none)."""
+
+    def apply_(self, group: Group, state: State, ctx: Context, stats: Stats | None) -> None:
+        """Update the local weight ``ctx.param`` in place."""
+        raise NotImplementedError
+
+
+def second_moment_sum(chain: list, state: State, group: Group) -> Tensor | None:
+    """Σ of the bias-corrected second moment held in ``state`` by the first transform of
+    ``chain`` (searching inside wrappers such as GaLore) that keeps one; None if none does."""
+    for t in chain:
+        total = t.second_moment_sum(state, group)
+        if total is not None:
+            return total
+        inner = getattr(t, "inner", None)
+        if inner:
+            total = second_moment_sum(list(inner), state, group)
+            if total is not None:
+                return total
+    return None
+
+
+def compute_stats(chain: list, items: list[tuple[Group, State, Context]]) -> Stats:
+    """σ² for stable weight decay: Σ v̂ over the stepped parameters ÷ their element count.
+
+    Low-rank moments are summed as stored (r·n values) but divided by the full m·n
+    elements. Sharded parameters contribute their local sums, all-reduced once.
+    """
+    local = torch.zeros((), dtype=torch.float64)
+    numel = 0
+    sharded = None
+    for group, state, ctx in items:
+        total = second_moment_sum(chain, state, group)
+        if total is not None:
+            local += total.double().cpu()
+        numel += ctx.global_shape.numel()
+        if ctx.placement.distributed:
+            sharded = ctx.placement
+    if sharded is not None:
+        device = next(ctx.param.device for _, _, ctx in items if ctx.placement.distributed)
+        local = sharded.reduce(local.to(device)).cpu()
+    return Stats(second_moment_mean=local / max(numel, 1))
+
+
+def run_param_transforms(
+    transforms: list[ParamTransform], chain: list, items: list[tuple[Group, State, Context]]
+) -> None:
+    """Apply every parameter module, in order, to every stepped parameter."""
+    if not transforms or not items:
+        return
+    stats = compute_stats(chain, items) if any(t.needs_stats for t in transforms) else None
+    for t in transforms:
+        for group, state, ctx in items:
+            t.apply_(group, state, ctx, stats)
