@@ -41,6 +41,7 @@ _GALORE2 = {
     "galore_ranger21": ("GaLoreRanger21", True),
 }
 NAMES = ("adamw", "adamw8bit", *_GALORE2)
+_OWN_SCHEDULE = ("ranger21", "galore_ranger21")
 _PENDING = {
     "GaLoreAdamW8bit": "the 8-bit / quantized-state issue (#6)",
     "GaLoreAdafactor": "the 8-bit / quantized-state issue (#6)",
@@ -122,13 +123,16 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int) -> tor
         "eps": cfg.eps,
         "weight_decay": cfg.weight_decay,
     }
-    if cfg.name in ("ranger21", "galore_ranger21"):
+    if cfg.name in _OWN_SCHEDULE:
         kwargs["num_iterations"] = cfg.num_iterations or total_steps
     return cls(groups, **kwargs)
 
 
 def schedule_fn(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
-    """LR multiplier at step s: linear warmup, then cosine from 1 to ``min_lr_ratio``."""
+    """LR multiplier at step s: linear warmup, then cosine from 1 to ``min_lr_ratio``.
+
+    Not used for ``ranger21`` / ``galore_ranger21``, which carry Ranger21's own warmup and
+    explore-exploit warmdown (length ``optim.num_iterations``, default ``train.steps``)."""
     if total_steps < 1:
         raise ValueError(f"train.steps must be >= 1, got {total_steps}")
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
@@ -149,6 +153,8 @@ def schedule_fn(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
+    if cfg.name in _OWN_SCHEDULE:  # Ranger21 warms up and down itself (its own step counter)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_fn(cfg, total_steps))
 
 

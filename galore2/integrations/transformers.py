@@ -17,6 +17,7 @@ Importing this module imports ``transformers``; ``import galore2`` does not.
 
 from __future__ import annotations
 
+import inspect
 import re
 import warnings
 from collections.abc import Iterable
@@ -121,8 +122,19 @@ def _build(
     args: transformers.TrainingArguments,
     galore_settings: dict[str, Any],
     decay_names: Iterable[str],
+    optimizer_cls: type | None = None,
+    optimizer_kwargs: dict[str, Any] | None = None,
 ) -> GaLoreAdamW:
     _check_keys(galore_settings, "galore_settings")
+    cls = optimizer_cls or GaLoreAdamW
+    extra = dict(optimizer_kwargs or {})
+    if "num_iterations" in inspect.signature(cls).parameters and "num_iterations" not in extra:
+        if args.max_steps is None or args.max_steps <= 0:
+            raise ValueError(
+                f"{cls.__name__} needs num_iterations: set TrainingArguments.max_steps or pass "
+                "optimizer_kwargs={'num_iterations': N}"
+            )
+        extra["num_iterations"] = args.max_steps
     settings = {"rank": DEFAULT_RANK, **parse_optim_args(args.optim_args), **galore_settings}
     target = settings.pop("target_modules", None) or args.optim_target_modules or "all-linear"
     optimizer_wide = {k: settings.pop(k) for k in OPTIMIZER_SETTINGS if k in settings}
@@ -139,18 +151,24 @@ def _build(
             params = [p for p in group["params"] if (name_of[id(p)] in decay) == decayed]
             if params:
                 groups.append({**group, "params": params, "weight_decay": wd})
-    return GaLoreAdamW(
+    return cls(
         groups,
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
         weight_decay=args.weight_decay,
         **optimizer_wide,
+        **extra,
     )
 
 
 def create_optimizer(
-    model: nn.Module, args: transformers.TrainingArguments, **galore_settings: Any
+    model: nn.Module,
+    args: transformers.TrainingArguments,
+    *,
+    optimizer_cls: type | None = None,
+    optimizer_kwargs: dict[str, Any] | None = None,
+    **galore_settings: Any,
 ) -> GaLoreAdamW:
     """A :class:`~galore2.GaLoreAdamW` for ``Trainer(model, args, optimizers=(opt, None))``.
 
@@ -166,8 +184,19 @@ def create_optimizer(
     Up to four groups (projected/plain × decayed/not): parameters the Trainer would not
     decay (biases, norm weights; ``Trainer.get_decay_parameter_names``) get
     ``weight_decay=0``. Only trainable parameters are included.
+
+    ``optimizer_cls`` picks another galore2 optimizer taking GaLore param groups (e.g.
+    :class:`~galore2.GaLoreRanger21`; its ``num_iterations`` defaults to ``args.max_steps``);
+    ``optimizer_kwargs`` go to its constructor.
     """
-    return _build(model, args, galore_settings, _decay_parameter_names(model))
+    return _build(
+        model,
+        args,
+        galore_settings,
+        _decay_parameter_names(model),
+        optimizer_cls,
+        optimizer_kwargs,
+    )
 
 
 class GaLoreTrainer(transformers.Trainer):
@@ -176,11 +205,20 @@ class GaLoreTrainer(transformers.Trainer):
     ``galore_settings`` are those of :func:`create_optimizer` (checked here, before any
     training). The optimizer is built in :meth:`create_optimizer`, so this also works where
     the Trainer refuses ``optimizers=`` (FSDP). An optimizer passed in ``optimizers=`` is
-    kept as is; ``args.optim`` is not used.
+    kept as is; ``args.optim`` is not used. ``optimizer_cls`` / ``optimizer_kwargs`` as in
+    :func:`create_optimizer` (e.g. ``optimizer_cls=galore2.GaLoreRanger21``).
     """
 
-    def __init__(self, *args: Any, galore_settings: dict[str, Any] | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        galore_settings: dict[str, Any] | None = None,
+        optimizer_cls: type | None = None,
+        optimizer_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ):
         self.galore_settings = dict(galore_settings or {})
+        self.galore_optimizer = (optimizer_cls, dict(optimizer_kwargs or {}))
         _check_keys(self.galore_settings, "galore_settings")
         super().__init__(*args, **kwargs)
 
@@ -192,5 +230,6 @@ class GaLoreTrainer(transformers.Trainer):
                 self.args,
                 self.galore_settings,
                 self.get_decay_parameter_names(opt_model),
+                *self.galore_optimizer,
             )
         return self.optimizer

@@ -64,8 +64,10 @@ class ChainOptimizer(torch.optim.Optimizer):
         *,
         grad_transforms: Sequence[GradientTransform] = (),
         param_transforms: Sequence[ParamTransform] = (),
+        lr_schedule: Callable[[dict[str, Any], int], float] | None = None,
     ) -> None:
         self._chain = list(chain)
+        self._lr_schedule = lr_schedule
         self._grad_transforms = list(grad_transforms)
         self._param_transforms = list(param_transforms)
         self._owns_decay = any(t.owns_weight_decay for t in self._param_transforms)
@@ -129,6 +131,8 @@ class ChainOptimizer(torch.optim.Optimizer):
         ctx = self._context(p, index)  # validates a DTensor's placement before any state exists
         state = self.state[p]
         state["nonfinite.skips"] = counter()
+        if self._lr_schedule is not None:
+            state["schedule.step"] = counter()
         for hook in (*self._grad_transforms, *self._param_transforms):
             hook.init(p.shape, ctx.param, group, state, ctx)
         init_chain(self._chain, p.shape, ctx.param, group, state, ctx)
@@ -170,7 +174,7 @@ class ChainOptimizer(torch.optim.Optimizer):
 
     @property
     def _hook_kinds(self) -> dict[str, str]:
-        kinds: dict[str, str] = {}
+        kinds: dict[str, str] = {"schedule.step": "other"}
         for hook in (*self._grad_transforms, *self._param_transforms):
             kinds.update(hook.kinds)
         return kinds
@@ -280,7 +284,15 @@ class ChainOptimizer(torch.optim.Optimizer):
         """Step ``items`` of ``group``; returns (group, local state, ctx) of those updated."""
         if not items:
             return []
-        given = group  # parameter modules see the group as given
+        if self._lr_schedule is not None:  # built-in schedule: lr = schedule(group, step count)
+            for _, _, p in items:
+                if not self.state[p]:
+                    self._init_param_state(p, group, self._where_index(p, items))
+            count = int(self.state[items[0][2]]["schedule.step"])
+            group = {**group, "lr": self._lr_schedule(group, count)}
+            for _, _, p in items:
+                self.state[p]["schedule.step"] += 1
+        given = group  # parameter modules see the group as given (with the scheduled lr)
         if self._owns_decay:  # a parameter module (stable weight decay) applies the decay
             group = {**group, "weight_decay": 0.0}
         lr = float(group["lr"])
@@ -307,6 +319,10 @@ class ChainOptimizer(torch.optim.Optimizer):
         for chunk in _chunks(params):
             updated += self._step_chunk(chunk, params, states, ctxs, grads, group, lr, decay)
         return [(given, states[i], ctxs[i]) for i in updated]
+
+    @staticmethod
+    def _where_index(p: Tensor, items: list[tuple[int, Tensor, Tensor]]) -> int:
+        return next(index for index, _, q in items if q is p)
 
     def _agree_on_nonfinite(
         self,
