@@ -5,7 +5,7 @@ Only torch is required to import this package; optional backends
 """
 
 from .groups import param_groups
-from .optim import ChainOptimizer, GaLoreAdamW
+from .optim import ChainOptimizer, GaLoreAdamW, GaLoreRanger21, Ranger21
 from .optim.per_layer import PerLayerUpdates, per_layer
 
 __version__ = "0.1.0"
@@ -13,7 +13,9 @@ __version__ = "0.1.0"
 __all__ = [
     "ChainOptimizer",
     "GaLoreAdamW",
+    "GaLoreRanger21",
     "PerLayerUpdates",
+    "Ranger21",
     "__version__",
     "param_groups",
     "per_layer",

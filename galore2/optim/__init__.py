@@ -1,9 +1,37 @@
-"""Optimizers and the per-tensor transforms they are built from."""
+"""Optimizers, the per-tensor transforms they are built from, and the Ranger21 modules."""
 
 from .adam import ScaleByAdam
 from .adamw import GaLoreAdamW
 from .galore import GaLore
+from .gradient import AdaptiveGradientClipping, CentralizeGradient, NormalizeGradient
+from .hooks import GradientTransform, ParamTransform
 from .optimizer import ChainOptimizer
+from .pnm import ScaleByPNM
+from .ranger21 import GaLoreRanger21, Ranger21
+from .schedules import LinearWarmup, Ranger21Schedule, WarmdownToMin, ranger21_lr
 from .transform import Context, Transform
+from .weights import Lookahead, NormLoss, StableWeightDecay
 
-__all__ = ["ChainOptimizer", "Context", "GaLore", "GaLoreAdamW", "ScaleByAdam", "Transform"]
+__all__ = [
+    "AdaptiveGradientClipping",
+    "CentralizeGradient",
+    "ChainOptimizer",
+    "Context",
+    "GaLore",
+    "GaLoreAdamW",
+    "GaLoreRanger21",
+    "GradientTransform",
+    "LinearWarmup",
+    "Lookahead",
+    "NormLoss",
+    "NormalizeGradient",
+    "ParamTransform",
+    "Ranger21",
+    "Ranger21Schedule",
+    "ScaleByAdam",
+    "ScaleByPNM",
+    "StableWeightDecay",
+    "Transform",
+    "WarmdownToMin",
+    "ranger21_lr",
+]

@@ -192,7 +192,10 @@ class ChainOptimizer(torch.optim.Optimizer):
         for pid, p in zip(saved_ids, params, strict=True):
             for key, value in saved_state.get(pid, {}).items():
                 if isinstance(value, Tensor):
-                    device = torch.device("cpu") if value.dim() == 0 else p.device
+                    # int64 scalars (counters, seeds) live on the CPU; everything else,
+                    # 0-d float moments of a 0-d parameter included, with the parameter
+                    on_cpu = value.dim() == 0 and not value.is_floating_point()
+                    device = torch.device("cpu") if on_cpu else p.device
                     self.state[p][key] = value.detach().to(device=device, copy=True)
 
     # ---- step --------------------------------------------------------------------

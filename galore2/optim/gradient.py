@@ -1,0 +1,153 @@
+"""Gradient modules: act on a parameter's full local gradient, in place, before the moments.
+
+They run before GaLore projects the gradient (see :mod:`galore2.optim.hooks`), so even in
+a GaLore group they see the full m×n gradient. None keeps state (0 values per element).
+
+Units. A "unit" is one output row of a ≥2-D parameter (norms and means over every dim
+but 0) and the whole tensor of a ≤1-D one (a bias or gain vector is one unit, not one
+unit per element). Under FSDP2 parameters are split by rows (``Shard(0)``), so a row is
+whole on its rank and row statistics are local; a sharded ≤1-D parameter's statistics
+are summed over the shard group (one all-reduce of a few numbers per parameter).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .hooks import GradientTransform
+from .transform import Context, Group, State
+
+
+def check_real(group: Group, key: str, default: float, *, low: float, strict: bool) -> None:
+    """Raise ``ValueError`` unless ``group[key]`` is a finite real ≥ ``low`` (> if strict)."""
+    value: Any = group.get(key, default)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (value <= low if strict else value < low):
+        raise ValueError(
+            f"{key} must be a finite float {'>' if strict else '>='} {low}, got {value!r}"
+        )
+
+
+def acc_dtype(t: Tensor) -> torch.dtype:
+    """Accumulation dtype: float64 for float64 tensors, float32 otherwise."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def unit_norms(tensors: list[Tensor], ctx: Context) -> list[Tensor]:
+    """L2 norm of every unit of each tensor (all shaped like ``ctx.param``).
+
+    ≥2-D: one norm per row, shaped (rows, 1, …, 1) to broadcast; ≤1-D: a 0-D norm of the
+    whole tensor, summed over the shard group when the parameter is sharded (every rank
+    must call this, even with an empty shard: it is a collective).
+    """
+    if tensors[0].dim() >= 2:
+        dims = tuple(range(1, tensors[0].dim()))
+        return [
+            torch.linalg.vector_norm(t, dim=dims, keepdim=True, dtype=acc_dtype(t)) for t in tensors
+        ]
+    squares = torch.stack(
+        [torch.linalg.vector_norm(t, dtype=acc_dtype(t)).square() for t in tensors]
+    )
+    if ctx.placement.distributed:
+        squares = ctx.placement.reduce(squares)
+    return list(squares.sqrt().unbind())
+
+
+class AdaptiveGradientClipping(GradientTransform):
+    """Adaptive gradient clipping (AGC, Brock et al. 2021), unit-wise.
+
+    Acts on: the full gradient, per unit (row of a ≥2-D parameter; whole ≤1-D tensor).
+    State per element: 0.
+
+    For each unit i with weight wᵢ and gradient gᵢ::
+
+        cᵢ = λ·max(‖wᵢ‖, ε);   if ‖gᵢ‖ > cᵢ:  gᵢ ← gᵢ·cᵢ/‖gᵢ‖   (else unchanged, bit for bit)
+
+    A zero gradient is left unchanged. Group keys: ``agc_clip`` (λ, default 1e-2; 0
+    disables AGC for the group — e.g. put the output head in its own group with
+    ``agc_clip=0``) and ``agc_eps`` (ε, default 1e-3; keeps zero-initialized weights
+    trainable).
+    """
+
+    name = "agc"
+
+    def validate(self, group: Group) -> None:
+        check_real(group, "agc_clip", 1e-2, low=0.0, strict=False)
+        check_real(group, "agc_eps", 1e-3, low=0.0, strict=True)
+
+    def apply_(self, grad: Tensor, group: Group, state: State, ctx: Context) -> None:
+        clip = float(group.get("agc_clip", 1e-2))
+        if clip == 0.0:
+            return
+        g_norm, w_norm = unit_norms([grad, ctx.param], ctx)
+        limit = w_norm.clamp_min(float(group.get("agc_eps", 1e-3))).mul_(clip)
+        ratio = limit / g_norm.clamp_min(torch.finfo(g_norm.dtype).tiny)
+        grad.mul_(torch.where(g_norm > limit, ratio, torch.ones_like(ratio)))
+
+
+class CentralizeGradient(GradientTransform):
+    """Gradient centralization (Yong et al. 2020).
+
+    Acts on: the full gradient of parameters with more than one dimension, per row;
+    ≤1-D gradients are left untouched. State per element: 0. No group keys.
+
+    ``gᵢ ← gᵢ − mean(gᵢ)`` with the mean over all dims but 0 (each output row gets zero
+    mean). Rows are whole on each FSDP2 rank, so this is local.
+    """
+
+    name = "gc"
+
+    def apply_(self, grad: Tensor, group: Group, state: State, ctx: Context) -> None:
+        if grad.dim() < 2:
+            return
+        dims = tuple(range(1, grad.dim()))
+        grad.sub_(grad.mean(dim=dims, keepdim=True, dtype=acc_dtype(grad)))
+
+
+class NormalizeGradient(GradientTransform):
+    """Gradient normalization over the whole tensor.
+
+    Acts on: the full gradient of every parameter, as one unit. State per element: 0.
+
+    ``g ← g / (σ + eps)`` with σ the *population* standard deviation (divide by N) of all
+    N = ``ctx.global_shape.numel()`` elements. Unlike the unbiased ``torch.std`` (which
+    Ranger21's reference uses) it never gives NaN: an all-zero gradient stays exactly 0,
+    and a one-element gradient (no spread to normalize by: σ = 0, g/eps would be 1e8·g and
+    overflow float16) is left unchanged. Under FSDP each rank reduces
+    [Σg, Σg², n] of its shard (Σg² from a local Welford variance, so there is no local
+    cancellation) in float64, in one all-reduce. Group key: ``gn_eps`` (default 1e-8).
+    """
+
+    name = "gn"
+
+    def validate(self, group: Group) -> None:
+        check_real(group, "gn_eps", 1e-8, low=0.0, strict=True)
+
+    def apply_(self, grad: Tensor, group: Group, state: State, ctx: Context) -> None:
+        if ctx.global_shape.numel() <= 1:  # the same decision on every rank (no collective)
+            return
+        eps = float(group.get("gn_eps", 1e-8))
+        acc = acc_dtype(grad)
+        local = grad if grad.dtype == acc else grad.to(acc)
+        if not ctx.placement.distributed:
+            if grad.numel() == 0:
+                return
+            var = torch.var_mean(local, correction=0)[0]
+        else:
+            n = local.numel()
+            sums = torch.zeros(3, dtype=torch.float64, device=grad.device)
+            if n:
+                var_l, mean_l = torch.var_mean(local, correction=0)
+                mean_l, var_l = mean_l.double(), var_l.double()
+                sums[0], sums[1], sums[2] = mean_l * n, (var_l + mean_l * mean_l) * n, n
+            total, total_sq, _ = ctx.placement.reduce(sums).unbind()
+            count = max(ctx.global_shape.numel(), 1)
+            mean = total / count
+            var = (total_sq / count - mean * mean).clamp_min(0.0).to(acc)
+            if n == 0:
+                return
+        grad.div_(var.sqrt().add_(eps))

@@ -1,0 +1,156 @@
+"""Positive-negative momentum with Adam's second moment, as a transform (``ScaleByPNM``).
+
+Acts on: whatever direction it is given — the full gradient in a plain group,
+the projected r×n (or m×r) gradient inside :class:`~galore2.optim.galore.GaLore`.
+State per element of the direction: 3 values in ``state_dtype`` (``pnm.exp_avg``,
+``pnm.neg_exp_avg``, ``pnm.exp_avg_sq``), 4 with ``amsgrad`` (``pnm.max_exp_avg_sq``),
+plus one int64 step counter on the CPU (``pnm.step``).
+
+Math at step t (1-based), with (β₁, β₂) = ``betas``, β₀ = ``pnm_beta0`` (default 1)::
+
+    active  = exp_avg if t is odd else neg_exp_avg          (the other one is "passive")
+    active ← β₁²·active + (1 − β₁²)·g
+    v      ← β₂·v + (1 − β₂)·g²           (amsgrad: v_max ← max(v_max, v), used below)
+    m̂_a = active / (1 − β₁^(2·⌈t/2⌉)),   m̂_p = passive / (1 − β₁^(2·⌊t/2⌋))   (m̂_p = 0 at t = 1)
+    num = ((1 + β₀)·m̂_a − β₀·m̂_p) / √((1 + β₀)² + β₀²)
+    den = √(v / (1 − β₂^t)) + eps         (softplus: softplus(√v̂, beta=softplus_beta), no eps)
+    out = num / den                        (the optimizer applies −lr·out)
+
+Bias correction. Each buffer is an EMA with coefficient a = β₁² that is updated only
+every other step: the active buffer has been updated n_a = ⌈t/2⌉ times (odd steps for
+``exp_avg``, even steps for ``neg_exp_avg``), the passive one n_p = ⌊t/2⌋ times. After n
+updates from zero, a buffer holds Σ_{k<n} (1 − a)·aᵏ·g_{(n−k)} whose weights sum to
+1 − aⁿ, so each buffer is divided by its own 1 − a^n = 1 − β₁^(2n). A constant gradient
+g then gives m̂_a = m̂_p = g at every step, and with β₀ = 0 the numerator is exactly g
+(Adam with momentum coefficient β₁²). The passive buffer is empty at t = 1 (n_p = 0) and
+contributes nothing. The paper's single correction 1 − β₁^t is exact for neither buffer
+at odd t. ``adamd=True`` (AdamD) skips the first-moment correction: the numerator uses
+the raw buffers, so early updates are small instead of full-size (a built-in warmup);
+the second moment is still corrected.
+
+β₀ is the paper's positive-negative noise/momentum factor: the update mixes the current
+buffer with the other (independent-noise) buffer, ``(1 + β₀)·m_t − β₀·m_{t−1}``, which
+enlarges the gradient-noise part of the step (noise variance ∝ (1+β₀)² + β₀²); dividing
+by √((1 + β₀)² + β₀²) keeps the noise magnitude of the step that of plain momentum.
+Ranger21's reference stored β₀ but never used it; here it is used (β₀ = 0 disables PNM).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .adam import counter
+from .config import STATE_DTYPES
+from .transform import Context, Group, State, Transform
+
+PNM_DEFAULTS = {"pnm_beta0": 1.0, "softplus_beta": 50.0}
+
+
+def _real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _corrections(t: int, beta1: float, adamd: bool) -> tuple[float, float]:
+    """(bias correction of the active buffer, of the passive one; 0 = empty buffer)."""
+    n_active, n_passive = (t + 1) // 2, t // 2
+    if adamd:
+        return 1.0, (1.0 if n_passive else 0.0)
+    a = beta1 * beta1
+    return 1.0 - a**n_active, (1.0 - a**n_passive if n_passive else 0.0)
+
+
+class ScaleByPNM(Transform):
+    """Positive-negative momentum over Adam's second moment (see the module docstring).
+
+    Args:
+        amsgrad: keep ``pnm.max_exp_avg_sq`` (running max of v) and divide by it.
+        softplus: denominator ``softplus(√v̂, beta=softplus_beta)`` instead of ``√v̂ + eps``.
+        adamd: no bias correction of the first moment (AdamD).
+    """
+
+    name = "pnm"
+    kinds: ClassVar[dict[str, str]] = {
+        "pnm.exp_avg": "moments",
+        "pnm.neg_exp_avg": "moments",
+        "pnm.exp_avg_sq": "moments",
+        "pnm.max_exp_avg_sq": "moments",
+        "pnm.step": "other",
+    }
+    linear_keys = ("pnm.exp_avg", "pnm.neg_exp_avg")
+    quadratic_keys: tuple[str, ...] = ("pnm.exp_avg_sq",)
+
+    def __init__(self, *, amsgrad: bool = False, softplus: bool = False, adamd: bool = False):
+        self.amsgrad, self.softplus, self.adamd = bool(amsgrad), bool(softplus), bool(adamd)
+        if self.amsgrad:
+            self.quadratic_keys = ("pnm.exp_avg_sq", "pnm.max_exp_avg_sq")
+
+    def __repr__(self) -> str:
+        return f"ScaleByPNM(amsgrad={self.amsgrad}, softplus={self.softplus}, adamd={self.adamd})"
+
+    def validate(self, group: Group) -> None:
+        beta0 = group.get("pnm_beta0", PNM_DEFAULTS["pnm_beta0"])
+        if not _real(beta0) or beta0 < 0:
+            raise ValueError(f"pnm_beta0 must be a finite float >= 0, got {beta0!r}")
+        sp_beta = group.get("softplus_beta", PNM_DEFAULTS["softplus_beta"])
+        if not _real(sp_beta) or sp_beta <= 0:
+            raise ValueError(f"softplus_beta must be a finite float > 0, got {sp_beta!r}")
+
+    def init(
+        self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
+    ) -> None:
+        dtype = STATE_DTYPES[group["state_dtype"]]
+        state["pnm.exp_avg"] = ctx.zeros(shape, dtype)
+        state["pnm.neg_exp_avg"] = ctx.zeros(shape, dtype)
+        state["pnm.exp_avg_sq"] = ctx.zeros(shape, dtype)
+        if self.amsgrad:
+            state["pnm.max_exp_avg_sq"] = ctx.zeros(shape, dtype)
+        state["pnm.step"] = counter()
+
+    def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
+        exp_avg, neg_exp_avg = state["pnm.exp_avg"], state["pnm.neg_exp_avg"]
+        exp_avg_sq = state["pnm.exp_avg_sq"]
+        if u.dtype != exp_avg.dtype:
+            u = u.to(exp_avg.dtype)
+        beta1, beta2 = group["betas"]
+        beta0 = float(group.get("pnm_beta0", PNM_DEFAULTS["pnm_beta0"]))
+        state["pnm.step"] += 1
+        t = int(state["pnm.step"])
+        active, passive = (exp_avg, neg_exp_avg) if t % 2 == 1 else (neg_exp_avg, exp_avg)
+        active.lerp_(u, 1 - beta1 * beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(u, u, value=1 - beta2)
+        v = exp_avg_sq
+        if self.amsgrad:
+            v = state["pnm.max_exp_avg_sq"]
+            torch.maximum(v, exp_avg_sq, out=v)  # stored: the running max of v
+        bc_active, bc_passive = _corrections(t, beta1, self.adamd)
+        norm = math.sqrt((1 + beta0) ** 2 + beta0**2)
+        out = torch.mul(active, (1 + beta0) / (norm * bc_active))
+        if bc_passive > 0 and beta0 != 0:
+            out.add_(passive, alpha=-beta0 / (norm * bc_passive))
+        denom = v.sqrt().div_(math.sqrt(1 - beta2**t))
+        if self.softplus:
+            sp_beta = float(group.get("softplus_beta", PNM_DEFAULTS["softplus_beta"]))
+            denom = F.softplus(denom, beta=sp_beta)
+        else:
+            denom.add_(group["eps"])
+        return out.div_(denom)
+
+    def second_moment_sum(self, state: State, group: Group) -> Tensor | None:
+        """Σ v / (1 − β₂^t) of the EMA ``pnm.exp_avg_sq`` (not the amsgrad max), float64."""
+        t = int(state["pnm.step"])
+        if t == 0:
+            return torch.zeros((), dtype=torch.float64)
+        v = state["pnm.exp_avg_sq"]
+        return v.sum(dtype=torch.float64) / (1 - group["betas"][1] ** t)
+
+    def reset(self, state: State, group: Group) -> None:
+        super().reset(state, group)
+        state["pnm.step"].zero_()
+
+
+__all__ = ["PNM_DEFAULTS", "ScaleByPNM"]

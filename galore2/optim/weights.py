@@ -1,0 +1,177 @@
+"""Weight modules: act on the weights after the step's update (norm loss, decay, lookahead).
+
+They run after every group has been updated, in the order given (see
+:mod:`galore2.optim.hooks`), on the full local weight — in GaLore groups too. Units are
+those of :mod:`galore2.optim.gradient`: rows of ≥2-D parameters, the whole tensor of
+≤1-D ones (norm all-reduced when sharded).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from ..projectors._sketch import generator_for, mix_seed
+from .adam import counter
+from .gradient import check_real, unit_norms
+from .hooks import ParamTransform, Stats
+from .transform import Context, Group, State
+
+_LOOKAHEAD_TAG = 0x4C4B4148  # keeps lookahead's seeds apart from GaLore's
+
+
+class NormLoss(ParamTransform):
+    """Norm loss (Georgiou et al. 2021): pulls every unit's norm toward 1.
+
+    Acts on: the weights after the update, per unit (rows of a ≥2-D parameter; the whole
+    ≤1-D tensor — so a LayerNorm gain vector is pulled toward norm 1 as a whole; give
+    such parameters ``norm_loss_factor=0`` in their own group to exclude them).
+    State per element: 0.
+
+    ``wᵢ ← wᵢ·(1 − lr·2λₙ·(1 − 1/(‖wᵢ‖ + eps)))``: a gradient step on λₙ(‖wᵢ‖ − 1)², so
+    a unit of norm 1 is a fixed point, larger ones shrink, smaller ones grow. Group keys:
+    ``norm_loss_factor`` (λₙ, default 1e-4) and ``norm_loss_eps`` (default 1e-8); ``lr``
+    is the group's (scheduled) learning rate.
+    """
+
+    name = "norm_loss"
+
+    def validate(self, group: Group) -> None:
+        check_real(group, "norm_loss_factor", 1e-4, low=0.0, strict=False)
+        check_real(group, "norm_loss_eps", 1e-8, low=0.0, strict=True)
+
+    def apply_(self, group: Group, state: State, ctx: Context, stats: Stats | None) -> None:
+        factor = float(group.get("norm_loss_factor", 1e-4))
+        lr = float(group["lr"])
+        if factor == 0.0 or lr == 0.0:
+            return
+        w = ctx.param
+        (norm,) = unit_norms([w], ctx)
+        eps = float(group.get("norm_loss_eps", 1e-8))
+        shrink = (norm + eps).reciprocal_().neg_().add_(1.0)  # 1 − 1/(‖wᵢ‖ + eps)
+        w.mul_(shrink.mul_(-2.0 * lr * factor).add_(1.0))
+
+
+class StableWeightDecay(ParamTransform):
+    """Stable weight decay (Xie et al., "On the Overlooked Pitfalls of Weight Decay").
+
+    Acts on: every parameter stepped this step, after the update. State per element: 0.
+
+    ``w ← w·(1 − lr·λ/σ)`` with λ = the group's ``weight_decay``, lr the group's
+    (scheduled) learning rate and σ = √(Σ v̂ / Σ numel) over *all* parameters stepped this
+    step (:func:`galore2.optim.hooks.compute_stats`; GaLore's low-rank v̂ are summed as
+    stored and divided by the full element count). It replaces the optimizer's decoupled
+    decay (``owns_weight_decay``). Order: σ needs this step's second moments of every
+    parameter, so the decay comes *after* the update — ``p ← (p − lr·u)·(1 − lr·λ/σ)``,
+    galore-torch's decay-after order (``torch.optim.AdamW`` decays before).
+
+    Guards: σ = 0 (all gradients zero so far) or non-finite → no decay this step; the
+    factor is clamped at 0 (lr·λ > σ would otherwise flip the weights' sign).
+    Not available to per-layer updates (``step_param``): σ needs every parameter.
+    """
+
+    name = "swd"
+    needs_stats = True
+    owns_weight_decay = True
+
+    def apply_(self, group: Group, state: State, ctx: Context, stats: Stats | None) -> None:
+        if stats is None:
+            raise ValueError("stable weight decay needs the step's statistics (optimizer.step())")
+        decay = float(group["lr"]) * float(group["weight_decay"])
+        sigma = math.sqrt(max(float(stats.second_moment_mean), 0.0))
+        if decay == 0.0 or sigma == 0.0 or not math.isfinite(sigma):
+            return
+        ctx.param.mul_(max(1.0 - decay / sigma, 0.0))
+
+
+def stochastic_round_bf16(x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """``x`` (float32) stochastically rounded to bfloat16: unbiased, E[result] = x.
+
+    Uniform random bits below bfloat16's mantissa are added to the float32 bit pattern,
+    which is then truncated: x rounds up with probability (distance to the lower
+    neighbour)/(gap). The float32 input is overwritten (used as the work buffer).
+    """
+    bits = x.view(torch.int32)
+    noise = torch.randint(
+        0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator
+    )
+    bits.add_(noise).bitwise_and_(-(1 << 16))
+    return x.to(torch.bfloat16)  # exact: the low 16 bits are zero
+
+
+class Lookahead(ParamTransform):
+    """Lookahead (Zhang et al. 2019): every k steps, fast weights are pulled to slow ones.
+
+    Acts on: the weights after the update (and after weight modules listed before it). State per
+    element: 1 value in the parameter's dtype (``lookahead.slow``, kind ``"lookahead"``),
+    or 2 bytes with ``slow_dtype="bfloat16"``; plus CPU int64 counters.
+
+    At every step ``t ← t + 1``; when ``t % k == 0``::
+
+        slow ← slow + α·(w − slow);   w ← slow
+
+    ``slow`` starts as a copy of the weights. With ``slow_dtype="bfloat16"`` the new slow
+    weights are computed in float32 and stochastically rounded to bfloat16 (so the fast
+    weights are snapped to bfloat16 values at each sync); the random bits come from a
+    generator seeded from ``lookahead.seed`` (derived from the group's ``seed`` and the
+    parameter index), the step and the shard's first row, so resuming from
+    ``state_dict()`` is bit-identical (with the same sharding). A skipped (non-finite)
+    update does not count as a step for that parameter. Group keys: ``lookahead_k`` (k,
+    default 5, int ≥ 1) and ``lookahead_alpha`` (α, default 0.5, in (0, 1]).
+    """
+
+    name = "lookahead"
+    kinds: ClassVar[dict[str, str]] = {
+        "lookahead.slow": "lookahead",
+        "lookahead.step": "other",
+        "lookahead.seed": "other",
+    }
+
+    def __init__(self, slow_dtype: Any = None) -> None:
+        if slow_dtype in ("bfloat16", "bf16", torch.bfloat16):
+            self.slow_dtype: torch.dtype | None = torch.bfloat16
+        elif slow_dtype is None:
+            self.slow_dtype = None
+        else:
+            raise ValueError(f"slow_dtype must be None or 'bfloat16', got {slow_dtype!r}")
+
+    def validate(self, group: Group) -> None:
+        k = group.get("lookahead_k", 5)
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"lookahead_k must be an int >= 1, got {k!r}")
+        alpha = group.get("lookahead_alpha", 0.5)
+        ok = isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
+        if not ok or not 0.0 < alpha <= 1.0:
+            raise ValueError(f"lookahead_alpha must be a float in (0, 1], got {alpha!r}")
+
+    def init(
+        self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
+    ) -> None:
+        slow = ctx.zeros(shape, self.slow_dtype or ref.dtype)
+        ctx.placement.local(slow).copy_(ref)
+        state["lookahead.slow"] = slow
+        state["lookahead.step"] = counter()
+        if self.slow_dtype is not None:
+            state["lookahead.seed"] = counter(
+                mix_seed(group.get("seed", 0), ctx.index, _LOOKAHEAD_TAG)
+            )
+
+    def apply_(self, group: Group, state: State, ctx: Context, stats: Stats | None) -> None:
+        state["lookahead.step"] += 1
+        step = int(state["lookahead.step"])
+        if step % int(group.get("lookahead_k", 5)):
+            return
+        alpha = float(group.get("lookahead_alpha", 0.5))
+        w, slow = ctx.param, state["lookahead.slow"]
+        if self.slow_dtype is None:
+            slow.lerp_(w, alpha)
+        else:
+            shape = ctx.global_shape
+            first_row = ctx.placement.row_range(shape[0])[0] if len(shape) else 0
+            seed = mix_seed(int(state["lookahead.seed"]), step, first_row)
+            new = slow.float().lerp_(w.float(), alpha)
+            slow.copy_(stochastic_round_bf16(new, generator_for(new.device, seed)))
+        w.copy_(slow)

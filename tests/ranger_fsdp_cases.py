@@ -1,0 +1,111 @@
+"""Workers for test_ranger_modules.py, and the ChainOptimizer builder its tests share."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from galore2.optim import ChainOptimizer, ScaleByAdam
+from galore2.optim.config import GALORE_DEFAULTS
+from galore2.optim.gradient import AdaptiveGradientClipping, CentralizeGradient, NormalizeGradient
+from galore2.optim.weights import Lookahead, NormLoss, StableWeightDecay
+
+from . import fsdp_cases
+
+MODULE_DEFAULTS: dict[str, Any] = {
+    "agc_clip": 1e-2,
+    "agc_eps": 1e-3,
+    "gn_eps": 1e-8,
+    "norm_loss_factor": 1e-4,
+    "norm_loss_eps": 1e-8,
+    "lookahead_k": 5,
+    "lookahead_alpha": 0.5,
+}
+
+
+def chain_optimizer(
+    params, grad_transforms=(), param_transforms=(), **settings: Any
+) -> ChainOptimizer:
+    """``ChainOptimizer([ScaleByAdam()])`` with the defaults GaLoreAdamW builds plus the
+    module keys; ``settings`` override any default."""
+    defaults: dict[str, Any] = {
+        "lr": 1e-2,
+        "betas": (0.9, 0.999),
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+        "maximize": False,
+        "state_dtype": "float32",
+        "nonfinite": "skip",
+        **GALORE_DEFAULTS,
+        **MODULE_DEFAULTS,
+        **settings,
+    }
+    return ChainOptimizer(
+        params,
+        chain=[ScaleByAdam()],
+        defaults=defaults,
+        grad_transforms=list(grad_transforms),
+        param_transforms=list(param_transforms),
+    )
+
+
+def all_modules(slow_dtype: str | None = None) -> dict[str, list]:
+    return {
+        "grad_transforms": [AdaptiveGradientClipping(), CentralizeGradient(), NormalizeGradient()],
+        "param_transforms": [NormLoss(), StableWeightDecay(), Lookahead(slow_dtype)],
+    }
+
+
+def _optimizer(model: nn.Module) -> ChainOptimizer:
+    """Matrices and vectors in separate groups with different settings; every module on,
+    strong enough to matter (AGC clips, norm loss moves weights, lookahead syncs)."""
+    mats = [p for p in model.parameters() if p.dim() >= 2]
+    vecs = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": mats},
+        {"params": vecs, "agc_clip": 0.2, "lookahead_alpha": 0.8, "lr": 2e-2},
+    ]
+    settings = {"agc_clip": 0.05, "norm_loss_factor": 0.05, "weight_decay": 0.1}
+    return chain_optimizer(groups, **all_modules(), lookahead_k=3, **settings)
+
+
+STEPS = 8
+
+
+def fsdp_matches_single_process(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    reference = fsdp_cases.make_model()
+    sharded = copy.deepcopy(reference)
+    untouched = copy.deepcopy(reference)
+    ref_opt = _optimizer(reference)
+    for step in range(STEPS):
+        x, y = fsdp_cases.data(step)
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+    fsdp_cases.shard(sharded, mesh)
+    opt = _optimizer(sharded)
+    per = fsdp_cases.BATCH // world
+    for step in range(STEPS):
+        x, y = fsdp_cases.data(step)
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        opt.zero_grad()
+        nn.functional.mse_loss(sharded(x), y).backward()
+        opt.step()
+    for (name, p), q, p0 in zip(
+        sharded.named_parameters(), reference.parameters(), untouched.parameters(), strict=True
+    ):
+        full = p.full_tensor()
+        diff = (full - q).abs().max().item()
+        assert diff <= 1e-5, f"rank {rank}/{world}: {name} differs by {diff:.2e}"
+        assert (full - p0).abs().max().item() > 1e-3, name  # it did train
+    steps = [int(s["lookahead.step"]) for s in opt.state.values()]
+    assert steps == [STEPS] * len(steps), steps
+    slow = [s["lookahead.slow"] for s in opt.state.values()]
+    assert all(type(t).__name__ == "DTensor" for t in slow)  # sharded like the parameter
+    torch.distributed.barrier()
