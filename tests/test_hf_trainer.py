@@ -290,3 +290,18 @@ def test_package_import_does_not_import_transformers():
     assert out.stdout.strip() == "ok"
     # Inside the package the module named ``transformers`` imports the real library.
     assert issubclass(GaLoreTrainer, transformers.Trainer)
+
+
+def test_trainer_with_galore_ranger21(tmp_path):
+    model = tiny_llama()
+    args = training_args(tmp_path, learning_rate=1e-2)
+    opt = create_optimizer(model, args, optimizer_cls=galore2.GaLoreRanger21, rank=RANK)
+    assert isinstance(opt, galore2.GaLoreRanger21)
+    assert opt.param_groups[0]["num_iterations"] == args.max_steps
+    trainer = transformers.Trainer(model, args, train_dataset=Motifs(), optimizers=(opt, None))
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
+    for p in model.parameters():
+        if id(p) in linear_weights(model):
+            assert RANK in opt.state[p]["pnm.exp_avg"].shape

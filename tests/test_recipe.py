@@ -226,3 +226,12 @@ def test_compiled_layers_train_like_eager(tmp_path):
     compiled = run(tmp_path / "compiled", "--steps", "6", "--model.compile", "true")
     for a, b in zip(eager, compiled, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
+
+
+@pytest.mark.parametrize("name", ["ranger21", "galore_ranger21"])
+def test_recipe_runs_ranger21_presets(tmp_path, name):
+    hist = run(tmp_path, "--steps", "8", "--optimizer", name, "--optim.lr", "0.01")
+    assert all(math.isfinite(r["loss"]) for r in hist)
+    assert hist[-1]["loss"] < hist[0]["loss"]
+    lrs = [r["lr"] for r in hist]
+    assert lrs == [0.01] * len(lrs)  # the recipe's schedule stays flat: Ranger21 has its own
