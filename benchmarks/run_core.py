@@ -25,7 +25,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import memory_7b, recipe_memory_7b, recipe_tiny, refresh, step_time, traffic_7b
+from . import (
+    memory_7b,
+    ranger21,
+    recipe_memory_7b,
+    recipe_tiny,
+    refresh,
+    step_time,
+    traffic_7b,
+)
 from ._common import arg_parser, command, machine_md, setup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +50,7 @@ BENCHMARKS: dict[str, tuple[str, Callable[[bool], dict[str, Any]]]] = {
     "traffic_7b": ("Collective traffic under FSDP2, Llama-7B shapes (on paper)", traffic_7b.run),
     "recipe_tiny": ("Main job: tiny recipe, AdamW vs GaLoreAdamW", recipe_tiny.run),
     "recipe_memory_7b": ("Llama-7B recipe: expected per-GPU memory", recipe_memory_7b.run),
+    "ranger21": ("Ranger21 / GaLoreRanger21 vs AdamW and pytorch-optimizer", ranger21.run),
 }
 
 

@@ -10,6 +10,7 @@ Names and what they build:
 ``galore_adafactor``   ``galore2.GaLoreAdafactor`` (factored low-rank second moment)
 ``ranger21``           ``galore2.Ranger21`` (full rank)
 ``galore_ranger21``    ``galore2.GaLoreRanger21``
+``pto_ranger21``       pytorch-optimizer's ``Ranger21`` (a peer, for benchmarks)
 =====================  ==========================================================
 
 Every optimizer gets the same parameter split: weight decay on ≥2-D weights only
@@ -40,8 +41,10 @@ _GALORE2 = {
     "ranger21": ("Ranger21", False),
     "galore_ranger21": ("GaLoreRanger21", True),
 }
-NAMES = ("adamw", "adamw8bit", *_GALORE2)
-_OWN_SCHEDULE = ("ranger21", "galore_ranger21")
+# Peers from other packages, for side-by-side benchmarks (installed as benchmark extras).
+_PEERS = {"pto_ranger21": ("pytorch_optimizer", "Ranger21")}
+NAMES = ("adamw", "adamw8bit", *_GALORE2, *_PEERS)
+_OWN_SCHEDULE = ("ranger21", "galore_ranger21", "pto_ranger21")
 _PENDING = {
     "GaLoreAdamW8bit": "the 8-bit / quantized-state issue (#6)",
     "GaLoreAdafactor": "the 8-bit / quantized-state issue (#6)",
@@ -91,6 +94,14 @@ def _resolve(name: str) -> Callable[..., torch.optim.Optimizer]:
                 "optim.name='adamw8bit' needs bitsandbytes: pip install bitsandbytes"
             ) from e
         return bnb.optim.AdamW8bit
+    if name in _PEERS:
+        module, attr = _PEERS[name]
+        try:
+            return getattr(__import__(module), attr)
+        except ImportError as e:
+            raise RuntimeError(
+                f"optim.name={name!r} needs {module}: pip install -e '.[bench]'"
+            ) from e
     cls_name, _ = _GALORE2[name]
     cls = getattr(galore2, cls_name, None)
     if cls is None:
