@@ -72,24 +72,39 @@ def _optimizer(model: nn.Module) -> ChainOptimizer:
     return chain_optimizer(groups, **all_modules(), lookahead_k=3, **settings)
 
 
+def _galore_ranger21(model: nn.Module) -> ChainOptimizer:
+    """The GaLoreRanger21 preset, every component on: PNM + softplus in the subspace."""
+    import galore2
+
+    mats = [p for p in model.parameters() if p.dim() >= 2]
+    vecs = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": mats, "rank": 3, "update_proj_gap": 3}, {"params": vecs}]
+    return galore2.GaLoreRanger21(
+        groups, lr=1e-2, num_iterations=8, weight_decay=0.1, lookahead_k=3,
+        warmup_iterations=2, agc_clip=0.05, norm_loss_factor=0.05,
+    )  # fmt: skip
+
+
+BUILDERS = {"modules": lambda m: _optimizer(m), "galore_ranger21": _galore_ranger21}
 STEPS = 8
 
 
-def fsdp_matches_single_process(rank: int, world: int) -> None:
+def fsdp_matches_single_process(rank: int, world: int, which: str = "modules") -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     reference = fsdp_cases.make_model()
     sharded = copy.deepcopy(reference)
     untouched = copy.deepcopy(reference)
-    ref_opt = _optimizer(reference)
+    build = BUILDERS[which]
+    ref_opt = build(reference)
     for step in range(STEPS):
         x, y = fsdp_cases.data(step)
         ref_opt.zero_grad()
         nn.functional.mse_loss(reference(x), y).backward()
         ref_opt.step()
     fsdp_cases.shard(sharded, mesh)
-    opt = _optimizer(sharded)
+    opt = build(sharded)
     per = fsdp_cases.BATCH // world
     for step in range(STEPS):
         x, y = fsdp_cases.data(step)

@@ -11,7 +11,7 @@ import torch
 import galore2
 from galore2.optim.hooks import compute_stats
 
-from .helpers import TinyNet, galore_groups, max_diff, train
+from .helpers import TinyNet, batch, galore_groups, max_diff, train
 
 ALL_OFF = dict(
     use_agc=False, use_gc=False, use_gn=False, use_pnm=False, softplus=False,
@@ -144,3 +144,25 @@ def test_state_bytes_reports_lookahead_and_bf16_halves_it():
         opt = ranger(model, lookahead_dtype=dtype)
         opt.init_state()
         assert opt.state_bytes()["lookahead"] == n * size
+
+
+def test_gradient_modules_act_on_the_full_gradient_before_projection():
+    """GaLoreRanger21 with only centralization on = GaLoreAdamW fed centralized gradients."""
+    a, b = TinyNet(), TinyNet()
+    b.load_state_dict(a.state_dict())
+    settings = {"rank": 4, "update_proj_gap": 5, "projector": "svd"}
+    opt_a = ranger(a, galore2.GaLoreRanger21, params=galore_groups(a, **settings),
+                   **{**ALL_OFF, "use_gc": True})  # fmt: skip
+    opt_b = galore2.GaLoreAdamW(galore_groups(b, **settings), lr=1e-2, weight_decay=1e-2)
+    for step in range(12):
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            x, y = batch(step)
+            opt.zero_grad()
+            (model(x) - y).pow(2).mean().backward()
+            if opt is opt_b:  # centralize by hand: subtract each row's mean (≥2-D only)
+                for p in model.parameters():
+                    if p.dim() > 1:
+                        p.grad -= p.grad.mean(dim=tuple(range(1, p.dim())), keepdim=True)
+            opt.step()
+    assert max_diff(a, b) < 1e-6
+    assert int(opt_a.state[a.up.weight]["galore.refreshes"]) == 3  # projected throughout

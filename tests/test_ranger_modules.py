@@ -251,3 +251,8 @@ def test_lookahead_rejects_unknown_slow_dtype():
 )
 def test_fsdp_matches_single_process(world):
     spawn(ranger_fsdp_cases.fsdp_matches_single_process, world)
+
+
+def test_galore_ranger21_under_fsdp2_matches_single_process():
+    """The whole preset (PNM in the subspace, σ all-reduced, lookahead shards) on 2 ranks."""
+    spawn(ranger_fsdp_cases.fsdp_matches_single_process, 2, "galore_ranger21")
