@@ -83,6 +83,11 @@ class OptimConfig:
     scale: float = 0.25
     proj_type: str = "std"
     projector: str = "randomized"
+    moments_on_refresh: str = "keep"
+    basis_dtype: str = "fp32"  # fp32 | bf16 | int8 | int4 (quantized bases, see README)
+    basis_group_size: int = 256
+    basis_hadamard: bool = False
+    adaptive_refresh: bool = False  # lengthen a matrix's refresh gap while its subspace is stable
     target_modules: list[str] = field(default_factory=lambda: ["attn", "mlp"])
     per_layer: bool = False  # update each parameter inside backward (frees its gradient)
     max_grad_norm: float = 0.0  # 0: no clipping (per_layer refuses clipping)

@@ -74,6 +74,11 @@ def param_groups(model: nn.Module, cfg: OptimConfig, projected: bool) -> list[di
         "scale": cfg.scale,
         "proj_type": cfg.proj_type,
         "projector": cfg.projector,
+        "moments_on_refresh": cfg.moments_on_refresh,
+        "basis_dtype": cfg.basis_dtype,
+        "basis_group_size": cfg.basis_group_size,
+        "basis_hadamard": cfg.basis_hadamard,
+        "adaptive_refresh": cfg.adaptive_refresh,
     }
     found = galore2.param_groups(
         model, cfg.target_modules, weight_decay=cfg.weight_decay, **galore_keys

@@ -17,6 +17,9 @@ PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
 PROJECTORS = ("svd", "randomized", "power", "random")
 MOMENTS_ON_REFRESH = ("keep", "reset", "project")
 NONFINITE = ("skip", "raise", "ignore")
+BASIS_DTYPES = ("fp32", "bf16", "int8", "int4")
+_BASIS_ALIASES = {"float32": "fp32", "bfloat16": "bf16"}
+TENSOR_PROJECTIONS = ("tucker", "matrix")
 STATE_DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -36,6 +39,17 @@ GALORE_DEFAULTS: dict[str, Any] = {
     "power_iters": 1,
     "moments_on_refresh": "keep",
     "seed": 0,
+    # how the basis is stored (quantized bases are dequantized on use)
+    "basis_dtype": "fp32",
+    "basis_group_size": 256,
+    "basis_hadamard": False,
+    # adaptive refresh: lengthen a parameter's gap while its subspace stays put
+    "adaptive_refresh": False,
+    "refresh_threshold": 0.4,
+    "refresh_patience": 3,
+    "max_update_proj_gap": None,
+    # weights with more than two dims: Tucker per-mode bases, or flattened to shape[0] x rest
+    "tensor_projection": "tucker",
 }
 
 
@@ -132,4 +146,63 @@ def validate_group(group: Mapping[str, Any]) -> dict[str, Any]:
         )
     if not _is_int(group["seed"]) or not 0 <= group["seed"] < 2**62:
         raise ValueError(f"seed must be an int in [0, 2**62), got {group['seed']!r}")
+    out.update(_validate_storage(group))
+    out.update(_validate_adaptive(group))
+    if group["tensor_projection"] not in TENSOR_PROJECTIONS:
+        raise ValueError(
+            f"tensor_projection must be one of {TENSOR_PROJECTIONS}, "
+            f"got {group['tensor_projection']!r}"
+        )
     return out
+
+
+def _validate_storage(group: Mapping[str, Any]) -> dict[str, Any]:
+    value = group["basis_dtype"]
+    if isinstance(value, torch.dtype):
+        value = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(value, value)
+    name = _BASIS_ALIASES.get(value, value) if isinstance(value, str) else value
+    if name not in BASIS_DTYPES:
+        raise ValueError(
+            f"basis_dtype must be one of {BASIS_DTYPES} (or torch.float32 / torch.bfloat16), "
+            f"got {group['basis_dtype']!r}"
+        )
+    size = group["basis_group_size"]
+    if not _is_int(size) or size < 2:
+        raise ValueError(f"basis_group_size must be an int >= 2, got {size!r}")
+    hadamard = group["basis_hadamard"]
+    if not isinstance(hadamard, bool):
+        raise ValueError(f"basis_hadamard must be a bool, got {hadamard!r}")
+    if hadamard and name not in ("int8", "int4"):
+        raise ValueError(
+            f"basis_hadamard=True needs basis_dtype 'int8' or 'int4' (it rotates before "
+            f"quantizing), got basis_dtype={name!r}"
+        )
+    if hadamard and size & (size - 1):
+        raise ValueError(
+            f"basis_group_size must be a power of two when basis_hadamard=True, got {size}"
+        )
+    if name != "fp32" and group["projector"] == "random":
+        raise ValueError(
+            f"basis_dtype={name!r} needs a stored basis; projector='random' regenerates its "
+            "basis from a seed and stores none (use basis_dtype='fp32')"
+        )
+    return {"basis_dtype": name}
+
+
+def _validate_adaptive(group: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(group["adaptive_refresh"], bool):
+        raise ValueError(f"adaptive_refresh must be a bool, got {group['adaptive_refresh']!r}")
+    threshold = group["refresh_threshold"]
+    if not _real(threshold) or not 0.0 < threshold <= 1.0:
+        raise ValueError(f"refresh_threshold must be a float in (0, 1], got {threshold!r}")
+    patience = group["refresh_patience"]
+    if not _is_int(patience) or patience < 1:
+        raise ValueError(f"refresh_patience must be an int >= 1, got {patience!r}")
+    cap = group["max_update_proj_gap"]
+    gap = group["update_proj_gap"]
+    if cap is not None and (not _is_int(cap) or cap < gap):
+        raise ValueError(
+            f"max_update_proj_gap must be None (8 x update_proj_gap) or an int >= "
+            f"update_proj_gap ({gap}), got {cap!r}"
+        )
+    return {}

@@ -56,6 +56,9 @@ class GaLore(Transform):
         "galore.next_refresh": "other",
         "galore.refreshes": "other",
         "galore.seed": "other",
+        "galore.gap": "other",
+        "galore.streak": "other",
+        "galore.similarity": "other",
     }
 
     def __init__(self, *inner: Transform) -> None:
@@ -96,6 +99,8 @@ class GaLore(Transform):
         state["galore.next_refresh"] = counter()
         state["galore.refreshes"] = counter()
         state["galore.seed"] = counter(mix_seed(group["seed"], ctx.index))
+        if group["adaptive_refresh"]:
+            _init_adaptive(state, group)
         get_projector(group["projector"]).init_state(state, plan, group)
         low = torch.Size(low_rank_shape(plan.m, plan.n, side, plan.rank))
         # Low-rank state: left r×n shards by columns, right m×r by rows, full r×r replicated.
@@ -225,6 +230,9 @@ class GaLore(Transform):
             )
         if new is None:  # schedule untouched (next_refresh ≤ step): the next step retries
             return False
+        similarity = None
+        if done > 0 and group["adaptive_refresh"]:  # how far the subspace moved
+            similarity = projector.similarity(new, state, plan)
         mode = group["moments_on_refresh"]
         old = None
         if done > 0 and mode == "project":
@@ -238,8 +246,41 @@ class GaLore(Transform):
             for t in self.inner:
                 t.rotate(state, rotate)
         state["galore.refreshes"] += 1
-        state["galore.next_refresh"].fill_(step + group["update_proj_gap"])
+        state["galore.next_refresh"].fill_(step + _next_gap(state, group, similarity))
         return True
+
+
+def _init_adaptive(state: State, group: Group) -> None:
+    state["galore.gap"] = counter(group["update_proj_gap"])
+    state["galore.streak"] = counter()
+    state["galore.similarity"] = torch.tensor(float("nan"), dtype=torch.float32)
+
+
+def _next_gap(state: State, group: Group, similarity: float | None) -> int:
+    """Steps until the next refresh. Fixed (``update_proj_gap``) unless ``adaptive_refresh``:
+    then, after ``refresh_patience`` refreshes in a row whose subspace overlap with the
+    previous basis is ≥ ``refresh_threshold``, the gap doubles (up to
+    ``max_update_proj_gap``, default 8·T); a refresh below the threshold halves it (never
+    below T), since the subspace is moving."""
+    base = group["update_proj_gap"]
+    if not group["adaptive_refresh"]:
+        return base
+    if "galore.gap" not in state:  # adaptive refresh switched on after the state was made
+        _init_adaptive(state, group)
+    gap = max(int(state["galore.gap"]), base)
+    if similarity is not None:
+        state["galore.similarity"].fill_(similarity)
+        cap = group["max_update_proj_gap"] or 8 * base
+        if similarity >= group["refresh_threshold"]:
+            state["galore.streak"] += 1
+            if int(state["galore.streak"]) >= group["refresh_patience"]:
+                gap = min(2 * gap, cap)
+                state["galore.streak"].zero_()
+        else:
+            state["galore.streak"].zero_()
+            gap = max(base, gap // 2)
+    state["galore.gap"].fill_(gap)
+    return gap
 
 
 def _rotation(

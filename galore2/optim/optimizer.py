@@ -172,6 +172,24 @@ class ChainOptimizer(torch.optim.Optimizer):
         out["total"] = sum(out.values())
         return out
 
+    def refresh_stats(self) -> dict[int, dict[str, float]]:
+        """Per projected parameter (by its index over all groups, as in ``state_dict``): the
+        number of subspace refreshes so far, the current gap between refreshes (it varies
+        with ``adaptive_refresh``) and the last measured subspace overlap (NaN if none)."""
+        out: dict[int, dict[str, float]] = {}
+        for index, group, p in self._indexed_params():
+            state = self.state.get(p, {})
+            if "galore.refreshes" not in state:
+                continue
+            gap = state.get("galore.gap")
+            sim = state.get("galore.similarity")
+            out[index] = {
+                "refreshes": int(state["galore.refreshes"]),
+                "gap": int(gap) if gap is not None else int(group["update_proj_gap"]),
+                "similarity": float(sim) if sim is not None else float("nan"),
+            }
+        return out
+
     @property
     def _hook_kinds(self) -> dict[str, str]:
         kinds: dict[str, str] = {"schedule.step": "other"}

@@ -206,6 +206,19 @@ class Projector:
             return N, _as(Q, dtype).mT
         return _as(P, dtype) @ N, _as(Q, dtype).mT
 
+    def similarity(self, new: dict[str, Tensor], state: State, plan: Plan) -> float:
+        """Overlap in [0, 1] of the ``new`` bases with the stored ones: ‖B_newᵀ·B_old‖²_F / r
+        per side (1 = same subspace, r/dim for unrelated random ones), averaged over sides.
+        Invariant to signs and to rotations within the subspace."""
+        old = dict(zip(("left", "right"), self.bases(state, plan), strict=True))
+        values = []
+        for key, basis in new.items():
+            product = basis.float().mT @ old[key].float()
+            if key == "left":  # row-sharded P: the r×r product is a sum over ranks
+                product = plan.placement.reduce(product)
+            values.append(float(product.square().sum()) / basis.shape[1])
+        return sum(values) / len(values)
+
     def project_back(self, N: Tensor, state: State, plan: Plan, dtype: torch.dtype) -> Tensor:
         A, B = self.back_factors(N, state, plan, dtype)
         return A @ B
