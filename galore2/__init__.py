@@ -5,14 +5,23 @@ Only torch is required to import this package; optional backends
 """
 
 from .groups import param_groups
-from .optim import ChainOptimizer, GaLoreAdamW, GaLoreRanger21, Ranger21
+from .optim import (
+    ChainOptimizer,
+    GaLoreAdafactor,
+    GaLoreAdamW,
+    GaLoreAdamW8bit,
+    GaLoreRanger21,
+    Ranger21,
+)
 from .optim.per_layer import PerLayerUpdates, per_layer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ChainOptimizer",
+    "GaLoreAdafactor",
     "GaLoreAdamW",
+    "GaLoreAdamW8bit",
     "GaLoreRanger21",
     "PerLayerUpdates",
     "Ranger21",

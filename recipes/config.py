@@ -107,7 +107,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 8
-    checkpoint_every: int = 0  # 0: only at the end
+    checkpoint_every: int = 0  # 0: only at the end; -1: never (e.g. peers whose state DCP refuses)
     keep_checkpoints: int = 2
     out: str = "runs/pretrain"
     resume: bool = True  # continue from the newest checkpoint under out/checkpoints

@@ -53,7 +53,8 @@ HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 BNB_BLOCK, BNB_MIN_8BIT = 256, 4096  # bitsandbytes 0.50.2 8-bit optimizers (init_state)
 MEASURED, ANALYTIC = "measured (init_state on meta)", "analytic; optimizer not yet implemented"
 _INNER = {NONE: "rows", RIGHT: "rows", LEFT: "cols", FULL: "replicate"}  # galore2.fsdp layouts
-_BASES = {"proj.left": "rows", "proj.right": "replicate"}
+_BASES = {f"proj.{side}{suffix}": layout for side, layout in (("left", "rows"), ("right", "replicate"))
+          for suffix in ("", ".q", ".scale")}  # fp32/bf16 bases, or quantized codes + scales
 
 Piece = tuple[tuple[int, ...], int, str]  # shape, bytes per element, layout (rows/cols/...)
 _QMAPS: list[Piece] = [((256,), 4, "replicate")] * 2  # bitsandbytes' shared quantization maps

@@ -51,6 +51,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                 v = v.to_local()
             if isinstance(v, torch.Tensor):
                 total += v.numel() * v.element_size()
+            elif hasattr(v, "__dict__"):  # e.g. galore-torch keeps its basis in a state object
+                held = [t for t in vars(v).values() if isinstance(t, torch.Tensor)]
+                total += sum(t.numel() * t.element_size() for t in held)
     return total
 
 

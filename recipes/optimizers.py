@@ -11,6 +11,7 @@ Names and what they build:
 ``ranger21``           ``galore2.Ranger21`` (full rank)
 ``galore_ranger21``    ``galore2.GaLoreRanger21``
 ``pto_ranger21``       pytorch-optimizer's ``Ranger21`` (a peer, for benchmarks)
+``gt_galore_adamw``    galore-torch 1.0's ``GaLoreAdamW`` (a peer, for benchmarks)
 =====================  ==========================================================
 
 Every optimizer gets the same parameter split: weight decay on ≥2-D weights only
@@ -42,7 +43,11 @@ _GALORE2 = {
     "galore_ranger21": ("GaLoreRanger21", True),
 }
 # Peers from other packages, for side-by-side benchmarks (installed as benchmark extras).
-_PEERS = {"pto_ranger21": ("pytorch_optimizer", "Ranger21")}
+_PEERS = {
+    "pto_ranger21": ("pytorch_optimizer", "Ranger21"),
+    "gt_galore_adamw": ("galore_torch", "GaLoreAdamW"),  # galore-torch 1.0 (reads rank etc.)
+}
+_PROJECTED_PEERS = ("gt_galore_adamw",)
 NAMES = ("adamw", "adamw8bit", *_GALORE2, *_PEERS)
 _OWN_SCHEDULE = ("ranger21", "galore_ranger21", "pto_ranger21")
 _PENDING = {
@@ -131,7 +136,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int) -> tor
     if cfg.name not in NAMES:
         raise ValueError(f"optim.name must be one of {', '.join(NAMES)}; got {cfg.name!r}")
     cls = _resolve(cfg.name)
-    projected = _GALORE2.get(cfg.name, (None, False))[1]
+    projected = _GALORE2.get(cfg.name, (None, cfg.name in _PROJECTED_PEERS))[1]
     groups = param_groups(model, cfg, projected)
     kwargs: dict[str, Any] = {
         "lr": cfg.lr,

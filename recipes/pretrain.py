@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if step % t.eval_every == 0 or last:
                 extra["val_loss"] = evaluate(model, val_loader, t.eval_batches, device)
             metrics.log(step, sched.get_last_lr()[0], extra)
-        if (t.checkpoint_every and step % t.checkpoint_every == 0) or last:
+        if t.checkpoint_every >= 0 and (
+            (t.checkpoint_every and step % t.checkpoint_every == 0) or last
+        ):
             total = metrics.total_tokens
             checkpoint.save(
                 t.out, step, model, opt, train_loader, total, device, t.keep_checkpoints

@@ -133,3 +133,10 @@ def test_bad_adaptive_settings_name_the_key(key, value):
 
 def test_adaptive_refresh_under_fsdp_matches_one_process():
     spawn(adaptive_fsdp_cases.adaptive_matches_single_process, 2)
+
+
+def test_random_projection_never_lengthens_its_gap():
+    p = nn.Parameter(torch.zeros(32, 48))
+    opt = _optimizer(p, projector="random")
+    assert _refresh_steps(opt, p, _steady(steps=20)) == list(range(0, 20, 2))  # fresh draws
+    assert opt.refresh_stats()[0]["similarity"] < 0.4

@@ -60,6 +60,16 @@ for every later one), per projected weight:
 * ``moments_on_refresh="project"``, later refreshes, left/full: all-reduce of
   C = P_newᵀ·P_old (r×r fp32, ``_rotation``).
 
+A Tucker-projected weight (more than two dims, ``tensor_projection="tucker"``, factors
+U_k of rank r_k = min(r, d_k) for the modes with r < d_k): every step, an all-reduce of
+its core (r_0 × r_1 × …, gradient dtype) when mode 0 is reduced — none when d_0 ≤ r (the
+core is then row-sharded like the weight). At a refresh, one ``usable_norm`` and one
+non-finite-basis flag; ``svd``: one gather of G's rows (p·⌈d_0/p⌉ × rest) and a
+broadcast of each factor (d_k × r_k), plus ``align_signs`` of U_0 (r_0); ``randomized`` /
+``power``: per reduced mode the collectives of a left basis of d_0 × rest (mode 0) or of
+a right basis of the unfolding (d_0·rest/d_k) × d_k (mode k ≥ 1), as listed above;
+``project``: the all-reduce of C_0 = U_0,newᵀ·U_0,old (r_0 × r_0).
+
 Refresh collectives are fp32 whatever the parameter dtype (G is cast first), but for the
 int32 flags and the fp64 norm.
 
@@ -76,7 +86,7 @@ per micro-batch while galore2's is once per optimizer step.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -84,7 +94,8 @@ from torch import Tensor, nn
 
 from ..groups import param_groups
 from ..optim.config import GALORE_DEFAULTS, STATE_DTYPES, validate_group
-from ..projectors import FULL, LEFT, NONE, RIGHT, choose_side
+from ..projectors import FULL, LEFT, NONE, RIGHT, TUCKER, choose_side
+from ..projectors.tucker import reduced_modes, tucker_ranks
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "gather", "broadcast")
 KINDS = ("step", "first_refresh", "refresh", "fsdp")
@@ -273,6 +284,56 @@ def _refresh(
     return out
 
 
+def _tucker_step(name: str, shape: tuple[int, ...], r: int, grad: torch.dtype):
+    if 0 in reduced_modes(shape, r):  # each rank's core is a partial sum over its rows
+        yield Collective("all_reduce", tucker_ranks(shape, r), grad, "GaLore._project: core", name)
+
+
+def _tucker_refresh(
+    name: str, shape: tuple[int, ...], r: int, g: dict[str, Any], p: int, first: bool
+) -> list[Collective]:
+    """A Tucker weight's refresh: one usable_norm; per reduced mode, the matrix problem
+    of its factor (mode 0: left of d_0 × rest; mode k: right of its unfolding); svd: one
+    gather, one broadcast per factor."""
+    gap = int(g["update_proj_gap"])
+    modes, ranks = reduced_modes(shape, r), tucker_ranks(shape, r)
+    out: list[Collective] = []
+
+    def add(op: str, size: tuple[int, ...], dtype: torch.dtype, source: str) -> None:
+        out.append(Collective(op, size, dtype, source, name, gap))
+
+    add("all_reduce", (1,), _I32, "usable_norm: any non-finite")
+    add("all_reduce", (1,), _F64, "usable_norm: Σ‖G_i‖²")
+    d0, rest = shape[0], _matrix(torch.Size(shape))[1]
+    projector = g["projector"]
+    if projector == "svd":
+        chunk = -(-d0 // p)
+        add("gather", (p * chunk, rest), _F32, "TuckerProjector._exact: G rows onto the owner")
+        for k in modes:
+            add("broadcast", (shape[k], ranks[k]), _F32, f"TuckerProjector._exact: U_{k}")
+        if 0 in modes:
+            add("all_reduce", (ranks[0],), _F32, "align_signs (mode 0)")
+    elif projector in ("randomized", "power"):
+        keep = {**g, "moments_on_refresh": "keep"}
+        for k in modes:
+            if k == 0:
+                sub = _refresh(name, d0, rest, LEFT, ranks[0], keep, p, first)
+            else:
+                sub = _refresh(
+                    name, d0 * rest // shape[k], shape[k], RIGHT, ranks[k], keep, p, first
+                )
+            out.extend(
+                replace(c, source=f"mode {k}: {c.source}")
+                for c in sub
+                if not c.source.startswith(("usable_norm", "Projector.refresh"))
+            )
+    if projector != "random":
+        add("all_reduce", (1,), _I32, "Projector.refresh: any non-finite basis")
+    if not first and g["moments_on_refresh"] == "project" and 0 in modes:
+        add("all_reduce", (ranks[0], ranks[0]), _F32, "TuckerProjector.rotation: C_0")
+    return out
+
+
 def _fsdp_units(
     named: list[tuple[str, Tensor]], units: Sequence[str]
 ) -> list[tuple[str, list[tuple[str, Tensor]]]]:
@@ -405,12 +466,18 @@ def collective_bytes(
                 step.append(Collective("all_reduce", (len(params),), _I32, src))
         state_dtype = STATE_DTYPES[g["state_dtype"]]
         for t in params:
-            side = choose_side(tuple(t.shape), g["proj_type"], g["rank"])
+            side = choose_side(tuple(t.shape), g["proj_type"], g["rank"], g["tensor_projection"])
             if side == NONE:
                 continue
             name, r = names[id(t)], int(g["rank"])
             m, n = _matrix(t.shape)
             projected.append(name)
+            if side == TUCKER:
+                shape = tuple(int(d) for d in t.shape)
+                step.extend(_tucker_step(name, shape, r, t.dtype))
+                first.extend(_tucker_refresh(name, shape, r, g, p, first=True))
+                later.extend(_tucker_refresh(name, shape, r, g, p, first=False))
+                continue
             step.extend(_per_step(name, m, n, side, r, t.dtype, state_dtype))
             first.extend(_refresh(name, m, n, side, r, g, p, first=True))
             later.extend(_refresh(name, m, n, side, r, g, p, first=False))

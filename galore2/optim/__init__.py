@@ -1,7 +1,9 @@
 """Optimizers, the per-tensor transforms they are built from, and the Ranger21 modules."""
 
+from .adafactor import GaLoreAdafactor, ScaleByAdafactor
 from .adam import ScaleByAdam
-from .adamw import GaLoreAdamW
+from .adam8bit import ScaleByAdam8bit
+from .adamw import GaLoreAdamW, GaLoreAdamW8bit
 from .galore import GaLore
 from .gradient import AdaptiveGradientClipping, CentralizeGradient, NormalizeGradient
 from .hooks import GradientTransform, ParamTransform
@@ -18,7 +20,9 @@ __all__ = [
     "ChainOptimizer",
     "Context",
     "GaLore",
+    "GaLoreAdafactor",
     "GaLoreAdamW",
+    "GaLoreAdamW8bit",
     "GaLoreRanger21",
     "GradientTransform",
     "LinearWarmup",
@@ -28,7 +32,9 @@ __all__ = [
     "ParamTransform",
     "Ranger21",
     "Ranger21Schedule",
+    "ScaleByAdafactor",
     "ScaleByAdam",
+    "ScaleByAdam8bit",
     "ScaleByPNM",
     "StableWeightDecay",
     "Transform",

@@ -1,15 +1,18 @@
-"""``GaLoreAdamW``: AdamW whose moments live in a low-rank subspace per targeted matrix."""
+"""``GaLoreAdamW`` (fp32 moments) and ``GaLoreAdamW8bit`` (8-bit moments): AdamW whose moments
+live in a low-rank subspace per targeted matrix."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from .adam import ScaleByAdam
+from .adam8bit import ScaleByAdam8bit
 from .config import GALORE_DEFAULTS
 from .galore import GaLore
 from .optimizer import ChainOptimizer, ParamsT
+from .transform import Transform
 
 
 class GaLoreAdamW(ChainOptimizer):
@@ -39,6 +42,9 @@ class GaLoreAdamW(ChainOptimizer):
         moments_on_refresh: ``keep`` (galore-torch) | ``reset`` | ``project``.
         seed: base seed of the random sketches and projections.
     """
+
+    #: the Adam transform run inside GaLore (at the low-rank shape for projected matrices)
+    adam_transform: ClassVar[type[Transform]] = ScaleByAdam
 
     def __init__(
         self,
@@ -70,4 +76,40 @@ class GaLoreAdamW(ChainOptimizer):
             **GALORE_DEFAULTS,
             **galore,
         }
-        super().__init__(params, chain=[GaLore(ScaleByAdam())], defaults=defaults)
+        super().__init__(params, chain=[GaLore(self.adam_transform())], defaults=defaults)
+
+
+class GaLoreAdamW8bit(GaLoreAdamW):
+    """:class:`GaLoreAdamW` with Adam's moments stored 8-bit blockwise (bitsandbytes).
+
+    Same arguments and arithmetic as :class:`GaLoreAdamW`; only the storage of the two
+    moments changes (:class:`~galore2.optim.adam8bit.ScaleByAdam8bit`). Acts on every
+    parameter's Adam moments: the low-rank r×n / m×r moments of projected matrices and
+    the full-shape moments of everything else. Each step dequantizes them to fp32,
+    updates, and requantizes with bitsandbytes' dynamic 8-bit map.
+
+    State cost per moment element: 1 byte (uint8 code) + 4 bytes (fp32 absmax) per
+    block of at most 256 elements — ~1.016 bytes instead of fp32's 4, so ~0.254× of
+    :class:`GaLoreAdamW`'s moment bytes for blocks of 256.
+
+    Block layout: the direction is viewed as 2-D (dim 0 × rest) and blocked along the
+    axis FSDP never shards — along each row (absmax ``(rows, ceil(cols/256))``) for the
+    parameter's own moments and GaLore's right-side m×r and full-side r×r moments, along
+    each column (absmax ``(ceil(rows/256), cols)``) for GaLore's left-side r×n moments,
+    which are sharded by columns. State shapes therefore do not depend on the sharding
+    and DCP checkpoints reshard. GaLore moments are blocked along the rank axis (rank <
+    256: blocks of ``rank`` elements, e.g. 1.03 bytes/element at rank 128).
+
+    Directions with fewer than 4096 elements (bitsandbytes' ``min_8bit_size``, judged
+    by the global shape), 1-D ones and ones whose blocked axis has length 1 keep
+    ``state_dtype`` moments and match :class:`GaLoreAdamW` exactly (``state_dtype`` has
+    no effect on the 8-bit ones, which are updated in fp32). With ``rank=None`` the rest
+    follows ``bitsandbytes.optim.AdamW8bit`` within bitsandbytes' own test tolerances
+    (its blocks are ours when each row's length is a multiple of 256; only last-bit
+    differences of the fp32 arithmetic remain).
+
+    Needs bitsandbytes (``pip install bitsandbytes``); constructing it without raises
+    ``ImportError``, while ``import galore2`` does not need it.
+    """
+
+    adam_transform = ScaleByAdam8bit

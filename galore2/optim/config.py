@@ -97,17 +97,21 @@ def validate_group(group: Mapping[str, Any]) -> dict[str, Any]:
     if lr_value < 0:
         raise ValueError(f"lr must be >= 0, got {lr_value}")
 
-    betas = group["betas"]
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"betas must be a pair (beta1, beta2) with each in [0, 1), got {betas!r}")
-    for i, b in enumerate(betas):
-        if not _real(b) or not 0.0 <= b < 1.0:
-            raise ValueError(f"betas[{i}] must be in [0, 1), got {b!r}")
-    out["betas"] = (float(betas[0]), float(betas[1]))
-
-    eps = group["eps"]
-    if not _real(eps) or eps <= 0:
-        raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
+    # Adam-form keys. A group without betas (GaLoreAdafactor: eps is a pair there) has its
+    # betas/eps-like keys checked by its transform's validate().
+    if "betas" in group:
+        betas = group["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(
+                f"betas must be a pair (beta1, beta2) with each in [0, 1), got {betas!r}"
+            )
+        for i, b in enumerate(betas):
+            if not _real(b) or not 0.0 <= b < 1.0:
+                raise ValueError(f"betas[{i}] must be in [0, 1), got {b!r}")
+        out["betas"] = (float(betas[0]), float(betas[1]))
+        eps = group["eps"]
+        if not _real(eps) or eps <= 0:
+            raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
     wd = group["weight_decay"]
     if not _real(wd) or wd < 0:
         raise ValueError(f"weight_decay must be a finite float >= 0, got {wd!r}")

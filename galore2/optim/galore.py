@@ -1,15 +1,24 @@
 """GaLore as a wrapper transform: project, run the inner chain in the subspace, project back.
 
 Acts on: the full gradient of a ≥2-D parameter in a group whose ``rank`` is
-set (weights with more than two dims are treated as ``shape[0] × rest``). For
-every other parameter — 1-D, ``rank`` unset, or ``rank ≥ min(m, n)`` — it is
-transparent and the inner chain runs on the full gradient (plain AdamW for
+set. For every other parameter — 1-D, ``rank`` unset, or ``rank ≥ min(m, n)`` —
+it is transparent and the inner chain runs on the full gradient (plain AdamW for
 ``GaLoreAdamW``).
 
-State per projected parameter: the basis (r·m or r·n fp32, see the projector),
-the inner chain's state at the low-rank shape, and four int64 CPU counters
-(``galore.side``, ``galore.step``, ``galore.next_refresh``,
-``galore.refreshes``) plus the parameter's seed.
+Weights with more than two dims (convolutions, stacked experts…) get a Tucker
+projection by default (``tensor_projection="tucker"``, side ``TUCKER``, see
+:mod:`galore2.projectors.tucker`): a factor U_k (d_k × min(rank, d_k)) per mode
+that ``rank`` reduces, found by the group's projector from the mode's unfolding of
+the gradient (truncated HOSVD); the inner chain runs on the core
+G ×_0 U_0ᵀ ×_1 U_1ᵀ …, whose result comes back as a dense N ×_0 U_0 ×_1 U_1 …;
+same schedule, robustness and ``moments_on_refresh`` modes (``project`` rotates
+the core per mode). ``rank ≥`` every dim leaves the weight unprojected.
+``tensor_projection="matrix"`` treats it as the matrix ``shape[0] × rest`` instead.
+
+State per projected parameter: the basis (r·m or r·n fp32, see the projector; a
+Tucker weight: its factors), the inner chain's state at the low-rank (core) shape,
+and four int64 CPU counters (``galore.side``, ``galore.step``,
+``galore.next_refresh``, ``galore.refreshes``) plus the parameter's seed.
 
 Refresh schedule: at the parameter's first step and then every
 ``update_proj_gap`` steps (steps 0, T, 2T, … when every step is usable). A
@@ -31,7 +40,19 @@ import torch
 from torch import Tensor
 
 from .._numerics import all_finite, finite_flags
-from ..projectors import FULL, LEFT, NONE, RIGHT, Plan, choose_side, get_projector, low_rank_shape
+from ..projectors import (
+    FULL,
+    LEFT,
+    NONE,
+    RIGHT,
+    TUCKER,
+    Plan,
+    Projector,
+    TuckerProjector,
+    choose_side,
+    get_projector,
+    low_rank_shape,
+)
 from ..projectors._sketch import mix_seed
 from .adam import counter
 from .transform import (
@@ -77,19 +98,30 @@ class GaLore(Transform):
     def plan(self, state: State, group: Group, ctx: Context) -> Plan:
         m, n = self.matrix_shape(ctx.global_shape)
         side, rank = int(state["galore.side"]), int(group["rank"])
-        return Plan(side, m, n, rank, ctx.param.device, ctx.placement)
+        hadamard = bool(group.get("basis_hadamard", False))
+        seed = state.get("galore.seed") if hadamard else None  # the Hadamard signs' seed
+        return Plan(
+            side, m, n, rank, ctx.param.device, ctx.placement,
+            basis=group.get("basis_dtype", "fp32"),
+            group_size=int(group.get("basis_group_size", 256)),
+            hadamard=hadamard,
+            basis_seed=0 if seed is None else int(seed),
+        )  # fmt: skip
 
     # ---- transform protocol ------------------------------------------------------
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
     ) -> None:
         rank = group.get("rank")
-        side = choose_side(tuple(shape), group["proj_type"], rank)
+        tensors = group.get("tensor_projection", "tucker")  # absent from older checkpoints
+        side = choose_side(tuple(shape), group["proj_type"], rank, tensors)
         state["galore.side"] = counter(side)
         if side == NONE:
             if rank is not None and len(shape) >= 2:
+                tucker = len(shape) > 2 and tensors == "tucker"
+                which = "every" if tucker else "min"
                 ctx.warn_once(
-                    f"galore2: rank={rank} >= min dimension of a parameter of shape "
+                    f"galore2: rank={rank} >= {which} dimension of a parameter of shape "
                     f"{tuple(shape)}; it is updated without projection (full-rank inner update)"
                 )
             init_chain(self.inner, shape, ref, group, state, ctx)
@@ -101,10 +133,14 @@ class GaLore(Transform):
         state["galore.seed"] = counter(mix_seed(group["seed"], ctx.index))
         if group["adaptive_refresh"]:
             _init_adaptive(state, group)
-        get_projector(group["projector"]).init_state(state, plan, group)
-        low = torch.Size(low_rank_shape(plan.m, plan.n, side, plan.rank))
-        # Low-rank state: left r×n shards by columns, right m×r by rows, full r×r replicated.
-        layout = {LEFT: "cols", RIGHT: "rows", FULL: "replicate"}[side]
+        projector = _projector(group, plan, shape)
+        projector.init_state(state, plan, group)
+        if isinstance(projector, TuckerProjector):  # the core r_0 × r_1 × …
+            low, layout = projector.core_shape(plan), projector.core_layout(plan)
+        else:
+            low = torch.Size(low_rank_shape(plan.m, plan.n, side, plan.rank))
+            # Low-rank state: left r×n shards by columns, right m×r by rows, full replicated.
+            layout = {LEFT: "cols", RIGHT: "rows", FULL: "replicate"}[side]
         init_chain(self.inner, low, ref, group, state, replace(ctx, layout=layout))
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor | LowRankUpdate:
@@ -150,14 +186,20 @@ class GaLore(Transform):
     def _project(self, u: Tensor, state: State, group: Group, ctx: Context) -> tuple[Plan, Tensor]:
         """Refresh when due, then R = project(G) (this rank's part of it when sharded)."""
         plan = self.plan(state, group, ctx)
-        G = u.reshape(-1, plan.n)  # this rank's rows of the m×n matrix
+        # this rank's rows of the m×n matrix; a Tucker weight keeps its N-d shape
+        G = u if plan.side == TUCKER else u.reshape(-1, plan.n)
         step = int(state["galore.step"])
         if step >= int(state["galore.next_refresh"]) and not ctx.refreshed:
             self.refresh(G, state, group, plan, step)
-        R = get_projector(group["projector"]).project(G, state, plan)
+        projector = _projector(group, plan, ctx.global_shape)
+        R = projector.project(G, state, plan)
         # Sharded rows: PᵀG is a sum over ranks. Left: reduce-scatter it so Adam runs on a
-        # column shard (r × n/p); full: all-reduce the r×r. Right (G·Q) needs nothing.
-        if plan.side == LEFT:
+        # column shard (r × n/p); full (and a Tucker core with mode 0 reduced): all-reduce
+        # it. Right (G·Q) needs nothing.
+        if isinstance(projector, TuckerProjector):
+            if projector.core_is_partial(plan):
+                R = plan.placement.reduce(R)
+        elif plan.side == LEFT:
             R = plan.placement.reduce_scatter_cols(R)
         elif plan.side == FULL:
             R = plan.placement.reduce(R)
@@ -165,13 +207,17 @@ class GaLore(Transform):
 
     def _back(
         self, N: Tensor, state: State, group: Group, plan: Plan, ctx: Context, shape: torch.Size
-    ) -> LowRankUpdate:
+    ) -> LowRankUpdate | Tensor:
         # The optimizer decays before applying an update (torch.optim.AdamW's order). For a
         # projected matrix GaLore decays *after* it (galore-torch, GaLore 2 paper):
         # (W − lr·u)(1 − lr·λ) = W(1 − lr·λ) − lr·(1 − lr·λ)·u, so fold (1 − lr·λ) in here,
         # as a scalar of the low-rank update (applied inside the optimizer's addmm_).
         factor = group["scale"] * (1.0 - float(group["lr"]) * group["weight_decay"])
-        projector = get_projector(group["projector"])
+        projector = _projector(group, plan, (plan.m, *shape[1:]))
+        if isinstance(projector, TuckerProjector):  # dense N ×_k U_k: this rank's rows
+            delta = projector.project_back(N, state, plan, ctx.param.dtype)
+            state["galore.step"] += 1
+            return delta.mul_(factor)
         if plan.side == LEFT:  # every rank needs all of N for its rows P_i·N
             N = plan.placement.all_gather_cols(N, plan.n)
         A, B = projector.back_factors(N, state, plan, ctx.param.dtype)
@@ -192,8 +238,9 @@ class GaLore(Transform):
         projector = get_projector("svd")
         due = []
         for u, state, ctx in zip(us, states, ctxs, strict=True):
-            if int(state["galore.side"]) == NONE or ctx.skip or not ctx.placement.distributed:
-                continue
+            side = int(state["galore.side"])
+            if side in (NONE, TUCKER) or ctx.skip or not ctx.placement.distributed:
+                continue  # Tucker weights refresh per tensor (one gather for all modes)
             if int(state["galore.step"]) < int(state["galore.next_refresh"]):
                 continue
             plan = self.plan(state, group, ctx)
@@ -219,8 +266,9 @@ class GaLore(Transform):
         precomputed: dict[str, Tensor] | None = None,
     ) -> bool:
         """Refresh the basis from ``G`` (or install ``precomputed`` bases when G is None);
-        returns False (basis kept, retried next step) when there is no usable result."""
-        projector = get_projector(group["projector"])
+        returns False (basis kept, retried next step) when there is no usable result.
+        A Tucker weight's G is this rank's N-d gradient (it never comes precomputed)."""
+        projector = _projector(group, plan, () if G is None else (plan.m, *G.shape[1:]))
         done = int(state["galore.refreshes"])
         if G is None:
             new = precomputed
@@ -237,7 +285,7 @@ class GaLore(Transform):
         old = None
         if done > 0 and mode == "project":
             old = tuple(None if b is None else b.clone() for b in projector.bases(state, plan))
-        projector.store(state, new)
+        projector.store(state, new, plan)
         if done > 0 and mode == "reset":
             for t in self.inner:
                 t.reset(state, group)
@@ -289,6 +337,8 @@ def _rotation(
     plan: Plan,
 ) -> Callable[[Tensor, bool], Tensor]:
     """Change of coordinates for moments when the basis moves from ``old`` to ``new``."""
+    if plan.side == TUCKER:  # per mode: core ×_k (U_k,newᵀ·U_k,old)
+        return TuckerProjector.rotation(old, new, plan)  # type: ignore[arg-type]
     side = plan.side
     C = None
     if side in (LEFT, FULL):  # P is row-sharded: the r×r product is a sum over ranks
@@ -306,4 +356,10 @@ def _rotation(
     return rotate
 
 
-__all__ = ["FULL", "LEFT", "NONE", "RIGHT", "GaLore"]
+def _projector(group: Group, plan: Plan, shape: tuple[int, ...] | torch.Size) -> Projector:
+    """The group's projector; for a Tucker weight (global ``shape``) its per-mode wrapper."""
+    base = get_projector(group["projector"])
+    return TuckerProjector(base, shape) if plan.side == TUCKER else base
+
+
+__all__ = ["FULL", "LEFT", "NONE", "RIGHT", "TUCKER", "GaLore"]

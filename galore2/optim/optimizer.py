@@ -31,6 +31,7 @@ from .._numerics import all_finite, finite_flags
 from ..placement import LOCAL, Placement
 from ..projectors import _BY_NAME as _PROJECTORS
 from ..projectors.base import Projector
+from ..projectors.tucker import TuckerProjector
 from .adam import counter
 from .config import validate_group
 from .hooks import GradientTransform, ParamTransform, run_param_transforms
@@ -49,6 +50,7 @@ _PROJECTOR_KINDS: dict[str, str] = {}
 for _p in _PROJECTORS.values():
     _PROJECTOR_KINDS.update(type(_p).kinds)
 _PROJECTOR_KINDS.update(Projector.kinds)
+_PROJECTOR_KINDS.update(TuckerProjector.kinds)  # proj.mode{k}: per-mode Tucker factors
 
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from .base import FULL, LEFT, NONE, RIGHT, Plan, Projector, choose_side, low_rank_shape
+from .base import FULL, LEFT, NONE, RIGHT, TUCKER, Plan, Projector, choose_side, low_rank_shape
 from .power import PowerProjector
 from .random import RandomProjector
 from .randomized import RandomizedProjector
 from .svd import SVDProjector
+from .tucker import TuckerProjector
 
 _BY_NAME: dict[str, Projector] = {
     p.name: p for p in (SVDProjector(), RandomizedProjector(), PowerProjector(), RandomProjector())
@@ -26,12 +27,14 @@ __all__ = [
     "LEFT",
     "NONE",
     "RIGHT",
+    "TUCKER",
     "Plan",
     "PowerProjector",
     "Projector",
     "RandomProjector",
     "RandomizedProjector",
     "SVDProjector",
+    "TuckerProjector",
     "choose_side",
     "get_projector",
     "low_rank_shape",

@@ -18,7 +18,10 @@ projected dimension (``"proj.left"``: P, m×r; ``"proj.right"``: Q, n×r), so a
 left basis shards on dim 0 exactly like its weight. Subclasses differ only in
 how :meth:`find` computes a basis (exact / randomized / warm power / seeded
 random) or, by overriding :meth:`init_state` / :meth:`bases` / :meth:`store`,
-in how it is kept (e.g. regenerated from a seed, or quantized).
+in how it is kept (e.g. regenerated from a seed). How a stored basis is encoded —
+fp32, bf16, or int8 / int4 with an optional Hadamard rotation — is the plan's
+``basis`` format (:mod:`galore2.projectors.storage`); projectors read bases only
+through :meth:`bases`, which returns them dense.
 """
 
 from __future__ import annotations
@@ -31,15 +34,17 @@ from torch import Tensor
 
 from .._numerics import all_finite
 from ..placement import LOCAL, Placement
+from .storage import KEY_SUFFIXES, basis_format
 
 State = dict[str, Tensor]
 
-NONE, LEFT, RIGHT, FULL = 0, 1, 2, 3
-SIDE_NAMES = {NONE: "none", LEFT: "left", RIGHT: "right", FULL: "full"}
+NONE, LEFT, RIGHT, FULL, TUCKER = 0, 1, 2, 3, 4
+SIDE_NAMES = {NONE: "none", LEFT: "left", RIGHT: "right", FULL: "full", TUCKER: "tucker"}
 
 
 class Plan(NamedTuple):
-    """How one parameter is projected: side, its 2-D global shape (m, n), rank, device."""
+    """How one parameter is projected: side, its 2-D global shape (m, n), rank, device,
+    and how its basis is stored (see :mod:`galore2.projectors.storage`)."""
 
     side: int
     m: int
@@ -47,19 +52,37 @@ class Plan(NamedTuple):
     rank: int
     device: torch.device
     placement: Placement = LOCAL  # how G, P and Q are distributed (identity: one process)
+    basis: str = "fp32"  # the group's basis_dtype: fp32 / bf16 / int8 / int4
+    group_size: int = 256  # basis_group_size: quantization group (and Hadamard block)
+    hadamard: bool = False  # basis_hadamard: rotate rows before quantizing
+    basis_seed: int = 0  # the parameter's galore.seed: the Hadamard signs derive from it
 
 
-def choose_side(shape: tuple[int, ...] | torch.Size, proj_type: str, rank: int | None) -> int:
-    """Decide the projection side from a weight's *global* 2-D shape (m, n).
+def choose_side(
+    shape: tuple[int, ...] | torch.Size,
+    proj_type: str,
+    rank: int | None,
+    tensor_projection: str = "matrix",
+) -> int:
+    """Decide the projection side from a weight's *global* shape.
 
-    ``std`` projects the smaller dimension: left (P, m×r) when m < n, right
-    (Q, n×r) when m ≥ n — ties go right, as in galore-torch 1.0, so results match
-    it. ``reverse_std`` does the opposite; ``left``/``right``/``full`` are forced.
-    Returns ``NONE`` when there is nothing to gain (``rank`` unset or
-    ``rank ≥ min(m, n)``): the parameter then gets the plain inner update.
+    A matrix, or a weight with more than two dims under ``tensor_projection="matrix"``,
+    is seen as m × n with m = shape[0], n = the product of the rest. ``std`` projects
+    the smaller dimension: left (P, m×r) when m < n, right (Q, n×r) when m ≥ n — ties
+    go right, as in galore-torch 1.0, so results match it. ``reverse_std`` does the
+    opposite; ``left``/``right``/``full`` are forced. Returns ``NONE`` when there is
+    nothing to gain (``rank`` unset or ``rank ≥ min(m, n)``): the parameter then gets
+    the plain inner update.
+
+    A weight with more than two dims under ``tensor_projection="tucker"`` (the
+    optimizers' default) gets ``TUCKER`` — one factor per mode k of rank
+    min(rank, d_k), see :mod:`galore2.projectors.tucker`; ``proj_type`` does not apply —
+    or ``NONE`` when ``rank ≥`` every dim (no mode is reduced).
     """
     if rank is None or len(shape) < 2:
         return NONE
+    if len(shape) > 2 and tensor_projection == "tucker":
+        return TUCKER if any(rank < int(d) for d in shape) else NONE
     m, n = shape[0], _prod(shape[1:])
     if rank >= min(m, n):
         return NONE
@@ -124,26 +147,38 @@ class Projector:
     """Base projector; subclasses implement :meth:`find`."""
 
     name: ClassVar[str] = "base"
-    kinds: ClassVar[dict[str, str]] = {"proj.left": "basis", "proj.right": "basis"}
+    kinds: ClassVar[dict[str, str]] = {
+        key + suffix: "basis"
+        for key in ("proj.left", "proj.right")
+        for suffix in ("", *KEY_SUFFIXES)
+    }
 
-    # ---- storage -----------------------------------------------------------------
+    # ---- storage (delegated to the plan's basis format) ----------------------------
     def init_state(self, state: State, plan: Plan, group: dict) -> None:
         """Allocate the basis at its final shape (zeros until the first refresh)."""
-        zeros = plan.placement.zeros
+        fmt = basis_format(plan.basis)
         if plan.side in (LEFT, FULL):  # P shards on dim 0 with its weight's rows
-            state["proj.left"] = zeros((plan.m, plan.rank), torch.float32, plan.device, "rows")
+            fmt.allocate(state, "proj.left", plan.m, plan, "rows")
         if plan.side in (RIGHT, FULL):  # Q is replicated
-            state["proj.right"] = zeros(
-                (plan.n, plan.rank), torch.float32, plan.device, "replicate"
-            )
+            fmt.allocate(state, "proj.right", plan.n, plan, "replicate")
 
     def bases(self, state: State, plan: Plan) -> tuple[Tensor | None, Tensor | None]:
-        """The current (P, Q) as dense tensors; ``None`` for an unused side."""
-        return state.get("proj.left"), state.get("proj.right")
+        """The current (P, Q) as dense fp32 tensors (dequantized if stored quantized);
+        ``None`` for an unused side. Every read of a stored basis goes through here."""
+        fmt = basis_format(plan.basis)
+        return fmt.load(state, "proj.left", plan), fmt.load(state, "proj.right", plan)
 
-    def store(self, state: State, new: dict[str, Tensor]) -> None:
+    def store(self, state: State, new: dict[str, Tensor], plan: Plan | None = None) -> None:
+        """Write new bases (``{"left": P, "right": Q}``) in the plan's format. Without a
+        plan only a dense (fp32 / bf16) basis can be stored."""
+        if plan is None:
+            if "proj.left.q" in state or "proj.right.q" in state:
+                raise ValueError("storing a quantized basis needs the parameter's Plan")
+            plan_format = basis_format("fp32")
+        else:
+            plan_format = basis_format(plan.basis)
         for key, basis in new.items():
-            state["proj." + key].copy_(basis)
+            plan_format.save(state, "proj." + key, basis, plan)  # type: ignore[arg-type]
 
     # ---- refresh -----------------------------------------------------------------
     def refresh(

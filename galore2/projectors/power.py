@@ -29,10 +29,11 @@ class PowerProjector(RandomizedProjector):
             return super().find(G, state, plan, group, seed)
         out: dict[str, Tensor] = {}
         pl, iters = plan.placement, group["power_iters"]
+        old_P, old_Q = self.bases(state, plan)  # dense, whatever the storage format
         if side in (LEFT, FULL):  # the stored bases are orthonormal: iterate from them
-            old = state["proj.left"]
-            out["left"] = align_signs(warm_left(G, old.to(G.dtype), iters, pl), old, pl)
+            assert old_P is not None
+            out["left"] = align_signs(warm_left(G, old_P.to(G.dtype), iters, pl), old_P, pl)
         if side in (RIGHT, FULL):
-            old = state["proj.right"]
-            out["right"] = align_signs(warm_right(G, old.to(G.dtype), iters, pl), old)
+            assert old_Q is not None
+            out["right"] = align_signs(warm_right(G, old_Q.to(G.dtype), iters, pl), old_Q)
         return out

@@ -15,7 +15,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ._sketch import generator_for, mix_seed
+from ..placement import LOCAL
+from ._sketch import generator_for, mix_seed, orthonormalize_rows
 from .base import FULL, LEFT, RIGHT, Plan, Projector, State, usable_norm
 
 
@@ -50,5 +51,25 @@ class RandomProjector(Projector):
             return None
         return {"seed": torch.tensor(seed, dtype=torch.int64)}
 
-    def store(self, state: State, new: dict[str, Tensor]) -> None:
+    def similarity(self, new: dict[str, Tensor], state: State, plan: Plan) -> float:
+        """Overlap of the spans of the old and the newly drawn bases (≈ r/dim: independent
+        draws), so adaptive refresh never lengthens a random projection's gap."""
+        old = self.bases(state, plan)
+        fresh = self.bases({"proj.seed": new["seed"]}, plan)
+        values = []
+        for i, (a, b) in enumerate(zip(fresh, old, strict=True)):
+            if a is None or b is None:
+                continue
+            placement = plan.placement if i == 0 else LOCAL  # P is row-sharded, Q replicated
+            a, b = (
+                orthonormalize_rows(a.float(), placement),
+                orthonormalize_rows(b.float(), placement),
+            )
+            product = a.mT @ b
+            if i == 0:
+                product = plan.placement.reduce(product)
+            values.append(float(product.square().sum()) / plan.rank)
+        return sum(values) / len(values)
+
+    def store(self, state: State, new: dict[str, Tensor], plan: Plan | None = None) -> None:
         state["proj.seed"].copy_(new["seed"])

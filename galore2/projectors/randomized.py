@@ -26,12 +26,11 @@ class RandomizedProjector(Projector):
         side, rank = plan.side, plan.rank
         out: dict[str, Tensor] = {}
         over, iters, pl = group["oversample"], group["power_iters"], plan.placement
+        old_P, old_Q = self.bases(state, plan)  # dense, whatever the storage format
         if side in (LEFT, FULL):
             P = left_basis(G, plan.m, rank, over, iters, mix_seed(seed, 1), pl)
-            old = state.get("proj.left")
-            out["left"] = P if old is None else align_signs(P, old, pl)
+            out["left"] = P if old_P is None else align_signs(P, old_P, pl)
         if side in (RIGHT, FULL):
             Q = right_basis(G, plan.m, rank, over, iters, mix_seed(seed, 2), pl)
-            old = state.get("proj.right")
-            out["right"] = Q if old is None else align_signs(Q, old)
+            out["right"] = Q if old_Q is None else align_signs(Q, old_Q)
         return out

@@ -1,0 +1,368 @@
+"""Adafactor's factored second moment as a transform (``ScaleByAdafactor``) and ``GaLoreAdafactor``.
+
+Acts on: whatever direction it is given — the full gradient in a plain group, the
+projected r×n (or m×r) gradient inside GaLore.
+
+State per direction of shape (…, m, n), in ``state_dtype``:
+
+* ≥2-D (factored over the last two dims): a row vector (…, m, 1) and a column vector
+  (…, 1, n) — m + n values per trailing matrix, so an r×n low-rank direction keeps r + n;
+* ≤1-D (unfactored): one value per element;
+* ``beta1`` set: one more value per element (the momentum ``exp_avg``);
+* two int64 CPU counters: ``adafactor.step`` (t, drives ρ_t) and
+  ``adafactor.moment_step`` (k, the age of the second-moment estimate, drives β̂₂).
+  They are equal unless the estimate was restarted (see reset/rotate below).
+
+The arithmetic follows ``torch.optim.Adafactor`` (its single-tensor path), so a plain
+group matches it to rounding. Per step, with G the direction (−G under ``maximize``)::
+
+    β̂₂ = 1 − k^beta2_decay;   ρ_t = min(lr, 1/√t);   α_t = max(eps2, RMS(θ))·ρ_t
+    factored:   R ← β̂₂R + (1−β̂₂)·mean_n(G²),  C ← β̂₂C + (1−β̂₂)·mean_m(G²)
+                V̂ = R·C / max(mean_m(R), eps1)
+    unfactored: V̂ ← β̂₂V̂ + (1−β̂₂)·G²
+    U = G / √max(V̂, eps1²);   Û = U / max(1, RMS(U)/d)
+
+``eps1 = None`` means the machine epsilon of the *parameter's* dtype (torch's rule).
+RMS(θ) is taken over the whole parameter before this step's weight decay (under FSDP:
+a sum of squares all-reduced over the shard group), RMS(U) over the whole direction.
+Torch applies ``θ ← θ(1 − lr·λ) − α_t·Û``; the optimizer applies ``θ ← θ(1 − lr·λ) − lr·u``,
+so the returned direction is ``u = Û·α_t/lr``, computed as ``Û·max(eps2, RMS(θ))``
+times ``(1/√t)/lr`` only when 1/√t < lr — never a division by lr, and lr = 0 leaves the
+weights unchanged (torch: α_t = 0).
+
+``beta1`` (optional, default None as in galore-torch; torch.optim.Adafactor has none):
+``exp_avg ← lerp(exp_avg, u, 1 − beta1)`` and the returned direction is ``exp_avg`` —
+a momentum of the directions, applied with the current lr (torch's SGD convention;
+galore-torch keeps the momentum of α_t·Û instead: the same thing while lr is constant).
+
+Inside GaLore: ``reset`` (``moments_on_refresh="reset"``) zeroes the estimates and the
+momentum and restarts k (the next step's β̂₂ = 0 rebuilds V̂ from that step's gradient
+alone, as at step 1); t — the ρ_t schedule, a learning-rate schedule rather than a
+statistic — keeps counting. ``rotate`` (``"project"``) rotates the momentum like Adam's
+first moment and restarts the second-moment estimate as ``reset`` does: a factored
+estimate cannot be rotated coordinate-wise, and rebuilding it needs to know which side
+the basis acts on, which the rotate protocol does not pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from .adam import counter
+from .config import GALORE_DEFAULTS, STATE_DTYPES
+from .galore import GaLore
+from .optimizer import ChainOptimizer, ParamsT
+from .transform import Context, Group, State, Transform
+
+ADAFACTOR_DEFAULTS: dict[str, Any] = {
+    "beta2_decay": -0.8,
+    "eps": (None, 1e-3),
+    "d": 1.0,
+    "beta1": None,
+}
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _sharded_dim(ctx: Context) -> int | None:
+    """The direction's dim split across ranks (per ``ctx.layout``), None if it is whole."""
+    if not ctx.placement.distributed or ctx.layout == "replicate":
+        return None
+    return 1 if ctx.layout == "cols" else 0
+
+
+def _global_size(u: Tensor, dim: int, sharded: int | None, ctx: Context) -> int:
+    """Size of ``u``'s dim ``dim`` over all ranks (the layouts of galore2.placement)."""
+    if dim != sharded:
+        return u.size(dim)
+    shape = ctx.global_shape
+    return int(shape[0]) if sharded == 0 else math.prod(int(s) for s in shape[1:])
+
+
+def _all_reduce(ctx: Context, parts: list[Tensor]) -> list[Tensor]:
+    """Σ over ranks of several tensors in one collective (float64, returned as given)."""
+    flat = torch.cat([p.reshape(-1).double() for p in parts])
+    flat = ctx.placement.reduce(flat)
+    out, start = [], 0
+    for p in parts:
+        out.append(flat[start : start + p.numel()].view(p.shape).to(p.dtype))
+        start += p.numel()
+    return out
+
+
+class ScaleByAdafactor(Transform):
+    """Adafactor (torch.optim.Adafactor's conventions); see the module docstring.
+
+    Group keys: ``lr``, ``beta2_decay`` (≤ 0), ``eps`` = (eps1 > 0 or None, eps2 ≥ 0),
+    ``d`` (≥ 1), ``beta1`` (None or in [0, 1)), ``state_dtype``.
+    """
+
+    name = "adafactor"
+    kinds: ClassVar[dict[str, str]] = {
+        "adafactor.row_var": "moments",
+        "adafactor.col_var": "moments",
+        "adafactor.variance": "moments",
+        "adafactor.exp_avg": "moments",
+        "adafactor.step": "other",
+        "adafactor.moment_step": "other",
+    }
+    linear_keys = ("adafactor.exp_avg",)
+    second_keys = ("adafactor.row_var", "adafactor.col_var", "adafactor.variance")
+
+    # ---- configuration -----------------------------------------------------------
+    def validate(self, group: Group) -> None:
+        decay = group.get("beta2_decay", ADAFACTOR_DEFAULTS["beta2_decay"])
+        if not _real(decay) or decay > 0:
+            raise ValueError(
+                f"beta2_decay must be a finite float <= 0 (β̂₂ = 1 − t^beta2_decay), got {decay!r}"
+            )
+        eps = group.get("eps", ADAFACTOR_DEFAULTS["eps"])
+        if not (isinstance(eps, (tuple, list)) and len(eps) == 2):
+            raise ValueError(
+                f"eps must be a pair (eps1, eps2) with eps1 None or a finite float > 0 and "
+                f"eps2 a finite float >= 0 (Adafactor's form, not Adam's), got {eps!r}"
+            )
+        if eps[0] is not None and (not _real(eps[0]) or eps[0] <= 0):
+            raise ValueError(
+                f"eps[0] (eps1) must be None (the parameter dtype's machine epsilon) or a "
+                f"finite float > 0 (0 gives 0/0 = NaN for zero gradient entries), got {eps[0]!r}"
+            )
+        if not _real(eps[1]) or eps[1] < 0:
+            raise ValueError(f"eps[1] (eps2) must be a finite float >= 0, got {eps[1]!r}")
+        d = group.get("d", ADAFACTOR_DEFAULTS["d"])
+        if not _real(d) or d < 1:
+            raise ValueError(
+                f"d (the update clipping threshold) must be a finite float >= 1, got {d!r}"
+            )
+        beta1 = group.get("beta1", ADAFACTOR_DEFAULTS["beta1"])
+        if beta1 is not None and (not _real(beta1) or not 0.0 <= beta1 < 1.0):
+            raise ValueError(
+                f"beta1 must be None (no momentum) or a float in [0, 1), got {beta1!r}"
+            )
+
+    # ---- state -------------------------------------------------------------------
+    def init(
+        self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
+    ) -> None:
+        dtype = STATE_DTYPES[group["state_dtype"]]
+        k = len(shape)
+        if k >= 2:
+            sharded = _sharded_dim(ctx)
+            # A factor whose reduced dim is the sharded one is a sum over ranks: replicated.
+            row_layout = "replicate" if sharded == k - 1 else ctx.layout
+            col_layout = "replicate" if sharded == k - 2 else ctx.layout
+            state["adafactor.row_var"] = ctx.placement.zeros(
+                (*shape[:-1], 1), dtype, ctx.param.device, row_layout
+            )
+            state["adafactor.col_var"] = ctx.placement.zeros(
+                (*shape[:-2], 1, shape[-1]), dtype, ctx.param.device, col_layout
+            )
+        else:
+            state["adafactor.variance"] = ctx.zeros(shape, dtype)
+        if group.get("beta1") is not None:
+            state["adafactor.exp_avg"] = ctx.zeros(shape, dtype)
+        state["adafactor.step"] = counter()
+        state["adafactor.moment_step"] = counter()
+
+    # ---- update ------------------------------------------------------------------
+    def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
+        factored = "adafactor.row_var" in state
+        moment = state["adafactor.row_var" if factored else "adafactor.variance"]
+        if u.dtype != moment.dtype:
+            u = u.to(moment.dtype)
+        beta1 = group.get("beta1")
+        if beta1 is not None and "adafactor.exp_avg" not in state:
+            raise ValueError(
+                "beta1 is set but this parameter's state was created with beta1=None (no "
+                "momentum buffer); set beta1 before the first step"
+            )
+        eps1, eps2 = group["eps"]
+        if eps1 is None:
+            eps1 = torch.finfo(ctx.param.dtype).eps
+        lr = float(group["lr"])
+        state["adafactor.step"] += 1
+        state["adafactor.moment_step"] += 1
+        rho = min(lr, 1 / (float(int(state["adafactor.step"])) ** 0.5))
+        weight = float(int(state["adafactor.moment_step"])) ** group["beta2_decay"]  # 1 − β̂₂
+
+        sharded = _sharded_dim(ctx)
+        param_sq = None  # Σθ² of this rank's shard, reduced with the moment statistics
+        if ctx.placement.distributed:
+            param_sq = torch.linalg.vector_norm(ctx.param, dtype=torch.float64).square()
+        if factored:
+            var, param_sq = self._factored(u, state, weight, eps1, sharded, param_sq, ctx)
+        else:
+            var = state["adafactor.variance"].lerp_(u * u, weight).clone()
+            if param_sq is not None:
+                (param_sq,) = _all_reduce(ctx, [param_sq])
+        if param_sq is None:
+            param_rms = ctx.param.norm(2).item() / (max(ctx.param.numel(), 1) ** 0.5)
+        else:
+            param_rms = math.sqrt(float(param_sq) / max(ctx.global_shape.numel(), 1))
+
+        # eps1² because of the square root that follows (torch's convention)
+        update = var.clamp_(min=eps1 * eps1).rsqrt_().mul_(u)
+        if sharded is None:
+            update_norm, numel = update.norm(2).item(), update.numel()
+        else:
+            numel = math.prod(_global_size(update, i, sharded, ctx) for i in range(update.dim()))
+            total = torch.linalg.vector_norm(update, dtype=torch.float64).square()
+            (total,) = _all_reduce(ctx, [total])
+            update_norm = math.sqrt(float(total))
+        clip = max(1.0, update_norm / ((max(numel, 1) ** 0.5) * group["d"]))  # max(1, RMS(U)/d)
+        scale = max(eps2, param_rms) / clip
+        if rho < lr:  # α_t/lr = max(eps2, RMS(θ))·ρ_t/lr; ρ_t = lr otherwise (lr = 0 included)
+            scale *= rho / lr
+        update.mul_(scale)
+        if beta1 is None:
+            return update
+        exp_avg = state["adafactor.exp_avg"]
+        exp_avg.lerp_(update, 1 - beta1)
+        return update.copy_(exp_avg)
+
+    @staticmethod
+    def _factored(
+        u: Tensor,
+        state: State,
+        weight: float,
+        eps1: float,
+        sharded: int | None,
+        param_sq: Tensor | None,
+        ctx: Context,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Update R and C from ``u``; return V̂ (local block) and Σθ² (reduced if given)."""
+        row_var, col_var = state["adafactor.row_var"], state["adafactor.col_var"]
+        k = u.dim()
+        if sharded is None or sharded < k - 2:  # the trailing matrices are whole on this rank
+            if param_sq is not None:
+                (param_sq,) = _all_reduce(ctx, [param_sq])
+            # (g·g).mean(dim) without an m×n temporary (torch's ops, for equal rounding)
+            row_mean = torch.norm(u, dim=-1, keepdim=True).square_().div_(u.size(-1))
+            row_var.lerp_(row_mean, weight)
+            col_mean = torch.norm(u, dim=-2, keepdim=True).square_().div_(u.size(-2))
+            col_var.lerp_(col_mean, weight)
+            var = row_var @ col_var
+            return var.div_(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1)), param_sq
+        assert param_sq is not None
+        m = _global_size(u, k - 2, sharded, ctx)
+        n = _global_size(u, k - 1, sharded, ctx)
+        row_sq = torch.norm(u, dim=-1, keepdim=True).square_()
+        col_sq = torch.norm(u, dim=-2, keepdim=True).square_()
+        if sharded == k - 1:  # columns split (GaLore left side): row sums are partial
+            row_sq, param_sq = _all_reduce(ctx, [row_sq, param_sq])
+            row_var.lerp_(row_sq.div_(n), weight)
+            col_var.lerp_(col_sq.div_(m), weight)
+            row_mean_of_var = row_var.mean(dim=-2, keepdim=True)
+        else:  # rows split: column sums and the mean over rows of R are partial
+            row_var.lerp_(row_sq.div_(n), weight)
+            row_total = row_var.sum(dim=-2, keepdim=True)
+            col_sq, row_total, param_sq = _all_reduce(ctx, [col_sq, row_total, param_sq])
+            col_var.lerp_(col_sq.div_(m), weight)
+            row_mean_of_var = row_total.div_(m)
+        var = row_var @ col_var
+        return var.div_(row_mean_of_var.clamp_(min=eps1)), param_sq
+
+    # ---- subspace changes (GaLore) -----------------------------------------------
+    def reset(self, state: State, group: Group) -> None:
+        for key in (*self.linear_keys, *self.second_keys):
+            if key in state:
+                state[key].zero_()
+        state["adafactor.moment_step"].zero_()
+
+    def rotate(self, state: State, rotate_fn: Callable[[Tensor, bool], Tensor]) -> None:
+        if "adafactor.exp_avg" in state:
+            state["adafactor.exp_avg"].copy_(rotate_fn(state["adafactor.exp_avg"], False))
+        for key in self.second_keys:
+            if key in state:
+                state[key].zero_()
+        state["adafactor.moment_step"].zero_()
+
+    def second_moment_sum(self, state: State, group: Group) -> Tensor | None:
+        """Σ V̂ (Adafactor has no bias correction: β̂₂ = 0 at k = 1 makes V̂ unbiased).
+
+        Factored, per trailing matrix: Σᵢⱼ RᵢCⱼ/mean(R) = n·ΣR (mean(R) = mean(C) = mean(V̂);
+        the eps1 clamp is ignored). Under FSDP this is this rank's part when R is split
+        by rows (plain parameters, GaLore's right side); R is whole on every rank for the
+        left side, whose sum is then counted once per rank.
+        """
+        if int(state["adafactor.moment_step"]) == 0:
+            return torch.zeros((), dtype=torch.float64)
+        if "adafactor.variance" in state:
+            return state["adafactor.variance"].sum(dtype=torch.float64)
+        row_var, col_var = state["adafactor.row_var"], state["adafactor.col_var"]
+        return row_var.sum(dtype=torch.float64) * col_var.size(-1)
+
+
+class GaLoreAdafactor(ChainOptimizer):
+    """Drop-in replacement for ``torch.optim.Adafactor`` with GaLore 2 gradient projection.
+
+    Groups whose ``rank`` is ``None`` (the default) are plain Adafactor and match
+    ``torch.optim.Adafactor`` to rounding. In a group with ``rank`` set, every ≥2-D
+    parameter gets its gradient projected onto a rank-``rank`` basis refreshed every
+    ``update_proj_gap`` steps; Adafactor's factored second moment is kept at the low-rank
+    shape (r + n values for an r×n projected gradient); the update is projected back and
+    scaled by ``scale``. RMS(θ) in the step size is always the full parameter's.
+
+    Args:
+        params: parameters or parameter groups (see :func:`galore2.param_groups`).
+        lr, beta2_decay, eps, d, weight_decay, maximize: as ``torch.optim.Adafactor``
+            (``lr`` caps the relative step size ρ_t = min(lr, 1/√t) and scales the
+            decoupled weight decay).
+        beta1: optional momentum of the update (None: none, as torch's Adafactor).
+        state_dtype: dtype of the moments (``"float32"`` default).
+        nonfinite: ``"skip"`` (default) | ``"raise"`` | ``"ignore"``, as in
+            :class:`~galore2.GaLoreAdamW`.
+        **galore: the GaLore options of :class:`~galore2.GaLoreAdamW` (``rank``,
+            ``update_proj_gap``, ``scale``, ``proj_type``, ``projector``…).
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | torch.Tensor = 1e-2,
+        beta2_decay: float = -0.8,
+        eps: tuple[float | None, float] = (None, 1e-3),
+        d: float = 1.0,
+        weight_decay: float = 0.0,
+        *,
+        beta1: float | None = None,
+        maximize: bool = False,
+        state_dtype: str | torch.dtype = "float32",
+        nonfinite: str = "skip",
+        **galore: Any,
+    ) -> None:
+        unknown = set(galore) - set(GALORE_DEFAULTS)
+        if unknown:
+            raise TypeError(
+                f"unexpected keyword arguments {sorted(unknown)}; GaLore options are "
+                f"{sorted(GALORE_DEFAULTS)}"
+            )
+        defaults: dict[str, Any] = {
+            "lr": lr,
+            "beta2_decay": beta2_decay,
+            "eps": eps,
+            "d": d,
+            "beta1": beta1,
+            "weight_decay": weight_decay,
+            "maximize": maximize,
+            "state_dtype": state_dtype,
+            "nonfinite": nonfinite,
+            **GALORE_DEFAULTS,
+            **galore,
+        }
+        super().__init__(params, chain=[GaLore(ScaleByAdafactor())], defaults=defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict) and "betas" in param_group:
+            raise ValueError(
+                "betas is not a GaLoreAdafactor key: Adafactor's second-moment decay is "
+                "beta2_decay (β̂₂ = 1 − t^beta2_decay) and its optional momentum beta1"
+            )
+        super().add_param_group(param_group)
