@@ -117,7 +117,7 @@ def _adaptive(tmp: str, steps: list[str]) -> list[list[str]]:
     for adaptive in ("false", "true"):
         spent = [0.0, 0]
 
-        def timed(self, *args, **kwargs):
+        def timed(self, *args, spent=spent, **kwargs):
             start = time.perf_counter()
             try:
                 return original(self, *args, **kwargs)
@@ -161,7 +161,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         f"tiny recipe's final validation loss ({n} steps, nats/byte) and its measured state. "
         "AdamW family at lr 1e-3, GaLore family at 1e-2 (each family's best in the "
         "recipe_tiny sweep).\n\n" + table(headers, rows) + "\n\nAdaptive refresh "
-        f"(GaLoreAdamW fp32, tiny recipe, T = 50, threshold 0.4, patience 3, cap 8·T; "
+        "(GaLoreAdamW fp32, tiny recipe, T = 50, threshold 0.4, patience 3, cap 8·T; "
         "seconds = wall time inside `GaLore.refresh`, all matrices):\n\n"
         + table(["setting", "refreshes", "refresh s", "val loss"], adaptive_rows)
     )

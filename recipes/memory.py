@@ -45,16 +45,19 @@ from galore2.projectors import FULL, LEFT, NONE, RIGHT
 
 from .config import JobConfig, ModelConfig, parse_args
 from .model import build_model, param_dtype
-from .optimizers import _GALORE2, _PEERS, NAMES, build_optimizer
+from .optimizers import _PEERS, NAMES, build_optimizer
 
 # galore2's optimizers and the baselines it replaces; benchmark-only peers are left out
 OPTIMIZERS: tuple[str, ...] = tuple(n for n in NAMES if n not in _PEERS)
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BNB_BLOCK, BNB_MIN_8BIT = 256, 4096  # bitsandbytes 0.50.2 8-bit optimizers (init_state)
-MEASURED, ANALYTIC = "measured (init_state on meta)", "analytic; optimizer not yet implemented"
+MEASURED = "measured (init_state on meta)"
 _INNER = {NONE: "rows", RIGHT: "rows", LEFT: "cols", FULL: "replicate"}  # galore2.fsdp layouts
-_BASES = {f"proj.{side}{suffix}": layout for side, layout in (("left", "rows"), ("right", "replicate"))
-          for suffix in ("", ".q", ".scale")}  # fp32/bf16 bases, or quantized codes + scales
+_BASES = {
+    f"proj.{side}{suffix}": layout
+    for side, layout in (("left", "rows"), ("right", "replicate"))
+    for suffix in ("", ".q", ".scale")
+}  # fp32/bf16 bases, or quantized codes + scales
 
 Piece = tuple[tuple[int, ...], int, str]  # shape, bytes per element, layout (rows/cols/...)
 _QMAPS: list[Piece] = [((256,), 4, "replicate")] * 2  # bitsandbytes' shared quantization maps
@@ -113,16 +116,6 @@ def _eight_bit(shape: tuple[int, ...], layout: str) -> list[Piece]:
     return [(shape, 1, layout)] * 2 + [((-(-n // BNB_BLOCK),), 4, "rows")] * 2
 
 
-def _factored(shape: tuple[int, ...], layout: str, sb: int, beta1: float) -> list[Piece]:
-    """Adafactor: row + column second-moment vectors (full for 1-D), first moment if β1 > 0."""
-    first = [(shape, sb, layout)] if beta1 > 0 else []
-    if len(shape) < 2:
-        return [*first, (shape, sb, layout)]
-    rows = ((shape[0],), sb, "rows" if layout == "rows" else "replicate")
-    cols = ((math.prod(shape[1:]),), sb, "rows" if layout == "cols" else "replicate")
-    return [*first, rows, cols]
-
-
 def galore_optimizer(model: nn.Module, job: JobConfig, state_dtype: str = "float32"):
     """The recipe's GaLoreAdamW over ``model`` with all state created (meta works)."""
     o = job.optim
@@ -160,27 +153,9 @@ def _state(name: str, model: nn.Module, opt, pb: int, sb: int, job: JobConfig):
         return [*pieces, *_QMAPS], "exact count (bitsandbytes 0.50.2 rules)"
     if name == "galore_adamw":
         return _measured(opt), MEASURED
-    # (hasattr, not recipes.optimizers.available: that recurses for the pending names)
-    if hasattr(getattr(galore2, _GALORE2[name][0], None), "init_state"):  # measure it when built
-        built = build_optimizer(model, dataclasses.replace(job.optim, name=name), 1000)
-        built.init_state()
-        return _measured(built), MEASURED
-    if name == "ranger21":  # m, v, negative momentum in state dtype + Lookahead slow weights
-        return [x for s in shapes for x in [(s, sb, "rows")] * 3 + [(s, pb, "rows")]], ANALYTIC
-    pieces: list[Piece] = list(_QMAPS) if name.endswith("8bit") else []
-    for p in model.parameters():
-        st = opt.state[p]
-        inner, moment = _INNER[int(st["galore.side"])], tuple(st["adam.exp_avg"].shape)
-        small = [((), v.element_size(), "cpu") for v in st.values() if v.dim() == 0]
-        bases = {k: st[k] for k in _BASES if k in st}
-        basis = [(tuple(v.shape), v.element_size(), _BASES[k]) for k, v in bases.items()]
-        if name == "galore_adamw8bit":  # 8-bit moments, bf16 basis
-            pieces += small + [(s, 2, lay) for s, _, lay in basis] + _eight_bit(moment, inner)
-        elif name == "galore_adafactor":
-            pieces += small + basis + _factored(moment, inner, sb, job.optim.beta1)
-        else:  # galore_ranger21: 3 low-rank moments; the slow weights stay full size
-            pieces += small + basis + [(moment, sb, inner)] * 3 + [(tuple(p.shape), pb, "rows")]
-    return pieces, ANALYTIC
+    built = build_optimizer(model, dataclasses.replace(job.optim, name=name), 1000)
+    built.init_state()
+    return _measured(built), MEASURED
 
 
 def estimate(
@@ -255,10 +230,11 @@ def report(job: JobConfig, batch: int, seq: int, world: int, names, label: str, 
         f"adamw = torch.optim.AdamW: moments in the parameter dtype ({2 * dtype.itemsize} B/param"
         "; 8 for fp32) + a 4-byte CPU step per tensor. adamw8bit (bitsandbytes 0.50.2): uint8 "
         f"moments + fp32 absmax per {BNB_BLOCK} elements; fp32 below {BNB_MIN_8BIT} elements.",
-        "galore2: moments in state_dtype, fp32 bases, KBs of CPU counters. Analytic rows reuse "
-        "its projected shapes: galore_adamw8bit = 8-bit moments + bf16 bases; galore_adafactor"
-        " = row + column second-moment vectors + first moment (beta1 > 0); (galore_)ranger21 = "
-        "m, v, negative momentum (low-rank for galore) + full-size Lookahead weights (param dtype).",
+        "galore2 rows: every state tensor of the optimizer built from this config (init_state "
+        "on the meta device): moments in state_dtype (galore_adamw8bit: uint8 + fp32 absmax per "
+        "256; galore_adafactor: row + column vectors), bases in optim.basis_dtype (fp32 unless "
+        "--optim.basis_dtype bf16/int8/int4), KBs of CPU counters; (galore_)ranger21 add a "
+        "negative momentum and full-size Lookahead weights (param dtype).",
         "Per-layer updates need a galore2 optimizer (step_param): adamw / adamw8bit rows are "
         "hypothetical there; with train.grad_accum > 1 every gradient stays alive.",
         "Total = sum of columns. Not included: CUDA context / allocator fragmentation; step "

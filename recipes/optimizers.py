@@ -50,12 +50,6 @@ _PEERS = {
 _PROJECTED_PEERS = ("gt_galore_adamw",)
 NAMES = ("adamw", "adamw8bit", *_GALORE2, *_PEERS)
 _OWN_SCHEDULE = ("ranger21", "galore_ranger21", "pto_ranger21")
-_PENDING = {
-    "GaLoreAdamW8bit": "the 8-bit / quantized-state issue (#6)",
-    "GaLoreAdafactor": "the 8-bit / quantized-state issue (#6)",
-    "Ranger21": "the Ranger21 modules issue (#5)",
-    "GaLoreRanger21": "the Ranger21 modules issue (#5)",
-}
 
 
 def _split_decay(params: list[nn.Parameter], settings: dict[str, Any], wd: float) -> list[dict]:
@@ -118,7 +112,7 @@ def _resolve(name: str) -> Callable[..., torch.optim.Optimizer]:
         ready = [n for n in NAMES if n not in _GALORE2 or hasattr(galore2, _GALORE2[n][0])]
         raise NotImplementedError(
             f"optim.name={name!r}: galore2.{cls_name} is not available yet (it lands with "
-            f"{_PENDING.get(cls_name, 'a later release')}); available now: {', '.join(ready)}"
+            f"a later release); available now: {', '.join(ready)}"
         )
     return cls
 
@@ -138,12 +132,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int) -> tor
     cls = _resolve(cfg.name)
     projected = _GALORE2.get(cfg.name, (None, cfg.name in _PROJECTED_PEERS))[1]
     groups = param_groups(model, cfg, projected)
-    kwargs: dict[str, Any] = {
-        "lr": cfg.lr,
-        "betas": (cfg.beta1, cfg.beta2),
-        "eps": cfg.eps,
-        "weight_decay": cfg.weight_decay,
-    }
+    kwargs: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    if cfg.name != "galore_adafactor":  # Adafactor: no Adam betas; its eps is a pair
+        kwargs.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     if cfg.name in _OWN_SCHEDULE:
         kwargs["num_iterations"] = cfg.num_iterations or total_steps
     return cls(groups, **kwargs)

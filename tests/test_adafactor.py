@@ -172,6 +172,10 @@ def test_moments_on_refresh_modes():
             for p, q in zip(results["keep"].parameters(), results[mode].parameters(), strict=True)
         )
         assert diff > 1e-5, mode
+    # project rotates the momentum into the new basis; reset zeroes it
+    assert not torch.equal(
+        states["reset"]["adafactor.exp_avg"], states["project"]["adafactor.exp_avg"]
+    )
 
 
 def test_training_loss_falls():

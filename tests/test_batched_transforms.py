@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from galore2.optim import GaLore, ScaleByAdam
+from galore2.optim.config import GALORE_DEFAULTS
 from galore2.optim.transform import Context, LowRankUpdate
 
 GROUP = {
+    **GALORE_DEFAULTS,
     "betas": (0.9, 0.99),
     "eps": 1e-8,
     "lr": 1e-2,

@@ -151,11 +151,14 @@ def _build(
             params = [p for p in group["params"] if (name_of[id(p)] in decay) == decayed]
             if params:
                 groups.append({**group, "params": params, "weight_decay": wd})
+    # Adam's betas / eps only for Adam-family classes (GaLoreAdafactor's eps is another pair)
+    adam = {"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
+    if "betas" not in inspect.signature(cls).parameters:
+        adam = {}
     return cls(
         groups,
         lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon,
+        **adam,
         weight_decay=args.weight_decay,
         **optimizer_wide,
         **extra,
@@ -186,8 +189,9 @@ def create_optimizer(
     ``weight_decay=0``. Only trainable parameters are included.
 
     ``optimizer_cls`` picks another galore2 optimizer taking GaLore param groups (e.g.
-    :class:`~galore2.GaLoreRanger21`; its ``num_iterations`` defaults to ``args.max_steps``);
-    ``optimizer_kwargs`` go to its constructor.
+    :class:`~galore2.GaLoreAdamW8bit`, :class:`~galore2.GaLoreAdafactor` — which gets no
+    Adam betas / eps —, :class:`~galore2.GaLoreRanger21`, whose ``num_iterations`` defaults
+    to ``args.max_steps``); ``optimizer_kwargs`` go to its constructor.
     """
     return _build(
         model,

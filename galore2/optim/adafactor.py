@@ -9,9 +9,11 @@ State per direction of shape (…, m, n), in ``state_dtype``:
   (…, 1, n) — m + n values per trailing matrix, so an r×n low-rank direction keeps r + n;
 * ≤1-D (unfactored): one value per element;
 * ``beta1`` set: one more value per element (the momentum ``exp_avg``);
-* two int64 CPU counters: ``adafactor.step`` (t, drives ρ_t) and
-  ``adafactor.moment_step`` (k, the age of the second-moment estimate, drives β̂₂).
-  They are equal unless the estimate was restarted (see reset/rotate below).
+* three int64 CPU scalars: ``adafactor.step`` (t, drives ρ_t),
+  ``adafactor.moment_step`` (k, the age of the second-moment estimate, drives β̂₂; equal
+  to t unless the estimate was restarted, see reset/rotate below) and
+  ``adafactor.split_dim`` (which dim of the direction FSDP splits, from the state layout:
+  row/column means over a split dim and RMS(U) are all-reduced over the shard group).
 
 The arithmetic follows ``torch.optim.Adafactor`` (its single-tensor path), so a plain
 group matches it to rounding. Per step, with G the direction (−G under ``maximize``)::
@@ -71,11 +73,19 @@ def _real(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _sharded_dim(ctx: Context) -> int | None:
-    """The direction's dim split across ranks (per ``ctx.layout``), None if it is whole."""
-    if not ctx.placement.distributed or ctx.layout == "replicate":
-        return None
-    return 1 if ctx.layout == "cols" else 0
+# The direction's dim that a sharded parameter splits across ranks, per state layout
+# (galore2.placement): "param"/"rows" split dim 0, "cols" dim 1, "replicate" none.
+_SPLIT_DIM = {"param": 0, "rows": 0, "cols": 1, "replicate": -1}
+
+
+def _sharded_dim(ctx: Context, state: State) -> int | None:
+    """The direction's dim split across ranks in this run, None if it is whole here.
+
+    Read from ``adafactor.split_dim``, recorded at init from ``ctx.layout`` (update's
+    context carries the parameter's layout, not the low-rank direction's).
+    """
+    dim = int(state["adafactor.split_dim"])
+    return None if dim < 0 or not ctx.placement.distributed else dim
 
 
 def _global_size(u: Tensor, dim: int, sharded: int | None, ctx: Context) -> int:
@@ -112,6 +122,7 @@ class ScaleByAdafactor(Transform):
         "adafactor.exp_avg": "moments",
         "adafactor.step": "other",
         "adafactor.moment_step": "other",
+        "adafactor.split_dim": "other",
     }
     linear_keys = ("adafactor.exp_avg",)
     second_keys = ("adafactor.row_var", "adafactor.col_var", "adafactor.variance")
@@ -154,10 +165,10 @@ class ScaleByAdafactor(Transform):
         dtype = STATE_DTYPES[group["state_dtype"]]
         k = len(shape)
         if k >= 2:
-            sharded = _sharded_dim(ctx)
-            # A factor whose reduced dim is the sharded one is a sum over ranks: replicated.
-            row_layout = "replicate" if sharded == k - 1 else ctx.layout
-            col_layout = "replicate" if sharded == k - 2 else ctx.layout
+            split = _SPLIT_DIM[ctx.layout]
+            # A factor whose reduced dim is the split one is a sum over ranks: replicated.
+            row_layout = "replicate" if split == k - 1 else ctx.layout
+            col_layout = "replicate" if split == k - 2 else ctx.layout
             state["adafactor.row_var"] = ctx.placement.zeros(
                 (*shape[:-1], 1), dtype, ctx.param.device, row_layout
             )
@@ -169,6 +180,7 @@ class ScaleByAdafactor(Transform):
         if group.get("beta1") is not None:
             state["adafactor.exp_avg"] = ctx.zeros(shape, dtype)
         state["adafactor.step"] = counter()
+        state["adafactor.split_dim"] = counter(_SPLIT_DIM[ctx.layout])
         state["adafactor.moment_step"] = counter()
 
     # ---- update ------------------------------------------------------------------
@@ -192,7 +204,7 @@ class ScaleByAdafactor(Transform):
         rho = min(lr, 1 / (float(int(state["adafactor.step"])) ** 0.5))
         weight = float(int(state["adafactor.moment_step"])) ** group["beta2_decay"]  # 1 − β̂₂
 
-        sharded = _sharded_dim(ctx)
+        sharded = _sharded_dim(ctx, state)
         param_sq = None  # Σθ² of this rank's shard, reduced with the moment statistics
         if ctx.placement.distributed:
             param_sq = torch.linalg.vector_norm(ctx.param, dtype=torch.float64).square()
@@ -285,19 +297,21 @@ class ScaleByAdafactor(Transform):
         state["adafactor.moment_step"].zero_()
 
     def second_moment_sum(self, state: State, group: Group) -> Tensor | None:
-        """Σ V̂ (Adafactor has no bias correction: β̂₂ = 0 at k = 1 makes V̂ unbiased).
+        """Σ V̂ of this rank's block (no bias correction: β̂₂ = 0 at k = 1 makes V̂ unbiased).
 
-        Factored, per trailing matrix: Σᵢⱼ RᵢCⱼ/mean(R) = n·ΣR (mean(R) = mean(C) = mean(V̂);
-        the eps1 clamp is ignored). Under FSDP this is this rank's part when R is split
-        by rows (plain parameters, GaLore's right side); R is whole on every rank for the
-        left side, whose sum is then counted once per rank.
+        Factored, per trailing m×n matrix, the eps1 clamp ignored: Σᵢⱼ RᵢCⱼ/mean(R) = m·ΣC
+        when R is whole here; when R is split by rows (a row-sharded 2-D direction)
+        n·ΣR over this rank's rows, using mean(R) = mean(C) = mean(V̂). Replicated
+        factors (GaLore's full side under FSDP) are counted once per rank, like Adam's.
         """
         if int(state["adafactor.moment_step"]) == 0:
             return torch.zeros((), dtype=torch.float64)
         if "adafactor.variance" in state:
             return state["adafactor.variance"].sum(dtype=torch.float64)
         row_var, col_var = state["adafactor.row_var"], state["adafactor.col_var"]
-        return row_var.sum(dtype=torch.float64) * col_var.size(-1)
+        if int(state["adafactor.split_dim"]) == row_var.dim() - 2:
+            return row_var.sum(dtype=torch.float64) * col_var.size(-1)
+        return col_var.sum(dtype=torch.float64) * row_var.size(-2)
 
 
 class GaLoreAdafactor(ChainOptimizer):

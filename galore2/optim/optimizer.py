@@ -33,7 +33,7 @@ from ..projectors import _BY_NAME as _PROJECTORS
 from ..projectors.base import Projector
 from ..projectors.tucker import TuckerProjector
 from .adam import counter
-from .config import validate_group
+from .config import GALORE_DEFAULTS, validate_group
 from .hooks import GradientTransform, ParamTransform, run_param_transforms
 from .transform import (
     Context,
@@ -206,6 +206,9 @@ class ChainOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        for group in self.param_groups:  # GaLore keys added since the checkpoint was written
+            for key in GALORE_DEFAULTS.keys() & self.defaults.keys():
+                group.setdefault(key, self.defaults[key])
         saved_ids = iter_chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = iter_chain.from_iterable(g["params"] for g in self.param_groups)
         saved_state = state_dict["state"]
