@@ -223,10 +223,13 @@ def test_projected_steps(case, dtype, proj_type, projector, moments, gap, steps,
     projector=st.sampled_from(PROJECTORS),
 )
 def test_side_rule_and_init_state(dims, rank, proj_type, projector):
-    """(e) side from the 2-D view (m = shape[0], n = prod(rest)); init_state == first step."""
+    """(e) side from the 2-D view (m = shape[0], n = prod(rest)); init_state == first step.
+    (``tensor_projection="matrix"``: >2-D weights flattened; Tucker has tests/test_tucker.py.)"""
     p = torch.nn.Parameter(torch.zeros(dims))
     m, n = dims[0], p[0].numel()
-    opt = galore2.GaLoreAdamW([p], rank=rank, proj_type=proj_type, projector=projector)
+    settings = {"rank": rank, "proj_type": proj_type, "projector": projector,
+                "tensor_projection": "matrix"}  # fmt: skip
+    opt = galore2.GaLoreAdamW([p], **settings)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         opt.init_state()
@@ -243,7 +246,7 @@ def test_side_rule_and_init_state(dims, rank, proj_type, projector):
 
     # The first step creates the same keys at the same shapes (init_state is not a fork).
     q = torch.nn.Parameter(torch.zeros(dims))
-    opt2 = galore2.GaLoreAdamW([q], rank=rank, proj_type=proj_type, projector=projector)
+    opt2 = galore2.GaLoreAdamW([q], **settings)
     q.grad = torch.ones_like(q)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
