@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from . import (
+    basis_quant,
+    low_memory,
     memory_7b,
     ranger21,
     recipe_memory_7b,
@@ -51,6 +53,8 @@ BENCHMARKS: dict[str, tuple[str, Callable[[bool], dict[str, Any]]]] = {
     "recipe_tiny": ("Main job: tiny recipe, AdamW vs GaLoreAdamW", recipe_tiny.run),
     "recipe_memory_7b": ("Llama-7B recipe: expected per-GPU memory", recipe_memory_7b.run),
     "ranger21": ("Ranger21 / GaLoreRanger21 vs AdamW and pytorch-optimizer", ranger21.run),
+    "basis_quant": ("Quantized bases: bytes and reconstruction error", basis_quant.run),
+    "low_memory": ("Memory below every GaLore: 8-bit moments, quantized bases", low_memory.run),
 }
 
 
