@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from .adam import counter
-from .config import GALORE_DEFAULTS, STATE_DTYPES
+from .config import GALORE_DEFAULTS, STATE_DTYPES, check_galore_kwargs
 from .galore import GaLore
 from .optimizer import ChainOptimizer, ParamsT
 from .transform import Context, Group, State, Transform
@@ -352,12 +352,7 @@ class GaLoreAdafactor(ChainOptimizer):
         nonfinite: str = "skip",
         **galore: Any,
     ) -> None:
-        unknown = set(galore) - set(GALORE_DEFAULTS)
-        if unknown:
-            raise TypeError(
-                f"unexpected keyword arguments {sorted(unknown)}; GaLore options are "
-                f"{sorted(GALORE_DEFAULTS)}"
-            )
+        check_galore_kwargs(galore)
         defaults: dict[str, Any] = {
             "lr": lr,
             "beta2_decay": beta2_decay,

@@ -9,7 +9,7 @@ import torch
 
 from .adam import ScaleByAdam
 from .adam8bit import ScaleByAdam8bit
-from .config import GALORE_DEFAULTS
+from .config import GALORE_DEFAULTS, check_galore_kwargs
 from .galore import GaLore
 from .optimizer import ChainOptimizer, ParamsT
 from .transform import Transform
@@ -59,12 +59,7 @@ class GaLoreAdamW(ChainOptimizer):
         nonfinite: str = "skip",
         **galore: Any,
     ) -> None:
-        unknown = set(galore) - set(GALORE_DEFAULTS)
-        if unknown:
-            raise TypeError(
-                f"unexpected keyword arguments {sorted(unknown)}; GaLore options are "
-                f"{sorted(GALORE_DEFAULTS)}"
-            )
+        check_galore_kwargs(galore)
         defaults: dict[str, Any] = {
             "lr": lr,
             "betas": betas,

@@ -53,6 +53,16 @@ GALORE_DEFAULTS: dict[str, Any] = {
 }
 
 
+def check_galore_kwargs(galore: Mapping[str, Any]) -> None:
+    """Refuse optimizer keyword arguments that are not GaLore options (a preset's ``**galore``)."""
+    unknown = set(galore) - set(GALORE_DEFAULTS)
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword arguments {sorted(unknown)}; GaLore options are "
+            f"{sorted(GALORE_DEFAULTS)}"
+        )
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
