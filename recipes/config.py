@@ -107,7 +107,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 8
-    checkpoint_every: int = 0  # 0: only at the end; -1: never (e.g. peers whose state DCP refuses)
+    checkpoint_every: int = 0  # 0: only at the end; -1: never (peers are never checkpointed)
     keep_checkpoints: int = 2
     out: str = "runs/pretrain"
     resume: bool = True  # continue from the newest checkpoint under out/checkpoints
@@ -188,6 +188,11 @@ def _set(job: JobConfig, dotted: str, value: Any) -> None:
     if name not in names:
         raise ValueError(f"unknown setting {dotted!r}; [{section_name}] has: {', '.join(names)}")
     setattr(section, name, _parse(value, _field_type(section, name), dotted))
+
+
+def override(job: JobConfig, dotted: str, value: Any) -> None:
+    """Set ``SECTION.FIELD`` of ``job`` from a CLI / TOML value, parsed to the field's type."""
+    _set(job, dotted, value)
 
 
 def resolve_config_path(path: str | Path) -> Path:

@@ -45,10 +45,11 @@ from galore2.projectors import FULL, LEFT, NONE, RIGHT
 
 from .config import JobConfig, ModelConfig, parse_args
 from .model import build_model, param_dtype
-from .optimizers import _PEERS, NAMES, build_optimizer
+from .optimizers import NAMES, build_optimizer
+from .peers import PEERS
 
 # galore2's optimizers and the baselines it replaces; benchmark-only peers are left out
-OPTIMIZERS: tuple[str, ...] = tuple(n for n in NAMES if n not in _PEERS)
+OPTIMIZERS: tuple[str, ...] = tuple(n for n in NAMES if n not in PEERS)
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BNB_BLOCK, BNB_MIN_8BIT = 256, 4096  # bitsandbytes 0.50.2 8-bit optimizers (init_state)
 MEASURED = "measured (init_state on meta)"

@@ -40,20 +40,27 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """This rank's optimizer-state bytes (galore2's own count, else every state tensor's)."""
+    """This rank's optimizer-state bytes: galore2's own count, else every tensor the state
+    holds (also inside objects such as galore-torch's projectors), each storage once
+    (bitsandbytes shares one code map between all its parameters' states)."""
     own = getattr(optimizer, "state_bytes", None)
     if callable(own):
         return int(own()["total"])
+    seen: set[int] = set()
     total = 0
     for state in optimizer.state.values():
         for v in state.values():
-            if isinstance(v, DTensor):
-                v = v.to_local()
-            if isinstance(v, torch.Tensor):
-                total += v.numel() * v.element_size()
-            elif hasattr(v, "__dict__"):  # e.g. galore-torch keeps its basis in a state object
-                held = [t for t in vars(v).values() if isinstance(t, torch.Tensor)]
-                total += sum(t.numel() * t.element_size() for t in held)
+            held = vars(v).values() if hasattr(v, "__dict__") and not torch.is_tensor(v) else [v]
+            for t in held:
+                if isinstance(t, DTensor):
+                    t = t.to_local()
+                if not isinstance(t, torch.Tensor):
+                    continue
+                storage = t.untyped_storage()
+                key = storage.data_ptr() if storage.nbytes() else id(t)
+                if key not in seen:
+                    seen.add(key)
+                    total += storage.nbytes()
     return total
 
 

@@ -10,9 +10,10 @@ Names and what they build:
 ``galore_adafactor``   ``galore2.GaLoreAdafactor`` (factored low-rank second moment)
 ``ranger21``           ``galore2.Ranger21`` (full rank)
 ``galore_ranger21``    ``galore2.GaLoreRanger21``
-``pto_ranger21``       pytorch-optimizer's ``Ranger21`` (a peer, for benchmarks)
-``gt_galore_adamw``    galore-torch 1.0's ``GaLoreAdamW`` (a peer, for benchmarks)
 =====================  ==========================================================
+
+Peers from other packages (``gt_galore_adamw``, ``apollo``, ``pto_ranger21``, ...;
+benchmark extras) are listed in :mod:`recipes.peers`.
 
 Every optimizer gets the same parameter split: weight decay on ≥2-D weights only
 (norm weights and biases get none), and for ``galore_*`` the weights of modules
@@ -33,6 +34,8 @@ from torch import nn
 import galore2
 
 from .config import OptimConfig
+from .peers import PEERS
+from .peers import resolve as resolve_peer
 
 # name -> (galore2 class or None for a non-galore2 optimizer, projected?)
 _GALORE2 = {
@@ -42,14 +45,8 @@ _GALORE2 = {
     "ranger21": ("Ranger21", False),
     "galore_ranger21": ("GaLoreRanger21", True),
 }
-# Peers from other packages, for side-by-side benchmarks (installed as benchmark extras).
-_PEERS = {
-    "pto_ranger21": ("pytorch_optimizer", "Ranger21"),
-    "gt_galore_adamw": ("galore_torch", "GaLoreAdamW"),  # galore-torch 1.0 (reads rank etc.)
-}
-_PROJECTED_PEERS = ("gt_galore_adamw",)
-NAMES = ("adamw", "adamw8bit", *_GALORE2, *_PEERS)
-_OWN_SCHEDULE = ("ranger21", "galore_ranger21", "pto_ranger21")
+NAMES = ("adamw", "adamw8bit", *_GALORE2, *PEERS)
+_OWN_SCHEDULE = ("ranger21", "galore_ranger21", *(n for n, p in PEERS.items() if p.own_schedule))
 
 
 def _split_decay(params: list[nn.Parameter], settings: dict[str, Any], wd: float) -> list[dict]:
@@ -62,8 +59,12 @@ def _split_decay(params: list[nn.Parameter], settings: dict[str, Any], wd: float
     return [g for g in groups if g["params"]]
 
 
-def param_groups(model: nn.Module, cfg: OptimConfig, projected: bool) -> list[dict[str, Any]]:
-    """Groups for ``cfg``: projected weights (if any), then decayed / undecayed plain params."""
+def param_groups(
+    model: nn.Module, cfg: OptimConfig, projected: bool, keys: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """Groups for ``cfg``: projected weights (if any), then decayed / undecayed plain params.
+
+    ``keys`` replaces galore2's group keys in the projected group (a peer's own keys)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not projected:
         return _split_decay(params, {}, cfg.weight_decay)
@@ -83,6 +84,11 @@ def param_groups(model: nn.Module, cfg: OptimConfig, projected: bool) -> list[di
         model, cfg.target_modules, weight_decay=cfg.weight_decay, **galore_keys
     )
     projected_group = [g for g in found if "rank" in g]
+    if keys is not None:
+        projected_group = [
+            {"params": g["params"], "weight_decay": cfg.weight_decay, **keys}
+            for g in projected_group
+        ]
     plain = [p for g in found if "rank" not in g for p in g["params"]]
     return projected_group + _split_decay(plain, {}, cfg.weight_decay)
 
@@ -98,14 +104,8 @@ def _resolve(name: str) -> Callable[..., torch.optim.Optimizer]:
                 "optim.name='adamw8bit' needs bitsandbytes: pip install bitsandbytes"
             ) from e
         return bnb.optim.AdamW8bit
-    if name in _PEERS:
-        module, attr = _PEERS[name]
-        try:
-            return getattr(__import__(module), attr)
-        except ImportError as e:
-            raise RuntimeError(
-                f"optim.name={name!r} needs {module}: pip install -e '.[bench]'"
-            ) from e
+    if name in PEERS:
+        return resolve_peer(name)
     cls_name, _ = _GALORE2[name]
     cls = getattr(galore2, cls_name, None)
     if cls is None:
@@ -130,11 +130,16 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int) -> tor
     if cfg.name not in NAMES:
         raise ValueError(f"optim.name must be one of {', '.join(NAMES)}; got {cfg.name!r}")
     cls = _resolve(cfg.name)
-    projected = _GALORE2.get(cfg.name, (None, cfg.name in _PROJECTED_PEERS))[1]
-    groups = param_groups(model, cfg, projected)
     kwargs: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    if cfg.name != "galore_adafactor":  # Adafactor: no Adam betas; its eps is a pair
-        kwargs.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if cfg.name in PEERS:
+        peer = PEERS[cfg.name]
+        keys = peer.group_keys(cfg) if peer.projected else None
+        groups = param_groups(model, cfg, peer.projected, keys)
+        kwargs.update(peer.kwargs(cfg))
+    else:
+        groups = param_groups(model, cfg, cfg.name in _GALORE2 and _GALORE2[cfg.name][1])
+        if cfg.name != "galore_adafactor":  # Adafactor: no Adam betas; its eps is a pair
+            kwargs.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     if cfg.name in _OWN_SCHEDULE:
         kwargs["num_iterations"] = cfg.num_iterations or total_steps
     return cls(groups, **kwargs)

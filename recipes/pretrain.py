@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if rank == 0:
         write_config(t.out, job)
     opt_bytes = None
+    # peers keep Python objects in their state, which weights-only checkpoints refuse
+    checkpoints = t.checkpoint_every >= 0 and o.name not in optimizers.PEERS
     stop = min(t.stop_after, t.steps) if t.stop_after > 0 else t.steps
     for step in range(start + 1, stop + 1):
         loss = train_step(model, train_loader, opt, sched, updates, job, device)
@@ -73,9 +75,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if step % t.eval_every == 0 or last:
                 extra["val_loss"] = evaluate(model, val_loader, t.eval_batches, device)
             metrics.log(step, sched.get_last_lr()[0], extra)
-        if t.checkpoint_every >= 0 and (
-            (t.checkpoint_every and step % t.checkpoint_every == 0) or last
-        ):
+        if checkpoints and ((t.checkpoint_every and step % t.checkpoint_every == 0) or last):
             total = metrics.total_tokens
             checkpoint.save(
                 t.out, step, model, opt, train_loader, total, device, t.keep_checkpoints

@@ -1,0 +1,69 @@
+"""Task (a), convergence: every contender trains the recipe's tiny Llama on the same token budget.
+
+Each run is ``python -m recipes.pretrain --config tiny --optimizer NAME --optim.lr LR``
+(run in this process): byte-level Llama with 0.9M parameters on the embedded
+real-text corpus, 400 steps × 2,048 tokens, GaLore-style optimizers at r = 32,
+T = 50, α = 0.25 (their package's own keys), the recipe's warmup + cosine
+schedule (Ranger21s use their own). Every contender gets the same learning-rate
+sweep, ``GRID``; when its best lr is at an end of the grid the sweep goes one
+step further on that side (``EXTEND``), for every contender alike, so no
+optimizer is judged at the edge of its range. ``--quick``: 60 steps at one lr
+per family (1e-3 for full-rank Adam-likes, 1e-2 for the projected ones).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from recipes.pretrain import main as pretrain
+
+from .contenders import Contender
+
+GRID = (1e-3, 3e-3, 1e-2)
+EXTEND = {1e-3: 3e-4, 1e-2: 3e-2}  # edge → the next lr outward
+QUICK_LR = {"adam": 1e-3, "galore": 1e-2}
+QUICK_STEPS = 60
+
+
+def run_one(contender: Contender, lr: float, out: Path, steps: int | None) -> dict[str, Any]:
+    """One recipe run; its validation curve, best / final validation loss, speed and state."""
+    argv = ["--config", "tiny", "--optimizer", contender.optimizer, "--optim.lr", f"{lr:g}",
+            "--out", str(out), "--train.progress", "false", *contender.flags]  # fmt: skip
+    if steps:
+        argv += ["--steps", str(steps), "--train.eval_every", str(steps // 2)]
+    hist = pretrain(argv)
+    curve = [(r["tokens"], r["val_loss"]) for r in hist if "val_loss" in r]
+    rates = [r["tokens_per_s"] for r in hist[1:]] or [hist[0]["tokens_per_s"]]
+    return {
+        "lr": lr,
+        "curve": curve,
+        "best": min(v for _, v in curve),
+        "final": curve[-1][1],
+        "tokens_per_s": sum(rates) / len(rates),
+        "state_bytes": hist[-1]["opt_state_bytes"],
+        "tokens": hist[-1]["tokens"],
+    }
+
+
+def sweep(contender: Contender, tmp: str, quick: bool) -> list[dict[str, Any]]:
+    """All runs of one contender (the grid, extended at an edge that wins)."""
+    counter = iter(range(10**6))
+
+    def go(lr: float) -> dict[str, Any]:
+        out = Path(tmp) / f"{contender.key}-{next(counter)}"
+        return run_one(contender, lr, out, QUICK_STEPS if quick else None)
+
+    if quick:
+        return [go(QUICK_LR[contender.family])]
+    runs = [go(lr) for lr in GRID]
+    best = min(runs, key=lambda r: r["best"])["lr"]
+    if best in EXTEND:
+        runs.append(go(EXTEND[best]))
+    return sorted(runs, key=lambda r: r["lr"])
+
+
+def run(contenders: list[Contender], quick: bool) -> dict[str, list[dict[str, Any]]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        return {c.key: sweep(c, tmp, quick) for c in contenders}

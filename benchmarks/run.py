@@ -1,0 +1,235 @@
+"""galore2 against every peer, side by side: convergence, memory, speed, Llama-7B state.
+
+Usage (repository root, venv with the ``bench`` extra, a quiet machine)::
+
+    python -m benchmarks.run                  # full suite → BENCHMARKS.md + benchmarks/figures/
+    python -m benchmarks.run --quick          # ≤ 10 min smoke run → runs/BENCHMARKS-quick.md
+    python -m benchmarks.run --tasks speed --optimizers adamw,galore_adamw
+
+Tasks (each writes its own BENCHMARKS.md section, ``suite_TASK``):
+
+* ``peers`` — every contender, its package version, and the exact reason when it
+  cannot run here (the exception its first steps raise);
+* ``convergence`` — ``benchmarks/convergence.py``: the tiny recipe, same token
+  budget and lr sweep for everyone; best validation loss ÷ AdamW's best;
+* ``footprint`` — ``benchmarks/footprint.py``: state bytes, peak RSS, median step
+  time, refresh time, each contender alone in a fresh process;
+* ``state_7b`` — ``benchmarks/state_7b.py``: Llama-7B state on the meta device;
+* ``targets`` — the project's targets checked against the latest figures of
+  convergence, footprint and state_7b (written whenever all three exist).
+
+Raw results go to ``benchmarks/results/suite_TASK.json`` (``runs/results`` with
+``--quick``), plots to ``benchmarks/figures/`` (``runs/figures``).
+
+Ratios are against torch AdamW (foreach) measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from . import convergence, footprint, state_7b, suite_plots
+from ._common import arg_parser, command, machine_md, setup, table
+from .contenders import CONTENDERS, Contender, version, why_not
+from .run_core import ROOT, update
+from .suite_targets import targets_md
+
+TASKS = ("peers", "state_7b", "footprint", "convergence")
+MEASURED = ("state_7b", "footprint", "convergence")
+TITLES = {
+    "peers": "Side-by-side suite: contenders",
+    "convergence": "Side-by-side suite: convergence (tiny recipe, lr sweep)",
+    "footprint": "Side-by-side suite: memory and speed (CPU)",
+    "state_7b": "Side-by-side suite: Llama-7B optimizer state",
+    "targets": "Side-by-side suite: targets",
+}
+
+
+def _ratio(x: float | None, base: float | None, fmt: str = "{:.3f}") -> str:
+    return "" if x is None or not base else fmt.format(x / base)
+
+
+def peers_md(contenders: list[Contender]) -> str:
+    rows = []
+    for c in contenders:
+        reason = why_not(c.key)
+        status = "runs" if reason is None else f"cannot run here: `{reason}`"
+        rows.append([c.label, f"`{c.key}`", f"{c.package} {version(c.package)}", status])
+    return table(["optimizer", "key", "package", "status"], rows)
+
+
+def convergence_md(runs: dict[str, list[dict[str, Any]]], labels: dict[str, str], quick: bool):
+    best = {k: min(rs, key=lambda r: r["best"]) for k, rs in runs.items()}
+    base = best.get("adamw")
+    rows = [
+        [labels[k], f"{b['lr']:g}", f"{b['best']:.4f}", _ratio(b["best"], base and base["best"]),
+         f"{b['tokens_per_s']:,.0f}", _ratio(b["tokens_per_s"], base and base["tokens_per_s"], "{:.2f}"),
+         f"{b['state_bytes'] / 1e6:.2f}", _ratio(b["state_bytes"], base and base["state_bytes"])]
+        for k, b in best.items()
+    ]  # fmt: skip
+    head = ["optimizer", "best lr", "best val loss", "÷ AdamW", "tokens/s", "÷ AdamW",
+            "state MB", "÷ AdamW"]  # fmt: skip
+    lrs = sorted({r["lr"] for rs in runs.values() for r in rs})
+    sweep_rows = []
+    for k, rs in runs.items():
+        by_lr = {r["lr"]: r["best"] for r in rs}
+        sweep_rows.append([labels[k], *(f"{by_lr[lr]:.4f}" if lr in by_lr else "" for lr in lrs)])
+    tokens = next(iter(runs.values()))[0]["tokens"]
+    how = (
+        f"one lr per family ({convergence.QUICK_STEPS} steps)"
+        if quick
+        else f"grid {', '.join(f'{x:g}' for x in convergence.GRID)}, extended one step at a "
+        "winning edge"
+    )
+    return (
+        f"`python -m recipes.pretrain --config tiny --optimizer NAME --optim.lr LR` for every "
+        f"contender: {tokens:,} training tokens of the embedded corpus, byte-level Llama "
+        f"(0.9M parameters), projected optimizers at r = 32, T = 50, α = 0.25; lr sweep: {how}. "
+        "Loss in nats per byte (best validation loss of the run); ratios against AdamW's best "
+        "lr. Plot: `benchmarks/figures/convergence.png`.\n\n"
+        + table(head, rows)
+        + "\n\nThe sweep (best validation loss per lr):\n\n"
+        + table(["optimizer", *(f"lr {lr:g}" for lr in lrs)], sweep_rows)
+    )
+
+
+def footprint_md(results: dict[str, dict[str, Any]], labels: dict[str, str], quick: bool) -> str:
+    base = results.get("adamw", {})
+    gt = results.get("gt_galore_adamw", {})
+    rows = []
+    for k, r in results.items():
+        peak = r["peak_rss_delta"]
+        refresh = r["refresh_ms"]
+        rows.append([
+            labels[k], f"{r['state_bytes'] / 1e6:.1f}", _ratio(r["state_bytes"], base.get("state_bytes")),
+            "" if peak is None else f"{peak / 1e6:.1f}", _ratio(peak, base.get("peak_rss_delta")),
+            f"{r['step_ms']:.1f}", _ratio(r["step_ms"], base.get("step_ms"), "{:.2f}"),
+            _ratio(r["step_ms"], gt.get("step_ms"), "{:.2f}"),
+            "" if refresh is None else f"{refresh:.0f}",
+            _ratio(gt.get("refresh_ms"), refresh, "{:.1f}") if refresh and refresh > 0 else "",
+        ])  # fmt: skip
+    head = ["optimizer", "state MB", "÷ AdamW", "peak RSS Δ MB", "÷ AdamW", "step ms",
+            "÷ AdamW", "÷ galore-torch", "refresh ms", "galore-torch ÷ this"]  # fmt: skip
+    params = next(iter(results.values()))["params"]
+    threads = next(iter(results.values()))["threads"]
+    return (
+        f"{footprint.describe(quick)} ({params:,} parameters); fixed random gradients; each "
+        f"contender alone in a fresh process, {footprint.STEPS} steps, {threads} threads. "
+        "State: measured after the run. Peak RSS Δ: the process's peak resident memory during "
+        "the steps minus its resident memory before them (state + temporaries). Step: median "
+        "of steps 1–30. Refresh: mean of the 3 refresh steps minus that median (all projected "
+        "matrices). See `benchmarks/footprint.py`.\n\n" + table(head, rows)
+    )
+
+
+def state_7b_md(sizes: dict[str, int | None], labels: dict[str, str], quick: bool) -> str:
+    _, shape = state_7b.shapes(quick)
+    base = sizes.get("adamw")
+    rows = [
+        [labels[k], "not counted (cannot run here)" if b is None else f"{b / 1e9:.2f}",
+         _ratio(b, base)]
+        for k, b in sizes.items()
+    ]  # fmt: skip
+    return (
+        f"Model {shape}, fp32 weights, meta device (GB = 1e9 bytes). galore2: `state_bytes()` "
+        "after `init_state()`; peers: their storage rules, verified against real state by "
+        "`tests/test_bench_suite.py`. galore-torch 1.0 keeps its fp32 basis as a view of the "
+        "whole SVD factor, so each projected matrix holds small side × small side of basis "
+        "(by shapes alone its state would equal pytorch-optimizer GaLore's). "
+        "Plot: `benchmarks/figures/memory_7b.png`.\n\n"
+        + table(["optimizer", "state GB", "÷ AdamW"], rows)
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated of {TASKS}")
+    parser.add_argument("--optimizers", default="", help="comma-separated contender keys")
+    parser.add_argument("--out", type=Path, default=None, help="Markdown file to update")
+    args = parser.parse_args(argv)
+    setup(args)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if set(tasks) - set(TASKS):
+        parser.error(f"--tasks: unknown {sorted(set(tasks) - set(TASKS))}; choose from {TASKS}")
+    keys = [k.strip() for k in args.optimizers.split(",") if k.strip()]
+    known = {c.key for c in CONTENDERS}
+    if set(keys) - known:
+        parser.error(
+            f"--optimizers: unknown {sorted(set(keys) - known)}; choose from {sorted(known)}"
+        )
+    chosen = [c for c in CONTENDERS if not keys or c.key in keys]
+    runnable = [c for c in chosen if why_not(c.key) is None]
+    labels = {c.key: c.label for c in chosen}
+    if args.out:
+        out, figures, raw = args.out, args.out.parent / "figures", args.out.parent / "results"
+    elif args.quick:
+        out, figures, raw = (
+            ROOT / "runs/BENCHMARKS-quick.md",
+            ROOT / "runs/figures",
+            ROOT / "runs/results",
+        )
+    else:
+        out, figures, raw = (
+            ROOT / "BENCHMARKS.md",
+            ROOT / "benchmarks/figures",
+            ROOT / "benchmarks/results",
+        )
+    start = time.perf_counter()
+    results: dict[str, Any] = {}
+
+    def save(task: str, data: Any) -> None:
+        raw.mkdir(parents=True, exist_ok=True)
+        (raw / f"suite_{task}.json").write_text(json.dumps(data, indent=1) + "\n")
+
+    def write(task: str, body: str) -> None:
+        note = "\n**Quick mode (smoke run): not representative.**\n" if args.quick else ""
+        text = (
+            f"<!-- BEGIN galore2-bench:suite_{task} -->\n## {TITLES[task]}\n{note}\n"
+            f"Command: `{command('benchmarks.run')}`\n\n{machine_md()}\n\n{body}\n"
+            f"<!-- END galore2-bench:suite_{task} -->\n"
+        )
+        update(out, f"suite_{task}", text)
+        print(f"== {task}\n{body}\n", flush=True)
+
+    if "peers" in tasks:
+        write("peers", peers_md(chosen))
+    if "state_7b" in tasks:
+        results["state_7b"] = state_7b.run(chosen, args.quick)
+        save("state_7b", results["state_7b"])
+        sizes = {labels[k]: v / 1e9 for k, v in results["state_7b"].items() if v is not None}
+        _, shape = state_7b.shapes(args.quick)
+        suite_plots.memory(sizes, figures / "memory_7b.png", f"Optimizer state (GB), {shape}")
+        write("state_7b", state_7b_md(results["state_7b"], labels, args.quick))
+    if "footprint" in tasks:
+        results["footprint"] = {c.key: footprint.in_subprocess(c.key, args.quick) for c in runnable}
+        save("footprint", results["footprint"])
+        write("footprint", footprint_md(results["footprint"], labels, args.quick))
+    if "convergence" in tasks:
+        results["convergence"] = convergence.run(runnable, args.quick)
+        save("convergence", results["convergence"])
+        curves = {
+            k: (labels[k], min(rs, key=lambda r: r["best"])["curve"])
+            for k, rs in results["convergence"].items()
+        }
+        suite_plots.convergence(
+            curves, figures / "convergence.png", "Tiny recipe, each optimizer at its best lr"
+        )
+        write("convergence", convergence_md(results["convergence"], labels, args.quick))
+    minutes = (time.perf_counter() - start) / 60
+    for task in MEASURED:  # the latest saved figures of the tasks this run did not do
+        path = raw / f"suite_{task}.json"
+        if task not in results and path.exists():
+            results[task] = json.loads(path.read_text())
+    if all(task in results for task in MEASURED):
+        every = {c.key: c.label for c in CONTENDERS}
+        write(
+            "targets", targets_md(results, every, minutes if set(MEASURED) <= set(tasks) else None)
+        )
+    print(f"suite finished in {minutes:.1f} min; wrote {out} and {figures}/")
+
+
+if __name__ == "__main__":
+    main()

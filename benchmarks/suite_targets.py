@@ -1,0 +1,65 @@
+"""The project's targets for the side-by-side suite, checked against one run's figures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._common import table
+
+OURS_PROJECTED = ("galore_adamw", "galore_adamw_power", "galore_adamw8bit",
+                  "galore_adamw8bit_int8", "galore_adamw8bit_int4", "galore_adafactor")  # fmt: skip
+LOW_MEMORY = ("galore_adamw8bit_int8", "galore_adamw8bit_int4")
+
+
+def _met(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("**met**" if ok else "**missed**")
+
+
+def targets_md(
+    results: dict[str, Any], labels: dict[str, str], minutes: float | None = None
+) -> str:
+    conv = {k: min(r["best"] for r in rs) for k, rs in results["convergence"].items()}
+    foot, s7 = results["footprint"], results["state_7b"]
+    rows: list[list[str]] = []
+    gt = conv.get("gt_galore_adamw")
+    if gt is not None and "galore_adamw" in conv:
+        ours = conv["galore_adamw"]
+        rows.append(["fp32 GaLore best val loss ≤ galore-torch's (same state memory)",
+                     f"{ours:.4f} vs {gt:.4f} ({ours / gt:.3f}×)", _met(ours <= gt)])  # fmt: skip
+    adamw7 = s7.get("adamw")
+    for k in LOW_MEMORY:
+        if gt is None or k not in conv or not adamw7 or s7.get(k) is None:
+            continue
+        share = s7[k] / adamw7
+        ratio = conv[k] / gt
+        rows.append([f"{labels[k]}: ≤ 1.02× galore-torch's loss at ≤ 10% of AdamW's 7B state",
+                     f"{ratio:.3f}× loss at {100 * share:.1f}% state",
+                     _met(ratio <= 1.02 and share <= 0.10)])  # fmt: skip
+    base, gt_f = foot.get("adamw"), foot.get("gt_galore_adamw")
+    for k in OURS_PROJECTED:
+        if k not in foot or base is None:
+            continue
+        step = foot[k]["step_ms"]
+        vs_gt = gt_f and step / gt_f["step_ms"]
+        ok = step <= 1.3 * base["step_ms"] and (vs_gt is None or vs_gt <= 1.0)
+        shown = f"{step / base['step_ms']:.2f}× AdamW" + (
+            f", {vs_gt:.2f}× galore-torch" if vs_gt else ""
+        )
+        rows.append([f"{labels[k]}: step ≤ 1.3× AdamW(foreach), ≤ galore-torch", shown, _met(ok)])
+    if gt_f and gt_f["refresh_ms"]:
+        for k in ("galore_adamw", "galore_adamw_power"):
+            mine = foot.get(k, {}).get("refresh_ms")
+            if mine:
+                speedup = gt_f["refresh_ms"] / mine
+                rows.append([f"{labels[k]}: refresh ≥ 8× faster than galore-torch's (CPU)",
+                             f"{speedup:.1f}× ({mine:.0f} vs {gt_f['refresh_ms']:.0f} ms)",
+                             _met(speedup >= 8)])  # fmt: skip
+    took = (
+        f"(one run of all tasks, {minutes:.1f} minutes)"
+        if minutes is not None
+        else "(the latest run of each task; see each section's date)"
+    )
+    return (
+        f"Each target from the suite's issue, evaluated on the figures of the sections above "
+        f"{took}.\n\n" + table(["target", "measured", "verdict"], rows)
+    )

@@ -1,0 +1,170 @@
+"""Peer optimizers from other packages, built on the recipe's parameter split (for benchmarks).
+
+Each peer gets the same split as galore2's optimizers (see :func:`recipes.optimizers.
+param_groups`): the attention / MLP matrices in one projected group when the peer
+projects (with that package's own group keys, filled from ``optim.*``), everything
+else in plain groups. Settings follow each package's README for LLM pre-training:
+
+=========================  =================================================================
+``gt_galore_adamw``        galore-torch 1.0 ``GaLoreAdamW`` (rank, update_proj_gap, scale,
+                           proj_type)
+``gt_galore_adamw8bit``    galore-torch 1.0 ``GaLoreAdamW8bit`` (CUDA only: it calls
+                           ``torch.cuda.synchronize`` unconditionally)
+``gt_galore_adafactor``    galore-torch 1.0 ``GaLoreAdafactor`` with an explicit lr
+                           (``relative_step=False, scale_parameter=False``), no first moment
+``qgalore_adamw8bit``      q-galore-torch 1.0 ``QGaLoreAdamW8bit`` (INT4 basis, group 256,
+                           adaptive refresh; CUDA only, like galore-torch's 8-bit class)
+``apollo``                 apollo-torch ``APOLLOAdamW``: random projection at ``optim.rank``,
+                           channel-wise scaling, apollo scale 1
+``apollo_mini``            the same class as APOLLO-Mini: rank 1, tensor-wise scaling,
+                           apollo scale 128
+``pto_galore``             pytorch-optimizer's ``GaLore`` (rank, update_proj_gap, scale,
+                           projection_type)
+``pto_ranger21``           pytorch-optimizer's ``Ranger21`` (full rank, its own schedule)
+=========================  =================================================================
+
+None of these keep tensor-only state (their projectors are Python objects), so
+the recipe does not checkpoint them (``train.checkpoint_every`` is treated as -1).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import OptimConfig
+
+Keys = Callable[[OptimConfig], dict[str, Any]]
+
+
+def _no_keys(cfg: OptimConfig) -> dict[str, Any]:
+    return {}
+
+
+def _galore_keys(cfg: OptimConfig) -> dict[str, Any]:
+    return {
+        "rank": cfg.rank,
+        "update_proj_gap": cfg.update_proj_gap,
+        "scale": cfg.scale,
+        "proj_type": cfg.proj_type,
+    }
+
+
+def _qgalore_keys(cfg: OptimConfig) -> dict[str, Any]:
+    # q-galore-torch's README settings: INT4 projection, group 256, cos threshold 0.4,
+    # gap doubling (gamma 2) after a queue of 5 similar refreshes.
+    return {
+        **_galore_keys(cfg),
+        "quant": True,
+        "quant_n_bit": 4,
+        "quant_group_size": 256,
+        "cos_threshold": 0.4,
+        "gamma_proj": 2,
+        "queue_size": 5,
+    }
+
+
+def _pto_galore_keys(cfg: OptimConfig) -> dict[str, Any]:
+    return {
+        "rank": cfg.rank,
+        "update_proj_gap": cfg.update_proj_gap,
+        "scale": cfg.scale,
+        "projection_type": cfg.proj_type,
+    }
+
+
+def _apollo_keys(rank: int | None, scale_type: str, scale: float) -> Keys:
+    def keys(cfg: OptimConfig) -> dict[str, Any]:
+        return {
+            "rank": cfg.rank if rank is None else rank,
+            "proj": "random",
+            "scale_type": scale_type,
+            "update_proj_gap": cfg.update_proj_gap,
+            "scale": scale,
+            "proj_type": "std",
+        }
+
+    return keys
+
+
+def _adam_kwargs(cfg: OptimConfig) -> dict[str, Any]:
+    return {"betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
+
+
+def _quiet_adam_kwargs(cfg: OptimConfig) -> dict[str, Any]:
+    return {**_adam_kwargs(cfg), "no_deprecation_warning": True}  # galore-torch's AdamW warns
+
+
+def _adafactor_kwargs(cfg: OptimConfig) -> dict[str, Any]:
+    return {"relative_step": False, "scale_parameter": False, "warmup_init": False}
+
+
+def _ranger_kwargs(cfg: OptimConfig) -> dict[str, Any]:
+    return _adam_kwargs(cfg)  # num_iterations is added by build_optimizer (own schedule)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """How to build one peer: ``module.attr(groups, lr=, weight_decay=, **kwargs(cfg))``."""
+
+    package: str  # the PyPI name (a benchmark extra)
+    module: str
+    attr: str
+    projected: bool
+    group_keys: Keys = field(default=_no_keys)  # keys of the projected group
+    kwargs: Keys = field(default=_adam_kwargs)
+    own_schedule: bool = False
+
+
+PEERS: dict[str, Peer] = {
+    "gt_galore_adamw": Peer(
+        "galore-torch", "galore_torch", "GaLoreAdamW", True, _galore_keys, _quiet_adam_kwargs
+    ),
+    "gt_galore_adamw8bit": Peer(
+        "galore-torch", "galore_torch", "GaLoreAdamW8bit", True, _galore_keys
+    ),
+    "gt_galore_adafactor": Peer(
+        "galore-torch", "galore_torch", "GaLoreAdafactor", True, _galore_keys, _adafactor_kwargs
+    ),
+    "qgalore_adamw8bit": Peer(
+        "q-galore-torch", "q_galore_torch", "QGaLoreAdamW8bit", True, _qgalore_keys
+    ),
+    "apollo": Peer(
+        "apollo-torch", "apollo_torch", "APOLLOAdamW", True, _apollo_keys(None, "channel", 1.0)
+    ),
+    "apollo_mini": Peer(
+        "apollo-torch", "apollo_torch", "APOLLOAdamW", True, _apollo_keys(1, "tensor", 128.0)
+    ),
+    "pto_galore": Peer("pytorch-optimizer", "pytorch_optimizer", "GaLore", True, _pto_galore_keys),
+    "pto_ranger21": Peer(
+        "pytorch-optimizer",
+        "pytorch_optimizer",
+        "Ranger21",
+        False,
+        kwargs=_ranger_kwargs,
+        own_schedule=True,
+    ),
+}
+
+
+def resolve(name: str) -> Callable[..., Any]:
+    """The peer class for ``name``; a clear RuntimeError when its package is missing."""
+    peer = PEERS[name]
+    log = logging.getLogger("bitsandbytes")  # peers import bitsandbytes, whose CPU notes are noise
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = importlib.import_module(peer.module)
+    except ImportError as e:
+        raise RuntimeError(
+            f"optim.name={name!r} needs {peer.package}: pip install -e '.[bench]' ({e})"
+        ) from e
+    finally:
+        log.setLevel(level)
+    return getattr(module, peer.attr)

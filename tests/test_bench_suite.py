@@ -1,0 +1,131 @@
+"""The side-by-side benchmark suite (benchmarks/run.py): peers, storage rules, tasks, output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import convergence, footprint, run, state_7b
+from benchmarks.contenders import BY_KEY, CONTENDERS, why_not
+from benchmarks.state_rules import RULES, peer_state_bytes
+from recipes.config import ModelConfig
+from recipes.metrics import optimizer_state_bytes
+from recipes.model import build_model
+from recipes.optimizers import build_optimizer
+
+SMALL = ModelConfig(vocab_size=300, dim=64, n_layers=1, n_heads=2, ffn_dim=160, max_seq_len=16)
+CUDA_ONLY = ("gt_galore_adamw8bit", "qgalore")
+
+
+def _stepped(key: str, rank: int = 8, steps: int = 2):
+    torch.manual_seed(0)
+    model = build_model(SMALL)
+    opt = build_optimizer(model, BY_KEY[key].optim_config(rank=rank), 10)
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("key", [c.key for c in CONTENDERS if c.optimizer in RULES])
+def test_storage_rule_equals_the_peers_real_state(key):
+    """The 7B table's peer rows come from these rules: they must equal what the package holds."""
+    model, opt = _stepped(key)
+    projected = [p for g in opt.param_groups if "rank" in g for p in g["params"]]
+    assert bool(projected) == BY_KEY[key].projected
+    measured = optimizer_state_bytes(opt)
+    assert measured == peer_state_bytes(BY_KEY[key].optimizer, model, projected, 8)
+
+
+def test_shared_storage_is_counted_once():
+    p = torch.nn.Parameter(torch.zeros(4, 4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    shared = torch.zeros(64)
+    opt.state[p] = {"a": shared, "b": shared[:8], "c": torch.zeros(3, dtype=torch.float64)}
+    assert optimizer_state_bytes(opt) == 64 * 4 + 3 * 8
+
+
+def test_every_contender_runs_here_or_says_exactly_why():
+    for c in CONTENDERS:
+        reason = why_not(c.key)
+        if c.package in ("galore2", "torch", "bitsandbytes") or c.key not in CUDA_ONLY:
+            assert reason is None, (c.key, reason)
+        elif not torch.cuda.is_available():
+            assert reason and "raised at" in reason, (c.key, reason)
+
+
+def test_galore_torch_8bit_reason_names_the_cuda_call():
+    if torch.cuda.is_available():
+        pytest.skip("the reason only exists without CUDA")
+    reason = why_not("gt_galore_adamw8bit")
+    assert "CUDA" in reason and "galore_torch/adamw8bit.py" in reason
+
+
+def test_state_7b_galore2_rows_are_its_own_count_and_peers_follow_rules():
+    """Quick shapes (llama_60m on meta): AdamW 8 B/param; 8-bit + INT4 basis well below GaLore."""
+    chosen = [BY_KEY[k] for k in ("adamw", "gt_galore_adamw", "galore_adamw",
+                                  "galore_adamw8bit_int4", "qgalore")]  # fmt: skip
+    sizes = state_7b.run(chosen, quick=True)
+    job, _ = state_7b.shapes(True)
+    model = build_model(job.model, device="meta")
+    n = sum(p.numel() for p in model.parameters())
+    assert sizes["adamw"] == 8 * n + 4 * len(list(model.parameters()))
+    assert sizes["qgalore"] is None  # no verified rule: not run here
+    assert sizes["galore_adamw8bit_int4"] < 0.5 * sizes["galore_adamw"] < sizes["adamw"]
+    assert sizes["gt_galore_adamw"] > sizes["galore_adamw"]  # it keeps the whole SVD factor
+
+
+def test_footprint_worker_reports_state_time_and_refresh(monkeypatch):
+    small = {"vocab_size": 300, "dim": 64, "n_layers": 1, "n_heads": 2, "ffn_dim": 160}
+    monkeypatch.setitem(footprint.SIZES, "quick", small)
+    monkeypatch.setitem(footprint.RANK, "quick", 8)
+    got = footprint.measure(BY_KEY["galore_adamw"], quick=True)
+    _, opt = _stepped("galore_adamw")
+    assert got["state_bytes"] == opt.state_bytes()["total"]
+    assert got["step_ms"] > 0 and got["refresh_ms"] is not None
+    plain = footprint.measure(BY_KEY["adamw"], quick=True)
+    assert plain["refresh_ms"] is None and plain["state_bytes"] > got["state_bytes"]
+
+
+def test_convergence_sweep_extends_at_a_winning_edge(monkeypatch, tmp_path):
+    seen = []
+
+    def fake(contender, lr, out, steps):
+        seen.append(lr)
+        return {"lr": lr, "best": abs(lr - 0.05)}  # best lr is beyond the grid's top
+
+    monkeypatch.setattr(convergence, "run_one", fake)
+    runs = convergence.sweep(BY_KEY["adamw"], str(tmp_path), quick=False)
+    assert seen == [*convergence.GRID, 3e-2]
+    assert [r["lr"] for r in runs] == sorted(seen)
+
+
+def test_suite_end_to_end_writes_sections_and_plots(monkeypatch, tmp_path):
+    """A cut-down ``python -m benchmarks.run --quick``: 4 steps, three contenders."""
+    monkeypatch.setattr(convergence, "QUICK_STEPS", 4)
+    out = tmp_path / "B.md"
+    keys = "adamw,gt_galore_adamw,galore_adamw"
+    run.main(["--quick", "--optimizers", keys, "--out", str(out)])
+    text = out.read_text()
+    for task in (*run.TASKS, "targets"):
+        assert f"<!-- BEGIN galore2-bench:suite_{task} -->" in text
+    assert "galore-torch GaLoreAdamW" in text and "refresh ≥ 8× faster" in text
+    for png in ("convergence.png", "memory_7b.png"):
+        data = (tmp_path / "figures" / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_footprint_subprocess_returns_json():
+    got = footprint.in_subprocess("adamw", quick=True)
+    assert json.loads(json.dumps(got))["state_bytes"] > 0
+    assert got["peak_rss_delta"] is None or got["peak_rss_delta"] >= 0
+
+
+def test_bad_task_and_optimizer_names_are_refused():
+    with pytest.raises(SystemExit):
+        run.main(["--tasks", "speedy"])
+    with pytest.raises(SystemExit):
+        run.main(["--optimizers", "sgd"])
