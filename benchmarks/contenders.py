@@ -70,6 +70,8 @@ CONTENDERS: tuple[Contender, ...] = (
        "galore_adamw8bit", "galore2", "--optim.basis_dtype", "int4",
        "--optim.basis_hadamard", "true"),
     _c("galore_adafactor", "galore2 GaLoreAdafactor", "galore_adafactor", "galore2"),
+    _c("galore_adafactor_int8", "galore2 GaLoreAdafactor + INT8 basis", "galore_adafactor",
+       "galore2", "--optim.basis_dtype", "int8"),
     _c("ranger21", "galore2 Ranger21", "ranger21", "galore2", family="adam", projected=False),
     _c("galore_ranger21", "galore2 GaLoreRanger21", "galore_ranger21", "galore2"),
 )  # fmt: skip

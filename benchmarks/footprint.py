@@ -4,10 +4,11 @@ Usage (what ``benchmarks.run`` does for every contender)::
 
     python -m benchmarks.footprint KEY [--quick]     # prints one JSON line
 
-Model (``recipes.model.build_model``, fp32, CPU): vocab 32000, dim 512, 4 layers,
-8 heads, ffn 1376, untied head — 45.3M parameters; the projected optimizers get the
-attention and MLP matrices at r = 128 (α = 0.25), everything else full rank, as in
-the recipe. ``--quick``: vocab 4096, dim 256, 2 layers, r = 64.
+Model (``recipes.model.build_model``, fp32, CPU): the recipe's Llama-350M layer shapes
+(``llama_350m``: vocab 32000, dim 1024, 16 heads, ffn 2736, untied head) with 4 of its
+24 layers — 116M parameters; the projected optimizers get the attention and MLP
+matrices at its r = 256 (α = 0.25), everything else full rank, as in the recipe.
+``--quick``: vocab 4096, dim 256, 2 layers, ffn 688, r = 64.
 
 The gradients are fixed seeded random tensors (scale 1e-2) assigned once; the
 process then takes ``STEPS`` = 3·T + 1 optimizer steps with T = ``GAP`` = 10 and
@@ -47,10 +48,10 @@ from recipes.optimizers import build_optimizer
 from .contenders import BY_KEY, Contender
 
 SIZES = {
-    "full": {"vocab_size": 32000, "dim": 512, "n_layers": 4, "n_heads": 8, "ffn_dim": 1376},
+    "full": {"vocab_size": 32000, "dim": 1024, "n_layers": 4, "n_heads": 16, "ffn_dim": 2736},
     "quick": {"vocab_size": 4096, "dim": 256, "n_layers": 2, "n_heads": 4, "ffn_dim": 688},
 }
-RANK = {"full": 128, "quick": 64}
+RANK = {"full": 256, "quick": 64}
 GAP = 10
 STEPS = 3 * GAP + 1
 ROOT = Path(__file__).resolve().parents[1]

@@ -149,6 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated of {TASKS}")
     parser.add_argument("--optimizers", default="", help="comma-separated contender keys")
     parser.add_argument("--out", type=Path, default=None, help="Markdown file to update")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --optimizers: keep the other contenders' saved rows (rerun a few)",
+    )
     args = parser.parse_args(argv)
     setup(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -156,13 +161,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--tasks: unknown {sorted(set(tasks) - set(TASKS))}; choose from {TASKS}")
     keys = [k.strip() for k in args.optimizers.split(",") if k.strip()]
     known = {c.key for c in CONTENDERS}
+    if args.merge and not keys:
+        parser.error("--merge needs --optimizers (the contenders to rerun)")
     if set(keys) - known:
         parser.error(
             f"--optimizers: unknown {sorted(set(keys) - known)}; choose from {sorted(known)}"
         )
     chosen = [c for c in CONTENDERS if not keys or c.key in keys]
     runnable = [c for c in chosen if why_not(c.key) is None]
-    labels = {c.key: c.label for c in chosen}
+    labels = {c.key: c.label for c in CONTENDERS}
     if args.out:
         out, figures, raw = args.out, args.out.parent / "figures", args.out.parent / "results"
     elif args.quick:
@@ -180,12 +187,24 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     results: dict[str, Any] = {}
 
-    def save(task: str, data: Any) -> None:
+    def save(task: str, data: dict[str, Any]) -> dict[str, Any]:
+        """Write ``data`` (merged into the saved rows with ``--merge``); return what was written."""
+        path = raw / f"suite_{task}.json"
+        if args.merge and path.exists():
+            old = json.loads(path.read_text())
+            data = {c.key: data.get(c.key, old.get(c.key)) for c in CONTENDERS}
+            data = {k: v for k, v in data.items() if v is not None or k in old or k in keys}
         raw.mkdir(parents=True, exist_ok=True)
-        (raw / f"suite_{task}.json").write_text(json.dumps(data, indent=1) + "\n")
+        path.write_text(json.dumps(data, indent=1) + "\n")
+        return data
 
     def write(task: str, body: str) -> None:
         note = "\n**Quick mode (smoke run): not representative.**\n" if args.quick else ""
+        if args.merge and task != "targets":
+            note += (
+                f"\nRows for {', '.join(f'`{k}`' for k in keys)} are from this command; the "
+                f"others from the previous full run (saved in `{raw.relative_to(ROOT) if raw.is_relative_to(ROOT) else raw}`).\n"
+            )
         text = (
             f"<!-- BEGIN galore2-bench:suite_{task} -->\n## {TITLES[task]}\n{note}\n"
             f"Command: `{command('benchmarks.run')}`\n\n{machine_md()}\n\n{body}\n"
@@ -195,21 +214,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"== {task}\n{body}\n", flush=True)
 
     if "peers" in tasks:
-        write("peers", peers_md(chosen))
+        write("peers", peers_md(list(CONTENDERS) if args.merge else chosen))
     if "state_7b" in tasks:
-        results["state_7b"] = state_7b.run(chosen, args.quick)
-        save("state_7b", results["state_7b"])
+        results["state_7b"] = save("state_7b", state_7b.run(chosen, args.quick))
         sizes = {labels[k]: v / 1e9 for k, v in results["state_7b"].items() if v is not None}
         _, shape = state_7b.shapes(args.quick)
         suite_plots.memory(sizes, figures / "memory_7b.png", f"Optimizer state (GB), {shape}")
         write("state_7b", state_7b_md(results["state_7b"], labels, args.quick))
     if "footprint" in tasks:
-        results["footprint"] = {c.key: footprint.in_subprocess(c.key, args.quick) for c in runnable}
-        save("footprint", results["footprint"])
+        measured = {c.key: footprint.in_subprocess(c.key, args.quick) for c in runnable}
+        results["footprint"] = save("footprint", measured)
         write("footprint", footprint_md(results["footprint"], labels, args.quick))
     if "convergence" in tasks:
-        results["convergence"] = convergence.run(runnable, args.quick)
-        save("convergence", results["convergence"])
+        results["convergence"] = save("convergence", convergence.run(runnable, args.quick))
         curves = {
             k: (labels[k], min(rs, key=lambda r: r["best"])["curve"])
             for k, rs in results["convergence"].items()

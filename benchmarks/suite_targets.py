@@ -7,8 +7,9 @@ from typing import Any
 from ._common import table
 
 OURS_PROJECTED = ("galore_adamw", "galore_adamw_power", "galore_adamw8bit",
-                  "galore_adamw8bit_int8", "galore_adamw8bit_int4", "galore_adafactor")  # fmt: skip
-LOW_MEMORY = ("galore_adamw8bit_int8", "galore_adamw8bit_int4")
+                  "galore_adamw8bit_int8", "galore_adamw8bit_int4", "galore_adafactor",
+                  "galore_adafactor_int8")  # fmt: skip
+LOW_MEMORY = ("galore_adamw8bit_int8", "galore_adamw8bit_int4", "galore_adafactor_int8")
 
 
 def _met(ok: bool | None) -> str:
