@@ -198,8 +198,10 @@ def main(argv: list[str] | None = None) -> None:
         path.write_text(json.dumps(data, indent=1) + "\n")
         return data
 
-    def write(task: str, body: str) -> None:
+    def write(task: str, body: str, took: float | None = None) -> None:
         note = "\n**Quick mode (smoke run): not representative.**\n" if args.quick else ""
+        if took is not None:
+            note += f"\nThis task took {took / 60:.1f} minutes of the run.\n"
         if args.merge and task != "targets":
             note += (
                 f"\nRows for {', '.join(f'`{k}`' for k in keys)} are from this command; the "
@@ -222,10 +224,16 @@ def main(argv: list[str] | None = None) -> None:
         suite_plots.memory(sizes, figures / "memory_7b.png", f"Optimizer state (GB), {shape}")
         write("state_7b", state_7b_md(results["state_7b"], labels, args.quick))
     if "footprint" in tasks:
+        t0 = time.perf_counter()
         measured = {c.key: footprint.in_subprocess(c.key, args.quick) for c in runnable}
         results["footprint"] = save("footprint", measured)
-        write("footprint", footprint_md(results["footprint"], labels, args.quick))
+        write(
+            "footprint",
+            footprint_md(results["footprint"], labels, args.quick),
+            time.perf_counter() - t0,
+        )
     if "convergence" in tasks:
+        t0 = time.perf_counter()
         results["convergence"] = save("convergence", convergence.run(runnable, args.quick))
         curves = {
             k: (labels[k], min(rs, key=lambda r: r["best"])["curve"])
@@ -234,7 +242,11 @@ def main(argv: list[str] | None = None) -> None:
         suite_plots.convergence(
             curves, figures / "convergence.png", "Tiny recipe, each optimizer at its best lr"
         )
-        write("convergence", convergence_md(results["convergence"], labels, args.quick))
+        write(
+            "convergence",
+            convergence_md(results["convergence"], labels, args.quick),
+            time.perf_counter() - t0,
+        )
     minutes = (time.perf_counter() - start) / 60
     for task in MEASURED:  # the latest saved figures of the tasks this run did not do
         path = raw / f"suite_{task}.json"

@@ -25,7 +25,7 @@ def shapes(quick: bool) -> tuple[JobConfig, str]:
     name = "llama_60m" if quick else "llama_7b"
     job = load_toml(JobConfig(), name)
     m = job.model
-    return job, f"`{name}`: dim {m.dim}, {m.n_layers} layers, ffn {m.ffn_dim}, r = {job.optim.rank}"
+    return job, f"{name}: dim {m.dim}, {m.n_layers} layers, ffn {m.ffn_dim}, r = {job.optim.rank}"
 
 
 def run(contenders: list[Contender], quick: bool) -> dict[str, int | None]:

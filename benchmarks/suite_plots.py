@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ def memory(bars: dict[str, float], out: Path, title: str, unit: str = "GB"):
     for y, v in enumerate(values):
         ax.text(v, y, f" {v:.2f}", va="center", fontsize=7)
     ax.set_xlabel(unit)
-    ax.set_title(title, fontsize=10)
+    ax.set_title("\n".join(textwrap.wrap(title, 70)), fontsize=9)
     ax.tick_params(axis="y", labelsize=7)
     ax.set_xlim(0, max(values) * 1.15)
     fig.tight_layout()

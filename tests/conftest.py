@@ -5,6 +5,11 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Without a GPU, Triton kernels run under Triton's CPU interpreter (tests/test_triton_kernels.py).
+# triton reads this when a kernel is defined, so it is set before anything imports triton.
+# Automatic kernel selection still never picks Triton for CPU tensors (galore2.kernels.dispatch).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

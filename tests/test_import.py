@@ -32,3 +32,31 @@ def test_import_with_optional_backends_missing():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("ok")
+
+
+def test_kernels_without_triton_fall_back_or_fail_clearly():
+    """Without triton, automatic kernel selection keeps the torch path, and asking for the
+    Triton kernels (GALORE2_KERNELS=triton) is a RuntimeError that names the variable."""
+    code = (
+        "import os, sys\n"
+        "sys.modules['triton'] = None\n"
+        "import torch, galore2\n"
+        "from galore2 import kernels\n"
+        "assert not kernels.triton_available()\n"
+        "p = torch.nn.Parameter(torch.randn(8, 12))\n"
+        "opt = galore2.GaLoreAdamW([{'params': [p], 'rank': 2}])\n"
+        "p.grad = torch.randn_like(p)\n"
+        "os.environ['GALORE2_KERNELS'] = 'triton'\n"
+        "try:\n"
+        "    opt.step()\n"
+        "except RuntimeError as err:\n"
+        "    assert 'GALORE2_KERNELS=triton but triton cannot be imported' in str(err), err\n"
+        "else:\n"
+        "    raise AssertionError('no error')\n"
+        "os.environ['GALORE2_KERNELS'] = 'auto'\n"
+        "opt.step()\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("ok")

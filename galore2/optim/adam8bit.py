@@ -38,6 +38,11 @@ axis has a single element keep ``state_dtype`` moments exactly like ``ScaleByAda
 block along, and one-element blocks would cost more than fp32. Quantized moments are
 always updated in fp32 (``state_dtype`` does not apply to them).
 
+On CUDA with triton installed (see :mod:`galore2.kernels.dispatch`, ``GALORE2_KERNELS``)
+a step is one fused Triton kernel (:mod:`galore2.kernels.adam8bit`) with the same
+arithmetic and block layout; its quantizer picks the exact nearest code (bitsandbytes'
+CPU quantizer is off by a code or more on a few percent of elements).
+
 bitsandbytes is imported lazily (constructing this transform without it raises
 ``ImportError``); it only ever sees plain local tensors. Its dynamic code maps are
 constants cached per device, not state.
@@ -53,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels.dispatch import use_triton
 from .adam import ScaleByAdam, counter
 from .transform import Context, Group, State
 
@@ -60,6 +66,7 @@ BLOCK = 256  # elements per quantization block (bitsandbytes' 8-bit optimizers u
 MIN_8BIT_SIZE = 4096  # smaller directions keep fp32 moments (bitsandbytes' min_8bit_size)
 
 _CODES: dict[tuple[str, bool], Tensor] = {}
+_BOUNDS: dict[tuple[str, bool], Tensor] = {}
 
 
 def bnb_functional() -> Any:
@@ -82,6 +89,19 @@ def dynamic_code(signed: bool, device: torch.device) -> Tensor:
         code = bnb_functional().create_dynamic_map(signed=signed).to(device)
         _CODES[key] = code
     return code
+
+
+def code_bounds(signed: bool, device: torch.device) -> Tensor:
+    """The 256 decision bounds of :func:`dynamic_code` (midpoints, then +inf) that the fused
+    kernel's nearest-code search reads, cached per device."""
+    key = (str(device), signed)
+    bounds = _BOUNDS.get(key)
+    if bounds is None:
+        code = dynamic_code(signed, device)
+        mid = (code[:-1] + code[1:]) / 2
+        bounds = torch.cat((mid, mid.new_full((1,), math.inf))).float().contiguous()
+        _BOUNDS[key] = bounds
+    return bounds
 
 
 def block_dim(shape: torch.Size | tuple[int, ...], layout: str) -> int | None:
@@ -228,10 +248,43 @@ class ScaleByAdam8bit(ScaleByAdam):
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
         if not self.quantized(state):
             return super().update(u, state, group, ctx)
+        (m_key, _), (v_key, _) = self.QUANTIZED
+        m_codes, v_codes = _local(state[m_key]), _local(state[v_key])
+        if use_triton(u, m_codes, v_codes):
+            from ..kernels import adam8bit as fused
+
+            if fused.supported(u):
+                return self._fused_update(fused, u, state, group, m_codes, v_codes)
         fp32 = self._fp32_state(state)
         out = super().update(u, fp32, group, ctx)  # the direction uses the fp32 moments
         self._store_fp32_state(state, fp32)
         return out
+
+    def _fused_update(
+        self, fused: Any, u: Tensor, state: State, group: Group, m_codes: Tensor, v_codes: Tensor
+    ) -> Tensor:
+        """:meth:`update` as one Triton kernel (galore2.kernels.adam8bit): the same
+        arithmetic, codes and absmax updated in place, the fp32 direction returned."""
+        (m_key, m_signed), (v_key, v_signed) = self.QUANTIZED
+        beta1, beta2 = group["betas"]
+        state["adam.step"] += 1
+        device = m_codes.device
+        return fused.adam8bit_step(
+            u,
+            m_codes,
+            _local(state[m_key + ".absmax"]),
+            v_codes,
+            _local(state[v_key + ".absmax"]),
+            dim=int(state["adam8.block_dim"]),
+            code_m=dynamic_code(m_signed, device),
+            code_v=dynamic_code(v_signed, device),
+            bounds_m=code_bounds(m_signed, device),
+            bounds_v=code_bounds(v_signed, device),
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            step=int(state["adam.step"]),
+        )
 
     def update_many(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]

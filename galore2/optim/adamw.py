@@ -81,7 +81,8 @@ class GaLoreAdamW8bit(GaLoreAdamW):
     moments changes (:class:`~galore2.optim.adam8bit.ScaleByAdam8bit`). Acts on every
     parameter's Adam moments: the low-rank r×n / m×r moments of projected matrices and
     the full-shape moments of everything else. Each step dequantizes them to fp32,
-    updates, and requantizes with bitsandbytes' dynamic 8-bit map.
+    updates, and requantizes with bitsandbytes' dynamic 8-bit map — on CUDA with triton
+    installed, in one fused Triton kernel (:mod:`galore2.kernels`, ``GALORE2_KERNELS``).
 
     State cost per moment element: 1 byte (uint8 code) + 4 bytes (fp32 absmax) per
     block of at most 256 elements — ~1.016 bytes instead of fp32's 4, so ~0.254× of

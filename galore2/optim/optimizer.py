@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .._numerics import all_finite, finite_flags
+from ..kernels.dispatch import use_triton
 from ..placement import LOCAL, Placement
 from ..projectors import _BY_NAME as _PROJECTORS
 from ..projectors.base import Projector
@@ -460,10 +461,17 @@ def _chunks(params: list[Tensor]) -> list[list[int]]:
 
 
 def apply_update(p: Tensor, u: Tensor | LowRankUpdate, lr: float, decay: float) -> None:
-    """p ← decay·p − lr·u; a low-rank u is applied by one fused ``addmm_`` (no m×n temporary)."""
+    """p ← decay·p − lr·u; a low-rank u is applied by one fused ``addmm_`` (no m×n temporary),
+    or on CUDA by the Triton matmul with that epilogue (:mod:`galore2.kernels.lowrank`)."""
     if isinstance(u, LowRankUpdate):
         target = p.view(u.A.shape[0], u.B.shape[1]) if p.is_contiguous() else None
         if target is not None:
+            if use_triton(target, u.A, u.B):
+                from ..kernels import lowrank
+
+                if lowrank.supported(target, u.A, u.B):
+                    lowrank.lowrank_update(target, u.A, u.B, alpha=-lr * u.scale, beta=decay)
+                    return
             target.addmm_(u.A, u.B, beta=decay, alpha=-lr * u.scale)
             return
         u = u.dense()

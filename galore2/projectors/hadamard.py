@@ -13,6 +13,8 @@ are their own inverses).
 * :func:`rotate` / :func:`unrotate` — H·D and D·H applied blockwise along the rank
   axis: full blocks of ``block`` entries (a power of two), then one shorter
   power-of-two block for the tail (see :func:`padded_length`).
+  On CUDA with triton installed both are one Triton kernel
+  (:mod:`galore2.kernels.hadamard`), bitwise equal to the torch path.
 * :func:`random_signs` — the ±1 diagonal, a pure function of a seed: a counter-based
   integer hash evaluated on the tensor's device (no generator, no host↔device copy,
   and the same signs on CPU and CUDA, so a checkpoint moves between devices).
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from ..kernels.dispatch import use_triton
 
 _M31 = 0x7FFFFFFF
 _MUL = 0x45D9F3B  # < 2**27: products of 31-bit values stay below 2**58 (no int64 overflow)
@@ -85,14 +89,27 @@ def _blockwise_fwht(x: Tensor, block: int) -> Tensor:
     return torch.cat((head, fwht(x[:, count * block :])), dim=1)
 
 
+def _fused(x: Tensor, block: int, signs: Tensor, signs_first: bool) -> Tensor | None:
+    """The Triton kernel's result where it runs (see :mod:`galore2.kernels.dispatch`)."""
+    if not use_triton(x, signs):
+        return None
+    from ..kernels import hadamard as kernel
+
+    if not kernel.supported(x, block):
+        return None
+    return kernel.blockwise_fwht(x, block, signs, signs_first=signs_first)
+
+
 def rotate(x: Tensor, block: int, signs: Tensor) -> Tensor:
     """H·D·x for each row of ``x`` (rows × L, L from :func:`padded_length`), blockwise."""
-    return _blockwise_fwht(x * signs, block)
+    fused = _fused(x, block, signs, signs_first=True)
+    return fused if fused is not None else _blockwise_fwht(x * signs, block)
 
 
 def unrotate(y: Tensor, block: int, signs: Tensor) -> Tensor:
     """D·H·y: the inverse of :func:`rotate`."""
-    return _blockwise_fwht(y, block) * signs
+    fused = _fused(y, block, signs, signs_first=False)
+    return fused if fused is not None else _blockwise_fwht(y, block) * signs
 
 
 def random_signs(seed: int, n: int, device: torch.device | str | None = None) -> Tensor:

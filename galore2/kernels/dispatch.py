@@ -1,0 +1,130 @@
+"""Which implementation runs a fused step: the torch path or a Triton kernel.
+
+The choice is made per call from the environment variable ``GALORE2_KERNELS``
+(read every time, so tests and scripts can change it between steps):
+
+* ``auto`` (default) — the Triton kernel when every tensor involved is a plain
+  (non-DTensor) tensor on an NVIDIA GPU of compute capability 8.0 or newer (Ampere
+  onwards: the kernels' bf16 matmul needs it) and ``import triton`` works; the torch
+  path otherwise. CPU tensors always take the torch path.
+* ``torch`` — always the torch path (the reference implementation).
+* ``triton`` — the Triton kernel wherever one applies; a :class:`RuntimeError` when
+  it cannot run: triton is not importable, or a tensor is a DTensor, or a tensor is
+  not on CUDA while Triton's interpreter (``TRITON_INTERPRET=1``) is off. Under the
+  interpreter the kernels run, slowly, on CPU tensors (how the tests check them).
+
+Kernels apply to the inputs they were written for (e.g. fp32 rows for the
+Hadamard transform); other inputs take the torch path in every mode — each call
+site asks its kernel module's ``supported(...)`` after :func:`use_triton`.
+
+Nothing here imports triton until a CUDA tensor (or ``GALORE2_KERNELS=triton``)
+asks for it, so ``import galore2`` works without triton installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+ENV_VAR = "GALORE2_KERNELS"
+MODES = ("auto", "torch", "triton")
+_TRUE = ("1", "true", "on", "yes", "y")
+
+
+def kernel_mode() -> str:
+    """The mode requested by ``GALORE2_KERNELS`` (``auto`` when unset or empty)."""
+    raw = os.environ.get(ENV_VAR, "")
+    mode = raw.strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{ENV_VAR}={raw!r} is not one of {', '.join(MODES)} (default auto)")
+    return mode
+
+
+@functools.cache
+def triton_import_error() -> str | None:
+    """Why ``import triton`` fails (None when it works); tried once per process."""
+    try:
+        import triton  # noqa: F401
+    except Exception as err:  # ImportError, or a broken install failing at import time
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def triton_available() -> bool:
+    return triton_import_error() is None
+
+
+def interpreter_enabled() -> bool:
+    """Whether Triton's CPU interpreter is on (``TRITON_INTERPRET``, parsed as triton does)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    """An NVIDIA GPU (not ROCm) of compute capability ≥ 8.0."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    return hasattr(t, "to_local")  # DTensor (and a Parameter holding one)
+
+
+def use_triton(*tensors: Tensor) -> bool:
+    """Whether the Triton kernel should run on ``tensors`` (see the module docstring).
+
+    Raises ValueError for a bad ``GALORE2_KERNELS`` and RuntimeError when it is
+    ``triton`` and the kernel cannot run on these tensors.
+    """
+    mode = kernel_mode()
+    if mode == "torch":
+        return False
+    cuda = all(t.device.type == "cuda" for t in tensors)
+    plain = not any(_is_dtensor(t) for t in tensors)
+    if mode == "auto":
+        return (
+            cuda
+            and plain
+            and all(_capable(t.device.index or 0) for t in tensors)
+            and triton_available()
+        )
+    error = triton_import_error()
+    if error is not None:
+        raise RuntimeError(
+            f"{ENV_VAR}=triton but triton cannot be imported ({error}); install triton "
+            f"(pip install triton) or set {ENV_VAR}=auto or torch"
+        )
+    if not plain:
+        raise RuntimeError(
+            f"{ENV_VAR}=triton but a tensor is a DTensor; the Triton kernels take local "
+            f"tensors — set {ENV_VAR}=auto to use the torch path there"
+        )
+    if not cuda and not interpreter_enabled():
+        devices = sorted({str(t.device) for t in tensors})
+        raise RuntimeError(
+            f"{ENV_VAR}=triton but the tensors are on {', '.join(devices)}: the Triton "
+            "kernels run on CUDA tensors (or on CPU tensors under Triton's interpreter, "
+            f"TRITON_INTERPRET=1); set {ENV_VAR}=auto or torch"
+        )
+    return True
+
+
+def launch_device(t: Tensor) -> contextlib.AbstractContextManager:
+    """Make ``t``'s CUDA device current for a kernel launch (Triton launches on the current
+    device, which need not be the tensors'); a no-op for CPU tensors (the interpreter)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+__all__ = [
+    "ENV_VAR",
+    "MODES",
+    "interpreter_enabled",
+    "kernel_mode",
+    "launch_device",
+    "triton_available",
+    "triton_import_error",
+    "use_triton",
+]
