@@ -404,6 +404,40 @@ def test_triton_kernels_in_a_galore_adamw8bit_run(monkeypatch):
         torch.testing.assert_close(a, c, rtol=0, atol=5e-4)
 
 
+def test_kernel_failure_in_auto_mode_falls_back_to_torch_once(monkeypatch):
+    """A kernel that fails to compile or launch (auto mode) is switched off with one warning
+    per kernel and the torch path runs from untouched state: the run equals the torch
+    path's bitwise. In triton mode the same failure propagates."""
+    import warnings
+
+    import galore2.kernels.adam8bit as k_adam
+    import galore2.kernels.hadamard as k_had
+    import galore2.kernels.lowrank as k_low
+    import galore2.optim.optimizer as opt_mod
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX .version 9.9 does not support .target sm_xx")
+
+    for module, name in ((k_adam, "adam8bit_step"), (k_had, "blockwise_fwht"),
+                         (k_low, "lowrank_update")):  # fmt: skip
+        monkeypatch.setattr(module, name, broken)
+    for module in (opt_mod, A8, H):  # as if on a capable GPU: auto picks the kernels
+        monkeypatch.setattr(module, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(dispatch, "_DISABLED", {})
+    ref = _galore_adamw8bit_run(monkeypatch, "torch", "cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _galore_adamw8bit_run(monkeypatch, "auto", "cpu")
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b)
+    named = sorted(str(w.message).split("'")[1] for w in caught if w.category is RuntimeWarning)
+    assert named == ["adam8bit", "hadamard", "lowrank"]  # once each, not once per call
+    assert sorted(dispatch.disabled_kernels()) == ["adam8bit", "hadamard", "lowrank"]
+    assert "sm_xx" in dispatch.disabled_kernels()["lowrank"]
+    with pytest.raises(RuntimeError, match="sm_xx"):
+        _galore_adamw8bit_run(monkeypatch, "triton", "cpu")
+
+
 # ---- GPU: automatic selection ----------------------------------------------------------
 @pytest.mark.gpu
 def test_triton_kernels_selected_automatically_on_cuda(monkeypatch):

@@ -17,6 +17,13 @@ Kernels apply to the inputs they were written for (e.g. fp32 rows for the
 Hadamard transform); other inputs take the torch path in every mode — each call
 site asks its kernel module's ``supported(...)`` after :func:`use_triton`.
 
+In ``auto`` mode a kernel that fails to compile or launch (a Triton / driver version
+it was not built for, too little shared memory on a smaller GPU) is switched off for
+the rest of the process with one warning and the torch path runs instead
+(:func:`launch`); in ``triton`` mode the error propagates. Kernels fail before
+writing anything (compilation precedes the launch), so the fallback starts from
+untouched inputs.
+
 Nothing here imports triton until a CUDA tensor (or ``GALORE2_KERNELS=triton``)
 asks for it, so ``import galore2`` works without triton installed.
 """
@@ -26,10 +33,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
+T = TypeVar("T")
 ENV_VAR = "GALORE2_KERNELS"
 MODES = ("auto", "torch", "triton")
 _TRUE = ("1", "true", "on", "yes", "y")
@@ -112,6 +123,38 @@ def use_triton(*tensors: Tensor) -> bool:
     return True
 
 
+_DISABLED: dict[str, str] = {}  # kernel name → why it was switched off (auto mode)
+
+
+def disabled_kernels() -> dict[str, str]:
+    """Kernels switched off in this process after a failure in ``auto`` mode, with why."""
+    return dict(_DISABLED)
+
+
+def launch(name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+    """``fn(*args, **kwargs)`` — a kernel launch — or None when the caller should take the
+    torch path: kernel ``name`` was switched off earlier, or it raises now in ``auto``
+    mode (then it is switched off with a :class:`RuntimeWarning` naming the error).
+    In ``triton`` mode errors propagate."""
+    auto = kernel_mode() == "auto"
+    if auto and name in _DISABLED:
+        return None
+    try:
+        return fn(*args, **kwargs)
+    except Exception as err:
+        if not auto:
+            raise
+        _DISABLED[name] = f"{type(err).__name__}: {err}"
+        warnings.warn(
+            f"galore2: the Triton kernel {name!r} failed ({type(err).__name__}: {err}); "
+            f"using the torch path for it from now on (set {ENV_VAR}=triton to raise instead, "
+            f"or {ENV_VAR}=torch to skip Triton)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+
+
 def launch_device(t: Tensor) -> contextlib.AbstractContextManager:
     """Make ``t``'s CUDA device current for a kernel launch (Triton launches on the current
     device, which need not be the tensors'); a no-op for CPU tensors (the interpreter)."""
@@ -121,8 +164,10 @@ def launch_device(t: Tensor) -> contextlib.AbstractContextManager:
 __all__ = [
     "ENV_VAR",
     "MODES",
+    "disabled_kernels",
     "interpreter_enabled",
     "kernel_mode",
+    "launch",
     "launch_device",
     "triton_available",
     "triton_import_error",

@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels.dispatch import use_triton
+from ..kernels.dispatch import launch, use_triton
 from .adam import ScaleByAdam, counter
 from .transform import Context, Group, State
 
@@ -254,7 +254,9 @@ class ScaleByAdam8bit(ScaleByAdam):
             from ..kernels import adam8bit as fused
 
             if fused.supported(u):
-                return self._fused_update(fused, u, state, group, m_codes, v_codes)
+                out = self._fused_update(fused, u, state, group, m_codes, v_codes)
+                if out is not None:
+                    return out
         fp32 = self._fp32_state(state)
         out = super().update(u, fp32, group, ctx)  # the direction uses the fp32 moments
         self._store_fp32_state(state, fp32)
@@ -262,14 +264,16 @@ class ScaleByAdam8bit(ScaleByAdam):
 
     def _fused_update(
         self, fused: Any, u: Tensor, state: State, group: Group, m_codes: Tensor, v_codes: Tensor
-    ) -> Tensor:
+    ) -> Tensor | None:
         """:meth:`update` as one Triton kernel (galore2.kernels.adam8bit): the same
-        arithmetic, codes and absmax updated in place, the fp32 direction returned."""
+        arithmetic, codes and absmax updated in place, the fp32 direction returned (None,
+        state untouched, when the kernel is unavailable: see ``dispatch.launch``)."""
         (m_key, m_signed), (v_key, v_signed) = self.QUANTIZED
         beta1, beta2 = group["betas"]
-        state["adam.step"] += 1
         device = m_codes.device
-        return fused.adam8bit_step(
+        out = launch(
+            "adam8bit",
+            fused.adam8bit_step,
             u,
             m_codes,
             _local(state[m_key + ".absmax"]),
@@ -283,8 +287,11 @@ class ScaleByAdam8bit(ScaleByAdam):
             beta1=beta1,
             beta2=beta2,
             eps=group["eps"],
-            step=int(state["adam.step"]),
+            step=int(state["adam.step"]) + 1,
         )
+        if out is not None:
+            state["adam.step"] += 1
+        return out
 
     def update_many(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .._numerics import all_finite, finite_flags
-from ..kernels.dispatch import use_triton
+from ..kernels.dispatch import launch, use_triton
 from ..placement import LOCAL, Placement
 from ..projectors import _BY_NAME as _PROJECTORS
 from ..projectors.base import Projector
@@ -469,8 +469,18 @@ def apply_update(p: Tensor, u: Tensor | LowRankUpdate, lr: float, decay: float) 
             if use_triton(target, u.A, u.B):
                 from ..kernels import lowrank
 
-                if lowrank.supported(target, u.A, u.B):
-                    lowrank.lowrank_update(target, u.A, u.B, alpha=-lr * u.scale, beta=decay)
+                if lowrank.supported(target, u.A, u.B) and (
+                    launch(
+                        "lowrank",
+                        lowrank.lowrank_update,
+                        target,
+                        u.A,
+                        u.B,
+                        alpha=-lr * u.scale,
+                        beta=decay,
+                    )
+                    is not None
+                ):
                     return
             target.addmm_(u.A, u.B, beta=decay, alpha=-lr * u.scale)
             return

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels.dispatch import use_triton
+from ..kernels.dispatch import launch, use_triton
 
 _M31 = 0x7FFFFFFF
 _MUL = 0x45D9F3B  # < 2**27: products of 31-bit values stay below 2**58 (no int64 overflow)
@@ -97,7 +97,7 @@ def _fused(x: Tensor, block: int, signs: Tensor, signs_first: bool) -> Tensor | 
 
     if not kernel.supported(x, block):
         return None
-    return kernel.blockwise_fwht(x, block, signs, signs_first=signs_first)
+    return launch("hadamard", kernel.blockwise_fwht, x, block, signs, signs_first=signs_first)
 
 
 def rotate(x: Tensor, block: int, signs: Tensor) -> Tensor:
