@@ -12,6 +12,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,12 +34,30 @@ def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 
 
+def cpu_model() -> str:
+    """The CPU's model name and its widest x86 vector extension (matmul speed depends on it)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    first = info.split("\n\n", 1)[0]  # the first processor's block
+    fields = {
+        k.strip(): v.strip()
+        for k, v in (ln.split(":", 1) for ln in first.splitlines() if ":" in ln)
+    }
+    name = fields.get("model name", "unknown")
+    flags = fields.get("flags", "").split()
+    vector = next((f for f in ("avx512f", "avx2", "sse4_2") if f in flags), None)
+    return f"{name}, {vector}" if vector else name
+
+
 def machine() -> dict[str, str]:
     """What the numbers were measured on."""
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "python": platform.python_version(),
         "cpu_count": str(os.cpu_count()),
         "torch": torch.__version__,

@@ -16,7 +16,8 @@ Tasks (each writes its own BENCHMARKS.md section, ``suite_TASK``):
   time, refresh time, each contender alone in a fresh process;
 * ``state_7b`` — ``benchmarks/state_7b.py``: Llama-7B state on the meta device;
 * ``targets`` — the project's targets checked against the latest figures of
-  convergence, footprint and state_7b (written whenever all three exist).
+  convergence, footprint and state_7b (written by a run that measured one of them
+  when all three exist).
 
 Raw results go to ``benchmarks/results/suite_TASK.json`` (``runs/results`` with
 ``--quick``), plots to ``benchmarks/figures/`` (``runs/figures``).
@@ -58,7 +59,18 @@ def peers_md(contenders: list[Contender]) -> str:
         reason = why_not(c.key)
         status = "runs" if reason is None else f"cannot run here: `{reason}`"
         rows.append([c.label, f"`{c.key}`", f"{c.package} {version(c.package)}", status])
-    return table(["optimizer", "key", "package", "status"], rows)
+    return table(["optimizer", "key", "package", "status"], rows) + PEER_NOTES
+
+
+# What the probe's first exception does not say (read from the peers' installed sources).
+PEER_NOTES = """
+
+Past their first error the CUDA-only peers would still not run on a CPU: galore-torch's
+`GaLoreAdamW8bit.step` and q-galore-torch's `QGaLoreAdamW8bit.step` both call
+`torch.cuda.synchronize()` unconditionally after every parameter's update. q-galore-torch
+1.0 also predates bitsandbytes 0.45+, whose 8-bit optimizers no longer carry the
+`percentile_clipping` setting its `update_step` reads (hence the `KeyError` above, which
+comes first); it would need an older bitsandbytes and a GPU."""
 
 
 def convergence_md(runs: dict[str, list[dict[str, Any]]], labels: dict[str, str], quick: bool):
@@ -252,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         path = raw / f"suite_{task}.json"
         if task not in results and path.exists():
             results[task] = json.loads(path.read_text())
-    if all(task in results for task in MEASURED):
+    if set(tasks) & set(MEASURED) and all(task in results for task in MEASURED):
         every = {c.key: c.label for c in CONTENDERS}
         write(
             "targets", targets_md(results, every, minutes if set(MEASURED) <= set(tasks) else None)
