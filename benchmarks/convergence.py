@@ -14,6 +14,7 @@ per family (1e-3 for full-rank Adam-likes, 1e-2 for the projected ones).
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,23 @@ def sweep(contender: Contender, tmp: str, quick: bool) -> list[dict[str, Any]]:
     return sorted(runs, key=lambda r: r["lr"])
 
 
-def run(contenders: list[Contender], quick: bool) -> dict[str, list[dict[str, Any]]]:
+def run(
+    contenders: list[Contender],
+    quick: bool,
+    done: dict[str, list[dict[str, Any]]] | None = None,
+    on_sweep: Callable[[dict[str, list[dict[str, Any]]]], None] | None = None,
+) -> dict[str, list[dict[str, Any]]]:
+    """Every contender's sweep, in order. Sweeps already in ``done`` (a resumed run) are
+    kept, not rerun; ``on_sweep`` receives the results so far after each new sweep (the
+    suite saves them, so a cut-off run resumes where it stopped)."""
+    done = done or {}
+    results: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        return {c.key: sweep(c, tmp, quick) for c in contenders}
+        for c in contenders:
+            if c.key in done:
+                results[c.key] = done[c.key]
+                continue
+            results[c.key] = sweep(c, tmp, quick)
+            if on_sweep is not None:
+                on_sweep(results)
+    return results

@@ -4,7 +4,8 @@ Usage (repository root, venv with the ``bench`` extra, a quiet machine)::
 
     python -m benchmarks.run                  # full suite → BENCHMARKS.md + benchmarks/figures/
     python -m benchmarks.run --quick          # ≤ 10 min smoke run → runs/BENCHMARKS-quick.md
-    python -m benchmarks.run --tasks speed --optimizers adamw,galore_adamw
+    python -m benchmarks.run --tasks footprint --optimizers adamw,galore_adamw
+    python -m benchmarks.run --tasks convergence --resume   # finish a cut-off sweep
 
 Tasks (each writes its own BENCHMARKS.md section, ``suite_TASK``):
 
@@ -166,6 +167,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="with --optimizers: keep the other contenders' saved rows (rerun a few)",
     )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="convergence: keep the sweeps a cut-off run saved (results/suite_convergence."
+        "partial.json) and run only the missing contenders",
+    )
     args = parser.parse_args(argv)
     setup(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -246,7 +253,19 @@ def main(argv: list[str] | None = None) -> None:
         )
     if "convergence" in tasks:
         t0 = time.perf_counter()
-        results["convergence"] = save("convergence", convergence.run(runnable, args.quick))
+        partial = raw / "suite_convergence.partial.json"
+        done = json.loads(partial.read_text()) if args.resume and partial.exists() else {}
+        took = done.pop("_seconds", 0.0)
+
+        def checkpoint(so_far: dict[str, Any]) -> None:
+            raw.mkdir(parents=True, exist_ok=True)
+            elapsed = took + time.perf_counter() - t0
+            partial.write_text(json.dumps({**so_far, "_seconds": elapsed}, indent=1) + "\n")
+
+        swept = convergence.run(runnable, args.quick, done, checkpoint)
+        results["convergence"] = save("convergence", swept)
+        partial.unlink(missing_ok=True)
+        t0 -= took  # the section states the time of every session of a resumed run
         curves = {
             k: (labels[k], min(rs, key=lambda r: r["best"])["curve"])
             for k, rs in results["convergence"].items()

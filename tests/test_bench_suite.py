@@ -103,6 +103,24 @@ def test_convergence_sweep_extends_at_a_winning_edge(monkeypatch, tmp_path):
     assert [r["lr"] for r in runs] == sorted(seen)
 
 
+def test_convergence_resume_keeps_saved_sweeps_and_reports_each_new_one(monkeypatch):
+    swept, reported = [], []
+
+    def fake(contender, tmp, quick):
+        swept.append(contender.key)
+        return [{"lr": 1e-3, "best": float(len(swept))}]
+
+    monkeypatch.setattr(convergence, "sweep", fake)
+    saved = {"adamw": [{"lr": 3e-3, "best": 9.0}]}
+    keys = ("adamw", "gt_galore_adamw", "galore_adamw")
+    got = convergence.run(
+        [BY_KEY[k] for k in keys], False, saved, lambda r: reported.append(dict(r))
+    )
+    assert swept == ["gt_galore_adamw", "galore_adamw"]  # the saved sweep is not rerun
+    assert list(got) == list(keys) and got["adamw"] == saved["adamw"]
+    assert [list(r) for r in reported] == [list(keys[:2]), list(keys)]
+
+
 def test_suite_end_to_end_writes_sections_and_plots(monkeypatch, tmp_path):
     """A cut-down ``python -m benchmarks.run --quick``: 4 steps, three contenders."""
     monkeypatch.setattr(convergence, "QUICK_STEPS", 4)
