@@ -2,7 +2,7 @@
 
 Usage (repository root, venv active, a CUDA GPU, triton installed)::
 
-    python -m benchmarks.kernels [--repeats 50] [--warmup 10] [--json PATH]
+    python -m benchmarks.kernels [--repeats 50] [--warmup 10] [--json PATH] [--write]
 
 Without CUDA (or without triton) it prints why and exits 0: there is nothing to measure.
 
@@ -55,7 +55,7 @@ import torch
 
 from galore2.kernels import dispatch
 
-from ._common import machine, median, table
+from ._common import machine, machine_md, median, table
 
 RANK = 1024
 LLAMA_7B = ((4096, 4096), (4096, 11008))  # (m, n) of the weights, as GaLore sees them
@@ -344,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10, help="untimed calls first (default 10)")
     parser.add_argument("--repeats", type=int, default=50, help="timed calls (default 50)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
+    parser.add_argument(
+        "--write", action="store_true", help="replace BENCHMARKS.md's kernels section"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
@@ -367,7 +370,18 @@ def main(argv: list[str] | None = None) -> int:
         + bench_lowrank(timer, copy_bw)
         + bench_hadamard(timer, copy_bw)
     )
-    print(_report(rows, copy_bw))
+    report = _report(rows, copy_bw)
+    print(report)
+    if args.write:
+        from .run_core import ROOT, update
+
+        update(
+            ROOT / "BENCHMARKS.md",
+            "kernels",
+            "<!-- BEGIN galore2-bench:kernels -->\n## Triton kernels (GPU)\n\n"
+            f"Command: `python -m benchmarks.kernels --write`\n\n{machine_md()}\n\n{report}\n"
+            "<!-- END galore2-bench:kernels -->\n",
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), "device": torch.cuda.get_device_name(),
