@@ -20,6 +20,7 @@ from typing import Any
 
 from recipes.pretrain import main as pretrain
 
+from ._common import cpu_model
 from .contenders import Contender
 
 GRID = (1e-3, 3e-3, 1e-2)
@@ -45,6 +46,7 @@ def run_one(contender: Contender, lr: float, out: Path, steps: int | None) -> di
         "tokens_per_s": sum(rates) / len(rates),
         "state_bytes": hist[-1]["opt_state_bytes"],
         "tokens": hist[-1]["tokens"],
+        "cpu": cpu_model(),  # a resumed sweep may finish on another machine
     }
 
 

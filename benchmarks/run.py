@@ -91,6 +91,19 @@ def convergence_md(runs: dict[str, list[dict[str, Any]]], labels: dict[str, str]
         by_lr = {r["lr"]: r["best"] for r in rs}
         sweep_rows.append([labels[k], *(f"{by_lr[lr]:.4f}" if lr in by_lr else "" for lr in lrs)])
     tokens = next(iter(runs.values()))[0]["tokens"]
+    cpus: dict[str, list[str]] = {}
+    for k, rs in runs.items():
+        for cpu in dict.fromkeys(r.get("cpu", "unrecorded") for r in rs):
+            cpus.setdefault(cpu, []).append(labels[k])
+    machines = (
+        ""
+        if len(cpus) < 2
+        else "\n\n**This sweep ran on more than one machine** (a resumed run), so its "
+        "tokens/s ratios compare different CPUs; the footprint section is the speed "
+        "reference. "
+        + "; ".join(f"`{cpu}`: {', '.join(names)}" for cpu, names in cpus.items())
+        + "."
+    )
     how = (
         f"one lr per family ({convergence.QUICK_STEPS} steps)"
         if quick
@@ -102,7 +115,9 @@ def convergence_md(runs: dict[str, list[dict[str, Any]]], labels: dict[str, str]
         f"contender: {tokens:,} training tokens of the embedded corpus, byte-level Llama "
         f"(0.9M parameters), projected optimizers at r = 32, T = 50, α = 0.25; lr sweep: {how}. "
         "Loss in nats per byte (best validation loss of the run); ratios against AdamW's best "
-        "lr. Plot: `benchmarks/figures/convergence.png`.\n\n"
+        "lr. Plot: `benchmarks/figures/convergence.png`."
+        + machines
+        + "\n\n"
         + table(head, rows)
         + "\n\nThe sweep (best validation loss per lr):\n\n"
         + table(["optimizer", *(f"lr {lr:g}" for lr in lrs)], sweep_rows)

@@ -121,6 +121,19 @@ def test_convergence_resume_keeps_saved_sweeps_and_reports_each_new_one(monkeypa
     assert [list(r) for r in reported] == [list(keys[:2]), list(keys)]
 
 
+def test_convergence_table_flags_a_sweep_that_spans_machines():
+    def result(lr, cpu):
+        return {"lr": lr, "best": 1.0 + lr, "tokens_per_s": 1e3, "state_bytes": 10,
+                "curve": [(1, 2.0)], "tokens": 100, "cpu": cpu}  # fmt: skip
+
+    labels = {c.key: c.label for c in CONTENDERS}
+    same = {"adamw": [result(1e-3, "A")], "galore_adamw": [result(1e-2, "A")]}
+    assert "more than one machine" not in run.convergence_md(same, labels, quick=False)
+    mixed = {"adamw": [result(1e-3, "A")], "galore_adamw": [result(1e-2, "B")]}
+    text = run.convergence_md(mixed, labels, quick=False)
+    assert "more than one machine" in text and "`B`: galore2 GaLoreAdamW" in text
+
+
 def test_suite_end_to_end_writes_sections_and_plots(monkeypatch, tmp_path):
     """A cut-down ``python -m benchmarks.run --quick``: 4 steps, three contenders."""
     monkeypatch.setattr(convergence, "QUICK_STEPS", 4)
