@@ -6,6 +6,7 @@ Usage (repository root, venv with the ``bench`` extra, a quiet machine)::
     python -m benchmarks.run --quick          # ≤ 10 min smoke run → runs/BENCHMARKS-quick.md
     python -m benchmarks.run --tasks footprint --optimizers adamw,galore_adamw
     python -m benchmarks.run --tasks convergence --resume   # finish a cut-off sweep
+    python -m benchmarks.run --tasks convergence --partial  # report it so far
 
 Tasks (each writes its own BENCHMARKS.md section, ``suite_TASK``):
 
@@ -188,6 +189,12 @@ def main(argv: list[str] | None = None) -> None:
         help="convergence: keep the sweeps a cut-off run saved (results/suite_convergence."
         "partial.json) and run only the missing contenders",
     )
+    parser.add_argument(
+        "--partial",
+        action="store_true",
+        help="convergence: write the section (marked partial) and targets from a cut-off "
+        "run's saved sweeps, running nothing",
+    )
     args = parser.parse_args(argv)
     setup(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -269,18 +276,31 @@ def main(argv: list[str] | None = None) -> None:
     if "convergence" in tasks:
         t0 = time.perf_counter()
         partial = raw / "suite_convergence.partial.json"
-        done = json.loads(partial.read_text()) if args.resume and partial.exists() else {}
-        took = done.pop("_seconds", 0.0)
+        cut_off = ""
+        if args.partial:  # report a cut-off run's saved sweeps; run nothing
+            if not partial.exists():
+                parser.error(f"--partial: no saved sweeps at {partial}")
+            results["convergence"] = json.loads(partial.read_text())
+            t0 -= results["convergence"].pop("_seconds", 0.0)
+            missing = [labels[c.key] for c in runnable if c.key not in results["convergence"]]
+            cut_off = (
+                f"**Partial: {len(results['convergence'])} of {len(runnable)} contenders.** The "
+                f"run was cut off before {', '.join(missing)}; `python -m benchmarks.run --tasks "
+                "convergence --resume` finishes it and replaces this section.\n\n"
+            )
+        else:
+            done = json.loads(partial.read_text()) if args.resume and partial.exists() else {}
+            took = done.pop("_seconds", 0.0)
 
-        def checkpoint(so_far: dict[str, Any]) -> None:
-            raw.mkdir(parents=True, exist_ok=True)
-            elapsed = took + time.perf_counter() - t0
-            partial.write_text(json.dumps({**so_far, "_seconds": elapsed}, indent=1) + "\n")
+            def checkpoint(so_far: dict[str, Any]) -> None:
+                raw.mkdir(parents=True, exist_ok=True)
+                elapsed = took + time.perf_counter() - t0
+                partial.write_text(json.dumps({**so_far, "_seconds": elapsed}, indent=1) + "\n")
 
-        swept = convergence.run(runnable, args.quick, done, checkpoint)
-        results["convergence"] = save("convergence", swept)
-        partial.unlink(missing_ok=True)
-        t0 -= took  # the section states the time of every session of a resumed run
+            swept = convergence.run(runnable, args.quick, done, checkpoint)
+            results["convergence"] = save("convergence", swept)
+            partial.unlink(missing_ok=True)
+            t0 -= took  # the section states the time of every session of a resumed run
         curves = {
             k: (labels[k], min(rs, key=lambda r: r["best"])["curve"])
             for k, rs in results["convergence"].items()
@@ -290,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         write(
             "convergence",
-            convergence_md(results["convergence"], labels, args.quick),
+            cut_off + convergence_md(results["convergence"], labels, args.quick),
             time.perf_counter() - t0,
         )
     minutes = (time.perf_counter() - start) / 60

@@ -41,12 +41,13 @@ def targets_md(
         if k not in foot or base is None:
             continue
         step = foot[k]["step_ms"]
-        vs_gt = gt_f and step / gt_f["step_ms"]
-        ok = step <= 1.3 * base["step_ms"] and (vs_gt is None or vs_gt <= 1.0)
-        shown = f"{step / base['step_ms']:.2f}× AdamW" + (
-            f", {vs_gt:.2f}× galore-torch" if vs_gt else ""
-        )
-        rows.append([f"{labels[k]}: step ≤ 1.3× AdamW(foreach), ≤ galore-torch", shown, _met(ok)])
+        vs_adamw = step / base["step_ms"]
+        rows.append([f"{labels[k]}: step ≤ 1.3× AdamW(foreach)'s", f"{vs_adamw:.2f}×",
+                     _met(vs_adamw <= 1.3)])  # fmt: skip
+        if gt_f:
+            vs_gt = step / gt_f["step_ms"]
+            rows.append([f"{labels[k]}: step never slower than galore-torch's", f"{vs_gt:.2f}×",
+                         _met(vs_gt <= 1.0)])  # fmt: skip
     if gt_f and gt_f["refresh_ms"]:
         for k in ("galore_adamw", "galore_adamw_power"):
             mine = foot.get(k, {}).get("refresh_ms")
