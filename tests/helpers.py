@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import torch
 from torch import nn
 
@@ -52,3 +55,12 @@ def max_diff(a: nn.Module, b: nn.Module) -> float:
     return max(
         (x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters(), strict=False)
     )
+
+
+def run_python(code: str, timeout: float = 120) -> str:
+    """Run ``code`` in a fresh interpreter (``python -c``); assert it exits 0; its stdout."""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import subprocess
 import sys
 
 import pytest
@@ -19,6 +18,7 @@ from galore2.optim.transform import Context  # noqa: E402
 
 from . import adam8bit_fsdp_cases  # noqa: E402
 from .dist_utils import spawn  # noqa: E402
+from .helpers import run_python  # noqa: E402
 
 # bitsandbytes' own tolerances for 8-bit blockwise Adam on fp32 tensors
 # (github.com/bitsandbytes-foundation/bitsandbytes, tests/test_optim.py::test_optimizer8bit,
@@ -418,9 +418,7 @@ def test_import_galore2_without_bitsandbytes():
         "    assert 'pip install bitsandbytes' in str(e), e\n"
         "    print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    assert run_python(code).strip() == "ok"
 
 
 def test_fsdp2_matches_single_process():

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -11,6 +9,8 @@ import torch
 from torch import nn
 
 import galore2
+
+from .helpers import run_python
 
 transformers = pytest.importorskip("transformers")
 
@@ -285,9 +285,7 @@ def test_package_import_does_not_import_transformers():
         "except ImportError:\n"
         "    print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    assert run_python(code).strip() == "ok"
     # Inside the package the module named ``transformers`` imports the real library.
     assert issubclass(GaLoreTrainer, transformers.Trainer)
 

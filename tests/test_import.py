@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from .helpers import run_python
 
 BLOCKED = (
     "bitsandbytes",
@@ -29,9 +28,7 @@ def test_import_with_optional_backends_missing():
         f"assert not any(sys.modules.get(n) for n in {BLOCKED!r})\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().endswith("ok")
+    assert run_python(code).strip().endswith("ok")
 
 
 def test_kernels_without_triton_fall_back_or_fail_clearly():
@@ -57,6 +54,4 @@ def test_kernels_without_triton_fall_back_or_fail_clearly():
         "opt.step()\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().endswith("ok")
+    assert run_python(code).strip().endswith("ok")

@@ -13,11 +13,12 @@ this module there instead of skipping it.
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from .helpers import run_python
 
 if (
     sys.platform != "linux"
@@ -479,6 +480,4 @@ def test_kernel_modules_import_triton_lazily():
         f"assert not [m for m in {kernels!r} if m in sys.modules], 'a kernel module was loaded'\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().endswith("ok")
+    assert run_python(code).strip().endswith("ok")
