@@ -7,7 +7,8 @@ Names and what they build:
 ``adamw8bit``          bitsandbytes ``AdamW8bit`` (8-bit blockwise moments)
 ``galore_adamw``       ``galore2.GaLoreAdamW`` (low-rank fp32 moments)
 ``galore_adamw8bit``   ``galore2.GaLoreAdamW8bit`` (low-rank 8-bit moments)
-``galore_adafactor``   ``galore2.GaLoreAdafactor`` (factored low-rank second moment)
+``galore_adafactor``   ``galore2.GaLoreAdafactor`` (factored low-rank second moment;
+                       explicit lr: relative_step and scale_parameter off)
 ``ranger21``           ``galore2.Ranger21`` (full rank)
 ``galore_ranger21``    ``galore2.GaLoreRanger21``
 =====================  ==========================================================
@@ -138,7 +139,11 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int) -> tor
         kwargs.update(peer.kwargs(cfg))
     else:
         groups = param_groups(model, cfg, cfg.name in _GALORE2 and _GALORE2[cfg.name][1])
-        if cfg.name != "galore_adafactor":  # Adafactor: no Adam betas; its eps is a pair
+        if cfg.name == "galore_adafactor":  # no Adam betas; its eps is a pair
+            # An explicit lr, as the recipe gives galore-torch's GaLoreAdafactor: no 1/√t
+            # cap and no RMS(θ) factor (that factor alone divides the step by ~50 here).
+            kwargs.update(relative_step=False, scale_parameter=False)
+        else:
             kwargs.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     if cfg.name in _OWN_SCHEDULE:
         kwargs["num_iterations"] = cfg.num_iterations or total_steps

@@ -86,10 +86,14 @@ GAP = 5  # refreshes at steps 0, 5, 10, 15, 20
 
 @pytest.mark.parametrize("proj_type", ["std", "left", "right"])
 @pytest.mark.parametrize("beta1", [None, 0.9])
-def test_galore_matches_galore_torch(proj_type, beta1):
+@pytest.mark.parametrize("explicit_lr", [False, True])
+def test_galore_matches_galore_torch(proj_type, beta1, explicit_lr):
     """galore-torch's GaLoreAdafactor with relative_step=True, scale_parameter=True,
     warmup_init=False (its step size max(eps2, RMS(θ))·min(1e-2, 1/√t)) is ours with
     lr = 1e-2; clip_threshold = d = 1, decay_rate = beta2_decay = −0.8, weight_decay 0.
+    ``explicit_lr``: both switches False on both sides and lr = 3e-2 (a step size of
+    exactly lr; the GaLore pre-training setting), which the RMS(θ) factor would otherwise
+    divide by ~3–30 here and 1/√t would cap from step 2 on.
 
     Remaining differences: eps1 — galore-torch adds 1e-30 to G² before averaging, we
     clamp (torch's rule) the row mean at eps1 and V̂ at eps1² with eps1 = 1.19e-7 (fp32
@@ -105,18 +109,21 @@ def test_galore_matches_galore_torch(proj_type, beta1):
     ref_model = copy.deepcopy(ours_model)
     start = copy.deepcopy(ours_model)
     settings = {"rank": 6, "update_proj_gap": GAP, "scale": 0.5, "proj_type": proj_type}
+    lr = 3e-2 if explicit_lr else 1e-2
     ours = galore2.GaLoreAdafactor(
         galore_groups(ours_model, projector="svd", moments_on_refresh="keep", **settings),
-        lr=1e-2,
+        lr=lr,
         beta1=beta1,
+        relative_step=not explicit_lr,
+        scale_parameter=not explicit_lr,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ref = galore_torch.GaLoreAdafactor(
             galore_groups(ref_model, **settings),
-            lr=None,
-            relative_step=True,
-            scale_parameter=True,
+            lr=lr if explicit_lr else None,
+            relative_step=not explicit_lr,
+            scale_parameter=not explicit_lr,
             warmup_init=False,
             beta1=beta1,
             weight_decay=0.0,
@@ -264,6 +271,8 @@ def test_second_moment_sum_is_the_sum_of_the_estimate():
         ({"d": 0.5}, r"d \(the update clipping threshold\)"),
         ({"beta1": 1.0}, "beta1"),
         ({"beta1": "0.9"}, "beta1"),
+        ({"relative_step": 1}, "relative_step"),
+        ({"scale_parameter": None}, "scale_parameter"),
         ({"lr": -1.0}, "lr"),
         ({"weight_decay": -0.1}, "weight_decay"),
         ({"rank": 0}, "rank"),

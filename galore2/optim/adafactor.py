@@ -19,6 +19,7 @@ The arithmetic follows ``torch.optim.Adafactor`` (its single-tensor path), so a 
 group matches it to rounding. Per step, with G the direction (−G under ``maximize``)::
 
     β̂₂ = 1 − k^beta2_decay;   ρ_t = min(lr, 1/√t);   α_t = max(eps2, RMS(θ))·ρ_t
+    (relative_step=False: ρ_t = lr;  scale_parameter=False: α_t = ρ_t)
     factored:   R ← β̂₂R + (1−β̂₂)·mean_n(G²),  C ← β̂₂C + (1−β̂₂)·mean_m(G²)
                 V̂ = R·C / max(mean_m(R), eps1)
     unfactored: V̂ ← β̂₂V̂ + (1−β̂₂)·G²
@@ -31,6 +32,13 @@ Torch applies ``θ ← θ(1 − lr·λ) − α_t·Û``; the optimizer applies ``
 so the returned direction is ``u = Û·α_t/lr``, computed as ``Û·max(eps2, RMS(θ))``
 times ``(1/√t)/lr`` only when 1/√t < lr — never a division by lr, and lr = 0 leaves the
 weights unchanged (torch: α_t = 0).
+
+``relative_step`` and ``scale_parameter`` (default True, torch's rule; both switches of
+galore-torch's / Hugging Face's Adafactor, with the same meaning): False drops the 1/√t
+cap on the step size, respectively the RMS(θ) factor, so the step size is ``lr`` itself —
+galore-torch's GaLoreAdafactor(relative_step=False, scale_parameter=False, lr=…), the
+usual GaLore pre-training setting, under a schedule of your choice. With both True and
+small initial weights (RMS(θ) ≈ 0.02) the effective step is ~50× below ``lr``.
 
 ``beta1`` (optional, default None as in galore-torch; torch.optim.Adafactor has none):
 ``exp_avg ← lerp(exp_avg, u, 1 − beta1)`` and the returned direction is ``exp_avg`` —
@@ -66,6 +74,8 @@ ADAFACTOR_DEFAULTS: dict[str, Any] = {
     "eps": (None, 1e-3),
     "d": 1.0,
     "beta1": None,
+    "relative_step": True,
+    "scale_parameter": True,
 }
 
 
@@ -111,7 +121,8 @@ class ScaleByAdafactor(Transform):
     """Adafactor (torch.optim.Adafactor's conventions); see the module docstring.
 
     Group keys: ``lr``, ``beta2_decay`` (≤ 0), ``eps`` = (eps1 > 0 or None, eps2 ≥ 0),
-    ``d`` (≥ 1), ``beta1`` (None or in [0, 1)), ``state_dtype``.
+    ``d`` (≥ 1), ``beta1`` (None or in [0, 1)), ``relative_step`` and
+    ``scale_parameter`` (bools), ``state_dtype``.
     """
 
     name = "adafactor"
@@ -157,6 +168,10 @@ class ScaleByAdafactor(Transform):
             raise ValueError(
                 f"beta1 must be None (no momentum) or a float in [0, 1), got {beta1!r}"
             )
+        for key in ("relative_step", "scale_parameter"):
+            value = group.get(key, ADAFACTOR_DEFAULTS[key])
+            if not isinstance(value, bool):
+                raise ValueError(f"{key} must be True or False, got {value!r}")
 
     # ---- state -------------------------------------------------------------------
     def init(
@@ -201,7 +216,10 @@ class ScaleByAdafactor(Transform):
         lr = float(group["lr"])
         state["adafactor.step"] += 1
         state["adafactor.moment_step"] += 1
-        rho = min(lr, 1 / (float(int(state["adafactor.step"])) ** 0.5))
+        rho = lr
+        if group.get("relative_step", True):
+            rho = min(lr, 1 / (float(int(state["adafactor.step"])) ** 0.5))
+        scale_parameter = group.get("scale_parameter", True)
         weight = float(int(state["adafactor.moment_step"])) ** group["beta2_decay"]  # 1 − β̂₂
 
         sharded = _sharded_dim(ctx, state)
@@ -214,10 +232,13 @@ class ScaleByAdafactor(Transform):
             var = state["adafactor.variance"].lerp_(u * u, weight).clone()
             if param_sq is not None:
                 (param_sq,) = _all_reduce(ctx, [param_sq])
-        if param_sq is None:
-            param_rms = ctx.param.norm(2).item() / (max(ctx.param.numel(), 1) ** 0.5)
-        else:
-            param_rms = math.sqrt(float(param_sq) / max(ctx.global_shape.numel(), 1))
+        param_scale = 1.0  # max(eps2, RMS(θ)), or 1 without scale_parameter
+        if scale_parameter:
+            if param_sq is None:
+                param_rms = ctx.param.norm(2).item() / (max(ctx.param.numel(), 1) ** 0.5)
+            else:
+                param_rms = math.sqrt(float(param_sq) / max(ctx.global_shape.numel(), 1))
+            param_scale = max(eps2, param_rms)
 
         # eps1² because of the square root that follows (torch's convention)
         update = var.clamp_(min=eps1 * eps1).rsqrt_().mul_(u)
@@ -229,7 +250,7 @@ class ScaleByAdafactor(Transform):
             (total,) = _all_reduce(ctx, [total])
             update_norm = math.sqrt(float(total))
         clip = max(1.0, update_norm / ((max(numel, 1) ** 0.5) * group["d"]))  # max(1, RMS(U)/d)
-        scale = max(eps2, param_rms) / clip
+        scale = param_scale / clip
         if rho < lr:  # α_t/lr = max(eps2, RMS(θ))·ρ_t/lr; ρ_t = lr otherwise (lr = 0 included)
             scale *= rho / lr
         update.mul_(scale)
@@ -330,6 +351,11 @@ class GaLoreAdafactor(ChainOptimizer):
             (``lr`` caps the relative step size ρ_t = min(lr, 1/√t) and scales the
             decoupled weight decay).
         beta1: optional momentum of the update (None: none, as torch's Adafactor).
+        relative_step: cap the step size at 1/√t, ρ_t = min(lr, 1/√t) (default True, as
+            torch's Adafactor); False: ρ_t = lr (galore-torch's ``relative_step=False``).
+        scale_parameter: multiply the step size by max(eps2, RMS(θ)) (default True, as
+            torch's Adafactor); False: the step size is ρ_t alone. GaLore pre-training
+            usually sets both False and sweeps ``lr`` as for GaLoreAdamW.
         state_dtype: dtype of the moments (``"float32"`` default).
         nonfinite: ``"skip"`` (default) | ``"raise"`` | ``"ignore"``, as in
             :class:`~galore2.GaLoreAdamW`.
@@ -347,6 +373,8 @@ class GaLoreAdafactor(ChainOptimizer):
         weight_decay: float = 0.0,
         *,
         beta1: float | None = None,
+        relative_step: bool = True,
+        scale_parameter: bool = True,
         maximize: bool = False,
         state_dtype: str | torch.dtype = "float32",
         nonfinite: str = "skip",
@@ -359,6 +387,8 @@ class GaLoreAdafactor(ChainOptimizer):
             "eps": eps,
             "d": d,
             "beta1": beta1,
+            "relative_step": relative_step,
+            "scale_parameter": scale_parameter,
             "weight_decay": weight_decay,
             "maximize": maximize,
             "state_dtype": state_dtype,
