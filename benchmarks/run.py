@@ -116,7 +116,10 @@ def convergence_md(runs: dict[str, list[dict[str, Any]]], labels: dict[str, str]
         f"contender: {tokens:,} training tokens of the embedded corpus, byte-level Llama "
         f"(0.9M parameters), projected optimizers at r = 32, T = 50, α = 0.25; lr sweep: {how}. "
         "Loss in nats per byte (best validation loss of the run); ratios against AdamW's best "
-        "lr. Plot: `benchmarks/figures/convergence.png`."
+        "lr. Plot: `benchmarks/figures/convergence.png`. Tokens/s is end to end (forward, "
+        "backward, step, the periodic evaluations) and drifts with the machine between runs "
+        "made minutes apart; the optimizers' own cost is the memory-and-speed section's step "
+        "time (and `python -m benchmarks.step_time`, interleaved non-refresh steps)."
         + machines
         + "\n\n"
         + table(head, rows)

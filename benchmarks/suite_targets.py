@@ -10,6 +10,18 @@ OURS_PROJECTED = ("galore_adamw", "galore_adamw_power", "galore_adamw8bit",
                   "galore_adamw8bit_int8", "galore_adamw8bit_int4", "galore_adafactor",
                   "galore_adafactor_int8")  # fmt: skip
 LOW_MEMORY = ("galore_adamw8bit_int8", "galore_adamw8bit_int4", "galore_adafactor_int8")
+# galore-torch's class for the same algorithm; its GaLoreAdamW where that one cannot run here
+# (its GaLoreAdamW8bit is CUDA-only)
+COUNTERPART = {"galore_adamw8bit": "gt_galore_adamw8bit",
+               "galore_adamw8bit_int8": "gt_galore_adamw8bit",
+               "galore_adamw8bit_int4": "gt_galore_adamw8bit",
+               "galore_adafactor": "gt_galore_adafactor",
+               "galore_adafactor_int8": "gt_galore_adafactor"}  # fmt: skip
+
+
+def _counterpart(key: str, measured: dict[str, Any]) -> str:
+    twin = COUNTERPART.get(key, "gt_galore_adamw")
+    return twin if measured.get(twin) else "gt_galore_adamw"
 
 
 def _met(ok: bool | None) -> str:
@@ -27,6 +39,12 @@ def targets_md(
         ours = conv["galore_adamw"]
         rows.append(["fp32 GaLore best val loss ≤ galore-torch's (same state memory)",
                      f"{ours:.4f} vs {gt:.4f} ({ours / gt:.3f}×)", _met(ours <= gt)])  # fmt: skip
+    gt_af = conv.get("gt_galore_adafactor")
+    if gt_af is not None and "galore_adafactor" in conv:
+        ours = conv["galore_adafactor"]
+        rows.append(["GaLoreAdafactor best val loss ≤ galore-torch GaLoreAdafactor's",
+                     f"{ours:.4f} vs {gt_af:.4f} ({ours / gt_af:.3f}×)",
+                     _met(ours <= gt_af)])  # fmt: skip
     adamw7 = s7.get("adamw")
     for k in LOW_MEMORY:
         if gt is None or k not in conv or not adamw7 or s7.get(k) is None:
@@ -38,15 +56,17 @@ def targets_md(
                      _met(ratio <= 1.02 and share <= 0.10)])  # fmt: skip
     base, gt_f = foot.get("adamw"), foot.get("gt_galore_adamw")
     for k in OURS_PROJECTED:
-        if k not in foot or base is None:
+        if not foot.get(k) or base is None:
             continue
         step = foot[k]["step_ms"]
         vs_adamw = step / base["step_ms"]
         rows.append([f"{labels[k]}: step ≤ 1.3× AdamW(foreach)'s", f"{vs_adamw:.2f}×",
                      _met(vs_adamw <= 1.3)])  # fmt: skip
-        if gt_f:
-            vs_gt = step / gt_f["step_ms"]
-            rows.append([f"{labels[k]}: step never slower than galore-torch's", f"{vs_gt:.2f}×",
+        twin = _counterpart(k, foot)
+        if foot.get(twin):
+            vs_gt = step / foot[twin]["step_ms"]
+            rows.append([f"{labels[k]}: step never slower than galore-torch's "
+                         f"({labels.get(twin, twin)})", f"{vs_gt:.2f}×",
                          _met(vs_gt <= 1.0)])  # fmt: skip
     if gt_f and gt_f["refresh_ms"]:
         for k in ("galore_adamw", "galore_adamw_power"):

@@ -160,3 +160,30 @@ def test_bad_task_and_optimizer_names_are_refused():
         run.main(["--tasks", "speedy"])
     with pytest.raises(SystemExit):
         run.main(["--optimizers", "sgd"])
+
+
+def test_step_targets_compare_with_galore_torchs_class_for_the_same_algorithm():
+    """Adafactor is judged against galore-torch's GaLoreAdafactor; 8-bit against its
+    GaLoreAdamW, since galore-torch's 8-bit class has no CPU figures (None)."""
+    from benchmarks.suite_targets import targets_md
+
+    foot = {
+        "adamw": {"step_ms": 100.0, "refresh_ms": None},
+        "gt_galore_adamw": {"step_ms": 200.0, "refresh_ms": 1000.0},
+        "gt_galore_adafactor": {"step_ms": 400.0, "refresh_ms": 1000.0},
+        "gt_galore_adamw8bit": None,
+        "galore_adafactor": {"step_ms": 300.0, "refresh_ms": 100.0},
+        "galore_adamw8bit": {"step_ms": 300.0, "refresh_ms": 100.0},
+    }
+    conv = {"gt_galore_adafactor": [{"best": 1.5}], "galore_adafactor": [{"best": 1.4}]}
+    labels = {c.key: c.label for c in CONTENDERS}
+    md = targets_md({"convergence": conv, "footprint": foot, "state_7b": {}}, labels)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines()}
+    adafactor = rows["galore2 GaLoreAdafactor: step never slower than galore-torch's "
+                     "(galore-torch GaLoreAdafactor)"]  # fmt: skip
+    assert "0.75×" in adafactor and "**met**" in adafactor
+    eight = rows["galore2 GaLoreAdamW8bit: step never slower than galore-torch's "
+                 "(galore-torch GaLoreAdamW)"]  # fmt: skip
+    assert "1.50×" in eight and "**missed**" in eight
+    loss = rows["GaLoreAdafactor best val loss ≤ galore-torch GaLoreAdafactor's"]
+    assert "0.933×" in loss and "**met**" in loss
