@@ -391,3 +391,17 @@ def test_fsdp_matches_single_process():
     from .dist_utils import spawn
 
     spawn(_fsdp_worker, 2)
+
+
+@pytest.mark.parametrize("block", [1 << 22, 60, 1])  # whole; 4 rows (37 = 9·4 + 1); 1 row
+def test_column_sums_of_squares_match_float64_in_any_blocking(monkeypatch, block):
+    """The column statistic is summed in row blocks (speed); every blocking gives the float64
+    sum to fp32 rounding, batch dims included, and the last partial block is counted."""
+    from galore2.optim import adafactor
+
+    monkeypatch.setattr(adafactor, "_COL_BLOCK", block)
+    u = torch.randn(3, 37, 5, generator=torch.Generator().manual_seed(0))
+    ref = u.double().square().sum(dim=-2, keepdim=True)
+    out = adafactor._col_sq(u)
+    assert out.shape == (3, 1, 5) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=0)
