@@ -123,9 +123,9 @@ _COL_BLOCK = 1 << 22  # elements squared at a time by _col_sq (16 MB of fp32)
 def _col_sq(u: Tensor) -> Tensor:
     """Σᵢ u²ᵢⱼ over dim −2 (keepdim), in row blocks of ≤ ``_COL_BLOCK`` elements.
 
-    ``torch.norm(u, dim=-2)`` (torch.optim.Adafactor's op) is a strided reduction that
-    measured 4x slower than squaring contiguous row blocks and summing them (253 vs 60 ms
-    for a 32000×1024 embedding gradient, 2 cores); the blocks bound the temporary.
+    ``torch.norm(u, dim=-2)`` (torch.optim.Adafactor's op) is a strided reduction, several
+    times slower on the CPU than squaring contiguous row blocks and summing them (see
+    ``python -m benchmarks.adafactor_step``); the blocks bound the temporary.
     """
     m = u.size(-2)
     rows = max(1, _COL_BLOCK // max(1, u[..., :1, :].numel()))
