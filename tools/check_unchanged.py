@@ -1,0 +1,69 @@
+"""Behaviour-unchanged check for refactors: the tiny recipe's metrics, bit for bit.
+
+    python -m tools.check_unchanged --write   # record the reference (before a refactor)
+    python -m tools.check_unchanged           # compare against it (after)
+
+Runs the tiny recipe for 200 steps with each optimizer below (logging every step,
+evaluating every 50) and compares every field of ``metrics.jsonl`` except timings and
+memory (``tokens_per_s``, ``peak_rss_gb``, ``peak_*``) with the reference exactly: losses,
+validation losses, learning rates and optimizer-state bytes must be bitwise identical.
+The reference is machine-specific (float rounding of the CPU's kernels), so record it
+on the machine that checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+OPTIMIZERS = ("galore_adamw", "galore_adamw8bit", "galore_adafactor", "galore_ranger21")
+STEPS = 200
+REFERENCE = Path(__file__).with_name("unchanged_reference.json")
+IGNORED = ("tokens_per_s", "peak_", "time", "seconds")
+
+
+def run(name: str, out: Path) -> list[dict]:
+    cmd = [sys.executable, "-m", "recipes.pretrain", "--config", "tiny", "--optimizer", name,
+           "--steps", str(STEPS), "--out", str(out), "--train.progress", "false",
+           "--train.log_every", "1", "--train.eval_every", "50",
+           "--train.checkpoint_every", "-1", "--train.resume", "false"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(IGNORED)} for r in rows]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", action="store_true", help="record the reference instead")
+    ap.add_argument("--only", nargs="*", default=OPTIMIZERS, help="optimizers to run")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        got = {name: run(name, Path(tmp) / name) for name in args.only}
+    if args.write:
+        old = json.loads(REFERENCE.read_text()) if REFERENCE.exists() else {}
+        REFERENCE.write_text(json.dumps({**old, **got}, indent=0) + "\n")
+        print(f"wrote {REFERENCE} ({', '.join(got)})")
+        return 0
+    ref = json.loads(REFERENCE.read_text())
+    bad = 0
+    for name, rows in got.items():
+        want = ref[name]
+        diff = [i for i, (a, b) in enumerate(zip(rows, want)) if a != b]
+        if len(rows) != len(want) or diff:
+            bad += 1
+            first = diff[0] if diff else min(len(rows), len(want))
+            print(f"{name}: DIFFERS ({len(diff)} of {len(want)} rows; first at row {first}: "
+                  f"{rows[first] if first < len(rows) else None} vs "
+                  f"{want[first] if first < len(want) else None})")
+        else:
+            fields = sorted({k for r in rows for k in r})
+            print(f"{name}: identical ({len(rows)} rows; fields {', '.join(fields)})")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
