@@ -8,7 +8,7 @@ Usage (repository root, venv active)::
 For each storage format — fp32 (reference), bf16, int8 and int4 with groups of
 256 along the rank axis, int4 with groups of 64, each int format with and without
 the random Hadamard rotation — a basis B is encoded and decoded exactly as the
-optimizer stores it (``galore2.projectors.storage``) and compared with B:
+optimizer stores it (``galore2.storage.basis``) and compared with B:
 
 * bytes per basis entry: stored bytes (codes + fp32 scales) / (rows · r);
 * reconstruction error ‖B − B̃‖_F / ‖B‖_F;
@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from galore2.projectors import LEFT, RIGHT, Plan, choose_side
-from galore2.projectors.storage import FORMATS
+from galore2.storage.basis import FORMATS
 
 from ._common import cli, table
 

@@ -226,8 +226,8 @@ def bench_adam8bit(timer: Timer, copy_bw: float) -> list[dict[str, Any]]:
 
 # ---- back-projection epilogue -----------------------------------------------------------
 def bench_lowrank(timer: Timer, copy_bw: float) -> list[dict[str, Any]]:
-    from galore2.optim.optimizer import apply_update
-    from galore2.optim.transform import LowRankUpdate
+    from galore2.core.optimizer import apply_update
+    from galore2.core.transform import LowRankUpdate
 
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(1)

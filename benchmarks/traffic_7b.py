@@ -5,7 +5,7 @@ Usage (repository root, venv active)::
     python -m benchmarks.traffic_7b            # Llama-7B, r=1024, p = 8, 64, 512
     python -m benchmarks.traffic_7b --quick    # dim 256, 2 layers, r=64, p = 2, 8
 
-Nothing is measured: every number comes from :func:`galore2.fsdp.traffic.collective_bytes`,
+Nothing is measured: every number comes from :func:`galore2.traffic.collective_bytes`,
 the formula ``tests/test_fsdp_traffic.py`` checks against the collectives that spawned
 FSDP2 runs issue at p = 2 and 3. The model is ``LlamaForCausalLM`` built under
 ``torch.device("meta")`` as in ``benchmarks/memory_7b.py`` (fp32, untied head); GaLore
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from galore2.fsdp.traffic import Traffic, collective_bytes
+from galore2.traffic import Traffic, collective_bytes
 
 from ._common import cli, table
 from .memory_7b import FULL_SIZE, QUICK_SIZE, TARGETS, meta_llama
@@ -134,7 +134,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         f"ffn {size['ffn']}, vocab {size['vocab']}, {n_params:,} fp32 params), GaLore on "
         f"q/k/v/o/gate/up/down at r={size['rank']} ({len(t8.galore_params)} weights), FSDP2 "
         f"`fully_shard` per decoder layer + root, p = FSDP world size. **Computed, not "
-        f"measured**: `galore2.fsdp.traffic.collective_bytes`, the formula "
+        f"measured**: `galore2.traffic.collective_bytes`, the formula "
         f"`tests/test_fsdp_traffic.py` checks call by call against the collectives FSDP2 runs "
         f"issue at p = 2 and 3. Per rank = bytes received by a rank under ring algorithms, "
         f"averaged over ranks (see `benchmarks/traffic_7b.py`). FSDP2 per step = forward "

@@ -4,16 +4,9 @@ Only torch is required to import this package; optional backends
 (bitsandbytes, triton, transformers) are imported lazily where used.
 """
 
+from .core import ChainOptimizer, PerLayerUpdates, per_layer
 from .groups import param_groups
-from .optim import (
-    ChainOptimizer,
-    GaLoreAdafactor,
-    GaLoreAdamW,
-    GaLoreAdamW8bit,
-    GaLoreRanger21,
-    Ranger21,
-)
-from .optim.per_layer import PerLayerUpdates, per_layer
+from .presets import GaLoreAdafactor, GaLoreAdamW, GaLoreAdamW8bit, GaLoreRanger21, Ranger21
 
 __version__ = "0.1.0"
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from .optim.config import GALORE_DEFAULTS
+from .core.config import GALORE_DEFAULTS
 
 _OUTPUT_HEADS = ("lm_head", "output", "classifier", "score", "head")
 

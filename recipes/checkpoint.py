@@ -1,6 +1,6 @@
 """Recipe checkpoints: model, optimizer, LR schedule, data position, token count and RNG.
 
-Written with ``galore2.fsdp.save_checkpoint`` (DCP, atomic, resharding) under
+Written with ``galore2.checkpoint.save_checkpoint`` (DCP, atomic, resharding) under
 ``OUT/checkpoints/step-XXXXXXXX``. Everything in ``extra`` is a tensor (no
 pickled Python objects): the step, tokens seen, the data loader's position and
 the CPU (and CUDA) RNG states. Every rank seeds identically, so the RNG state is
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from galore2.fsdp import load_checkpoint, save_checkpoint
+from galore2.checkpoint import load_checkpoint, save_checkpoint
 
 from .optimizers import restore_scheduler
 

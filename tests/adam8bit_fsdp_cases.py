@@ -212,7 +212,7 @@ def _full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict]
 def dcp_save(rank: int, world: int, root: str) -> None:
     from pathlib import Path
 
-    from galore2.fsdp.checkpoint import save_checkpoint
+    from galore2.checkpoint import save_checkpoint
 
     model, opt = _build(world)
     train(model, opt)
@@ -227,7 +227,7 @@ def dcp_load(rank: int, world: int, root: str) -> None:
     absmax in both block layouts, counters) comes back bit for bit."""
     from pathlib import Path
 
-    from galore2.fsdp.checkpoint import load_checkpoint
+    from galore2.checkpoint import load_checkpoint
 
     saved = torch.load(Path(root) / "saved.pt", weights_only=True)
     model, opt = _build(world)

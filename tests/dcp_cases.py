@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from galore2.fsdp.checkpoint import load_checkpoint, save_checkpoint
+from galore2.checkpoint import load_checkpoint, save_checkpoint
 
 from .fsdp_cases import BATCH, data, make_model, optimizer, shard
 

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from galore2.core.config import GALORE_DEFAULTS
 from galore2.optim import ChainOptimizer, ScaleByAdam
-from galore2.optim.config import GALORE_DEFAULTS
 from galore2.optim.gradient import AdaptiveGradientClipping, CentralizeGradient, NormalizeGradient
 from galore2.optim.weights import Lookahead, NormLoss, StableWeightDecay
 

@@ -12,9 +12,9 @@ from torch import nn
 bnb = pytest.importorskip("bitsandbytes")
 
 import galore2  # noqa: E402
+from galore2.core.transform import Context  # noqa: E402
 from galore2.optim.adam import ScaleByAdam  # noqa: E402
 from galore2.optim.adam8bit import ScaleByAdam8bit, dequantize, quantize_  # noqa: E402
-from galore2.optim.transform import Context  # noqa: E402
 
 from . import adam8bit_fsdp_cases  # noqa: E402
 from .dist_utils import spawn  # noqa: E402

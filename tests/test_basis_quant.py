@@ -12,8 +12,8 @@ from torch import nn
 
 import galore2
 from galore2.projectors import LEFT, RIGHT, Plan, get_projector
-from galore2.projectors.hadamard import fwht, padded_length, random_signs, rotate, unrotate
-from galore2.projectors.storage import FORMATS
+from galore2.storage.basis import FORMATS
+from galore2.storage.hadamard import fwht, padded_length, random_signs, rotate, unrotate
 
 from . import basis_quant_fsdp_cases
 from .dist_utils import spawn

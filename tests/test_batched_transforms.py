@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
+from galore2.core.config import GALORE_DEFAULTS
+from galore2.core.transform import Context, LowRankUpdate
 from galore2.optim import GaLore, ScaleByAdam
-from galore2.optim.config import GALORE_DEFAULTS
-from galore2.optim.transform import Context, LowRankUpdate
 
 GROUP = {
     **GALORE_DEFAULTS,

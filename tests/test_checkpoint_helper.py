@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import galore2
-from galore2.fsdp.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from galore2.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 
 from .helpers import TinyNet, galore_groups, train
 
@@ -21,7 +21,7 @@ KILLED_WRITER = r"""
 import os, signal, sys
 import torch
 import galore2
-import galore2.fsdp.checkpoint as ck
+import galore2.checkpoint as ck
 from tests.helpers import TinyNet, galore_groups, train
 
 root = sys.argv[1]

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import galore2
-from galore2.fsdp.traffic import Collective, collective_bytes
+from galore2.traffic import Collective, collective_bytes
 
 from .dist_utils import spawn
 

@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
+from galore2.core.config import GALORE_DEFAULTS
+from galore2.core.transform import Context
 from galore2.optim import ChainOptimizer, GaLore, ScaleByAdam
-from galore2.optim.config import GALORE_DEFAULTS
 from galore2.optim.pnm import ScaleByPNM
 from galore2.optim.schedules import (
     LinearWarmup,
@@ -18,7 +19,6 @@ from galore2.optim.schedules import (
     ranger21_lr,
     warmup_length,
 )
-from galore2.optim.transform import Context
 
 
 def _group(**kw):

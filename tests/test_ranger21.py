@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import galore2
-from galore2.optim.hooks import compute_stats
+from galore2.core.modules import compute_stats
 
 from .helpers import TinyNet, batch, galore_groups, max_diff, train
 

@@ -8,8 +8,8 @@ import io
 import pytest
 import torch
 
+from galore2.core.transform import Context
 from galore2.optim.gradient import AdaptiveGradientClipping, CentralizeGradient, NormalizeGradient
-from galore2.optim.transform import Context
 from galore2.optim.weights import Lookahead, NormLoss, StableWeightDecay, stochastic_round_bf16
 
 from . import ranger_fsdp_cases

@@ -27,14 +27,14 @@ if (
 
 import triton  # noqa: F401  (an ImportError here fails the run: CI installs triton)
 
+from galore2.core.optimizer import apply_update
+from galore2.core.transform import LowRankUpdate
 from galore2.kernels import dispatch
 from galore2.kernels.adam8bit import adam8bit_step
 from galore2.kernels.hadamard import blockwise_fwht
 from galore2.kernels.lowrank import lowrank_update
 from galore2.optim import adam8bit as A8
 from galore2.optim.adam import ScaleByAdam
-from galore2.optim.optimizer import apply_update
-from galore2.optim.transform import LowRankUpdate
 from galore2.projectors import hadamard as H
 
 # Where the kernels run here: CPU tensors under the interpreter, else the GPU.
@@ -411,10 +411,10 @@ def test_kernel_failure_in_auto_mode_falls_back_to_torch_once(monkeypatch):
     path's bitwise. In triton mode the same failure propagates."""
     import warnings
 
+    import galore2.core.optimizer as opt_mod
     import galore2.kernels.adam8bit as k_adam
     import galore2.kernels.hadamard as k_had
     import galore2.kernels.lowrank as k_low
-    import galore2.optim.optimizer as opt_mod
 
     def broken(*args, **kwargs):
         raise RuntimeError("PTX .version 9.9 does not support .target sm_xx")

@@ -110,13 +110,13 @@ TRAFFIC_CONFIGS = [
 
 
 def traffic_matches_collective_bytes(rank: int, world: int) -> None:
-    """``galore2.fsdp.collective_bytes`` predicts the collectives a Tucker run issues."""
+    """``galore2.traffic.collective_bytes`` predicts the collectives a Tucker run issues."""
     from collections import Counter
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from galore2.fsdp.traffic import collective_bytes
+    from galore2.traffic import collective_bytes
 
     from .test_fsdp_traffic import _SINK, _diff, _keys, _wrap_placement
 

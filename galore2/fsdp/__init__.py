@@ -3,21 +3,10 @@
 Everything that knows about DTensor or process groups lives in this package;
 projectors and transforms see plain local tensors through a
 :class:`~galore2.placement.Placement`. It is imported lazily, only when an
-optimizer meets a DTensor parameter.
+optimizer meets a DTensor parameter. Checkpoint helpers are in
+:mod:`galore2.checkpoint`, the collective-traffic model in :mod:`galore2.traffic`.
 """
 
-from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from .placement import ShardedPlacement, assign_owners, placement_for
-from .traffic import Collective, Traffic, collective_bytes
 
-__all__ = [
-    "Collective",
-    "ShardedPlacement",
-    "Traffic",
-    "assign_owners",
-    "collective_bytes",
-    "list_checkpoints",
-    "load_checkpoint",
-    "placement_for",
-    "save_checkpoint",
-]
+__all__ = ["ShardedPlacement", "assign_owners", "placement_for"]

@@ -27,9 +27,9 @@ import transformers
 from torch import nn
 from transformers.trainer_utils import check_target_module_exists
 
+from ..core.config import GALORE_DEFAULTS
 from ..groups import _output_head_names, param_groups
-from ..optim.adamw import GaLoreAdamW
-from ..optim.config import GALORE_DEFAULTS
+from ..presets.adamw import GaLoreAdamW
 
 #: Settings for the optimizer as a whole (every group), not only the GaLore groups.
 OPTIMIZER_SETTINGS = ("state_dtype", "nonfinite")

@@ -1,6 +1,6 @@
 """Blockwise normalized Walsh–Hadamard transform with the random-sign diagonal (Triton).
 
-Computes :func:`galore2.projectors.hadamard.rotate` (``H·D·x``) and ``unrotate``
+Computes :func:`galore2.storage.hadamard.rotate` (``H·D·x``) and ``unrotate``
 (``D·H·y``) for fp32 ``rows × L`` inputs: each row is cut into ``L // block`` blocks of
 ``block`` entries (a power of two) and one shorter power-of-two tail block, and each
 block is multiplied by the Sylvester-ordered ``H_n / √n`` (n its length), with the ±1
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..projectors.hadamard import _blocks  # the block / padding checks the torch path uses
+from ..storage.hadamard import _blocks  # the block / padding checks the torch path uses
 from .dispatch import launch_device
 
 MAX_BLOCK = 8192  # larger blocks would not fit a program's registers
@@ -93,7 +93,7 @@ def blockwise_fwht(
     x: Tensor, block: int, signs: Tensor, *, signs_first: bool, out: Tensor | None = None
 ) -> Tensor:
     """``rotate`` (``signs_first=True``: H·D·x) or ``unrotate`` (D·H·x) of fp32 ``x``
-    (rows × L, L padded as :func:`~galore2.projectors.hadamard.padded_length` pads),
+    (rows × L, L padded as :func:`~galore2.storage.hadamard.padded_length` pads),
     blockwise; written to ``out`` (a new contiguous tensor when None) and returned.
     Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``."""
     if x.dim() != 2 or x.dtype != torch.float32:

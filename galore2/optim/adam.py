@@ -20,13 +20,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .config import STATE_DTYPES
-from .transform import Context, Group, State, Transform
-
-
-def counter(value: int = 0) -> Tensor:
-    """A scalar int64 counter on the CPU (never moved to an accelerator)."""
-    return torch.tensor(value, dtype=torch.int64)
+from ..core.config import STATE_DTYPES
+from ..core.state import counter
+from ..core.transform import Context, Group, State, Transform
 
 
 class ScaleByAdam(Transform):

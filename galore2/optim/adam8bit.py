@@ -58,9 +58,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..core.state import counter
+from ..core.transform import Context, Group, State
 from ..kernels.dispatch import launch, use_triton
-from .adam import ScaleByAdam, counter
-from .transform import Context, Group, State
+from .adam import ScaleByAdam
 
 BLOCK = 256  # elements per quantization block (bitsandbytes' 8-bit optimizers use 256)
 MIN_8BIT_SIZE = 4096  # smaller directions keep fp32 moments (bitsandbytes' min_8bit_size)

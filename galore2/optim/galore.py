@@ -39,7 +39,20 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .._numerics import all_finite, finite_flags
+from .._numerics import all_finite, finite_flags, mix_seed
+from ..core.state import counter
+from ..core.transform import (
+    Context,
+    Group,
+    LowRankUpdate,
+    NonFiniteUpdate,
+    State,
+    Transform,
+    _dense,
+    init_chain,
+    run_chain,
+    run_chain_one,
+)
 from ..projectors import (
     FULL,
     LEFT,
@@ -52,20 +65,6 @@ from ..projectors import (
     choose_side,
     get_projector,
     low_rank_shape,
-)
-from ..projectors._sketch import mix_seed
-from .adam import counter
-from .transform import (
-    Context,
-    Group,
-    LowRankUpdate,
-    NonFiniteUpdate,
-    State,
-    Transform,
-    _dense,
-    init_chain,
-    run_chain,
-    run_chain_one,
 )
 
 

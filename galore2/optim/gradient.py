@@ -1,6 +1,6 @@
 """Gradient modules: act on a parameter's full local gradient, in place, before the moments.
 
-They run before GaLore projects the gradient (see :mod:`galore2.optim.hooks`), so even in
+They run before GaLore projects the gradient (see :mod:`galore2.core.modules`), so even in
 a GaLore group they see the full m×n gradient. None keeps state (0 values per element).
 
 Units. A "unit" is one output row of a ≥2-D parameter (norms and means over every dim
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .hooks import GradientTransform
-from .transform import Context, Group, State
+from ..core.modules import GradientTransform
+from ..core.transform import Context, Group, State
 
 
 def check_real(group: Group, key: str, default: float, *, low: float, strict: bool) -> None:

@@ -44,9 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .adam import counter
-from .config import STATE_DTYPES
-from .transform import Context, Group, State, Transform
+from ..core.config import STATE_DTYPES
+from ..core.state import counter
+from ..core.transform import Context, Group, State, Transform
 
 PNM_DEFAULTS = {"pnm_beta0": 1.0, "softplus_beta": 50.0}
 

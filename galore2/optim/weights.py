@@ -1,7 +1,7 @@
 """Weight modules: act on the weights after the step's update (norm loss, decay, lookahead).
 
 They run after every group has been updated, in the order given (see
-:mod:`galore2.optim.hooks`), on the full local weight — in GaLore groups too. Units are
+:mod:`galore2.core.modules`), on the full local weight — in GaLore groups too. Units are
 those of :mod:`galore2.optim.gradient`: rows of ≥2-D parameters, the whole tensor of
 ≤1-D ones (norm all-reduced when sharded).
 """
@@ -14,11 +14,11 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ..projectors._sketch import generator_for, mix_seed
-from .adam import counter
+from .._numerics import generator_for, mix_seed
+from ..core.modules import ParamTransform, Stats
+from ..core.state import counter
+from ..core.transform import Context, Group, State
 from .gradient import check_real, unit_norms
-from .hooks import ParamTransform, Stats
-from .transform import Context, Group, State
 
 _LOOKAHEAD_TAG = 0x4C4B4148  # keeps lookahead's seeds apart from GaLore's
 
@@ -62,7 +62,7 @@ class StableWeightDecay(ParamTransform):
 
     ``w ← w·(1 − lr·λ/σ)`` with λ = the group's ``weight_decay``, lr the group's
     (scheduled) learning rate and σ = √(Σ v̂ / Σ numel) over *all* parameters stepped this
-    step (:func:`galore2.optim.hooks.compute_stats`; GaLore's low-rank v̂ are summed as
+    step (:func:`galore2.core.modules.compute_stats`; GaLore's low-rank v̂ are summed as
     stored and divided by the full element count). It replaces the optimizer's decoupled
     decay (``owns_weight_decay``). Order: σ needs this step's second moments of every
     parameter, so the decay comes *after* the update — ``p ← (p − lr·u)·(1 − lr·λ/σ)``,

@@ -7,27 +7,8 @@ import math
 import torch
 from torch import Tensor
 
-from .._numerics import all_finite
+from .._numerics import all_finite, generator_for, mix_seed
 from ..placement import LOCAL, Placement
-
-_GOLDEN = 0x9E3779B97F4A7C15
-
-
-def mix_seed(*parts: int) -> int:
-    """Combine integers into one 63-bit seed (deterministic, process-independent)."""
-    h = 0x243F6A8885A308D3
-    for p in parts:
-        h = (
-            (h ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * _GOLDEN + 0x632BE59BD9B4E019
-        ) & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 29
-    return h & 0x7FFFFFFFFFFFFFFF
-
-
-def generator_for(device: torch.device, seed: int) -> torch.Generator:
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
 
 
 def _cholesky_qr(

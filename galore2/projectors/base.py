@@ -20,7 +20,7 @@ how :meth:`find` computes a basis (exact / randomized / warm power / seeded
 random) or, by overriding :meth:`init_state` / :meth:`bases` / :meth:`store`,
 in how it is kept (e.g. regenerated from a seed). How a stored basis is encoded —
 fp32, bf16, or int8 / int4 with an optional Hadamard rotation — is the plan's
-``basis`` format (:mod:`galore2.projectors.storage`); projectors read bases only
+``basis`` format (:mod:`galore2.storage.basis`); projectors read bases only
 through :meth:`bases`, which returns them dense.
 """
 
@@ -34,7 +34,7 @@ from torch import Tensor
 
 from .._numerics import all_finite
 from ..placement import LOCAL, Placement
-from .storage import KEY_SUFFIXES, basis_format
+from ..storage.basis import KEY_SUFFIXES, basis_format
 
 State = dict[str, Tensor]
 
@@ -44,7 +44,7 @@ SIDE_NAMES = {NONE: "none", LEFT: "left", RIGHT: "right", FULL: "full", TUCKER: 
 
 class Plan(NamedTuple):
     """How one parameter is projected: side, its 2-D global shape (m, n), rank, device,
-    and how its basis is stored (see :mod:`galore2.projectors.storage`)."""
+    and how its basis is stored (see :mod:`galore2.storage.basis`)."""
 
     side: int
     m: int

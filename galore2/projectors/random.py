@@ -15,8 +15,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from .._numerics import generator_for, mix_seed
 from ..placement import LOCAL
-from ._sketch import generator_for, mix_seed, orthonormalize_rows
+from ._sketch import orthonormalize_rows
 from .base import FULL, LEFT, RIGHT, Plan, Projector, State, usable_norm
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ._sketch import left_basis, mix_seed, right_basis
+from .._numerics import mix_seed
+from ._sketch import left_basis, right_basis
 from .base import FULL, LEFT, RIGHT, Plan, Projector, State, align_signs
 
 

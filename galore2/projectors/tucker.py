@@ -37,11 +37,12 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from .._numerics import mix_seed
 from ..placement import LOCAL, Placement
-from ._sketch import mix_seed, orthonormalize_rows
+from ..storage.basis import KEY_SUFFIXES, basis_format
+from ._sketch import orthonormalize_rows
 from .base import LEFT, RIGHT, Plan, Projector, State, _as, align_signs, usable_norm
 from .random import RandomProjector, gaussian_basis
-from .storage import KEY_SUFFIXES, basis_format
 from .svd import SVDProjector
 
 MAX_MODES = 64  # state keys proj.mode0 … proj.mode63 are known to state_bytes

@@ -7,12 +7,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from .adam import ScaleByAdam
-from .adam8bit import ScaleByAdam8bit
-from .config import GALORE_DEFAULTS, check_galore_kwargs
-from .galore import GaLore
-from .optimizer import ChainOptimizer, ParamsT
-from .transform import Transform
+from ..core.config import GALORE_DEFAULTS, check_galore_kwargs
+from ..core.optimizer import ChainOptimizer, ParamsT
+from ..core.transform import Transform
+from ..optim.adam import ScaleByAdam
+from ..optim.adam8bit import ScaleByAdam8bit
+from ..optim.galore import GaLore
 
 
 class GaLoreAdamW(ChainOptimizer):

@@ -92,10 +92,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..groups import param_groups
-from ..optim.config import GALORE_DEFAULTS, STATE_DTYPES, validate_group
-from ..projectors import FULL, LEFT, NONE, RIGHT, TUCKER, choose_side
-from ..projectors.tucker import reduced_modes, tucker_ranks
+from .core.config import GALORE_DEFAULTS, STATE_DTYPES, validate_group
+from .groups import param_groups
+from .projectors import FULL, LEFT, NONE, RIGHT, TUCKER, choose_side
+from .projectors.tucker import reduced_modes, tucker_ranks
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "gather", "broadcast")
 KINDS = ("step", "first_refresh", "refresh", "fsdp")

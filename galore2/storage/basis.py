@@ -22,11 +22,11 @@ for the quantized formats — they are dequantized on every use.
   whose absmax is below fp32's smallest normal number times q_max stores scale 0
   (all codes 0).
 * ``basis_hadamard=True`` (int8 / int4) rotates each row by H·D before quantizing
-  (see :mod:`galore2.projectors.hadamard`) and undoes it after dequantizing. The
+  (see :mod:`galore2.storage.hadamard`) and undoes it after dequantizing. The
   quantization groups are then the Hadamard blocks: full blocks of
   ``basis_group_size`` plus, when the block does not divide r, one tail block of the
   remaining t entries zero-padded to the next power of two — the stored codes cover
-  the padded length (:func:`~galore2.projectors.hadamard.padded_length`), an overhead
+  the padded length (:func:`~galore2.storage.hadamard.padded_length`), an overhead
   of under t entries per row (e.g. r = 300, block 256: 320 codes, +6.7%; none when
   r is a multiple of the block or r < block is a power of two). The signs D are not
   stored: they are regenerated from the parameter's ``galore.seed`` (``Plan.basis_seed``),
@@ -44,11 +44,11 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
-from ._sketch import mix_seed
+from .._numerics import mix_seed
 from .hadamard import next_power_of_two, padded_length, random_signs, rotate, unrotate
 
 if TYPE_CHECKING:
-    from .base import Plan
+    from ..projectors.base import Plan
 
 State = dict[str, Tensor]
 

@@ -33,9 +33,9 @@ from ..placement import LOCAL, Placement
 from ..projectors import _BY_NAME as _PROJECTORS
 from ..projectors.base import Projector
 from ..projectors.tucker import TuckerProjector
-from .adam import counter
 from .config import GALORE_DEFAULTS, validate_group
-from .hooks import GradientTransform, ParamTransform, run_param_transforms
+from .modules import GradientTransform, ParamTransform, run_param_transforms
+from .state import counter
 from .transform import (
     Context,
     LowRankUpdate,
@@ -57,7 +57,7 @@ ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
 
 
 class ChainOptimizer(torch.optim.Optimizer):
-    """Runs a chain of :class:`~galore2.optim.transform.Transform` per parameter."""
+    """Runs a chain of :class:`~galore2.core.transform.Transform` per parameter."""
 
     def __init__(
         self,

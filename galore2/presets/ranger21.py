@@ -40,14 +40,14 @@ from typing import Any
 
 import torch
 
-from .adam import ScaleByAdam
-from .config import GALORE_DEFAULTS
-from .galore import GaLore
-from .gradient import AdaptiveGradientClipping, CentralizeGradient, NormalizeGradient
-from .optimizer import ChainOptimizer, ParamsT
-from .pnm import ScaleByPNM
-from .schedules import ranger21_lr
-from .weights import Lookahead, NormLoss, StableWeightDecay
+from ..core.config import GALORE_DEFAULTS
+from ..core.optimizer import ChainOptimizer, ParamsT
+from ..optim.adam import ScaleByAdam
+from ..optim.galore import GaLore
+from ..optim.gradient import AdaptiveGradientClipping, CentralizeGradient, NormalizeGradient
+from ..optim.pnm import ScaleByPNM
+from ..optim.schedules import ranger21_lr
+from ..optim.weights import Lookahead, NormLoss, StableWeightDecay
 
 _LOOKAHEAD_DTYPES = (None, "bfloat16")
 

@@ -1,0 +1,1 @@
+"""How optimizer state tensors are stored: full precision or quantized formats."""
