@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from .core.config import GALORE_DEFAULTS
+from .presets import PRESETS
 
 _OUTPUT_HEADS = ("lm_head", "output", "classifier", "score", "head")
 
@@ -87,14 +87,12 @@ def param_groups(
     ``no_galore`` holds extra keys for the plain group (e.g. its own
     ``weight_decay``). Targets that match nothing are named in a warning.
     """
-    unknown = (
-        set(galore_settings)
-        - set(GALORE_DEFAULTS)
-        - {"lr", "betas", "eps", "weight_decay", "state_dtype", "maximize", "nonfinite"}
-    )
+    known = {name for cls in PRESETS.values() for name in cls.declared_options()}
+    unknown = set(galore_settings) - known
     if unknown:
         raise ValueError(
-            f"unknown GaLore settings {sorted(unknown)}; allowed: {sorted(GALORE_DEFAULTS)}"
+            f"unknown GaLore settings {sorted(unknown)}; group options of galore2's "
+            f"optimizers: {sorted(known)}"
         )
     if galore_settings.get("rank") is None:
         raise ValueError("param_groups needs rank=<int >= 1> for the GaLore group")

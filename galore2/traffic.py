@@ -31,7 +31,7 @@ galore2's collectives
 ---------------------
 
 Every step (``Traffic.step``), per parameter group with ``nonfinite != "ignore"``: one
-all-reduce of one int32 flag per parameter (``ChainOptimizer._agree_on_nonfinite``,
+all-reduce of one int32 flag per parameter (``NonFinitePolicy.keep``,
 over the default process group); with per-layer updates (``galore2.per_layer``:
 ``step_param`` inside backward) one such all-reduce per parameter, of one flag. Per projected weight (``GaLore._project`` /
 ``GaLore._back``): left side — reduce-scatter of R = PᵀG (r×n, gradient dtype) and
@@ -92,24 +92,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .core.config import GALORE_DEFAULTS, STATE_DTYPES, validate_group
+from .core.options import resolve
 from .groups import param_groups
+from .presets import GaLoreAdamW
 from .projectors import FULL, LEFT, NONE, RIGHT, TUCKER, choose_side
 from .projectors.tucker import reduced_modes, tucker_ranks
+from .storage.dtype import STATE_DTYPES
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "gather", "broadcast")
 KINDS = ("step", "first_refresh", "refresh", "fsdp")
 
 _I32, _F32, _F64 = torch.int32, torch.float32, torch.float64
-_OPTIMIZER_DEFAULTS: dict[str, Any] = {
-    "lr": 1e-3,
-    "betas": (0.9, 0.999),
-    "eps": 1e-8,
-    "weight_decay": 0.0,
-    "maximize": False,
-    "state_dtype": "float32",
-    "nonfinite": "skip",
-}
+_OPTIONS = GaLoreAdamW.declared_options()  # the options of a projected AdamW group
 
 
 @dataclass(frozen=True)
@@ -450,8 +444,7 @@ def collective_bytes(
     later: list[Collective] = []
     projected: list[str] = []
     for raw in groups:
-        g = {**_OPTIMIZER_DEFAULTS, **GALORE_DEFAULTS, **raw}
-        g.update(validate_group(g))
+        g = resolve(_OPTIONS, raw, passthrough=("params",), owner="collective_bytes")
         params = list(g["params"])
         unknown = [t for t in params if id(t) not in names]
         if unknown:
@@ -459,7 +452,7 @@ def collective_bytes(
         if p == 1:  # one rank: the placement is not distributed, nothing is issued
             continue
         if params and g["nonfinite"] != "ignore":
-            src = "ChainOptimizer._agree_on_nonfinite: skip flags"
+            src = "NonFinitePolicy.keep: skip flags"
             if per_layer:
                 step.extend(Collective("all_reduce", (1,), _I32, src, names[id(t)]) for t in params)
             else:

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 import galore2
-from galore2.core.config import STATE_DTYPES, normalize_state_dtype
+from galore2.storage.dtype import STATE_DTYPES, normalize_state_dtype
 from galore2.projectors import FULL, LEFT, NONE, RIGHT
 
 from .config import JobConfig, ModelConfig, parse_args

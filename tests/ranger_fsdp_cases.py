@@ -8,23 +8,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from galore2.core.config import GALORE_DEFAULTS
 from galore2.optim import ChainOptimizer, ScaleByAdam
 from galore2.optim.gradient import AdaptiveGradientClipping, CentralizeGradient, NormalizeGradient
 from galore2.optim.weights import Lookahead, NormLoss, StableWeightDecay
 
 from . import fsdp_cases
-
-MODULE_DEFAULTS: dict[str, Any] = {
-    "agc_clip": 1e-2,
-    "agc_eps": 1e-3,
-    "gn_eps": 1e-8,
-    "norm_loss_factor": 1e-4,
-    "norm_loss_eps": 1e-8,
-    "lookahead_k": 5,
-    "lookahead_alpha": 0.5,
-}
-
 
 def chain_optimizer(
     params, grad_transforms=(), param_transforms=(), **settings: Any
@@ -36,11 +24,6 @@ def chain_optimizer(
         "betas": (0.9, 0.999),
         "eps": 1e-8,
         "weight_decay": 0.0,
-        "maximize": False,
-        "state_dtype": "float32",
-        "nonfinite": "skip",
-        **GALORE_DEFAULTS,
-        **MODULE_DEFAULTS,
         **settings,
     }
     return ChainOptimizer(

@@ -7,12 +7,13 @@ import copy
 import pytest
 import torch
 
-from galore2.core.config import GALORE_DEFAULTS
 from galore2.core.transform import Context, LowRankUpdate
-from galore2.optim import GaLore, ScaleByAdam
+from galore2.optim import ChainOptimizer, GaLore, ScaleByAdam
+
+_OPTIONS = ChainOptimizer.declared_options([GaLore(ScaleByAdam())])
 
 GROUP = {
-    **GALORE_DEFAULTS,
+    **{name: o.default for name, o in _OPTIONS.items()},
     "betas": (0.9, 0.99),
     "eps": 1e-8,
     "lr": 1e-2,

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from galore2.core.config import GALORE_DEFAULTS
 from galore2.core.transform import Context
 from galore2.optim import ChainOptimizer, GaLore, ScaleByAdam
 from galore2.optim.pnm import ScaleByPNM
@@ -141,14 +140,16 @@ def test_pnm_adamd_skips_first_moment_correction():
     ("key", "value"),
     [("pnm_beta0", -0.1), ("pnm_beta0", float("nan")), ("softplus_beta", 0.0)],
 )
-def test_pnm_validate_names_the_key(key, value):
+def test_pnm_options_name_the_key(key, value):
+    params = [torch.zeros(2, requires_grad=True)]
     with pytest.raises(ValueError, match=key):
-        ScaleByPNM().validate(_group(**{key: value}))
+        ChainOptimizer(params, chain=[ScaleByPNM()], defaults={key: value})
+    with pytest.raises(ValueError, match=key):
+        ChainOptimizer([{"params": params, key: value}], chain=[ScaleByPNM()], defaults={})
 
 
 def _defaults(**kw):
     d = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
-    d.update(maximize=False, state_dtype="float32", nonfinite="skip", **GALORE_DEFAULTS)
     d.update(pnm_beta0=1.0, softplus_beta=50.0)
     d.update(kw)
     return d

@@ -229,8 +229,9 @@ def test_stochastic_rounding_is_unbiased():
     ],
 )
 def test_validate_names_the_bad_key(module, key, value):
+    (option,) = [o for o in module.options if o.name == key]  # the module declares it
     with pytest.raises(ValueError, match=key):
-        module.validate({key: value})
+        option.validate(value)
     where = "param_transforms" if isinstance(module, (NormLoss, Lookahead)) else "grad_transforms"
     with pytest.raises(ValueError, match=key):  # at construction, per group
         chain_optimizer(TinyNet().parameters(), **{where: [module], key: value})

@@ -31,7 +31,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .transform import Context, Group, State
+from .options import Option
+from .state import counter
+from .transform import Context, Group, State, walk
 
 
 @dataclass
@@ -45,10 +47,11 @@ class GradientTransform:
     """Acts on a parameter's full local gradient, in place, before the moment chain."""
 
     name: ClassVar[str] = "gradient"
+    options: ClassVar[tuple[Option, ...]] = ()
     kinds: ClassVar[dict[str, str]] = {}
 
     def validate(self, group: Group) -> None:
-        """Raise ``ValueError`` naming any of this module's group keys that is invalid."""
+        """Checks that involve several of this module's keys (single keys: ``options``)."""
 
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
@@ -64,6 +67,7 @@ class ParamTransform:
     """Acts on a parameter after the step's update has been applied."""
 
     name: ClassVar[str] = "param"
+    options: ClassVar[tuple[Option, ...]] = ()
     kinds: ClassVar[dict[str, str]] = {}
     #: True when :meth:`apply_` needs :class:`Stats` over all parameters (not available to
     #: per-layer updates, which step one parameter at a time).
@@ -73,7 +77,7 @@ class ParamTransform:
     owns_weight_decay: ClassVar[bool] = False
 
     def validate(self, group: Group) -> None:
-        """Raise ``ValueError`` naming any of this module's group keys that is invalid."""
+        """Checks that involve several of this module's keys (single keys: ``options``)."""
 
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
@@ -88,16 +92,8 @@ class ParamTransform:
 def second_moment_sum(chain: list, state: State, group: Group) -> Tensor | None:
     """Σ of the bias-corrected second moment held in ``state`` by the first transform of
     ``chain`` (searching inside wrappers such as GaLore) that keeps one; None if none does."""
-    for t in chain:
-        total = t.second_moment_sum(state, group)
-        if total is not None:
-            return total
-        inner = getattr(t, "inner", None)
-        if inner:
-            total = second_moment_sum(list(inner), state, group)
-            if total is not None:
-                return total
-    return None
+    sums = (t.second_moment_sum(state, group) for t in walk(chain))
+    return next((total for total in sums if total is not None), None)
 
 
 def compute_stats(chain: list, items: list[tuple[Group, State, Context]]) -> Stats:
@@ -132,3 +128,33 @@ def run_param_transforms(
     for t in transforms:
         for group, state, ctx in items:
             t.apply_(group, state, ctx, stats)
+
+
+class LRSchedule:
+    """A built-in learning-rate schedule: the group's ``lr`` is its peak, scaled per step.
+
+    The step count lives in each parameter's state (``schedule.step``, so resuming is
+    exact); :meth:`step_lr` reads it from the first parameter of a group's step and
+    advances every parameter stepped. Subclasses implement :meth:`lr`.
+    """
+
+    name: ClassVar[str] = "schedule"
+    options: ClassVar[tuple[Option, ...]] = ()
+    kinds: ClassVar[dict[str, str]] = {"schedule.step": "other"}
+
+    def validate(self, group: Group) -> None:
+        """Checks that involve several of this schedule's keys (single keys: ``options``)."""
+
+    def init(self, state: State) -> None:
+        state["schedule.step"] = counter()
+
+    def lr(self, group: Group, step: int) -> float:
+        """The lr of ``group`` after ``step`` optimizer steps."""
+        raise NotImplementedError
+
+    def step_lr(self, group: Group, states: list[State]) -> float:
+        """This step's lr for ``group`` (whose stepped parameters have ``states``)."""
+        lr = self.lr(group, int(states[0]["schedule.step"]))
+        for state in states:
+            state["schedule.step"] += 1
+        return lr

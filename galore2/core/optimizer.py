@@ -5,11 +5,16 @@ defaults; the step below is shared, never copied. Per parameter, a step is:
 
 1. skip parameters without a gradient; refuse sparse gradients;
 2. create state lazily (every key at its final shape, see :meth:`init_state`);
-3. non-finite gradient → ``nonfinite="skip"`` leaves the parameter and its
-   state untouched and counts it; ``"raise"`` raises before anything changes;
-   ``"ignore"`` does not look (NaN propagates, as in ``torch.optim.AdamW``);
-4. ``u = chain(grad)``; decoupled weight decay ``p ← p·(1 − lr·λ)``; ``p ← p − lr·u``
-   (the decay-then-update order of ``torch.optim.AdamW``).
+3. gradient modules act on the full gradient, in place (AGC, centralization...);
+4. check: the non-finite policy (:mod:`galore2.core.nonfinite`) decides which
+   parameters are updated;
+5. chain: ``u = chain(grad)``; apply: decoupled weight decay ``p ← p·(1 − lr·λ)``,
+   ``p ← p − lr·u`` (the decay-then-update order of ``torch.optim.AdamW``);
+6. weight modules act on the updated weights (norm loss, lookahead...).
+
+Options: every group key is declared once, by the module that reads it
+(:mod:`galore2.core.options`); the optimizer's defaults, its validation (unknown keys
+are errors) and every integration derive from those declarations.
 
 State holds tensors only, so ``state_dict()`` round-trips through
 ``torch.load(weights_only=True)``; :meth:`load_state_dict` keeps each state
@@ -22,42 +27,49 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain as iter_chain
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from .._numerics import all_finite, finite_flags
 from ..kernels.dispatch import launch, use_triton
 from ..placement import LOCAL, Placement
-from ..projectors import _BY_NAME as _PROJECTORS
-from ..projectors.base import Projector
-from ..projectors.tucker import TuckerProjector
-from .config import GALORE_DEFAULTS, validate_group
-from .modules import GradientTransform, ParamTransform, run_param_transforms
+from .modules import GradientTransform, LRSchedule, ParamTransform, run_param_transforms
+from .nonfinite import SKIPS, NonFinitePolicy
+from .options import Bool, LearningRate, Option, Real, collect, resolve
 from .state import counter
-from .transform import (
-    Context,
-    LowRankUpdate,
-    NonFiniteUpdate,
-    Transform,
-    init_chain,
-    run_chain,
-    run_chain_one,
-    state_kind,
-)
+from .transform import Context, LowRankUpdate, Transform, init_chain, run_chain, state_kind, walk
 
-_PROJECTOR_KINDS: dict[str, str] = {}
-for _p in _PROJECTORS.values():
-    _PROJECTOR_KINDS.update(type(_p).kinds)
-_PROJECTOR_KINDS.update(Projector.kinds)
-_PROJECTOR_KINDS.update(TuckerProjector.kinds)  # proj.mode{k}: per-mode Tucker factors
+LR = Option("lr", 1e-3, LearningRate(), "learning rate (LR schedulers write it every step)")
+WEIGHT_DECAY = Option(
+    "weight_decay", 0.0, Real(low=0.0), "decoupled weight decay λ: p ← p·(1 − lr·λ)"
+)
+MAXIMIZE = Option("maximize", False, Bool(), "maximize the objective instead of minimizing it")
+#: Group keys that are not options but are accepted (and left alone): torch's LR
+#: schedulers' ``initial_lr`` and a free-form ``name`` label.
+PASSTHROUGH_KEYS = frozenset({"params", "initial_lr", "name"})
 
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
 
 
 class ChainOptimizer(torch.optim.Optimizer):
-    """Runs a chain of :class:`~galore2.core.transform.Transform` per parameter."""
+    """Runs a chain of :class:`~galore2.core.transform.Transform` per parameter.
+
+    ``defaults`` overrides the declared defaults of the modules' options; a key that no
+    module declares raises ``TypeError``. A preset lists in :attr:`modules` every module
+    class its constructor may put in the chain, so that :meth:`declared_options` knows its
+    options before it is built (recipes and integrations enumerate them from there).
+    """
+
+    #: options of the optimizer loop itself
+    options: ClassVar[tuple[Option, ...]] = (LR, WEIGHT_DECAY, MAXIMIZE, *NonFinitePolicy.options)
+    #: module classes (or instances) a preset may chain; their options are its options
+    modules: ClassVar[tuple[Any, ...]] = ()
+    #: constructor switches of a preset (not group keys), declared like options
+    construct_options: ClassVar[tuple[Option, ...]] = ()
+    #: what to say about a key this optimizer does not have (e.g. Adam's ``betas`` given
+    #: to Adafactor), appended to the unknown-key error
+    option_hints: ClassVar[dict[str, str]] = {}
 
     def __init__(
         self,
@@ -67,28 +79,67 @@ class ChainOptimizer(torch.optim.Optimizer):
         *,
         grad_transforms: Sequence[GradientTransform] = (),
         param_transforms: Sequence[ParamTransform] = (),
-        lr_schedule: Callable[[dict[str, Any], int], float] | None = None,
+        schedule: LRSchedule | None = None,
     ) -> None:
         self._chain = list(chain)
-        self._lr_schedule = lr_schedule
+        self._schedule = schedule
         self._grad_transforms = list(grad_transforms)
         self._param_transforms = list(param_transforms)
+        self._all_modules = [
+            *self._grad_transforms,
+            *self._chain,
+            *self._param_transforms,
+            *([schedule] if schedule is not None else []),
+        ]
+        self.declared = self.declared_options(self._all_modules)
+        unknown = sorted(set(defaults) - set(self.declared))
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}: unexpected keyword arguments {unknown}; its options "
+                f"are {sorted(self.declared)}{self._hints(unknown)}"
+            )
         self._owns_decay = any(t.owns_weight_decay for t in self._param_transforms)
         self._warned: set[str] = set()
         self._placements: dict[int, Placement] = {}
         self._where: tuple[int, dict[int, tuple[dict[str, Any], int]]] | None = None
-        super().__init__(params, defaults)
+        full = {name: opt.default for name, opt in self.declared.items()}
+        full.update(defaults)
+        super().__init__(params, full)
+
+    def _hints(self, keys: Sequence[str]) -> str:
+        return "".join(f". {self.option_hints[k]}" for k in keys if k in self.option_hints)
+
+    @classmethod
+    def declared_options(cls, chain: Sequence[Any] = ()) -> dict[str, Option]:
+        """Every group option of this optimizer: the loop's, then its modules' (in chain
+        order, looking inside wrappers), each declared once."""
+        return collect(
+            [
+                cls.options,
+                *(m.options for m in walk(cls.modules)),
+                *(m.options for m in walk(chain)),
+            ]
+        )
+
+    @classmethod
+    def all_options(cls) -> dict[str, Option]:
+        """Group options and constructor switches: what a recipe or an integration may set."""
+        return collect([cls.declared_options().values(), cls.construct_options])
 
     # ---- groups ------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Fill defaults, validate every key, then add (nothing is added if validation fails)."""
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        group = dict(param_group)
-        for key, value in self.defaults.items():
-            group.setdefault(key, value)
-        group.update(validate_group(group))
-        for module in (*self._grad_transforms, *self._chain, *self._param_transforms):
+        hint = self._hints([k for k in param_group if k not in self.declared])
+        group = resolve(
+            self.declared,
+            param_group,
+            self.defaults,
+            passthrough=PASSTHROUGH_KEYS,
+            owner=f"{type(self).__name__}{hint}",
+        )
+        for module in walk(self._all_modules):
             module.validate(group)
         super().add_param_group(group)
 
@@ -133,9 +184,9 @@ class ChainOptimizer(torch.optim.Optimizer):
     def _init_param_state(self, p: Tensor, group: dict[str, Any], index: int) -> None:
         ctx = self._context(p, index)  # validates a DTensor's placement before any state exists
         state = self.state[p]
-        state["nonfinite.skips"] = counter()
-        if self._lr_schedule is not None:
-            state["schedule.step"] = counter()
+        state[SKIPS] = counter()
+        if self._schedule is not None:
+            self._schedule.init(state)
         for hook in (*self._grad_transforms, *self._param_transforms):
             hook.init(p.shape, ctx.param, group, state, ctx)
         init_chain(self._chain, p.shape, ctx.param, group, state, ctx)
@@ -165,11 +216,7 @@ class ChainOptimizer(torch.optim.Optimizer):
             for key, value in state.items():
                 if not isinstance(value, Tensor):
                     continue
-                kind = (
-                    _PROJECTOR_KINDS.get(key)
-                    or self._hook_kinds.get(key)
-                    or state_kind(self._chain, key)
-                )
+                kind = state_kind([NonFinitePolicy, *self._all_modules], key)
                 local = value.to_local() if hasattr(value, "to_local") else value  # this rank's
                 out[kind] = out.get(kind, 0) + local.numel() * local.element_size()
         out["total"] = sum(out.values())
@@ -194,22 +241,15 @@ class ChainOptimizer(torch.optim.Optimizer):
         return out
 
     @property
-    def _hook_kinds(self) -> dict[str, str]:
-        kinds: dict[str, str] = {"schedule.step": "other"}
-        for hook in (*self._grad_transforms, *self._param_transforms):
-            kinds.update(hook.kinds)
-        return kinds
-
-    @property
     def nonfinite_skips(self) -> int:
         """How many per-parameter updates were skipped for non-finite gradients."""
-        return sum(int(s["nonfinite.skips"]) for s in self.state.values() if "nonfinite.skips" in s)
+        return sum(int(s[SKIPS]) for s in self.state.values() if SKIPS in s)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        for group in self.param_groups:  # GaLore keys added since the checkpoint was written
-            for key in GALORE_DEFAULTS.keys() & self.defaults.keys():
-                group.setdefault(key, self.defaults[key])
+        for group in self.param_groups:  # options added since the checkpoint was written
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
         saved_ids = iter_chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = iter_chain.from_iterable(g["params"] for g in self.param_groups)
         saved_state = state_dict["state"]
@@ -233,31 +273,6 @@ class ChainOptimizer(torch.optim.Optimizer):
                         "sparse embeddings"
                     )
 
-    def _finite_everywhere(self, params: list[Tensor], grads: list[Tensor]) -> list[bool]:
-        """Finite flags; for sharded parameters, of the whole gradient (agreed by all ranks),
-        so that every rank raises — or goes on — together."""
-        ok = finite_flags([self._placement(p).local(g) for p, g in zip(params, grads, strict=True)])
-        sharded = [i for i, p in enumerate(params) if self._placement(p).distributed]
-        if sharded:
-            bad = self._placement(params[sharded[0]]).any_global([not ok[i] for i in sharded])
-            for i, b in zip(sharded, bad, strict=True):
-                ok[i] = not b
-        return ok
-
-    def _check_raise(self) -> None:
-        """``nonfinite="raise"``: look at every gradient before any parameter changes."""
-        for group in self.param_groups:
-            if group["nonfinite"] != "raise":
-                continue
-            items = list(self._indexed_params_of(group))
-            ok = self._finite_everywhere([p for _, _, p in items], [g for _, g, _ in items])
-            bad = [tuple(p.shape) for (_, _, p), f in zip(items, ok, strict=True) if not f]
-            if bad:
-                raise FloatingPointError(
-                    f"non-finite gradient in parameters of shape {bad} (nonfinite='raise'); "
-                    "use nonfinite='skip' to skip such updates instead"
-                )
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
@@ -265,7 +280,7 @@ class ChainOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_sparse()
-        self._check_raise()
+        NonFinitePolicy.raise_if_any(self.param_groups, self._to_check)
         stepped: list[tuple[dict[str, Any], dict[str, Tensor], Context]] = []
         for group in self.param_groups:
             stepped += self._step_items(group, list(self._indexed_params_of(group)))
@@ -298,10 +313,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         grad = p.grad
         if grad.is_sparse:
             self._check_sparse()
-        if group["nonfinite"] == "raise" and not self._finite_everywhere([p], [grad])[0]:
-            raise FloatingPointError(
-                f"non-finite gradient in a parameter of shape {tuple(p.shape)} (nonfinite='raise')"
-            )
+        NonFinitePolicy.raise_if_any([group], lambda g: [(p, grad, self._placement(p))])
         stepped = self._step_items(group, [(index, grad, p)])
         run_param_transforms(self._param_transforms, self._chain, stepped)
 
@@ -311,14 +323,14 @@ class ChainOptimizer(torch.optim.Optimizer):
         """Step ``items`` of ``group``; returns (group, local state, ctx) of those updated."""
         if not items:
             return []
-        if self._lr_schedule is not None:  # built-in schedule: lr = schedule(group, step count)
-            for _, _, p in items:
+        if self._schedule is not None:  # built-in schedule: lr = schedule(group, step count)
+            for index, _, p in items:
                 if not self.state[p]:
-                    self._init_param_state(p, group, self._where_index(p, items))
-            count = int(self.state[items[0][2]]["schedule.step"])
-            group = {**group, "lr": self._lr_schedule(group, count)}
-            for _, _, p in items:
-                self.state[p]["schedule.step"] += 1
+                    self._init_param_state(p, group, index)
+            group = {
+                **group,
+                "lr": self._schedule.step_lr(group, [self.state[p] for *_, p in items]),
+            }
         given = group  # parameter modules see the group as given (with the scheduled lr)
         if self._owns_decay:  # a parameter module (stable weight decay) applies the decay
             group = {**group, "weight_decay": 0.0}
@@ -340,97 +352,23 @@ class ChainOptimizer(torch.optim.Optimizer):
         for hook in self._grad_transforms:  # full-space gradient modules, in place
             for g, state, ctx in zip(grads, states, ctxs, strict=True):
                 hook.apply_(g, group, state, ctx)
-        self._agree_on_nonfinite(group, states, ctxs, grads)
-        self._chain[0].prepare(grads, states, group, ctxs)
-        updated: list[int] = []
-        for chunk in _chunks(params):
-            updated += self._step_chunk(chunk, params, states, ctxs, grads, group, lr, decay)
-        return [(given, states[i], ctxs[i]) for i in updated]
-
-    @staticmethod
-    def _where_index(p: Tensor, items: list[tuple[int, Tensor, Tensor]]) -> int:
-        return next(index for index, _, q in items if q is p)
-
-    def _agree_on_nonfinite(
-        self,
-        group: dict[str, Any],
-        states: list[dict[str, Tensor]],
-        ctxs: list[Context],
-        grads: list[Tensor],
-    ) -> None:
-        """Sharded parameters: decide NaN/Inf skips from every rank's shard, in one all-reduce.
-
-        A NaN lands only on the rank owning its row; skipping on some ranks but not on
-        others would desynchronize collectives, so the decision is made together.
-        """
-        sharded = [i for i, c in enumerate(ctxs) if c.placement.distributed]
-        if not sharded or group["nonfinite"] == "ignore":
-            return
-        bad = [not f for f in finite_flags([grads[i] for i in sharded])]
-        bad = ctxs[sharded[0]].placement.any_global(bad)
-        for i, b in zip(sharded, bad, strict=True):
-            ctxs[i].finite_checked = True
-            ctxs[i].skip = b
-
-    def _step_chunk(
-        self,
-        chunk: list[int],
-        params: list[Tensor],
-        states: list[dict[str, Tensor]],
-        ctxs: list[Context],
-        grads: list[Tensor],
-        group: dict[str, Any],
-        lr: float,
-        decay: float,
-    ) -> list[int]:
-        first = self._chain[0]
-        if len(chunk) == 1:  # the CPU path: no list machinery
-            i = chunk[0]
-            try:
-                if ctxs[i].finite_checked:
-                    if ctxs[i].skip:
-                        raise NonFiniteUpdate
-                elif (
-                    group["nonfinite"] != "ignore"
-                    and not first.checks_nonfinite(states[i])
-                    and not all_finite(grads[i])
-                ):
-                    raise NonFiniteUpdate
-                u = run_chain_one(self._chain, grads[i], states[i], group, ctxs[i])
-            except NonFiniteUpdate:
-                states[i]["nonfinite.skips"] += 1
-                return []
-            apply_update(params[i], u, lr, decay)
-            return [i]
-        # Tensors whose first transform does not check for NaN/Inf itself: one fused check.
-        unchecked = [
-            i
-            for i in chunk
-            if group["nonfinite"] != "ignore"
-            and not ctxs[i].finite_checked
-            and not first.checks_nonfinite(states[i])
-        ]
-        flags = finite_flags([grads[i] for i in unchecked])
-        bad = {i for i, ok in zip(unchecked, flags, strict=True) if not ok}
-        bad |= {i for i in chunk if ctxs[i].finite_checked and ctxs[i].skip}
-        live = [i for i in chunk if i not in bad]
-        outs = run_chain(
-            self._chain,
-            [grads[i] for i in live],
-            [states[i] for i in live],
-            group,
-            [ctxs[i] for i in live],
+        keep = NonFinitePolicy.keep(group, grads, [c.placement for c in ctxs], states)
+        live = [i for i, k in enumerate(keep) if k]
+        params, states, ctxs, grads = (
+            [xs[i] for i in live] for xs in (params, states, ctxs, grads)
         )
-        for i in bad:
-            states[i]["nonfinite.skips"] += 1
-        done = []
-        for i, u in zip(live, outs, strict=True):
-            if u is None:
-                states[i]["nonfinite.skips"] += 1
-            else:
+        self._chain[0].prepare(grads, states, group, ctxs)
+        for chunk in _chunks(params):
+            outs = run_chain(
+                self._chain,
+                [grads[i] for i in chunk],
+                [states[i] for i in chunk],
+                group,
+                [ctxs[i] for i in chunk],
+            )
+            for i, u in zip(chunk, outs, strict=True):
                 apply_update(params[i], u, lr, decay)
-                done.append(i)
-        return done
+        return [(given, state, ctx) for state, ctx in zip(states, ctxs, strict=True)]
 
     def _indexed_params_of(self, group: dict[str, Any]) -> Iterable[tuple[int, Tensor, Tensor]]:
         offset = 0
@@ -442,6 +380,9 @@ class ChainOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             yield offset + i, p.grad, p
+
+    def _to_check(self, group: dict[str, Any]) -> list[tuple[Tensor, Tensor, Placement]]:
+        return [(p, g, self._placement(p)) for _, g, p in self._indexed_params_of(group)]
 
 
 def _is_dtensor(p: Tensor) -> bool:

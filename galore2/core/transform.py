@@ -25,7 +25,7 @@ Contract (like optax's ``(init, update)`` pairs):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -33,13 +33,10 @@ import torch
 from torch import Tensor
 
 from ..placement import LOCAL, Placement
+from .options import Option
 
 State = dict[str, Tensor]
 Group = dict[str, Any]
-
-
-class NonFiniteUpdate(Exception):
-    """Raised by a transform that finds its input non-finite before touching any state."""
 
 
 @dataclass
@@ -71,8 +68,6 @@ class Context:
     placement: Placement = LOCAL
     layout: str = "param"  # how state allocated for this direction is laid out (see Placement)
     shape: torch.Size | None = None  # the parameter's global shape (None: param.shape)
-    finite_checked: bool = False  # NaN/Inf already decided by the optimizer (sharded params)
-    skip: bool = False  # ... and the decision: skip this parameter's update
     refreshed: bool = False  # a group-level prepare() already ran this step's refresh
 
     @property
@@ -88,14 +83,15 @@ class Transform:
     """Base class of a per-tensor update rule; see the module docstring for the contract."""
 
     name: ClassVar[str] = "transform"
+    #: the group keys this transform reads (see :mod:`galore2.core.options`)
+    options: ClassVar[tuple[Option, ...]] = ()
     kinds: ClassVar[dict[str, str]] = {}
     linear_keys: ClassVar[tuple[str, ...]] = ()
     quadratic_keys: ClassVar[tuple[str, ...]] = ()
 
     def validate(self, group: Group) -> None:
-        """Raise ``ValueError`` naming any of this transform's group keys that is invalid."""
-        for t in getattr(self, "inner", ()):
-            t.validate(group)
+        """Checks that involve several of this transform's keys (each key alone was checked
+        against its :class:`~galore2.core.options.Option` already); ``ValueError`` naming them."""
 
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
@@ -107,20 +103,15 @@ class Transform:
 
     def update_many(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
-    ) -> list[Tensor | LowRankUpdate | None]:
-        """Batched :meth:`update` over a parameter group's tensors (``None`` = skipped).
+    ) -> list[Tensor | LowRankUpdate]:
+        """Batched :meth:`update` over a parameter group's tensors.
 
-        The default loops over :meth:`update`, turning :class:`NonFiniteUpdate` into
-        ``None``; transforms override it with ``torch._foreach_*`` kernels, which must
-        give the same result as the loop.
+        The default loops over :meth:`update`; transforms override it with
+        ``torch._foreach_*`` kernels, which must give the same result as the loop. Inputs
+        are finite unless the group's ``nonfinite`` is ``"ignore"`` (the optimizer's
+        non-finite policy runs before the chain).
         """
-        out: list[Tensor | LowRankUpdate | None] = []
-        for u, state, ctx in zip(us, states, ctxs, strict=True):
-            try:
-                out.append(self.update(u, state, group, ctx))
-            except NonFiniteUpdate:
-                out.append(None)
-        return out
+        return [self.update(u, s, group, c) for u, s, c in zip(us, states, ctxs, strict=True)]
 
     def prepare(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
@@ -128,12 +119,6 @@ class Transform:
         """Group-level work before the per-tensor updates (default: nothing). Runs once per
         group and step with every tensor of the group, so work that needs all of them at
         once — e.g. spreading exact SVDs over ranks — can be batched."""
-
-    def checks_nonfinite(self, state: State) -> bool:
-        """True if this (first) transform checks its input for NaN/Inf itself, raising
-        :class:`NonFiniteUpdate` before changing any state — cheaper than the optimizer's
-        check when it can look at a smaller tensor (GaLore checks the projected gradient)."""
-        return False
 
     def second_moment_sum(self, state: State, group: Group) -> Tensor | None:
         """Σ of this transform's bias-corrected second moment (for stable weight decay's σ);
@@ -153,17 +138,19 @@ class Transform:
             state[key].copy_(rotate_fn(state[key], True).clamp_(min=0))
 
 
-def state_kind(transforms: list[Transform], key: str) -> str:
-    """The accounting kind of a state key, asked of every transform in a chain."""
-    for t in transforms:
-        if key in t.kinds:
-            return t.kinds[key]
-        inner = getattr(t, "inner", None)
-        if inner:
-            kind = state_kind(list(inner), key)
-            if kind != "other":
-                return kind
-    return "other"
+def walk(modules: Iterable[Any]) -> Iterator[Any]:
+    """Every module of a chain, depth first, wrappers before what they wrap (``inner``).
+
+    The one place that looks inside wrapper transforms (GaLore): options, validation,
+    state kinds and second-moment sums all go through it."""
+    for m in modules:
+        yield m
+        yield from walk(getattr(m, "inner", ()))
+
+
+def state_kind(transforms: Iterable[Any], key: str) -> str:
+    """The accounting kind of a state key, asked of every module of a chain."""
+    return next((t.kinds[key] for t in walk(transforms) if key in t.kinds), "other")
 
 
 def run_chain(
@@ -172,34 +159,22 @@ def run_chain(
     states: list[State],
     group: Group,
     ctxs: list[Context],
-) -> list[Tensor | LowRankUpdate | None]:
-    """Thread a batch of directions through ``chain``; ``None`` marks a skipped tensor."""
-    out: list[Tensor | LowRankUpdate | None] = list(us)
-    alive = list(range(len(us)))
+) -> list[Tensor | LowRankUpdate]:
+    """Thread directions through ``chain``: one tensor alone (the CPU path, no list
+    machinery) or a batch through each transform's :meth:`Transform.update_many`."""
+    if len(us) == 1:
+        u: Tensor | LowRankUpdate = us[0]
+        for t in chain:
+            u = t.update(dense(u), states[0], group, ctxs[0])
+        return [u]
+    out: list[Tensor | LowRankUpdate] = list(us)
     for t in chain:
-        if not alive:
-            break
-        inputs = [_dense(out[i]) for i in alive]
-        results = t.update_many(inputs, [states[i] for i in alive], group, [ctxs[i] for i in alive])
-        for i, r in zip(alive, results, strict=True):
-            out[i] = r
-        alive = [i for i in alive if out[i] is not None]
+        out = t.update_many([dense(u) for u in out], states, group, ctxs)
     return out
 
 
-def run_chain_one(
-    chain: list[Transform], u: Tensor, state: State, group: Group, ctx: Context
-) -> Tensor | LowRankUpdate:
-    """One tensor through ``chain`` (raises :class:`NonFiniteUpdate` to skip it)."""
-    for t in chain:
-        if isinstance(u, LowRankUpdate):
-            u = u.dense()
-        u = t.update(u, state, group, ctx)
-    return u
-
-
-def _dense(u: Tensor | LowRankUpdate | None) -> Tensor:
-    assert u is not None
+def dense(u: Tensor | LowRankUpdate) -> Tensor:
+    """A direction as a dense tensor (a low-rank one is materialized)."""
     return u.dense() if isinstance(u, LowRankUpdate) else u
 
 

@@ -27,49 +27,71 @@ import transformers
 from torch import nn
 from transformers.trainer_utils import check_target_module_exists
 
-from ..core.config import GALORE_DEFAULTS
+from ..core.options import Option
 from ..groups import _output_head_names, param_groups
+from ..optim.adam import BETAS
+from ..optim.galore import GaLore
 from ..presets.adamw import GaLoreAdamW
 
-#: Settings for the optimizer as a whole (every group), not only the GaLore groups.
-OPTIMIZER_SETTINGS = ("state_dtype", "nonfinite")
-#: Every key accepted in ``galore_settings`` and in ``args.optim_args``.
-ALLOWED_SETTINGS = (*GALORE_DEFAULTS, *OPTIMIZER_SETTINGS, "target_modules")
 #: The rank used when neither ``galore_settings`` nor ``args.optim_args`` sets one
 #: (the default of the Trainer's own ``optim="galore_adamw"``).
 DEFAULT_RANK = 128
+#: Not an option of the optimizer: which modules are projected (replaces
+#: ``args.optim_target_modules``).
+TARGET_MODULES = "target_modules"
 
-_INT_KEYS = ("rank", "update_proj_gap", "oversample", "power_iters", "seed")
+
+def allowed_settings(optimizer_cls: type = GaLoreAdamW) -> dict[str, Option]:
+    """Every key accepted in ``galore_settings`` and ``args.optim_args`` for
+    ``optimizer_cls``: its group options and constructor switches, as it declares them."""
+    return optimizer_cls.all_options()
 
 
-def parse_optim_args(optim_args: str | None) -> dict[str, Any]:
+def parse_optim_args(optim_args: str | None, optimizer_cls: type = GaLoreAdamW) -> dict[str, Any]:
     """Parse ``TrainingArguments.optim_args`` (``"rank=128,update_proj_gap=200,scale=0.25"``).
 
-    Integer settings become ``int``, ``scale`` a ``float``; the rest stay strings. Unknown
-    keys and malformed entries raise ``ValueError``.
+    Each value is parsed by the option it sets (ints, floats, bools ``true``/``false``,
+    ``none``, pairs ``a,b`` in parentheses: ``betas=(0.9,0.95)``) and validated; unknown
+    keys and malformed entries raise ``ValueError`` naming them.
     """
     out: dict[str, Any] = {}
     if not optim_args:
         return out
-    for item in optim_args.replace(" ", "").split(","):
-        if not item:
-            continue
+    options = allowed_settings(optimizer_cls)
+    for item in _split_items(optim_args.replace(" ", "")):
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"optim_args entries must look like key=value, got {item!r}")
-        _check_keys([key], "optim_args")
+        _check_keys([key], "optim_args", optimizer_cls)
+        if key == TARGET_MODULES:
+            out[key] = value
+            continue
         try:
-            out[key] = int(value) if key in _INT_KEYS else float(value) if key == "scale" else value
+            out[key] = options[key].parse(value)
         except ValueError as e:
-            raise ValueError(f"optim_args: {key}={value!r} is not a valid {key}") from e
+            raise ValueError(f"optim_args: {e}") from None
     return out
 
 
-def _check_keys(keys: Iterable[str], source: str) -> None:
-    unknown = sorted(set(keys) - set(ALLOWED_SETTINGS))
+def _split_items(text: str) -> list[str]:
+    """Split at commas outside parentheses (``betas=(0.9,0.95),rank=8``)."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [item for item in items if item]
+
+
+def _check_keys(keys: Iterable[str], source: str, optimizer_cls: type = GaLoreAdamW) -> None:
+    allowed = {*allowed_settings(optimizer_cls), TARGET_MODULES}
+    unknown = sorted(set(keys) - allowed)
     if unknown:
         raise ValueError(
-            f"{source}: unknown GaLore setting(s) {unknown}; allowed: {sorted(ALLOWED_SETTINGS)}"
+            f"{source}: unknown setting(s) {unknown} for {optimizer_cls.__name__}; "
+            f"allowed: {sorted(allowed)}"
         )
 
 
@@ -125,8 +147,8 @@ def _build(
     optimizer_cls: type | None = None,
     optimizer_kwargs: dict[str, Any] | None = None,
 ) -> GaLoreAdamW:
-    _check_keys(galore_settings, "galore_settings")
     cls = optimizer_cls or GaLoreAdamW
+    _check_keys(galore_settings, "galore_settings", cls)
     extra = dict(optimizer_kwargs or {})
     if "num_iterations" in inspect.signature(cls).parameters and "num_iterations" not in extra:
         if args.max_steps is None or args.max_steps <= 0:
@@ -135,9 +157,12 @@ def _build(
                 "optimizer_kwargs={'num_iterations': N}"
             )
         extra["num_iterations"] = args.max_steps
-    settings = {"rank": DEFAULT_RANK, **parse_optim_args(args.optim_args), **galore_settings}
-    target = settings.pop("target_modules", None) or args.optim_target_modules or "all-linear"
-    optimizer_wide = {k: settings.pop(k) for k in OPTIMIZER_SETTINGS if k in settings}
+    settings = {"rank": DEFAULT_RANK, **parse_optim_args(args.optim_args, cls), **galore_settings}
+    target = settings.pop(TARGET_MODULES, None) or args.optim_target_modules or "all-linear"
+    # GaLore's own options go on the projected groups; every other option (the loop's, the
+    # moment rule's, constructor switches) applies to the whole optimizer.
+    projected_keys = {o.name for o in GaLore.options}
+    optimizer_wide = {k: settings.pop(k) for k in list(settings) if k not in projected_keys}
 
     names = target_module_names(model, target)
     # An anchored alternation of the exact names: param_groups then picks exactly these
@@ -147,22 +172,19 @@ def _build(
     name_of = {id(p): n for n, p in model.named_parameters()}
     groups = []
     for group in param_groups(model, exact, **settings):
-        for wd, decayed in ((args.weight_decay, True), (0.0, False)):
+        for wd, decayed in (
+            (optimizer_wide.get("weight_decay", args.weight_decay), True),
+            (0.0, False),
+        ):
             params = [p for p in group["params"] if (name_of[id(p)] in decay) == decayed]
             if params:
                 groups.append({**group, "params": params, "weight_decay": wd})
     # Adam's betas / eps only for Adam-family classes (GaLoreAdafactor's eps is another pair)
     adam = {"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
-    if "betas" not in inspect.signature(cls).parameters:
+    if cls.declared_options().get("betas") is not BETAS:  # not Adam-form (GaLoreAdafactor)
         adam = {}
-    return cls(
-        groups,
-        lr=args.learning_rate,
-        **adam,
-        weight_decay=args.weight_decay,
-        **optimizer_wide,
-        **extra,
-    )
+    kwargs = {"lr": args.learning_rate, **adam, "weight_decay": args.weight_decay}
+    return cls(groups, **{**kwargs, **optimizer_wide, **extra})
 
 
 def create_optimizer(
@@ -178,11 +200,13 @@ def create_optimizer(
     From ``args``: ``learning_rate``, ``weight_decay``, ``adam_beta1``/``adam_beta2``,
     ``adam_epsilon``, ``optim_target_modules`` (``None`` → ``"all-linear"``; see
     :func:`target_module_names`) and ``optim_args`` (``"rank=128,update_proj_gap=200"``).
-    ``galore_settings`` override both: GaLore keys (``rank`` — default 128 —,
-    ``update_proj_gap``, ``scale``, ``proj_type``, ``projector``, ``oversample``,
-    ``power_iters``, ``moments_on_refresh``, ``seed``) go on the projected groups;
-    ``state_dtype`` and ``nonfinite`` apply to every group; ``target_modules`` replaces
-    ``args.optim_target_modules``. Any other key raises ``ValueError``.
+    ``galore_settings`` override both. Any option of the optimizer is accepted (the list:
+    :func:`allowed_settings`, from the optimizer's own declarations): GaLore's options
+    (``rank`` — default 128 —, ``update_proj_gap``, ``scale``, ``projector``…) go on the
+    projected groups; every other option (``state_dtype``, ``nonfinite``, the moment
+    rule's, a preset's constructor switches) applies to the whole optimizer;
+    ``target_modules`` replaces ``args.optim_target_modules``. Any other key raises
+    ``ValueError``.
 
     Up to four groups (projected/plain × decayed/not): parameters the Trainer would not
     decay (biases, norm weights; ``Trainer.get_decay_parameter_names``) get
@@ -223,7 +247,7 @@ class GaLoreTrainer(transformers.Trainer):
     ):
         self.galore_settings = dict(galore_settings or {})
         self.galore_optimizer = (optimizer_cls, dict(optimizer_kwargs or {}))
-        _check_keys(self.galore_settings, "galore_settings")
+        _check_keys(self.galore_settings, "galore_settings", optimizer_cls or GaLoreAdamW)
         super().__init__(*args, **kwargs)
 
     def create_optimizer(self, model: nn.Module | None = None) -> GaLoreAdamW:

@@ -58,27 +58,42 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from ..core.config import STATE_DTYPES
+from ..core.options import Bool, Option, Optional, Pair, Real
 from ..core.state import counter
 from ..core.transform import Context, Group, State, Transform
+from ..storage.dtype import STATE_DTYPE, STATE_DTYPES
 
-ADAFACTOR_DEFAULTS: dict[str, Any] = {
-    "beta2_decay": -0.8,
-    "eps": (None, 1e-3),
-    "d": 1.0,
-    "beta1": None,
-    "relative_step": True,
-    "scale_parameter": True,
-}
-
-
-def _real(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+BETA2_DECAY = Option(
+    "beta2_decay", -0.8, Real(high=0.0), "the second-moment decay: β̂₂ = 1 − t^beta2_decay"
+)
+EPS = Option(
+    "eps",
+    (None, 1e-3),
+    Pair(
+        Optional(Real(low=0.0, low_open=True), "the parameter dtype's machine epsilon"),
+        Real(low=0.0),
+    ),
+    "(eps1, eps2): the floor of the second moment and of RMS(θ) (Adafactor's pair, not Adam's)",
+)
+D = Option("d", 1.0, Real(low=1.0), "the update clipping threshold: Û = U / max(1, RMS(U)/d)")
+BETA1 = Option(
+    "beta1",
+    None,
+    Optional(Real(low=0.0, high=1.0, high_open=True), "no momentum"),
+    "optional momentum of the updates",
+)
+RELATIVE_STEP = Option(
+    "relative_step", True, Bool(), "cap the step size at 1/√t (False: the step size is lr)"
+)
+SCALE_PARAMETER = Option(
+    "scale_parameter", True, Bool(), "multiply the step size by max(eps2, RMS(θ))"
+)
+OPTIONS = (BETA2_DECAY, EPS, D, BETA1, RELATIVE_STEP, SCALE_PARAMETER, STATE_DTYPE)
 
 
 # The direction's dim that a sharded parameter splits across ranks, per state layout
@@ -144,6 +159,7 @@ class ScaleByAdafactor(Transform):
     """
 
     name = "adafactor"
+    options = OPTIONS
     kinds: ClassVar[dict[str, str]] = {
         "adafactor.row_var": "moments",
         "adafactor.col_var": "moments",
@@ -155,41 +171,6 @@ class ScaleByAdafactor(Transform):
     }
     linear_keys = ("adafactor.exp_avg",)
     second_keys = ("adafactor.row_var", "adafactor.col_var", "adafactor.variance")
-
-    # ---- configuration -----------------------------------------------------------
-    def validate(self, group: Group) -> None:
-        decay = group.get("beta2_decay", ADAFACTOR_DEFAULTS["beta2_decay"])
-        if not _real(decay) or decay > 0:
-            raise ValueError(
-                f"beta2_decay must be a finite float <= 0 (β̂₂ = 1 − t^beta2_decay), got {decay!r}"
-            )
-        eps = group.get("eps", ADAFACTOR_DEFAULTS["eps"])
-        if not (isinstance(eps, (tuple, list)) and len(eps) == 2):
-            raise ValueError(
-                f"eps must be a pair (eps1, eps2) with eps1 None or a finite float > 0 and "
-                f"eps2 a finite float >= 0 (Adafactor's form, not Adam's), got {eps!r}"
-            )
-        if eps[0] is not None and (not _real(eps[0]) or eps[0] <= 0):
-            raise ValueError(
-                f"eps[0] (eps1) must be None (the parameter dtype's machine epsilon) or a "
-                f"finite float > 0 (0 gives 0/0 = NaN for zero gradient entries), got {eps[0]!r}"
-            )
-        if not _real(eps[1]) or eps[1] < 0:
-            raise ValueError(f"eps[1] (eps2) must be a finite float >= 0, got {eps[1]!r}")
-        d = group.get("d", ADAFACTOR_DEFAULTS["d"])
-        if not _real(d) or d < 1:
-            raise ValueError(
-                f"d (the update clipping threshold) must be a finite float >= 1, got {d!r}"
-            )
-        beta1 = group.get("beta1", ADAFACTOR_DEFAULTS["beta1"])
-        if beta1 is not None and (not _real(beta1) or not 0.0 <= beta1 < 1.0):
-            raise ValueError(
-                f"beta1 must be None (no momentum) or a float in [0, 1), got {beta1!r}"
-            )
-        for key in ("relative_step", "scale_parameter"):
-            value = group.get(key, ADAFACTOR_DEFAULTS[key])
-            if not isinstance(value, bool):
-                raise ValueError(f"{key} must be True or False, got {value!r}")
 
     # ---- state -------------------------------------------------------------------
     def init(
@@ -210,7 +191,7 @@ class ScaleByAdafactor(Transform):
             )
         else:
             state["adafactor.variance"] = ctx.zeros(shape, dtype)
-        if group.get("beta1") is not None:
+        if BETA1.of(group) is not None:
             state["adafactor.exp_avg"] = ctx.zeros(shape, dtype)
         state["adafactor.step"] = counter()
         state["adafactor.split_dim"] = counter(_SPLIT_DIM[ctx.layout])
@@ -222,7 +203,7 @@ class ScaleByAdafactor(Transform):
         moment = state["adafactor.row_var" if factored else "adafactor.variance"]
         if u.dtype != moment.dtype:
             u = u.to(moment.dtype)
-        beta1 = group.get("beta1")
+        beta1 = BETA1.of(group)
         if beta1 is not None and "adafactor.exp_avg" not in state:
             raise ValueError(
                 "beta1 is set but this parameter's state was created with beta1=None (no "
@@ -235,9 +216,9 @@ class ScaleByAdafactor(Transform):
         state["adafactor.step"] += 1
         state["adafactor.moment_step"] += 1
         rho = lr
-        if group.get("relative_step", True):
+        if RELATIVE_STEP.of(group):
             rho = min(lr, 1 / (float(int(state["adafactor.step"])) ** 0.5))
-        scale_parameter = group.get("scale_parameter", True)
+        scale_parameter = SCALE_PARAMETER.of(group)
         weight = float(int(state["adafactor.moment_step"])) ** group["beta2_decay"]  # 1 − β̂₂
 
         sharded = _sharded_dim(ctx, state)

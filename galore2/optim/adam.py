@@ -20,13 +20,26 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ..core.config import STATE_DTYPES
+from ..core.options import Option, Pair, Real
 from ..core.state import counter
 from ..core.transform import Context, Group, State, Transform
+from ..storage.dtype import STATE_DTYPE, STATE_DTYPES
+
+_BETA = Real(low=0.0, high=1.0, high_open=True)
+BETAS = Option(
+    "betas",
+    (0.9, 0.999),
+    Pair(_BETA, _BETA),
+    "(β₁, β₂): decay rates of the first and second moments",
+)
+EPS = Option(
+    "eps", 1e-8, Real(low=0.0, low_open=True), "added to the denominator √v̂ for numerical stability"
+)
 
 
 class ScaleByAdam(Transform):
     name = "adam"
+    options = (BETAS, EPS, STATE_DTYPE)
     kinds: ClassVar[dict[str, str]] = {
         "adam.exp_avg": "moments",
         "adam.exp_avg_sq": "moments",

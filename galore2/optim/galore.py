@@ -39,19 +39,18 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .._numerics import all_finite, finite_flags, mix_seed
+from .._numerics import mix_seed
+from ..core.options import Bool, Choice, Int, Option, Optional, Real
 from ..core.state import counter
 from ..core.transform import (
     Context,
     Group,
     LowRankUpdate,
-    NonFiniteUpdate,
     State,
     Transform,
-    _dense,
+    dense,
     init_chain,
     run_chain,
-    run_chain_one,
 )
 from ..projectors import (
     FULL,
@@ -65,11 +64,80 @@ from ..projectors import (
     choose_side,
     get_projector,
     low_rank_shape,
+    validate_projector_options,
+)
+from ..projectors import KINDS as PROJECTOR_KINDS
+from ..projectors import OPTIONS as PROJECTOR_OPTIONS
+from ..storage.basis import OPTIONS as BASIS_OPTIONS
+from ..storage.basis import validate_basis_options
+
+RANK = Option(
+    "rank",
+    None,
+    Optional(Int(low=1), "no projection: the inner rule at full rank"),
+    "rank r of the subspace; None leaves the group's parameters unprojected",
+)
+UPDATE_PROJ_GAP = Option("update_proj_gap", 200, Int(low=1), "steps T between subspace refreshes")
+SCALE = Option(
+    "scale", 0.25, Real(low=0.0, low_open=True), "α, the multiplier of the back-projected update"
+)
+PROJ_TYPE = Option(
+    "proj_type",
+    "std",
+    Choice(("std", "reverse_std", "left", "right", "full")),
+    "which side is projected (galore-torch's names; std: the smaller dimension)",
+)
+MOMENTS_ON_REFRESH = Option(
+    "moments_on_refresh",
+    "keep",
+    Choice(("keep", "reset", "project")),
+    "moments at a refresh: kept (galore-torch), zeroed, or rotated into the new basis",
+)
+SEED = Option("seed", 0, Int(low=0, high=2**62), "base seed of the random sketches and projections")
+TENSOR_PROJECTION = Option(
+    "tensor_projection",
+    "tucker",
+    Choice(("tucker", "matrix")),
+    "weights with more than two dims: per-mode Tucker factors, or shape[0] x rest as a matrix",
+)
+ADAPTIVE_REFRESH = Option(
+    "adaptive_refresh", False, Bool(), "lengthen a parameter's gap while its subspace stays put"
+)
+REFRESH_THRESHOLD = Option(
+    "refresh_threshold",
+    0.4,
+    Real(low=0.0, high=1.0, low_open=True),
+    "subspace overlap at or above which a refresh counts as 'stable' (adaptive refresh)",
+)
+REFRESH_PATIENCE = Option(
+    "refresh_patience", 3, Int(low=1), "stable refreshes in a row before the gap doubles"
+)
+MAX_UPDATE_PROJ_GAP = Option(
+    "max_update_proj_gap",
+    None,
+    Optional(Int(low=1), "8 x update_proj_gap"),
+    "the longest gap adaptive refresh may reach",
+)
+OPTIONS = (
+    RANK,
+    UPDATE_PROJ_GAP,
+    SCALE,
+    PROJ_TYPE,
+    *PROJECTOR_OPTIONS,
+    MOMENTS_ON_REFRESH,
+    SEED,
+    *BASIS_OPTIONS,
+    ADAPTIVE_REFRESH,
+    REFRESH_THRESHOLD,
+    REFRESH_PATIENCE,
+    MAX_UPDATE_PROJ_GAP,
+    TENSOR_PROJECTION,
 )
 
 
 class GaLore(Transform):
     name = "galore"
+    options = OPTIONS
     kinds: ClassVar[dict[str, str]] = {
         "galore.side": "other",
         "galore.step": "other",
@@ -79,12 +147,24 @@ class GaLore(Transform):
         "galore.gap": "other",
         "galore.streak": "other",
         "galore.similarity": "other",
+        **PROJECTOR_KINDS,
     }
 
     def __init__(self, *inner: Transform) -> None:
         if not inner:
             raise ValueError("GaLore needs at least one inner transform (e.g. ScaleByAdam())")
         self.inner: list[Transform] = list(inner)
+
+    def validate(self, group: Group) -> None:
+        validate_projector_options(group)
+        validate_basis_options(group)
+        cap, gap = group["max_update_proj_gap"], group["update_proj_gap"]
+        if cap is not None and cap < gap:
+            raise ValueError(
+                f"max_update_proj_gap must be None (8 x update_proj_gap) or an int >= "
+                f"update_proj_gap ({gap}), got {cap!r}"
+            )
+        super().validate(group)
 
     # ---- planning ----------------------------------------------------------------
     @staticmethod
@@ -144,43 +224,27 @@ class GaLore(Transform):
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor | LowRankUpdate:
         if int(state["galore.side"]) == NONE:  # plain: full-rank inner update
-            return run_chain_one(self.inner, u, state, group, ctx)
+            return run_chain(self.inner, [u], [state], group, [ctx])[0]
         plan, R = self._project(u, state, group, ctx)
-        # NaN/Inf in G shows in R = PᵀG, a much smaller tensor.
-        if group["nonfinite"] != "ignore" and not ctx.finite_checked and not all_finite(R):
-            raise NonFiniteUpdate  # moments untouched (a refresh may already have run)
-        N = run_chain_one(self.inner, R, state, group, ctx)
-        return self._back(N, state, group, plan, ctx, u.shape)
+        (N,) = run_chain(self.inner, [R], [state], group, [ctx])
+        return self._back(dense(N), state, group, plan, ctx, u.shape)
 
     def update_many(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
-    ) -> list[Tensor | LowRankUpdate | None]:
-        out: list[Tensor | LowRankUpdate | None] = [None] * len(us)
-        inner_idx: list[int] = []  # tensors handed to the inner chain
-        inner_in: list[Tensor] = []
+    ) -> list[Tensor | LowRankUpdate]:
         plans: dict[int, Plan] = {}
-        projected: list[Tensor] = []
+        inner_in: list[Tensor] = []  # the plain tensors as they are, projected ones as R
         for i, (u, state) in enumerate(zip(us, states, strict=True)):
             if int(state["galore.side"]) == NONE:
-                inner_idx.append(i)
                 inner_in.append(u)
-                continue
-            plans[i], R = self._project(u, state, group, ctxs[i])
-            projected.append(R)
-        check = group["nonfinite"] != "ignore" and not any(c.finite_checked for c in ctxs)
-        flags = finite_flags(projected) if check else [True] * len(projected)
-        for i, R, ok in zip(plans, projected, flags, strict=True):
-            if ok:
-                inner_idx.append(i)
-                inner_in.append(R)
-        inner_states = [states[i] for i in inner_idx]
-        results = run_chain(self.inner, inner_in, inner_states, group, [ctxs[i] for i in inner_idx])
-        for i, N in zip(inner_idx, results, strict=True):
-            if N is None or i not in plans:
-                out[i] = N
             else:
-                out[i] = self._back(_dense(N), states[i], group, plans[i], ctxs[i], us[i].shape)
-        return out
+                plans[i], R = self._project(u, state, group, ctxs[i])
+                inner_in.append(R)
+        results = run_chain(self.inner, inner_in, states, group, ctxs)
+        return [
+            self._back(dense(N), states[i], group, plans[i], ctxs[i], u.shape) if i in plans else N
+            for i, (N, u) in enumerate(zip(results, us, strict=True))
+        ]
 
     def _project(self, u: Tensor, state: State, group: Group, ctx: Context) -> tuple[Plan, Tensor]:
         """Refresh when due, then R = project(G) (this rank's part of it when sharded)."""
@@ -223,9 +287,6 @@ class GaLore(Transform):
         state["galore.step"] += 1
         return LowRankUpdate(A, B, shape, factor)
 
-    def checks_nonfinite(self, state: State) -> bool:
-        return int(state["galore.side"]) != NONE
-
     # ---- refresh -----------------------------------------------------------------
     def prepare(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
@@ -238,7 +299,7 @@ class GaLore(Transform):
         due = []
         for u, state, ctx in zip(us, states, ctxs, strict=True):
             side = int(state["galore.side"])
-            if side in (NONE, TUCKER) or ctx.skip or not ctx.placement.distributed:
+            if side in (NONE, TUCKER) or not ctx.placement.distributed:
                 continue  # Tucker weights refresh per tensor (one gather for all modes)
             if int(state["galore.step"]) < int(state["galore.next_refresh"]):
                 continue

@@ -12,24 +12,12 @@ are summed over the shard group (one all-reduce of a few numbers per parameter).
 
 from __future__ import annotations
 
-import math
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from ..core.modules import GradientTransform
+from ..core.options import Option, Real
 from ..core.transform import Context, Group, State
-
-
-def check_real(group: Group, key: str, default: float, *, low: float, strict: bool) -> None:
-    """Raise ``ValueError`` unless ``group[key]`` is a finite real ≥ ``low`` (> if strict)."""
-    value: Any = group.get(key, default)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or (value <= low if strict else value < low):
-        raise ValueError(
-            f"{key} must be a finite float {'>' if strict else '>='} {low}, got {value!r}"
-        )
 
 
 def acc_dtype(t: Tensor) -> torch.dtype:
@@ -57,6 +45,18 @@ def unit_norms(tensors: list[Tensor], ctx: Context) -> list[Tensor]:
     return list(squares.sqrt().unbind())
 
 
+AGC_CLIP = Option(
+    "agc_clip",
+    1e-2,
+    Real(low=0.0),
+    "AGC: largest ratio of a row's gradient norm to its weight norm",
+)
+AGC_EPS = Option("agc_eps", 1e-3, Real(low=0.0, low_open=True), "AGC: floor of the weight norm")
+GN_EPS = Option(
+    "gn_eps", 1e-8, Real(low=0.0, low_open=True), "gradient normalization: added to the std"
+)
+
+
 class AdaptiveGradientClipping(GradientTransform):
     """Adaptive gradient clipping (AGC, Brock et al. 2021), unit-wise.
 
@@ -74,17 +74,14 @@ class AdaptiveGradientClipping(GradientTransform):
     """
 
     name = "agc"
-
-    def validate(self, group: Group) -> None:
-        check_real(group, "agc_clip", 1e-2, low=0.0, strict=False)
-        check_real(group, "agc_eps", 1e-3, low=0.0, strict=True)
+    options = (AGC_CLIP, AGC_EPS)
 
     def apply_(self, grad: Tensor, group: Group, state: State, ctx: Context) -> None:
-        clip = float(group.get("agc_clip", 1e-2))
+        clip = float(AGC_CLIP.of(group))
         if clip == 0.0:
             return
         g_norm, w_norm = unit_norms([grad, ctx.param], ctx)
-        limit = w_norm.clamp_min(float(group.get("agc_eps", 1e-3))).mul_(clip)
+        limit = w_norm.clamp_min(float(AGC_EPS.of(group))).mul_(clip)
         ratio = limit / g_norm.clamp_min(torch.finfo(g_norm.dtype).tiny)
         grad.mul_(torch.where(g_norm > limit, ratio, torch.ones_like(ratio)))
 
@@ -123,14 +120,12 @@ class NormalizeGradient(GradientTransform):
     """
 
     name = "gn"
-
-    def validate(self, group: Group) -> None:
-        check_real(group, "gn_eps", 1e-8, low=0.0, strict=True)
+    options = (GN_EPS,)
 
     def apply_(self, grad: Tensor, group: Group, state: State, ctx: Context) -> None:
         if ctx.global_shape.numel() <= 1:  # the same decision on every rank (no collective)
             return
-        eps = float(group.get("gn_eps", 1e-8))
+        eps = float(GN_EPS.of(group))
         acc = acc_dtype(grad)
         local = grad if grad.dtype == acc else grad.to(acc)
         if not ctx.placement.distributed:

@@ -44,15 +44,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..core.config import STATE_DTYPES
+from ..core.options import Bool, Option, Real
 from ..core.state import counter
 from ..core.transform import Context, Group, State, Transform
+from ..storage.dtype import STATE_DTYPE, STATE_DTYPES
+from .adam import BETAS, EPS
 
-PNM_DEFAULTS = {"pnm_beta0": 1.0, "softplus_beta": 50.0}
-
-
-def _real(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+PNM_BETA0 = Option(
+    "pnm_beta0", 1.0, Real(low=0.0), "β₀, the weight of the negative momentum (1: Ranger21's)"
+)
+#: the moment module's variants (constructor switches of ScaleByPNM; defaults are Ranger21's)
+PNM_SWITCHES = (
+    Option("softplus", True, Bool(), "PNM: softplus(√v̂) as the denominator instead of √v̂ + eps"),
+    Option("adamd", False, Bool(), "PNM: AdamD, no bias correction of the first moment"),
+    Option("amsgrad", False, Bool(), "PNM: AMSGrad, the running max of v in the denominator"),
+)
+SOFTPLUS_BETA = Option(
+    "softplus_beta", 50.0, Real(low=0.0, low_open=True), "sharpness of the softplus denominator"
+)
 
 
 def _corrections(t: int, beta1: float, adamd: bool) -> tuple[float, float]:
@@ -74,6 +83,7 @@ class ScaleByPNM(Transform):
     """
 
     name = "pnm"
+    options = (BETAS, EPS, STATE_DTYPE, PNM_BETA0, SOFTPLUS_BETA)
     kinds: ClassVar[dict[str, str]] = {
         "pnm.exp_avg": "moments",
         "pnm.neg_exp_avg": "moments",
@@ -92,14 +102,6 @@ class ScaleByPNM(Transform):
     def __repr__(self) -> str:
         return f"ScaleByPNM(amsgrad={self.amsgrad}, softplus={self.softplus}, adamd={self.adamd})"
 
-    def validate(self, group: Group) -> None:
-        beta0 = group.get("pnm_beta0", PNM_DEFAULTS["pnm_beta0"])
-        if not _real(beta0) or beta0 < 0:
-            raise ValueError(f"pnm_beta0 must be a finite float >= 0, got {beta0!r}")
-        sp_beta = group.get("softplus_beta", PNM_DEFAULTS["softplus_beta"])
-        if not _real(sp_beta) or sp_beta <= 0:
-            raise ValueError(f"softplus_beta must be a finite float > 0, got {sp_beta!r}")
-
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
     ) -> None:
@@ -117,7 +119,7 @@ class ScaleByPNM(Transform):
         if u.dtype != exp_avg.dtype:
             u = u.to(exp_avg.dtype)
         beta1, beta2 = group["betas"]
-        beta0 = float(group.get("pnm_beta0", PNM_DEFAULTS["pnm_beta0"]))
+        beta0 = float(PNM_BETA0.of(group))
         state["pnm.step"] += 1
         t = int(state["pnm.step"])
         active, passive = (exp_avg, neg_exp_avg) if t % 2 == 1 else (neg_exp_avg, exp_avg)
@@ -134,7 +136,7 @@ class ScaleByPNM(Transform):
             out.add_(passive, alpha=-beta0 / (norm * bc_passive))
         denom = v.sqrt().div_(math.sqrt(1 - beta2**t))
         if self.softplus:
-            sp_beta = float(group.get("softplus_beta", PNM_DEFAULTS["softplus_beta"]))
+            sp_beta = float(SOFTPLUS_BETA.of(group))
             denom = F.softplus(denom, beta=sp_beta)
         else:
             denom.add_(group["eps"])
@@ -153,4 +155,4 @@ class ScaleByPNM(Transform):
         state["pnm.step"].zero_()
 
 
-__all__ = ["PNM_DEFAULTS", "ScaleByPNM"]
+__all__ = ["PNM_BETA0", "PNM_SWITCHES", "SOFTPLUS_BETA", "ScaleByPNM"]

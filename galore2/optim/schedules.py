@@ -28,6 +28,9 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from ..core.modules import LRSchedule
+from ..core.options import Bool, Int, Option, Optional, Real
+
 _TOL = 1e-9  # float slack for ⌈·⌉/⌊·⌋ of values like 2/(1 − 0.999) = 1999.9999999999982
 
 
@@ -106,6 +109,79 @@ def ranger21_lr(
     return lr
 
 
+NUM_ITERATIONS = Option(
+    "num_iterations",
+    None,
+    Optional(Int(low=1), "no schedule length: needs use_warmup=use_warmdown=False"),
+    "the run's optimizer steps (the warmup / warmdown schedule's length)",
+)
+USE_WARMUP = Option("use_warmup", True, Bool(), "linear warmup of the lr")
+USE_WARMDOWN = Option("use_warmdown", True, Bool(), "linear warmdown of the lr to min_lr")
+WARMUP_ITERATIONS = Option(
+    "warmup_iterations",
+    None,
+    Optional(Int(low=0), "⌈2/(1 − β₂)⌉, or ⌈0.22·num_iterations⌉ when that is > 45%"),
+    "warmup length W",
+)
+WARMDOWN_START = Option(
+    "warmdown_start",
+    0.72,
+    Real(low=0.0, high=1.0, low_open=True, high_open=True),
+    "fraction of num_iterations at full lr before the warmdown",
+)
+MIN_LR = Option("min_lr", 3e-5, Real(low=0.0), "the lr the warmdown ends at (absolute)")
+#: the schedule's constructor settings (switches, not group keys)
+SCHEDULE_SWITCHES = (USE_WARMUP, USE_WARMDOWN, WARMUP_ITERATIONS, WARMDOWN_START, MIN_LR)
+
+
+class WarmupWarmdown(LRSchedule):
+    """:func:`ranger21_lr` as an optimizer's built-in schedule (Ranger21's): the group's
+    ``lr`` is the peak, ``num_iterations`` a group key, β₂ the group's ``betas[1]``.
+
+    The same schedule runs as a standalone ``LRScheduler`` (:class:`Ranger21Schedule`)."""
+
+    name = "schedule"
+    options = (NUM_ITERATIONS,)
+
+    def __init__(
+        self,
+        *,
+        warmup: bool = True,
+        warmdown: bool = True,
+        warmup_iterations: int | None = None,
+        warmdown_start: float = 0.72,
+        min_lr: float = 3e-5,
+    ) -> None:
+        _check(1, 0.0, warmup_iterations, warmdown_start, min_lr)
+        self.warmup, self.warmdown = bool(warmup), bool(warmdown)
+        self.settings = {
+            "warmup_iterations": warmup_iterations,
+            "warmdown_start": warmdown_start,
+            "min_lr": min_lr,
+        }
+
+    def validate(self, group: dict[str, Any]) -> None:
+        if (self.warmup or self.warmdown) and group["num_iterations"] is None:
+            raise ValueError(
+                "num_iterations (the run's optimizer steps) is required for the warmup / "
+                "warmdown schedule; pass it, or use_warmup=False and use_warmdown=False"
+            )
+
+    def lr(self, group: dict[str, Any], step: int) -> float:
+        if not (self.warmup or self.warmdown):
+            return float(group["lr"])
+        betas = group.get("betas")
+        return ranger21_lr(
+            float(group["lr"]),
+            step,
+            group["num_iterations"],
+            beta2=betas[1] if betas is not None else 0.999,
+            warmup=self.warmup,
+            warmdown=self.warmdown,
+            **self.settings,
+        )
+
+
 class Ranger21Schedule(LRScheduler):
     """:func:`ranger21_lr` as an ``LRScheduler``; each group follows its own base lr.
 
@@ -145,7 +221,12 @@ class Ranger21Schedule(LRScheduler):
 
     def lr_at(self, base_lr: float, step: int) -> float:
         s = dict(self.settings)
-        return ranger21_lr(base_lr, step, s.pop("num_iterations"), **s)
+        group = {
+            "lr": base_lr,
+            "num_iterations": s.pop("num_iterations"),
+            "betas": (0.0, s.pop("beta2")),
+        }
+        return WarmupWarmdown(**s).lr(group, step)
 
     def get_lr(self) -> list[float]:
         return [self.lr_at(float(base), self.last_epoch) for base in self.base_lrs]
@@ -201,6 +282,7 @@ __all__ = [
     "LinearWarmup",
     "Ranger21Schedule",
     "WarmdownToMin",
+    "WarmupWarmdown",
     "ranger21_lr",
     "warmdown_start_step",
     "warmup_length",

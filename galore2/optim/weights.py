@@ -16,11 +16,35 @@ from torch import Tensor
 
 from .._numerics import generator_for, mix_seed
 from ..core.modules import ParamTransform, Stats
+from ..core.options import Choice, Int, Option, Optional, Real
 from ..core.state import counter
 from ..core.transform import Context, Group, State
-from .gradient import check_real, unit_norms
+from .galore import SEED
+from .gradient import unit_norms
 
 _LOOKAHEAD_TAG = 0x4C4B4148  # keeps lookahead's seeds apart from GaLore's
+
+
+NORM_LOSS_FACTOR = Option(
+    "norm_loss_factor", 1e-4, Real(low=0.0), "λₙ, the strength of the pull toward unit row norms"
+)
+NORM_LOSS_EPS = Option(
+    "norm_loss_eps", 1e-8, Real(low=0.0, low_open=True), "norm loss: added to the row norm"
+)
+LOOKAHEAD_K = Option("lookahead_k", 5, Int(low=1), "lookahead: steps between synchronizations")
+LOOKAHEAD_ALPHA = Option(
+    "lookahead_alpha",
+    0.5,
+    Real(low=0.0, high=1.0, low_open=True),
+    "lookahead: how far the slow weights move toward the fast ones",
+)
+
+LOOKAHEAD_DTYPE = Option(
+    "lookahead_dtype",
+    None,
+    Optional(Choice(("bfloat16",)), "the parameter's dtype"),
+    "lookahead: dtype of the slow weights (bfloat16 halves them, stochastic rounding)",
+)
 
 
 class NormLoss(ParamTransform):
@@ -38,19 +62,16 @@ class NormLoss(ParamTransform):
     """
 
     name = "norm_loss"
-
-    def validate(self, group: Group) -> None:
-        check_real(group, "norm_loss_factor", 1e-4, low=0.0, strict=False)
-        check_real(group, "norm_loss_eps", 1e-8, low=0.0, strict=True)
+    options = (NORM_LOSS_FACTOR, NORM_LOSS_EPS)
 
     def apply_(self, group: Group, state: State, ctx: Context, stats: Stats | None) -> None:
-        factor = float(group.get("norm_loss_factor", 1e-4))
+        factor = float(NORM_LOSS_FACTOR.of(group))
         lr = float(group["lr"])
         if factor == 0.0 or lr == 0.0:
             return
         w = ctx.param
         (norm,) = unit_norms([w], ctx)
-        eps = float(group.get("norm_loss_eps", 1e-8))
+        eps = float(NORM_LOSS_EPS.of(group))
         shrink = (norm + eps).reciprocal_().neg_().add_(1.0)  # 1 − 1/(‖wᵢ‖ + eps)
         w.mul_(shrink.mul_(-2.0 * lr * factor).add_(1.0))
 
@@ -124,6 +145,7 @@ class Lookahead(ParamTransform):
     """
 
     name = "lookahead"
+    options = (LOOKAHEAD_K, LOOKAHEAD_ALPHA, SEED)
     kinds: ClassVar[dict[str, str]] = {
         "lookahead.slow": "lookahead",
         "lookahead.step": "other",
@@ -138,15 +160,6 @@ class Lookahead(ParamTransform):
         else:
             raise ValueError(f"slow_dtype must be None or 'bfloat16', got {slow_dtype!r}")
 
-    def validate(self, group: Group) -> None:
-        k = group.get("lookahead_k", 5)
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"lookahead_k must be an int >= 1, got {k!r}")
-        alpha = group.get("lookahead_alpha", 0.5)
-        ok = isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
-        if not ok or not 0.0 < alpha <= 1.0:
-            raise ValueError(f"lookahead_alpha must be a float in (0, 1], got {alpha!r}")
-
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
     ) -> None:
@@ -155,16 +168,14 @@ class Lookahead(ParamTransform):
         state["lookahead.slow"] = slow
         state["lookahead.step"] = counter()
         if self.slow_dtype is not None:
-            state["lookahead.seed"] = counter(
-                mix_seed(group.get("seed", 0), ctx.index, _LOOKAHEAD_TAG)
-            )
+            state["lookahead.seed"] = counter(mix_seed(SEED.of(group), ctx.index, _LOOKAHEAD_TAG))
 
     def apply_(self, group: Group, state: State, ctx: Context, stats: Stats | None) -> None:
         state["lookahead.step"] += 1
         step = int(state["lookahead.step"])
-        if step % int(group.get("lookahead_k", 5)):
+        if step % int(LOOKAHEAD_K.of(group)):
             return
-        alpha = float(group.get("lookahead_alpha", 0.5))
+        alpha = float(LOOKAHEAD_ALPHA.of(group))
         w, slow = ctx.param, state["lookahead.slow"]
         if self.slow_dtype is None:
             slow.lerp_(w, alpha)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from ..core.config import GALORE_DEFAULTS, check_galore_kwargs
 from ..core.optimizer import ChainOptimizer, ParamsT
 from ..optim.adafactor import ScaleByAdafactor
 from ..optim.galore import GaLore
@@ -27,18 +26,19 @@ class GaLoreAdafactor(ChainOptimizer):
         lr, beta2_decay, eps, d, weight_decay, maximize: as ``torch.optim.Adafactor``
             (``lr`` caps the relative step size ρ_t = min(lr, 1/√t) and scales the
             decoupled weight decay).
-        beta1: optional momentum of the update (None: none, as torch's Adafactor).
-        relative_step: cap the step size at 1/√t, ρ_t = min(lr, 1/√t) (default True, as
-            torch's Adafactor); False: ρ_t = lr (galore-torch's ``relative_step=False``).
-        scale_parameter: multiply the step size by max(eps2, RMS(θ)) (default True, as
-            torch's Adafactor); False: the step size is ρ_t alone. GaLore pre-training
-            usually sets both False and sweeps ``lr`` as for GaLoreAdamW.
-        state_dtype: dtype of the moments (``"float32"`` default).
-        nonfinite: ``"skip"`` (default) | ``"raise"`` | ``"ignore"``, as in
-            :class:`~galore2.GaLoreAdamW`.
-        **galore: the GaLore options of :class:`~galore2.GaLoreAdamW` (``rank``,
-            ``update_proj_gap``, ``scale``, ``proj_type``, ``projector``…).
+        **options: every other option: ``beta1`` (optional momentum of the update),
+            ``relative_step`` (cap the step size at 1/√t; False: ρ_t = lr, galore-torch's
+            ``relative_step=False``), ``scale_parameter`` (multiply it by max(eps2, RMS(θ)))
+            — GaLore pre-training usually sets both False and sweeps ``lr`` as for
+            GaLoreAdamW —, ``maximize``, ``state_dtype``, ``nonfinite`` and the GaLore
+            options of :class:`~galore2.GaLoreAdamW`; see :meth:`declared_options`.
     """
+
+    modules = (GaLore, ScaleByAdafactor)
+    option_hints: ClassVar[dict[str, str]] = {
+        "betas": "betas is not a GaLoreAdafactor key: Adafactor's second-moment decay is "
+        "beta2_decay (β̂₂ = 1 − t^beta2_decay) and its optional momentum beta1"
+    }
 
     def __init__(
         self,
@@ -48,37 +48,14 @@ class GaLoreAdafactor(ChainOptimizer):
         eps: tuple[float | None, float] = (None, 1e-3),
         d: float = 1.0,
         weight_decay: float = 0.0,
-        *,
-        beta1: float | None = None,
-        relative_step: bool = True,
-        scale_parameter: bool = True,
-        maximize: bool = False,
-        state_dtype: str | torch.dtype = "float32",
-        nonfinite: str = "skip",
-        **galore: Any,
+        **options: Any,
     ) -> None:
-        check_galore_kwargs(galore)
-        defaults: dict[str, Any] = {
+        defaults = {
             "lr": lr,
             "beta2_decay": beta2_decay,
             "eps": eps,
             "d": d,
-            "beta1": beta1,
-            "relative_step": relative_step,
-            "scale_parameter": scale_parameter,
             "weight_decay": weight_decay,
-            "maximize": maximize,
-            "state_dtype": state_dtype,
-            "nonfinite": nonfinite,
-            **GALORE_DEFAULTS,
-            **galore,
+            **options,
         }
-        super().__init__(params, chain=[GaLore(ScaleByAdafactor())], defaults=defaults)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if isinstance(param_group, dict) and "betas" in param_group:
-            raise ValueError(
-                "betas is not a GaLoreAdafactor key: Adafactor's second-moment decay is "
-                "beta2_decay (β̂₂ = 1 − t^beta2_decay) and its optional momentum beta1"
-            )
-        super().add_param_group(param_group)
+        super().__init__(params, [GaLore(ScaleByAdafactor())], defaults)

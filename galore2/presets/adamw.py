@@ -7,7 +7,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..core.config import GALORE_DEFAULTS, check_galore_kwargs
 from ..core.optimizer import ChainOptimizer, ParamsT
 from ..core.transform import Transform
 from ..optim.adam import ScaleByAdam
@@ -26,23 +25,15 @@ class GaLoreAdamW(ChainOptimizer):
 
     Args:
         params: parameters or parameter groups (see :func:`galore2.param_groups`).
-        lr, betas, eps, weight_decay, maximize: as ``torch.optim.AdamW``.
-        state_dtype: dtype of the moments (``"float32"`` default, ``"bfloat16"``…).
-        nonfinite: ``"skip"`` (default) skips a parameter's update when its gradient
-            has NaN/Inf and counts it in :attr:`nonfinite_skips`; ``"raise"`` raises before
-            any parameter changes; ``"ignore"`` does not check (NaN propagates, as in
-            ``torch.optim.AdamW``; saves the check's ~5% of a CPU step).
-        rank: default rank for groups that do not set one (``None`` = plain AdamW).
-        update_proj_gap: steps between subspace refreshes (T).
-        scale: α, the multiplier of the back-projected update.
-        proj_type: ``std`` | ``reverse_std`` | ``left`` | ``right`` | ``full``.
-        projector: ``randomized`` (default) | ``svd`` | ``power`` | ``random``.
-        oversample: extra sketch columns for ``randomized`` / ``power`` cold starts.
-        power_iters: subspace iterations (randomized: after the sketch; power: per refresh).
-        moments_on_refresh: ``keep`` (galore-torch) | ``reset`` | ``project``.
-        seed: base seed of the random sketches and projections.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        **options: defaults for every other option (``maximize``, ``state_dtype``,
+            ``nonfinite``, and the GaLore options ``rank`` — default ``None``, plain AdamW —,
+            ``update_proj_gap``, ``scale``, ``proj_type``, ``projector``…); the full list,
+            with defaults and allowed values, is :meth:`declared_options` (and the README's
+            options table, generated from it). Unknown names raise ``TypeError``.
     """
 
+    modules = (GaLore, ScaleByAdam)
     #: the Adam transform run inside GaLore (at the low-rank shape for projected matrices)
     adam_transform: ClassVar[type[Transform]] = ScaleByAdam
 
@@ -53,25 +44,10 @@ class GaLoreAdamW(ChainOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
-        *,
-        maximize: bool = False,
-        state_dtype: str | torch.dtype = "float32",
-        nonfinite: str = "skip",
-        **galore: Any,
+        **options: Any,
     ) -> None:
-        check_galore_kwargs(galore)
-        defaults: dict[str, Any] = {
-            "lr": lr,
-            "betas": betas,
-            "eps": eps,
-            "weight_decay": weight_decay,
-            "maximize": maximize,
-            "state_dtype": state_dtype,
-            "nonfinite": nonfinite,
-            **GALORE_DEFAULTS,
-            **galore,
-        }
-        super().__init__(params, chain=[GaLore(self.adam_transform())], defaults=defaults)
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, **options}
+        super().__init__(params, [GaLore(self.adam_transform())], defaults)
 
 
 class GaLoreAdamW8bit(GaLoreAdamW):
@@ -108,4 +84,5 @@ class GaLoreAdamW8bit(GaLoreAdamW):
     ``ImportError``, while ``import galore2`` does not need it.
     """
 
+    modules = (GaLore, ScaleByAdam8bit)
     adam_transform = ScaleByAdam8bit

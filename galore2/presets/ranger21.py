@@ -35,39 +35,58 @@ second moments of every parameter), the order galore-torch uses for projected ma
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
-import torch
-
-from ..core.config import GALORE_DEFAULTS
 from ..core.optimizer import ChainOptimizer, ParamsT
+from ..core.options import Bool, Option
 from ..optim.adam import ScaleByAdam
 from ..optim.galore import GaLore
 from ..optim.gradient import AdaptiveGradientClipping, CentralizeGradient, NormalizeGradient
-from ..optim.pnm import ScaleByPNM
-from ..optim.schedules import ranger21_lr
-from ..optim.weights import Lookahead, NormLoss, StableWeightDecay
-
-_LOOKAHEAD_DTYPES = (None, "bfloat16")
+from ..optim.pnm import PNM_SWITCHES, ScaleByPNM
+from ..optim.schedules import SCHEDULE_SWITCHES, WarmupWarmdown
+from ..optim.weights import LOOKAHEAD_DTYPE, Lookahead, NormLoss, StableWeightDecay
 
 
-def _schedule(
-    group: dict[str, Any], step: int, *, warmup: bool, warmdown: bool, options: dict[str, Any]
-) -> float:
-    return ranger21_lr(
-        float(group["lr"]),
-        step,
-        group["num_iterations"],
-        beta2=group["betas"][1],
-        warmup=warmup,
-        warmdown=warmdown,
-        **options,
-    )
+def _switch(name: str, what: str) -> Option:
+    return Option(name, True, Bool(), what)
+
+
+#: which modules a Ranger21 chains (each on by default)
+GRADIENT_SWITCHES = (
+    (_switch("use_agc", "adaptive gradient clipping"), AdaptiveGradientClipping),
+    (_switch("use_gc", "gradient centralization"), CentralizeGradient),
+    (_switch("use_gn", "gradient normalization"), NormalizeGradient),
+)
+WEIGHT_SWITCHES = (
+    (_switch("use_norm_loss", "norm loss"), NormLoss),
+    (_switch("use_stable_weight_decay", "stable weight decay (replaces decoupled decay)"),
+     StableWeightDecay),
+    (_switch("use_lookahead", "lookahead"), Lookahead),
+)  # fmt: skip
+USE_PNM = _switch("use_pnm", "positive-negative momentum (off: Adam's moments)")
+
+
+_GALORE_HINT = "GaLore options (rank, update_proj_gap, ...) need GaLoreRanger21"
 
 
 class _Ranger21Base(ChainOptimizer):
     _galore = False
+    option_hints: ClassVar[dict[str, str]] = {o.name: _GALORE_HINT for o in GaLore.options}
+    modules = (
+        *(m for _, m in GRADIENT_SWITCHES),
+        ScaleByPNM,
+        ScaleByAdam,
+        *(m for _, m in WEIGHT_SWITCHES),
+        WarmupWarmdown,
+    )
+    construct_options = (
+        *(o for o, _ in GRADIENT_SWITCHES),
+        USE_PNM,
+        *PNM_SWITCHES,
+        *(o for o, _ in WEIGHT_SWITCHES),
+        LOOKAHEAD_DTYPE,
+        *SCHEDULE_SWITCHES,
+    )
 
     def __init__(
         self,
@@ -77,125 +96,45 @@ class _Ranger21Base(ChainOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-4,
-        *,
-        use_agc: bool = True,
-        agc_clip: float = 1e-2,
-        agc_eps: float = 1e-3,
-        use_gc: bool = True,
-        use_gn: bool = True,
-        gn_eps: float = 1e-8,
-        use_pnm: bool = True,
-        pnm_beta0: float = 1.0,
-        softplus: bool = True,
-        softplus_beta: float = 50.0,
-        adamd: bool = False,
-        amsgrad: bool = False,
-        use_norm_loss: bool = True,
-        norm_loss_factor: float = 1e-4,
-        norm_loss_eps: float = 1e-8,
-        use_stable_weight_decay: bool = True,
-        use_lookahead: bool = True,
-        lookahead_k: int = 5,
-        lookahead_alpha: float = 0.5,
-        lookahead_dtype: str | None = None,
-        use_warmup: bool = True,
-        use_warmdown: bool = True,
-        warmup_iterations: int | None = None,
-        warmdown_start: float = 0.72,
-        min_lr: float = 3e-5,
-        maximize: bool = False,
-        state_dtype: str | torch.dtype = "float32",
-        nonfinite: str = "skip",
-        **galore: Any,
+        **options: Any,
     ) -> None:
-        unknown = set(galore) - set(GALORE_DEFAULTS)
-        if unknown or (galore and not self._galore):
-            allowed = sorted(GALORE_DEFAULTS) if self._galore else "none (use GaLoreRanger21)"
-            raise TypeError(
-                f"unexpected keyword arguments {sorted(unknown or galore)}; GaLore options: "
-                f"{allowed}"
-            )
-        if not use_pnm and (softplus or adamd or amsgrad):
-            on = [
-                n for n, v in (("softplus", softplus), ("adamd", adamd), ("amsgrad", amsgrad)) if v
-            ]
+        switches = {
+            o.name: o.validate(options.pop(o.name, o.default)) for o in self.construct_options
+        }
+        pnm = {o.name: switches[o.name] for o in PNM_SWITCHES}
+        if not switches["use_pnm"] and any(pnm.values()):
+            on = [name for name, value in pnm.items() if value]
             raise ValueError(
                 f"{', '.join(on)} modify the PNM moment module: they need use_pnm=True "
                 "(or switch them off)"
             )
-        if (use_warmup or use_warmdown) and num_iterations is None:
-            raise ValueError(
-                "num_iterations (the run's optimizer steps) is required for the warmup / "
-                "warmdown schedule; pass it, or use_warmup=False and use_warmdown=False"
+        moments = ScaleByPNM(**pnm) if switches["use_pnm"] else ScaleByAdam()
+        schedule = None
+        if switches["use_warmup"] or switches["use_warmdown"]:
+            schedule = WarmupWarmdown(
+                warmup=switches["use_warmup"],
+                warmdown=switches["use_warmdown"],
+                **{o.name: switches[o.name] for o in SCHEDULE_SWITCHES[2:]},
             )
-        if num_iterations is not None and (
-            not isinstance(num_iterations, int) or num_iterations < 1
-        ):
-            raise ValueError(f"num_iterations must be an int >= 1, got {num_iterations!r}")
-        if lookahead_dtype not in _LOOKAHEAD_DTYPES:
-            raise ValueError(
-                f"lookahead_dtype must be one of {_LOOKAHEAD_DTYPES}, got {lookahead_dtype!r}"
-            )
-        defaults: dict[str, Any] = {
-            **GALORE_DEFAULTS,
+        defaults = {
             "lr": lr,
             "betas": betas,
             "eps": eps,
             "weight_decay": weight_decay,
-            "maximize": maximize,
-            "state_dtype": state_dtype,
-            "nonfinite": nonfinite,
             "num_iterations": num_iterations,
-            "agc_clip": agc_clip,
-            "agc_eps": agc_eps,
-            "gn_eps": gn_eps,
-            "pnm_beta0": pnm_beta0,
-            "softplus_beta": softplus_beta,
-            "norm_loss_factor": norm_loss_factor,
-            "norm_loss_eps": norm_loss_eps,
-            "lookahead_k": lookahead_k,
-            "lookahead_alpha": lookahead_alpha,
-            **galore,
+            **options,
         }
-        moments = (
-            ScaleByPNM(softplus=softplus, adamd=adamd, amsgrad=amsgrad)
-            if use_pnm
-            else ScaleByAdam()
-        )
-        chain = [GaLore(moments)] if self._galore else [moments]
-        grad_transforms = [
-            m
-            for m, on in (
-                (AdaptiveGradientClipping(), use_agc),
-                (CentralizeGradient(), use_gc),
-                (NormalizeGradient(), use_gn),
-            )
-            if on
-        ]
-        param_transforms = [
-            m
-            for m, on in (
-                (NormLoss(), use_norm_loss),
-                (StableWeightDecay(), use_stable_weight_decay),
-                (Lookahead(slow_dtype=lookahead_dtype), use_lookahead),
-            )
-            if on
-        ]
-        schedule = None
-        if use_warmup or use_warmdown:
-            options = {
-                "warmup_iterations": warmup_iterations,
-                "warmdown_start": warmdown_start,
-                "min_lr": min_lr,
-            }
-            schedule = partial(_schedule, warmup=use_warmup, warmdown=use_warmdown, options=options)
         super().__init__(
             params,
-            chain,
+            [GaLore(moments)] if self._galore else [moments],
             defaults,
-            grad_transforms=grad_transforms,
-            param_transforms=param_transforms,
-            lr_schedule=schedule,
+            grad_transforms=[m() for o, m in GRADIENT_SWITCHES if switches[o.name]],
+            param_transforms=[
+                Lookahead(slow_dtype=switches["lookahead_dtype"]) if m is Lookahead else m()
+                for o, m in WEIGHT_SWITCHES
+                if switches[o.name]
+            ],
+            schedule=schedule,
         )
 
 
@@ -221,3 +160,5 @@ class GaLoreRanger21(_Ranger21Base):
     """
 
     _galore = True
+    option_hints: ClassVar[dict[str, str]] = {}
+    modules = (GaLore, *_Ranger21Base.modules)

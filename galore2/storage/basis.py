@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from .._numerics import mix_seed
+from ..core.options import Bool, Choice, Int, Option
 from .hadamard import next_power_of_two, padded_length, random_signs, rotate, unrotate
 
 if TYPE_CHECKING:
@@ -285,3 +286,37 @@ __all__ = [
     "QuantizedBasis",
     "basis_format",
 ]
+
+
+# ---- the options that choose a basis's storage (read by GaLore's projectors) ----------
+BASIS_DTYPE = Option(
+    "basis_dtype",
+    "fp32",
+    Choice(("fp32", "bf16", "int8", "int4"),
+           {"float32": "fp32", "bfloat16": "bf16", torch.float32: "fp32", torch.bfloat16: "bf16"}),
+    "how the basis is stored; int8 / int4 are blockwise absmax codes, dequantized on use",
+)  # fmt: skip
+BASIS_GROUP_SIZE = Option(
+    "basis_group_size", 256, Int(low=2), "elements per quantization block of an int8 / int4 basis"
+)
+BASIS_HADAMARD = Option(
+    "basis_hadamard",
+    False,
+    Bool(),
+    "rotate each block by a seeded random Hadamard matrix before quantizing (int8 / int4)",
+)
+OPTIONS = (BASIS_DTYPE, BASIS_GROUP_SIZE, BASIS_HADAMARD)
+
+
+def validate_basis_options(group: dict) -> None:
+    """Checks that involve two basis options (single-key checks ran already)."""
+    name, size = group["basis_dtype"], group["basis_group_size"]
+    if group["basis_hadamard"] and name not in ("int8", "int4"):
+        raise ValueError(
+            f"basis_hadamard=True needs basis_dtype 'int8' or 'int4' (it rotates before "
+            f"quantizing), got basis_dtype={name!r}"
+        )
+    if group["basis_hadamard"] and size & (size - 1):
+        raise ValueError(
+            f"basis_group_size must be a power of two when basis_hadamard=True, got {size}"
+        )

@@ -1,0 +1,342 @@
+"""Options: each module declares the group keys it reads, once, and everything derives from that.
+
+An :class:`Option` is a name, a default, a :class:`Check` and a one-line doc. A module
+(transform, gradient / weight module, projector, storage format) lists its options in
+its ``options`` class attribute; :class:`~galore2.core.optimizer.ChainOptimizer` collects
+them from its modules to build its defaults and to validate every parameter group (an
+unknown key is an error naming it). ``param_groups``, the Hugging Face integration
+(``optim_args`` strings), the recipe's ``--optim.KEY`` flags and the README's options
+table read the same declarations (:func:`describe` renders one row per option).
+
+A check normalizes a value or raises ``ValueError``; ``parse`` turns the string form
+(command lines, ``optim_args``) into a value the check accepts. Checks that involve
+several keys (``power_iters`` depends on ``projector``) live in the owning module's
+``validate(group)``, which runs after every single-key check has passed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class Check:
+    """A value check: ``__call__`` returns the normalized value or raises ``ValueError``."""
+
+    #: what is allowed, as it reads after "KEY must be"
+    describe: str = "valid"
+
+    def ok(self, value: Any) -> bool:
+        raise NotImplementedError
+
+    def __call__(self, value: Any) -> Any:
+        if not self.ok(value):
+            raise ValueError(self.describe)
+        return self.normalize(value)
+
+    def normalize(self, value: Any) -> Any:
+        return value
+
+    def parse(self, text: str) -> Any:
+        """The value written as ``text`` (a command line or ``optim_args`` entry)."""
+        return text
+
+    def alternative(self, default: Any) -> Any:
+        """A valid value other than ``default`` (used by tests that set every option)."""
+        raise NotImplementedError
+
+
+def is_real(x: Any) -> bool:
+    """A finite int or float that is not a bool."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _num(x: float) -> str:
+    if is_int(x) and x >= 2**20 and x & (x - 1) == 0:
+        return f"2**{x.bit_length() - 1}"
+    return str(x) if is_int(x) else f"{x:g}"
+
+
+def _interval(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    if low is not None and high is not None:
+        lo, hi = _num(low), _num(high)
+        return f"in {'(' if low_open else '['}{lo}, {hi}{')' if high_open else ']'}"
+    if low is not None:
+        return f"{'>' if low_open else '>='} {_num(low)}"
+    if high is not None:
+        return f"{'<' if high_open else '<='} {_num(high)}"
+    return ""
+
+
+@dataclass(frozen=True)
+class Real(Check):
+    """A finite float, optionally bounded (``low_open``: strictly above ``low``)."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    @property
+    def describe(self) -> str:  # type: ignore[override]
+        bounds = _interval(self.low, self.high, self.low_open, self.high_open)
+        return f"a finite float {bounds}".rstrip()
+
+    def ok(self, value: Any) -> bool:
+        if not is_real(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def parse(self, text: str) -> Any:
+        return float(text)
+
+    def alternative(self, default: Any) -> Any:
+        for x in (default * 0.5 if default else None, 0.5, 2.0, 1.5, 0.0, -1.0):
+            if x is not None and x != default and self.ok(x):
+                return x
+        raise ValueError("no alternative")
+
+
+@dataclass(frozen=True)
+class Int(Check):
+    """An int (not a bool), optionally bounded below/above (inclusive)."""
+
+    low: int | None = None
+    high: int | None = None
+
+    @property
+    def describe(self) -> str:  # type: ignore[override]
+        return f"an int {_interval(self.low, self.high, False, True)}".rstrip()
+
+    def ok(self, value: Any) -> bool:
+        return (
+            is_int(value)
+            and (self.low is None or value >= self.low)
+            and (self.high is None or value < self.high)
+        )
+
+    def parse(self, text: str) -> Any:
+        return int(text)
+
+    def alternative(self, default: Any) -> Any:
+        base = default if is_int(default) else (self.low or 1)
+        for x in (base + 1, base * 2, base + 3):
+            if x != default and self.ok(x):
+                return x
+        raise ValueError("no alternative")
+
+
+@dataclass(frozen=True)
+class Bool(Check):
+    describe = "a bool"
+
+    def ok(self, value: Any) -> bool:
+        return isinstance(value, bool)
+
+    def parse(self, text: str) -> Any:
+        low = text.strip().lower()
+        if low in ("true", "1", "yes"):
+            return True
+        if low in ("false", "0", "no"):
+            return False
+        raise ValueError(f"{text!r} is not a bool (true/false)")
+
+    def alternative(self, default: Any) -> Any:
+        return not default
+
+
+@dataclass(frozen=True)
+class Choice(Check):
+    """One of ``values``; ``aliases`` (alias → value, may include torch dtypes) normalize."""
+
+    values: tuple[Any, ...]
+    aliases: Mapping[Any, Any] = field(default_factory=dict)
+
+    @property
+    def describe(self) -> str:  # type: ignore[override]
+        return f"one of {self.values}"
+
+    def ok(self, value: Any) -> bool:
+        try:
+            return value in self.values or value in self.aliases
+        except TypeError:  # unhashable
+            return False
+
+    def normalize(self, value: Any) -> Any:
+        return value if value in self.values else self.aliases[value]
+
+    def parse(self, text: str) -> Any:
+        return text
+
+    def alternative(self, default: Any) -> Any:
+        return next(v for v in self.values if v != default)
+
+
+@dataclass(frozen=True)
+class Optional(Check):
+    """None or a value ``inner`` accepts."""
+
+    inner: Check
+    none_means: str = ""
+
+    @property
+    def describe(self) -> str:  # type: ignore[override]
+        why = f" ({self.none_means})" if self.none_means else ""
+        return f"None{why} or {self.inner.describe}"
+
+    def ok(self, value: Any) -> bool:
+        return value is None or self.inner.ok(value)
+
+    def normalize(self, value: Any) -> Any:
+        return None if value is None else self.inner.normalize(value)
+
+    def parse(self, text: str) -> Any:
+        return None if text.strip().lower() in ("none", "null", "") else self.inner.parse(text)
+
+    def alternative(self, default: Any) -> Any:
+        return self.inner.alternative(default) if default is None else None
+
+
+@dataclass(frozen=True)
+class Pair(Check):
+    """A pair ``(first, second)`` given as a tuple or list; normalized to a tuple."""
+
+    first: Check
+    second: Check
+
+    @property
+    def describe(self) -> str:  # type: ignore[override]
+        return f"a pair ({self.first.describe}, {self.second.describe})"
+
+    def ok(self, value: Any) -> bool:
+        return (
+            isinstance(value, (tuple, list))
+            and len(value) == 2
+            and self.first.ok(value[0])
+            and self.second.ok(value[1])
+        )
+
+    def normalize(self, value: Any) -> Any:
+        return (self.first.normalize(value[0]), self.second.normalize(value[1]))
+
+    def parse(self, text: str) -> Any:
+        parts = [p.strip() for p in text.strip("()[] ").split(",")]
+        if len(parts) != 2:
+            raise ValueError(f"{text!r} is not a pair a,b")
+        return (self.first.parse(parts[0]), self.second.parse(parts[1]))
+
+    def alternative(self, default: Any) -> Any:
+        return (self.first.alternative(default[0]), default[1])
+
+
+@dataclass(frozen=True)
+class LearningRate(Check):
+    """A finite float >= 0, or a one-element tensor holding one (as torch.optim takes)."""
+
+    describe = "a finite float >= 0 (or a one-element tensor)"
+
+    def ok(self, value: Any) -> bool:
+        if isinstance(value, torch.Tensor):
+            return value.numel() == 1 and math.isfinite(float(value)) and float(value) >= 0
+        return is_real(value) and value >= 0
+
+    def parse(self, text: str) -> Any:
+        return float(text)
+
+    def alternative(self, default: Any) -> Any:
+        return float(default) * 0.5 if float(default) else 1e-3
+
+
+@dataclass(frozen=True)
+class Option:
+    """One group key: its name, default, check and a one-line doc."""
+
+    name: str
+    default: Any
+    check: Check
+    doc: str
+
+    def validate(self, value: Any) -> Any:
+        """The normalized value; ``ValueError`` naming this option and what is allowed."""
+        try:
+            return self.check(value)
+        except ValueError:
+            raise ValueError(f"{self.name} must be {self.check.describe}, got {value!r}") from None
+
+    def parse(self, text: str) -> Any:
+        """The value written as ``text``, validated; errors name the option."""
+        try:
+            value = self.check.parse(text)
+        except (TypeError, ValueError):
+            raise ValueError(f"{self.name} must be {self.check.describe}, got {text!r}") from None
+        return self.validate(value)
+
+    def of(self, group: Mapping[str, Any]) -> Any:
+        """This option's value in ``group`` (its default when absent: a module applied by
+        hand to a partial group; the optimizer always fills every option in)."""
+        return group.get(self.name, self.default)
+
+    def example(self) -> Any:
+        """A valid value that differs from the default."""
+        return self.check.alternative(self.default)
+
+
+def collect(sources: Iterable[Sequence[Option]]) -> dict[str, Option]:
+    """Merge option lists; one name must always mean one declaration (the same object)."""
+    out: dict[str, Option] = {}
+    for options in sources:
+        for opt in options:
+            known = out.get(opt.name)
+            if known is not None and known is not opt:
+                raise TypeError(
+                    f"option {opt.name!r} is declared twice with different meanings "
+                    f"({known.doc!r} / {opt.doc!r}); declare it once and share the object"
+                )
+            out[opt.name] = opt
+    return out
+
+
+def describe(options: Mapping[str, Option]) -> list[tuple[str, str, str, str]]:
+    """(name, default, allowed values, doc) per option, for docs tables."""
+    return [(o.name, repr(o.default), o.check.describe, o.doc) for o in options.values()]
+
+
+def markdown_table(options: Mapping[str, Option]) -> str:
+    """The options as a markdown table (the README's tables are generated from this)."""
+    rows = ["| option | default | allowed | what it does |", "|---|---|---|---|"]
+    for name, default, allowed, doc in describe(options):
+        rows.append(f"| `{name}` | `{default}` | {allowed} | {doc} |")
+    return "\n".join(rows)
+
+
+def resolve(
+    options: Mapping[str, Option],
+    group: Mapping[str, Any],
+    defaults: Mapping[str, Any] | None = None,
+    *,
+    passthrough: Iterable[str] = (),
+    owner: str = "the optimizer",
+) -> dict[str, Any]:
+    """``group`` with every option filled in (from ``defaults``, else the declared default)
+    and validated; keys that are neither options nor ``passthrough`` raise ``ValueError``."""
+    unknown = sorted(set(group) - set(options) - set(passthrough))
+    if unknown:
+        raise ValueError(
+            f"unknown parameter group key(s) {unknown} for {owner}; its options are "
+            f"{sorted(options)}"
+        )
+    out = dict(group)
+    for name, option in options.items():
+        value = out.get(name, (defaults or {}).get(name, option.default))
+        out[name] = option.validate(value)
+    return out

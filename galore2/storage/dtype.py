@@ -1,0 +1,33 @@
+"""The dtype optimizer moments are kept in (``state_dtype``), read by every moment module."""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.options import Choice, Option
+
+STATE_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+_ALIASES: dict[object, str] = {
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp64": "float64",
+}
+_ALIASES.update({dt: name for name, dt in STATE_DTYPES.items()})
+
+STATE_DTYPE = Option(
+    "state_dtype",
+    "float32",
+    Choice(tuple(STATE_DTYPES), _ALIASES),
+    "dtype of the moments (fp32 / bf16 / fp16 / fp64 aliases and torch dtypes accepted)",
+)
+
+
+def normalize_state_dtype(value: object) -> str:
+    """The canonical name (``"float32"``...) of a state dtype given as a str or a torch dtype."""
+    return STATE_DTYPE.validate(value)
