@@ -263,7 +263,7 @@ def bench_lowrank(timer: Timer, copy_bw: float) -> list[dict[str, Any]]:
 
 # ---- Hadamard rotation -----------------------------------------------------------------
 def bench_hadamard(timer: Timer, copy_bw: float) -> list[dict[str, Any]]:
-    from galore2.projectors import hadamard as H
+    from galore2.storage import hadamard as H
 
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(2)

@@ -69,7 +69,15 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """Optimizer (by name, see recipes.optimizers) and LR schedule."""
+    """Optimizer (by name, see recipes.optimizers) and LR schedule.
+
+    The fields below are the recipe's own and those every contender shares (peers from
+    other packages read them too). Any other option of a galore2 optimizer is set as
+    ``--optim.KEY VALUE`` (or ``KEY = VALUE`` under ``[optim]``): it lands in ``options``
+    and is parsed and validated by the option's own declaration
+    (``galore2.<Optimizer>.all_options()``), so every option of the chosen optimizer is
+    settable and an unknown key is an error naming the allowed ones.
+    """
 
     name: str = "galore_adamw"
     lr: float = 1e-3
@@ -77,17 +85,11 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
-    # GaLore settings (galore_* optimizers; ignored by the others)
+    # GaLore settings every projected contender shares (ignored by the others)
     rank: int = 128
     update_proj_gap: int = 200
     scale: float = 0.25
     proj_type: str = "std"
-    projector: str = "randomized"
-    moments_on_refresh: str = "keep"
-    basis_dtype: str = "fp32"  # fp32 | bf16 | int8 | int4 (quantized bases, see README)
-    basis_group_size: int = 256
-    basis_hadamard: bool = False
-    adaptive_refresh: bool = False  # lengthen a matrix's refresh gap while its subspace is stable
     target_modules: list[str] = field(default_factory=lambda: ["attn", "mlp"])
     per_layer: bool = False  # update each parameter inside backward (frees its gradient)
     max_grad_norm: float = 0.0  # 0: no clipping (per_layer refuses clipping)
@@ -96,6 +98,8 @@ class OptimConfig:
     warmup_ratio: float = 0.1  # used when warmup_steps == 0
     min_lr_ratio: float = 0.1
     num_iterations: int = 0  # 0: train.steps (Ranger21's schedule length)
+    # any other option of the galore2 optimizer, by name (--optim.projector power, ...)
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -184,10 +188,27 @@ def _set(job: JobConfig, dotted: str, value: Any) -> None:
             f"unknown setting {dotted!r}: use SECTION.FIELD with SECTION in {sorted(sections)}"
         )
     section = getattr(job, section_name)
-    names = [f.name for f in dataclasses.fields(section)]
-    if name not in names:
+    names = [f.name for f in dataclasses.fields(section) if f.name != "options"]
+    if (
+        section_name == "optim"
+        and name == "eps"
+        and isinstance(value, (str, list))
+        and ("," in str(value) or isinstance(value, list))
+    ):  # Adafactor's eps is a pair (eps1, eps2): an option of that optimizer, not Adam's field
+        section.options[name] = value
+    elif name in names:
+        setattr(section, name, _parse(value, _field_type(section, name), dotted))
+    elif section_name == "optim":  # an option of the chosen optimizer: checked by check_options
+        section.options[name] = value
+    else:
         raise ValueError(f"unknown setting {dotted!r}; [{section_name}] has: {', '.join(names)}")
-    setattr(section, name, _parse(value, _field_type(section, name), dotted))
+
+
+def check_options(job: JobConfig) -> None:
+    """Parse and validate ``optim.options`` against the chosen optimizer's declarations."""
+    from .optimizers import parse_options  # the optimizer factory owns the names
+
+    job.optim.options = parse_options(job.optim.name, job.optim.options)
 
 
 def override(job: JobConfig, dotted: str, value: Any) -> None:
@@ -248,6 +269,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         load_toml(job, config_path)
     for dotted, value in pairs:
         _set(job, dotted, value)
+    check_options(job)
     return job
 
 
@@ -262,5 +284,10 @@ def usage() -> str:
     for f in dataclasses.fields(job):
         section = getattr(job, f.name)
         for g in dataclasses.fields(section):
-            lines.append(f"  --{f.name}.{g.name} = {getattr(section, g.name)!r}")
+            if g.name != "options":
+                lines.append(f"  --{f.name}.{g.name} = {getattr(section, g.name)!r}")
+    from .optimizers import option_lines
+
+    lines += ["", "options of galore2 optimizers (--optim.KEY VALUE; see README's options tables):"]
+    lines += option_lines()
     return "\n".join(lines)

@@ -40,12 +40,12 @@ import torch
 from torch import nn
 
 import galore2
-from galore2.storage.dtype import STATE_DTYPES, normalize_state_dtype
 from galore2.projectors import FULL, LEFT, NONE, RIGHT
+from galore2.storage.dtype import STATE_DTYPES, normalize_state_dtype
 
 from .config import JobConfig, ModelConfig, parse_args
 from .model import build_model, param_dtype
-from .optimizers import NAMES, build_optimizer
+from .optimizers import NAMES, build_optimizer, galore_settings
 from .peers import PEERS
 
 # galore2's optimizers and the baselines it replaces; benchmark-only peers are left out
@@ -123,8 +123,7 @@ def galore_optimizer(model: nn.Module, job: JobConfig, state_dtype: str = "float
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. rank >= min dim of a small weight
         groups = galore2.param_groups(
-            model, o.target_modules or HF_TARGETS, rank=o.rank, update_proj_gap=o.update_proj_gap,
-            scale=o.scale, proj_type=o.proj_type, projector=o.projector,
+            model, o.target_modules or HF_TARGETS, **galore_settings(o)
         )  # fmt: skip
         opt = galore2.GaLoreAdamW(groups, state_dtype=state_dtype)
         opt.init_state()

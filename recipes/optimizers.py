@@ -33,19 +33,18 @@ import torch
 from torch import nn
 
 import galore2
+from galore2.optim import GaLore
+from galore2.optim.adam import BETAS, EPS
+from galore2.presets import PRESETS
 
 from .config import OptimConfig
 from .peers import PEERS
 from .peers import resolve as resolve_peer
 
-# name -> (galore2 class or None for a non-galore2 optimizer, projected?)
-_GALORE2 = {
-    "galore_adamw": ("GaLoreAdamW", True),
-    "galore_adamw8bit": ("GaLoreAdamW8bit", True),
-    "galore_adafactor": ("GaLoreAdafactor", True),
-    "ranger21": ("Ranger21", False),
-    "galore_ranger21": ("GaLoreRanger21", True),
-}
+# name -> (galore2 class name, projected?)
+_GALORE2 = {name: (cls.__name__, name.startswith("galore_")) for name, cls in PRESETS.items()}
+#: options the recipe sets from its own shared fields (OptimConfig), not from ``options``
+_FROM_FIELDS = ("lr", "weight_decay", "rank", "update_proj_gap", "scale", "proj_type")
 NAMES = ("adamw", "adamw8bit", *_GALORE2, *PEERS)
 _OWN_SCHEDULE = ("ranger21", "galore_ranger21", *(n for n, p in PEERS.items() if p.own_schedule))
 
@@ -69,20 +68,8 @@ def param_groups(
     params = [p for p in model.parameters() if p.requires_grad]
     if not projected:
         return _split_decay(params, {}, cfg.weight_decay)
-    galore_keys = {
-        "rank": cfg.rank,
-        "update_proj_gap": cfg.update_proj_gap,
-        "scale": cfg.scale,
-        "proj_type": cfg.proj_type,
-        "projector": cfg.projector,
-        "moments_on_refresh": cfg.moments_on_refresh,
-        "basis_dtype": cfg.basis_dtype,
-        "basis_group_size": cfg.basis_group_size,
-        "basis_hadamard": cfg.basis_hadamard,
-        "adaptive_refresh": cfg.adaptive_refresh,
-    }
     found = galore2.param_groups(
-        model, cfg.target_modules, weight_decay=cfg.weight_decay, **galore_keys
+        model, cfg.target_modules, weight_decay=cfg.weight_decay, **galore_settings(cfg)
     )
     projected_group = [g for g in found if "rank" in g]
     if keys is not None:
@@ -92,6 +79,45 @@ def param_groups(
         ]
     plain = [p for g in found if "rank" not in g for p in g["params"]]
     return projected_group + _split_decay(plain, {}, cfg.weight_decay)
+
+
+def galore_settings(cfg: OptimConfig) -> dict[str, Any]:
+    """The projected group's GaLore options: the shared fields, then ``optim.options``."""
+    settings = {k: getattr(cfg, k) for k in ("rank", "update_proj_gap", "scale", "proj_type")}
+    names = {o.name for o in GaLore.options}
+    return {**settings, **{k: v for k, v in cfg.options.items() if k in names}}
+
+
+def parse_options(name: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """``optim.options`` parsed (strings from the command line) and validated by the
+    declarations of galore2 optimizer ``name``; errors name the key and what is allowed."""
+    if not raw:
+        return {}
+    if name not in PRESETS:
+        raise ValueError(
+            f"--optim.{next(iter(raw))}: not a setting of optimizer {name!r}; only galore2 "
+            f"optimizers ({', '.join(PRESETS)}) take options beyond [optim]'s fields"
+        )
+    options = PRESETS[name].all_options()
+    out = {}
+    for key, value in raw.items():
+        option = options.get(key)
+        if option is None or key in _FROM_FIELDS:
+            why = "set it with its [optim] field" if key in _FROM_FIELDS else "unknown option"
+            raise ValueError(
+                f"--optim.{key}: {why} for {name}; its options: {', '.join(sorted(options))}"
+            )
+        out[key] = option.parse(value) if isinstance(value, str) else option.validate(value)
+    return out
+
+
+def option_lines() -> list[str]:
+    """One usage line per option of every galore2 optimizer (for ``--help``)."""
+    lines = []
+    for name, cls in PRESETS.items():
+        options = [o for o in cls.all_options().values() if o.name not in _FROM_FIELDS]
+        lines.append(f"  {name}: " + ", ".join(f"{o.name}={o.default!r}" for o in options))
+    return lines
 
 
 def _resolve(name: str) -> Callable[..., torch.optim.Optimizer]:
@@ -137,14 +163,22 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int) -> tor
         keys = peer.group_keys(cfg) if peer.projected else None
         groups = param_groups(model, cfg, peer.projected, keys)
         kwargs.update(peer.kwargs(cfg))
-    else:
-        groups = param_groups(model, cfg, cfg.name in _GALORE2 and _GALORE2[cfg.name][1])
-        if cfg.name == "galore_adafactor":  # no Adam betas; its eps is a pair
+    elif cfg.name in PRESETS:
+        groups = param_groups(model, cfg, _GALORE2[cfg.name][1])
+        declared = cls.declared_options()
+        if declared.get("betas") is BETAS and declared.get("eps") is EPS:  # Adam-form
+            kwargs.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        if cfg.name == "galore_adafactor":
             # An explicit lr, as the recipe gives galore-torch's GaLoreAdafactor: no 1/√t
             # cap and no RMS(θ) factor (that factor alone divides the step by ~50 here).
             kwargs.update(relative_step=False, scale_parameter=False)
-        else:
-            kwargs.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        # every other option set with --optim.KEY (GaLore's own went on the projected group)
+        galore_names = {o.name for o in GaLore.options}
+        kwargs.update({k: v for k, v in parse_options(cfg.name, cfg.options).items()
+                       if k not in galore_names})  # fmt: skip
+    else:
+        groups = param_groups(model, cfg, False)
+        kwargs.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     if cfg.name in _OWN_SCHEDULE:
         kwargs["num_iterations"] = cfg.num_iterations or total_steps
     return cls(groups, **kwargs)

@@ -35,7 +35,7 @@ from galore2.kernels.hadamard import blockwise_fwht
 from galore2.kernels.lowrank import lowrank_update
 from galore2.optim import adam8bit as A8
 from galore2.optim.adam import ScaleByAdam
-from galore2.projectors import hadamard as H
+from galore2.storage import hadamard as H
 
 # Where the kernels run here: CPU tensors under the interpreter, else the GPU.
 DEVICE = "cpu" if dispatch.interpreter_enabled() else "cuda"

@@ -27,10 +27,29 @@ IGNORED = ("tokens_per_s", "peak_", "time", "seconds")
 
 
 def run(name: str, out: Path) -> list[dict]:
-    cmd = [sys.executable, "-m", "recipes.pretrain", "--config", "tiny", "--optimizer", name,
-           "--steps", str(STEPS), "--out", str(out), "--train.progress", "false",
-           "--train.log_every", "1", "--train.eval_every", "50",
-           "--train.checkpoint_every", "-1", "--train.resume", "false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipes.pretrain",
+        "--config",
+        "tiny",
+        "--optimizer",
+        name,
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(out),
+        "--train.progress",
+        "false",
+        "--train.log_every",
+        "1",
+        "--train.eval_every",
+        "50",
+        "--train.checkpoint_every",
+        "-1",
+        "--train.resume",
+        "false",
+    ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith(IGNORED)} for r in rows]
@@ -56,9 +75,11 @@ def main() -> int:
         if len(rows) != len(want) or diff:
             bad += 1
             first = diff[0] if diff else min(len(rows), len(want))
-            print(f"{name}: DIFFERS ({len(diff)} of {len(want)} rows; first at row {first}: "
-                  f"{rows[first] if first < len(rows) else None} vs "
-                  f"{want[first] if first < len(want) else None})")
+            print(
+                f"{name}: DIFFERS ({len(diff)} of {len(want)} rows; first at row {first}: "
+                f"{rows[first] if first < len(rows) else None} vs "
+                f"{want[first] if first < len(want) else None})"
+            )
         else:
             fields = sorted({k for r in rows for k in r})
             print(f"{name}: identical ({len(rows)} rows; fields {', '.join(fields)})")

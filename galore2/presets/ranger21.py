@@ -101,6 +101,8 @@ class _Ranger21Base(ChainOptimizer):
         switches = {
             o.name: o.validate(options.pop(o.name, o.default)) for o in self.construct_options
         }
+        #: the constructor switches this optimizer was built with
+        self.switches = switches
         pnm = {o.name: switches[o.name] for o in PNM_SWITCHES}
         if not switches["use_pnm"] and any(pnm.values()):
             on = [name for name, value in pnm.items() if value]
