@@ -238,6 +238,7 @@ def load_toml(job: JobConfig, path: str | Path) -> JobConfig:
             raise ValueError(f"{path}: top-level key {section_name!r} must be a [section] table")
         for name, value in values.items():
             _set(job, f"{section_name}.{name}", value)
+    check_options(job)
     return job
 
 

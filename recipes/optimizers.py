@@ -95,7 +95,7 @@ def parse_options(name: str, raw: dict[str, Any]) -> dict[str, Any]:
         return {}
     if name not in PRESETS:
         raise ValueError(
-            f"--optim.{next(iter(raw))}: not a setting of optimizer {name!r}; only galore2 "
+            f"unknown setting 'optim.{next(iter(raw))}' for optimizer {name!r}: only galore2 "
             f"optimizers ({', '.join(PRESETS)}) take options beyond [optim]'s fields"
         )
     options = PRESETS[name].all_options()
@@ -103,9 +103,10 @@ def parse_options(name: str, raw: dict[str, Any]) -> dict[str, Any]:
     for key, value in raw.items():
         option = options.get(key)
         if option is None or key in _FROM_FIELDS:
-            why = "set it with its [optim] field" if key in _FROM_FIELDS else "unknown option"
+            why = "set with its [optim] field" if key in _FROM_FIELDS else "unknown setting"
             raise ValueError(
-                f"--optim.{key}: {why} for {name}; its options: {', '.join(sorted(options))}"
+                f"{why} 'optim.{key}' for optimizer {name}; its options: "
+                f"{', '.join(sorted(options))}"
             )
         out[key] = option.parse(value) if isinstance(value, str) else option.validate(value)
     return out

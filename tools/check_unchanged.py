@@ -71,7 +71,7 @@ def main() -> int:
     bad = 0
     for name, rows in got.items():
         want = ref[name]
-        diff = [i for i, (a, b) in enumerate(zip(rows, want)) if a != b]
+        diff = [i for i, (a, b) in enumerate(zip(rows, want, strict=False)) if a != b]
         if len(rows) != len(want) or diff:
             bad += 1
             first = diff[0] if diff else min(len(rows), len(want))

@@ -248,8 +248,8 @@ class ChainOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         for group in self.param_groups:  # options added since the checkpoint was written
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
+            for name in self.declared:
+                group.setdefault(name, self.defaults[name])
         saved_ids = iter_chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = iter_chain.from_iterable(g["params"] for g in self.param_groups)
         saved_state = state_dict["state"]
