@@ -411,7 +411,6 @@ def test_kernel_failure_in_auto_mode_falls_back_to_torch_once(monkeypatch):
     path's bitwise. In triton mode the same failure propagates."""
     import warnings
 
-    import galore2.core.optimizer as opt_mod
     import galore2.kernels.adam8bit as k_adam
     import galore2.kernels.hadamard as k_had
     import galore2.kernels.lowrank as k_low
@@ -422,8 +421,9 @@ def test_kernel_failure_in_auto_mode_falls_back_to_torch_once(monkeypatch):
     for module, name in ((k_adam, "adam8bit_step"), (k_had, "blockwise_fwht"),
                          (k_low, "lowrank_update")):  # fmt: skip
         monkeypatch.setattr(module, name, broken)
-    for module in (opt_mod, A8, H):  # as if on a capable GPU: auto picks the kernels
-        monkeypatch.setattr(module, "use_triton", lambda *t: dispatch.kernel_mode() != "torch")
+    # as if on a capable GPU: auto picks the kernels (every call site goes through
+    # dispatch.run_kernel, which asks dispatch.use_triton)
+    monkeypatch.setattr(dispatch, "use_triton", lambda *t: dispatch.kernel_mode() != "torch")
     monkeypatch.setattr(dispatch, "_DISABLED", {})
     ref = _galore_adamw8bit_run(monkeypatch, "torch", "cpu")
     with warnings.catch_warnings(record=True) as caught:

@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from itertools import chain as iter_chain
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from ..kernels.dispatch import launch, use_triton
+from ..fsdp.detect import is_dtensor  # cheap: imports nothing distributed
+from ..kernels.dispatch import run_kernel
 from ..placement import LOCAL, Placement
 from .modules import GradientTransform, LRSchedule, ParamTransform, run_param_transforms
 from .nonfinite import SKIPS, NonFinitePolicy
@@ -159,11 +161,11 @@ class ChainOptimizer(torch.optim.Optimizer):
         if placement is None:
             params = [q for _, _, q in self._indexed_params()]
             built: dict[int, Placement] = {}
-            if any(_is_dtensor(q) for q in params):
+            if any(is_dtensor(q) for q in params):
                 from ..fsdp import assign_owners, placement_for
 
                 for q in params:
-                    built[id(q)] = placement_for(q) if _is_dtensor(q) else LOCAL
+                    built[id(q)] = placement_for(q) if is_dtensor(q) else LOCAL
                 assign_owners([(q.shape, built[id(q)]) for q in params])
             else:
                 built = {id(q): LOCAL for q in params}
@@ -217,7 +219,7 @@ class ChainOptimizer(torch.optim.Optimizer):
                 if not isinstance(value, Tensor):
                     continue
                 kind = state_kind([NonFinitePolicy, *self._all_modules], key)
-                local = value.to_local() if hasattr(value, "to_local") else value  # this rank's
+                local = value.to_local() if is_dtensor(value) else value  # this rank's
                 out[kind] = out.get(kind, 0) + local.numel() * local.element_size()
         out["total"] = sum(out.values())
         return out
@@ -385,10 +387,6 @@ class ChainOptimizer(torch.optim.Optimizer):
         return [(p, g, self._placement(p)) for _, g, p in self._indexed_params_of(group)]
 
 
-def _is_dtensor(p: Tensor) -> bool:
-    return type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor"
-
-
 def _chunks(params: list[Tensor]) -> list[list[int]]:
     """How a group's tensors are batched through the chain.
 
@@ -407,22 +405,20 @@ def apply_update(p: Tensor, u: Tensor | LowRankUpdate, lr: float, decay: float) 
     if isinstance(u, LowRankUpdate):
         target = p.view(u.A.shape[0], u.B.shape[1]) if p.is_contiguous() else None
         if target is not None:
-            if use_triton(target, u.A, u.B):
-                from ..kernels import lowrank
-
-                if lowrank.supported(target, u.A, u.B) and (
-                    launch(
-                        "lowrank",
-                        lowrank.lowrank_update,
-                        target,
-                        u.A,
-                        u.B,
-                        alpha=-lr * u.scale,
-                        beta=decay,
-                    )
-                    is not None
-                ):
-                    return
+            if (
+                run_kernel(
+                    "lowrank",
+                    target,
+                    u.A,
+                    u.B,
+                    supported=lambda k: k.supported(target, u.A, u.B),
+                    kernel=lambda k: partial(
+                        k.lowrank_update, target, u.A, u.B, alpha=-lr * u.scale, beta=decay
+                    ),
+                )
+                is not None
+            ):
+                return
             target.addmm_(u.A, u.B, beta=decay, alpha=-lr * u.scale)
             return
         u = u.dense()

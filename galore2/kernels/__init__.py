@@ -8,8 +8,14 @@
   bases (``rotate`` / ``unrotate``).
 
 :mod:`galore2.kernels.dispatch` decides per call which runs (``GALORE2_KERNELS`` =
-``auto`` | ``torch`` | ``triton``). Only the dispatch module is imported here: the kernel
-modules import triton and are loaded on first use.
+``auto`` | ``torch`` | ``triton``); every call site goes through its ``run_kernel``.
+Only the dispatch module is imported here: the kernel modules import triton and are
+loaded on first use (:mod:`galore2.kernels.blocks`, the Hadamard block layout shared with
+the torch path, imports nothing).
+
+This package is the bottom layer of galore2 (see ``[tool.importlinter]`` in
+pyproject.toml): it imports nothing else from galore2, so its callers pass it local
+tensors (a DTensor's ``to_local()``).
 """
 
 from .dispatch import ENV_VAR, MODES, kernel_mode, triton_available, use_triton

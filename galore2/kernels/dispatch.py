@@ -15,7 +15,8 @@ The choice is made per call from the environment variable ``GALORE2_KERNELS``
 
 Kernels apply to the inputs they were written for (e.g. fp32 rows for the
 Hadamard transform); other inputs take the torch path in every mode — each call
-site asks its kernel module's ``supported(...)`` after :func:`use_triton`.
+site asks its kernel module's ``supported(...)`` after :func:`use_triton` (both through
+:func:`run_kernel`, the dispatch sequence every call site uses).
 
 In ``auto`` mode a kernel that fails to compile or launch (a Triton / driver version
 it was not built for, too little shared memory on a smaller GPU) is switched off for
@@ -32,9 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import warnings
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any, TypeVar
 
 import torch
@@ -80,7 +83,12 @@ def _capable(index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (8, 0)
 
 
-def _is_dtensor(t: Tensor) -> bool:
+def _is_distributed(t: Tensor) -> bool:
+    """A guard, not a detector: callers hand the kernels local tensors (what
+    ``Placement.local`` returns), so this only turns a caller's mistake into the torch
+    path (``auto``) or a clear error (``triton``). DTensors are detected by
+    :func:`galore2.fsdp.detect.is_dtensor`; this package is the bottom layer and may not
+    import :mod:`galore2.fsdp`, hence the duck-typed test — the one outside galore2.fsdp."""
     return hasattr(t, "to_local")  # DTensor (and a Parameter holding one)
 
 
@@ -94,7 +102,7 @@ def use_triton(*tensors: Tensor) -> bool:
     if mode == "torch":
         return False
     cuda = all(t.device.type == "cuda" for t in tensors)
-    plain = not any(_is_dtensor(t) for t in tensors)
+    plain = not any(_is_distributed(t) for t in tensors)
     if mode == "auto":
         return (
             cuda
@@ -155,6 +163,30 @@ def launch(name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | No
         return None
 
 
+def run_kernel(
+    name: str,
+    *tensors: Tensor,
+    supported: Callable[[ModuleType], bool],
+    kernel: Callable[[ModuleType], Callable[[], T]],
+) -> T | None:
+    """The result of Triton kernel ``name`` (module ``galore2.kernels.<name>``) on
+    ``tensors``, or None when the caller should take its torch path.
+
+    The one dispatch sequence every call site shares: :func:`use_triton` on ``tensors``
+    (may raise in ``triton`` mode); the kernel module imported lazily (it imports triton);
+    ``supported(module)`` — inputs the kernel was written for; ``kernel(module)`` builds the
+    launch (arguments evaluated there, outside the error handling, e.g. with
+    :func:`functools.partial`) and :func:`launch` runs it under kernel ``name``'s
+    switch-off-on-failure rule.
+    """
+    if not use_triton(*tensors):
+        return None
+    module = importlib.import_module(f"{__package__}.{name}")
+    if not supported(module):
+        return None
+    return launch(name, kernel(module))
+
+
 def launch_device(t: Tensor) -> contextlib.AbstractContextManager:
     """Make ``t``'s CUDA device current for a kernel launch (Triton launches on the current
     device, which need not be the tensors'); a no-op for CPU tensors (the interpreter)."""
@@ -169,6 +201,7 @@ __all__ = [
     "kernel_mode",
     "launch",
     "launch_device",
+    "run_kernel",
     "triton_available",
     "triton_import_error",
     "use_triton",

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..storage.hadamard import _blocks  # the block / padding checks the torch path uses
+from .blocks import hadamard_blocks  # the block / padding checks the torch path uses too
 from .dispatch import launch_device
 
 MAX_BLOCK = 8192  # larger blocks would not fit a program's registers
@@ -99,7 +99,7 @@ def blockwise_fwht(
     if x.dim() != 2 or x.dtype != torch.float32:
         raise ValueError(f"x must be a 2-D fp32 tensor, got {x.dtype} {tuple(x.shape)}")
     rows, length = x.shape
-    count, tail = _blocks(length, block)
+    count, tail = hadamard_blocks(length, block)
     if block > MAX_BLOCK and count:
         raise ValueError(f"Hadamard blocks above {MAX_BLOCK} are not supported, got {block}")
     signs = signs.to(torch.float32).contiguous()

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -60,7 +61,8 @@ from torch import Tensor
 
 from ..core.state import counter
 from ..core.transform import Context, Group, State
-from ..kernels.dispatch import launch, use_triton
+from ..fsdp.detect import is_dtensor
+from ..kernels.dispatch import run_kernel
 from .adam import ScaleByAdam
 
 BLOCK = 256  # elements per quantization block (bitsandbytes' 8-bit optimizers use 256)
@@ -133,7 +135,7 @@ def _bnb_blocksize(length: int) -> int:
 
 
 def _local(t: Tensor) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _blocked(x: Tensor, dim: int) -> Tensor:
@@ -251,29 +253,32 @@ class ScaleByAdam8bit(ScaleByAdam):
             return super().update(u, state, group, ctx)
         (m_key, _), (v_key, _) = self.QUANTIZED
         m_codes, v_codes = _local(state[m_key]), _local(state[v_key])
-        if use_triton(u, m_codes, v_codes):
-            from ..kernels import adam8bit as fused
-
-            if fused.supported(u):
-                out = self._fused_update(fused, u, state, group, m_codes, v_codes)
-                if out is not None:
-                    return out
+        out = run_kernel(
+            "adam8bit",
+            u,
+            m_codes,
+            v_codes,
+            supported=lambda k: k.supported(u),
+            kernel=lambda k: self._fused_step(k, u, state, group, m_codes, v_codes),
+        )
+        if out is not None:  # the kernel updated codes and absmax in place
+            state["adam.step"] += 1
+            return out
         fp32 = self._fp32_state(state)
         out = super().update(u, fp32, group, ctx)  # the direction uses the fp32 moments
         self._store_fp32_state(state, fp32)
         return out
 
-    def _fused_update(
+    def _fused_step(
         self, fused: Any, u: Tensor, state: State, group: Group, m_codes: Tensor, v_codes: Tensor
-    ) -> Tensor | None:
-        """:meth:`update` as one Triton kernel (galore2.kernels.adam8bit): the same
-        arithmetic, codes and absmax updated in place, the fp32 direction returned (None,
-        state untouched, when the kernel is unavailable: see ``dispatch.launch``)."""
+    ) -> Callable[[], Tensor]:
+        """:meth:`update` as one Triton kernel (galore2.kernels.adam8bit), ready to launch:
+        the same arithmetic, codes and absmax updated in place, the fp32 direction returned
+        (the caller counts the step once it ran; see ``dispatch.run_kernel``)."""
         (m_key, m_signed), (v_key, v_signed) = self.QUANTIZED
         beta1, beta2 = group["betas"]
         device = m_codes.device
-        out = launch(
-            "adam8bit",
+        return partial(
             fused.adam8bit_step,
             u,
             m_codes,
@@ -290,9 +295,6 @@ class ScaleByAdam8bit(ScaleByAdam):
             eps=group["eps"],
             step=int(state["adam.step"]) + 1,
         )
-        if out is not None:
-            state["adam.step"] += 1
-        return out
 
     def update_many(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]

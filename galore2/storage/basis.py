@@ -39,7 +39,7 @@ Bytes per row of r entries (k groups): fp32 4r, bf16 2r, int8 L + 4k, int4
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -49,9 +49,29 @@ from ..core.options import Bool, Choice, Int, Option
 from .hadamard import next_power_of_two, padded_length, random_signs, rotate, unrotate
 
 if TYPE_CHECKING:
-    from ..projectors.base import Plan
+    from ..placement import Placement
 
 State = dict[str, Tensor]
+
+
+class Plan(Protocol):
+    """What a format reads of the basis it stores: its rank, device and placement, and the
+    group's storage settings. :class:`galore2.projectors.base.Plan` is one (this layer
+    sits below the projectors and does not import them)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def placement(self) -> Placement: ...  # how the basis is distributed
+    @property
+    def group_size(self) -> int: ...  # basis_group_size: quantization group, Hadamard block
+    @property
+    def hadamard(self) -> bool: ...  # basis_hadamard: rotate rows before quantizing
+    @property
+    def basis_seed(self) -> int: ...  # the Hadamard signs derive from it
+
 
 _SALT = {"proj.left": 1, "proj.right": 2}  # P and Q get independent Hadamard signs
 

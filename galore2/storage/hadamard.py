@@ -22,17 +22,16 @@ are their own inverses).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
-from ..kernels.dispatch import launch, use_triton
+from ..kernels.blocks import hadamard_blocks, is_power_of_two
+from ..kernels.dispatch import run_kernel
 
 _M31 = 0x7FFFFFFF
 _MUL = 0x45D9F3B  # < 2**27: products of 31-bit values stay below 2**58 (no int64 overflow)
-
-
-def is_power_of_two(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
 
 
 def next_power_of_two(n: int) -> int:
@@ -69,20 +68,9 @@ def fwht(x: Tensor) -> Tensor:
     return y.reshape(x.shape) * (n**-0.5)
 
 
-def _blocks(L: int, block: int) -> tuple[int, int]:
-    """(number of full blocks, tail length) of a padded row of ``L`` entries."""
-    if not is_power_of_two(block):
-        raise ValueError(f"the Hadamard block must be a power of two, got {block}")
-    count = L // block
-    tail = L - count * block
-    if tail and not is_power_of_two(tail):
-        raise ValueError(f"row length {L} is not padded for blocks of {block} (see padded_length)")
-    return count, tail
-
-
 def _blockwise_fwht(x: Tensor, block: int) -> Tensor:
     rows, L = x.shape
-    count, tail = _blocks(L, block)
+    count, tail = hadamard_blocks(L, block)
     head = fwht(x[:, : count * block].reshape(rows, count, block)).reshape(rows, count * block)
     if not tail:
         return head
@@ -91,13 +79,13 @@ def _blockwise_fwht(x: Tensor, block: int) -> Tensor:
 
 def _fused(x: Tensor, block: int, signs: Tensor, signs_first: bool) -> Tensor | None:
     """The Triton kernel's result where it runs (see :mod:`galore2.kernels.dispatch`)."""
-    if not use_triton(x, signs):
-        return None
-    from ..kernels import hadamard as kernel
-
-    if not kernel.supported(x, block):
-        return None
-    return launch("hadamard", kernel.blockwise_fwht, x, block, signs, signs_first=signs_first)
+    return run_kernel(
+        "hadamard",
+        x,
+        signs,
+        supported=lambda k: k.supported(x, block),
+        kernel=lambda k: partial(k.blockwise_fwht, x, block, signs, signs_first=signs_first),
+    )
 
 
 def rotate(x: Tensor, block: int, signs: Tensor) -> Tensor:
