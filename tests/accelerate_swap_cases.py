@@ -18,6 +18,8 @@ from torch import nn
 
 from galore2.integrations.transformers import create_optimizer
 
+from . import dist as shared
+
 STEPS, RANK, GAP = 6, 4, 3  # refreshes at steps 0 and 3
 SETTINGS = {"rank": RANK, "update_proj_gap": GAP}
 
@@ -50,12 +52,7 @@ def make_args(out: str) -> transformers.TrainingArguments:
 
 
 def shard(model: nn.Module, mesh) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return shared.shard(model, mesh, units=model.model.layers)
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
@@ -124,9 +121,7 @@ def _check_state(opt: torch.optim.Optimizer) -> None:
 
 
 def swap_matches_optimizer_built_after_sharding(rank: int, world: int, out: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = shared.cpu_mesh(world)
     args = make_args(out)
     base = make_model()
 
@@ -151,13 +146,6 @@ def swap_matches_optimizer_built_after_sharding(rank: int, world: int, out: str)
             assert not diff, {k: (ga.get(k), gb.get(k)) for k in diff}
         train(model, opt, rank)
         _check_state(opt)
-        named = dict(model.named_parameters())
-        for name, q in reference.named_parameters():
-            diff = (named[name].full_tensor() - q.full_tensor()).abs().max().item()
-            assert diff <= 1e-6, f"{how} rank {rank}: {name} differs by {diff:.2e}"
+        shared.assert_params_match(model, reference, 1e-6, f"{how} rank {rank}")
         assert opt.state_bytes() == ref_opt.state_bytes()
-    moved = max(
-        (p.full_tensor() - q).abs().max().item()
-        for p, q in zip(reference.parameters(), base.parameters(), strict=True)
-    )
-    assert moved > 1e-3  # the runs trained
+    assert shared.max_change(reference, base) > 1e-3  # the runs trained

@@ -19,12 +19,15 @@ bit on "cols" and "rows" shards in :func:`quantizer_is_shard_independent`.
 
 from __future__ import annotations
 
-import copy
+from functools import partial
 
 import torch
 from torch import nn
 
 import galore2
+
+from . import dist as shared
+from .dist import full, full_state
 
 STEPS, GAP, RANK, BATCH, LR = 8, 3, 8, 8, 1e-2  # refreshes at steps 0, 3, 6
 # A flipped code changes one moment coordinate by one gap of the 8-bit map (≤ 1.5% of
@@ -70,40 +73,28 @@ def optimizer(model: ThreeMatrices, settings: dict) -> galore2.GaLoreAdamW8bit:
     return galore2.GaLoreAdamW8bit(groups, lr=LR, weight_decay=0.05)
 
 
-def train(model: ThreeMatrices, opt: torch.optim.Optimizer) -> None:
-    for step in range(STEPS):
-        xs, ys = data(step)
-        opt.zero_grad()
-        sum(nn.functional.mse_loss(o, y) for o, y in zip(model(xs), ys, strict=True)).backward()
-        opt.step()
+def _loss(outputs: tuple[torch.Tensor, ...], ys: list[torch.Tensor]) -> torch.Tensor:
+    return sum(nn.functional.mse_loss(o, y) for o, y in zip(outputs, ys, strict=True))
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+def train(model: ThreeMatrices, opt: torch.optim.Optimizer, rank: int = 0, world: int = 1) -> None:
+    """Every rank is fed the full batch (``rank`` and ``world`` are not used)."""
+    shared.train(model, opt, STEPS, data=data, loss=_loss)
 
 
-def _shard(model: ThreeMatrices, mesh) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    for module in (model.left, model.full, model.right):
-        fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+def _shard(model: ThreeMatrices, mesh) -> ThreeMatrices:
+    return shared.shard(model, mesh, units=(model.left, model.full, model.right))
 
 
 def matches_single_process(rank: int, world: int) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
     from galore2.projectors.base import LEFT, NONE, RIGHT
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = shared.cpu_mesh(world)
     for settings in ({}, {"moments_on_refresh": "project"}):
-        reference = ThreeMatrices()
-        sharded = copy.deepcopy(reference)
-        ref_opt = optimizer(reference, settings)
-        train(reference, ref_opt)
-        _shard(sharded, mesh)
-        opt = optimizer(sharded, settings)
-        train(sharded, opt)
+        sharded, opt, reference, ref_opt = shared.sharded_vs_single(
+            rank, world, lambda m: _shard(m, mesh), partial(optimizer, settings=settings),
+            model=ThreeMatrices, run=train,
+        )  # fmt: skip
         assert ref_opt.nonfinite_skips == 0 and opt.nonfinite_skips == 0
 
         named = zip(sharded.named_parameters(), reference.parameters(), strict=True)
@@ -112,8 +103,8 @@ def matches_single_process(rank: int, world: int) -> None:
             where = f"{settings} rank {rank}/{world} {name}"
             # the state layout does not depend on sharding: same keys, global shapes, dtypes
             assert sorted(s) == sorted(r), (where, sorted(s), sorted(r))
-            full = {k: _full(v) for k, v in s.items()}
-            for k, v in full.items():
+            whole = {k: full(v) for k, v in s.items()}
+            for k, v in whole.items():
                 assert (v.shape, v.dtype) == (r[k].shape, r[k].dtype), (where, k)
             side = int(r["galore.side"])
             if name != "full.bias":
@@ -122,33 +113,27 @@ def matches_single_process(rank: int, world: int) -> None:
                 assert side == expected[name], (where, side)
             if name == "left.weight":
                 flips = sum(
-                    int((full[k] != r[k]).sum()) for k in ("adam8.exp_avg", "adam8.exp_avg_sq")
+                    int((whole[k] != r[k]).sum()) for k in ("adam8.exp_avg", "adam8.exp_avg_sq")
                 )
                 assert flips <= LEFT_MAX_CODE_FLIPS * 2 * r["adam8.exp_avg"].numel(), (where, flips)
-                diff = (_full(p) - q).abs().max().item()
+                diff = (full(p) - q).abs().max().item()
                 assert diff <= LEFT_ATOL, f"{where}: differs by {diff:.2e}"
             else:  # bit for bit: parameter and every state tensor
-                assert torch.equal(_full(p), q), f"{where}: parameter differs"
-                for k, v in full.items():
+                assert torch.equal(full(p), q), f"{where}: parameter differs"
+                for k, v in whole.items():
                     assert torch.equal(v, r[k]), (where, k)
-        moved = (_full(sharded.full.weight) - ThreeMatrices().full.weight).abs().max().item()
+        moved = (full(sharded.full.weight) - ThreeMatrices().full.weight).abs().max().item()
         assert moved > 1e-2  # the run did train
-        refreshes = [
-            int(s["galore.refreshes"]) for s in opt.state.values() if "galore.refreshes" in s
-        ]
+        refreshes = shared.refresh_counts(opt)
         assert sorted(refreshes) == [3, 3], refreshes
 
 
 def quantizer_is_shard_independent(rank: int, world: int) -> None:
     """Quantizing each rank's shard of X gives, gathered, exactly the codes and absmax of
     quantizing X in one process (and dequantizing a shard gives that shard of X's values)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     from galore2.optim.adam8bit import absmax_shape, block_dim, dequantize, quantize_
 
-    mesh = init_device_mesh("cpu", (world,))
-    model = ThreeMatrices()
-    _shard(model, mesh)
+    model = _shard(ThreeMatrices(), world)
     opt = optimizer(model, {})
     placement = opt._placement(model.full.weight)
     g = torch.Generator().manual_seed(7)
@@ -194,19 +179,8 @@ def run_all(rank: int, world: int) -> None:
 def _build(world: int) -> tuple[ThreeMatrices, torch.optim.Optimizer]:
     model = ThreeMatrices()
     if world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        _shard(model, init_device_mesh("cpu", (world,)))
+        _shard(model, world)
     return model, optimizer(model, {"moments_on_refresh": "project"})
-
-
-def _full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict]:
-    """Every parameter and state tensor, unsharded (a collective: all ranks call it)."""
-    out = {}
-    for name, p in model.named_parameters():
-        out[name] = {"param": _full(p).detach().clone()}
-        out[name].update({k: _full(v).clone() for k, v in opt.state[p].items()})
-    return out
 
 
 def dcp_save(rank: int, world: int, root: str) -> None:
@@ -217,9 +191,9 @@ def dcp_save(rank: int, world: int, root: str) -> None:
     model, opt = _build(world)
     train(model, opt)
     save_checkpoint(root, STEPS, model, opt)
-    full = _full_state(model, opt)
+    saved = full_state(model, opt)
     if rank == 0:
-        torch.save(full, Path(root) / "saved.pt")
+        torch.save(saved, Path(root) / "saved.pt")
 
 
 def dcp_load(rank: int, world: int, root: str) -> None:
@@ -232,7 +206,7 @@ def dcp_load(rank: int, world: int, root: str) -> None:
     saved = torch.load(Path(root) / "saved.pt", weights_only=True)
     model, opt = _build(world)
     load_checkpoint(root, model, opt)
-    loaded = _full_state(model, opt)
+    loaded = full_state(model, opt)
     assert sorted(loaded) == sorted(saved)
     for name, tensors in saved.items():
         assert sorted(loaded[name]) == sorted(tensors), name

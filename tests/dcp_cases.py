@@ -9,7 +9,7 @@ from torch import nn
 
 from galore2.checkpoint import load_checkpoint, save_checkpoint
 
-from .fsdp_cases import BATCH, data, make_model, optimizer, shard
+from .dist import full_params, make_model, optimizer, shard, train
 
 STOP, END = 10, 20  # refreshes at 0 and 8 before the save, 16 after it
 SETTINGS = {"projector": "randomized", "moments_on_refresh": "project"}
@@ -18,34 +18,13 @@ SETTINGS = {"projector": "randomized", "moments_on_refresh": "project"}
 def _build(world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = make_model()
     if world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (world,))
-        shard(model, mesh)
+        shard(model, world)
     return model, optimizer(model, SETTINGS)
-
-
-def _train(model, opt, steps: range, rank: int, world: int) -> None:
-    per = BATCH // world
-    for step in steps:
-        x, y = data(step)
-        opt.zero_grad()
-        nn.functional.mse_loss(
-            model(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per]
-        ).backward()
-        opt.step()
-
-
-def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-        for n, p in model.named_parameters()
-    }
 
 
 def save_then_continue(rank: int, world: int, root: str) -> None:
     model, opt = _build(world)
-    _train(model, opt, range(STOP), rank, world)
+    train(model, opt, range(STOP), rank, world)
     for flatten in (True, False):
         save_checkpoint(
             Path(root) / f"flat{int(flatten)}",
@@ -55,8 +34,8 @@ def save_then_continue(rank: int, world: int, root: str) -> None:
             flatten=flatten,
             extra={"step": torch.tensor(STOP)},
         )
-    _train(model, opt, range(STOP, END), rank, world)
-    full = _full(model)  # a collective: every rank takes part
+    train(model, opt, range(STOP, END), rank, world)
+    full = full_params(model)  # a collective: every rank takes part
     if rank == 0:
         torch.save(full, Path(root) / "uninterrupted.pt")
 
@@ -75,7 +54,7 @@ def load_then_continue(rank: int, world: int, root: str) -> None:
         assert int(extra["step"]) == STOP
         state = next(s for s in opt.state.values() if "galore.refreshes" in s)
         assert int(state["galore.refreshes"]) == 2 and int(state["galore.step"]) == STOP
-        _train(model, opt, range(STOP, END), rank, world)
-        for name, value in _full(model).items():
+        train(model, opt, range(STOP, END), rank, world)
+        for name, value in full_params(model).items():
             diff = (value - expected[name]).abs().max().item()
             assert diff <= 1e-5, f"world {world}, flatten={flatten}: {name} differs by {diff:.2e}"

@@ -1,15 +1,29 @@
-"""Workers for test_fsdp.py: FSDP2 runs compared with a single-process run of the same data."""
+"""FSDP2 runs compared with a single-process run of the same data: workers for test_fsdp.py
+(every projector; the exact refresh's split), test_basis_quant.py (int4 + Hadamard bases) and
+test_adaptive_refresh.py (adaptive refresh gaps)."""
 
 from __future__ import annotations
 
-import copy
+from functools import partial
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import galore2
 
-STEPS, GAP, RANK, BATCH = 20, 8, 3, 12  # refreshes at steps 0, 8, 16
+from .dist import (
+    assert_params_match,
+    cpu_mesh,
+    data,
+    make_model,
+    max_change,
+    optimizer,
+    refresh_counts,
+    shard,
+    sharded_vs_single,
+    train,
+)
 
 CONFIGS = [
     {"projector": "svd"},
@@ -20,74 +34,21 @@ CONFIGS = [
 ]
 
 
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    # 7×10 (left, uneven for 2 and 3 ranks), 13×7 (right), 5×13 (left), biases plain.
-    return nn.Sequential(nn.Linear(10, 7), nn.Tanh(), nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
-
-
-def shard(model: nn.Module, mesh) -> nn.Module:
-    """``fully_shard`` every Linear, then the root (FSDP2 on a 1-D mesh, HSDP on a 2-D one)."""
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(BATCH, 10, generator=g), torch.randn(BATCH, 5, generator=g)
-
-
-def optimizer(model: nn.Module, settings: dict) -> galore2.GaLoreAdamW:
-    groups = galore2.param_groups(model, rank=RANK, update_proj_gap=GAP, **settings)
-    return galore2.GaLoreAdamW(groups, lr=1e-2, weight_decay=0.05)
-
-
-def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int = 0, world: int = 1) -> None:
-    per = BATCH // world
-    for step in range(STEPS):
-        x, y = data(step)
-        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
-
 def fsdp_matches_single_process(rank: int, world: int) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = cpu_mesh(world)
     for settings in CONFIGS:
-        reference = make_model()
-        sharded = copy.deepcopy(reference)
-        train(reference, optimizer(reference, settings))
-        shard(sharded, mesh)
-        opt = optimizer(sharded, settings)
-        train(sharded, opt, rank, world)
-        for (name, p), q in zip(sharded.named_parameters(), reference.parameters(), strict=True):
-            diff = (p.full_tensor() - q).abs().max().item()
-            assert diff <= 1e-5, f"{settings} rank {rank}/{world}: {name} differs by {diff:.2e}"
-        refreshes = [
-            int(s["galore.refreshes"]) for s in opt.state.values() if "galore.refreshes" in s
-        ]
-        assert refreshes and all(r == 3 for r in refreshes), refreshes
-        assert (
-            max(
-                (p.full_tensor() - q).abs().max().item()
-                for p, q in zip(sharded.parameters(), make_model().parameters(), strict=True)
-            )
-            > 1e-3
+        sharded, opt, reference, _ = sharded_vs_single(
+            rank, world, lambda m: shard(m, mesh), partial(optimizer, settings=settings)
         )
+        assert_params_match(sharded, reference, 1e-5, f"{settings} rank {rank}/{world}")
+        refreshes = refresh_counts(opt)
+        assert refreshes and all(r == 3 for r in refreshes), refreshes
+        assert max_change(sharded, make_model()) > 1e-3
 
 
 def exact_refresh_is_split_and_batched(rank: int, world: int) -> None:
     """Each due matrix is factored once, by its owner; gathers all precede the SVDs."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from galore2.fsdp.placement import ShardedPlacement
     from galore2.projectors.svd import SVDProjector
@@ -105,9 +66,7 @@ def exact_refresh_is_split_and_batched(rank: int, world: int) -> None:
     )[1]
     ShardedPlacement.broadcast = lambda self, *a: (events.append("bcast"), real_bcast(self, *a))[1]
     try:
-        model = make_model()
-        mesh = init_device_mesh("cpu", (world,))
-        shard(model, mesh)
+        model = shard(make_model(), world)
         opt = optimizer(model, {"projector": "svd"})
         x, y = data(0)
         nn.functional.mse_loss(model(x), y).backward()
@@ -125,3 +84,83 @@ def exact_refresh_is_split_and_batched(rank: int, world: int) -> None:
     counts = torch.tensor([events.count("svd")])
     dist.all_reduce(counts)
     assert int(counts) == matrices  # factored once each, not once per rank
+
+
+# ---- int4 + Hadamard bases (test_basis_quant.py) -------------------------------------------
+
+# dist.make_model: 7×10 (left: P 7×r row-sharded 4/3), 13×7 (right: Q 7×r replicated),
+# 5×13 (left: P 5×r sharded 3/2). Rank 3 with Hadamard blocks of 2: one full block and a
+# tail of 1 (odd length: a padding nibble); blocks of 4: the tail of 3 padded to 4.
+INT4_CONFIGS = [
+    {"projector": "randomized", "basis_group_size": 2},
+    {"projector": "svd", "basis_group_size": 4, "moments_on_refresh": "project"},
+    {"projector": "power", "basis_group_size": 2},
+]
+INT4_HADAMARD = {"basis_dtype": "int4", "basis_hadamard": True}
+
+
+def int4_hadamard_matches_single_process(rank: int, world: int) -> None:
+    mesh = cpu_mesh(world)
+    for settings in INT4_CONFIGS:
+        sharded, opt, reference, ref_opt = sharded_vs_single(
+            rank,
+            world,
+            lambda m: shard(m, mesh),
+            partial(optimizer, settings={**INT4_HADAMARD, **settings}),
+        )
+        assert_params_match(sharded, reference, 1e-5, f"{settings} rank {rank}/{world}")
+        moved = max_change(sharded, make_model())
+        assert moved > 1e-3, moved  # it did train
+        # The stored codes and scales are DTensors laid out like the basis and hold, shard
+        # for shard, what the single process stores.
+        for p, q in zip(sharded.parameters(), reference.parameters(), strict=True):
+            state, ref_state = opt.state[p], ref_opt.state[q]
+            keys = sorted(k for k in state if k.startswith("proj."))
+            if not keys:
+                continue
+            assert keys == sorted(k for k in ref_state if k.startswith("proj.")), keys
+            assert int(state["galore.refreshes"]) == 3
+            for key in keys:
+                t = state[key]
+                assert isinstance(t, DTensor), key
+                assert "proj.left" not in key or t.placements[0].is_shard(0), (key, t.placements)
+                assert "proj.right" not in key or t.placements[0].is_replicate(), key
+                full = t.full_tensor()
+                assert full.dtype == ref_state[key].dtype and full.shape == ref_state[key].shape
+                if key.endswith(".q"):  # the same codes (the bases agree to ~1e-7)
+                    assert torch.equal(full, ref_state[key]), key
+                else:
+                    torch.testing.assert_close(full, ref_state[key], rtol=1e-5, atol=1e-6)
+    torch.distributed.barrier()
+
+
+# ---- adaptive refresh (test_adaptive_refresh.py) ---------------------------------------------
+
+ADAPTIVE_STEPS = 40
+ADAPTIVE = {"rank": 3, "update_proj_gap": 2, "adaptive_refresh": True, "refresh_threshold": 0.3,
+            "refresh_patience": 2, "max_update_proj_gap": 8}  # fmt: skip
+
+
+def _adaptive_optimizer(model, projector: str) -> galore2.GaLoreAdamW:
+    return galore2.GaLoreAdamW(
+        galore2.param_groups(model, projector=projector, **ADAPTIVE), lr=1e-2
+    )
+
+
+def _same_batch(step: int):
+    return data(0, seed=7)  # the same batch every step: a steady subspace
+
+
+def adaptive_matches_single_process(rank: int, world: int) -> None:
+    mesh = cpu_mesh(world)
+    for projector in ("randomized", "svd"):
+        sharded, opt, reference, ref_opt = sharded_vs_single(
+            rank, world, lambda m: shard(m, mesh), partial(_adaptive_optimizer, projector=projector),
+            run=partial(train, steps=ADAPTIVE_STEPS, data=_same_batch),
+        )  # fmt: skip
+        stats, ref_stats = opt.refresh_stats(), ref_opt.refresh_stats()
+        assert {i: (s["refreshes"], s["gap"]) for i, s in stats.items()} == {
+            i: (s["refreshes"], s["gap"]) for i, s in ref_stats.items()
+        }
+        assert max(s["gap"] for s in stats.values()) > ADAPTIVE["update_proj_gap"]  # it adapted
+        assert_params_match(sharded, reference, 1e-5, f"{projector} rank {rank}/{world}")

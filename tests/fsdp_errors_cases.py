@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,7 +10,16 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import galore2
 
-from .fsdp_cases import STEPS, data, make_model, optimizer, shard
+from .dist import (
+    STEPS,
+    assert_params_match,
+    cpu_mesh,
+    data,
+    make_model,
+    optimizer,
+    shard,
+    split,
+)
 
 SHAPE = (8, 6)
 
@@ -29,9 +36,7 @@ def _unsupported(world: int) -> list[tuple[tuple[int, ...], list]]:
 
 
 def _dtensor(mesh_shape: tuple[int, ...], placements: list, seed: int) -> DTensor:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", mesh_shape)
+    mesh = cpu_mesh(*mesh_shape)
     g = torch.Generator().manual_seed(seed)
     return distribute_tensor(torch.randn(SHAPE, generator=g), mesh, placements)
 
@@ -117,11 +122,9 @@ def _first_row(m: int, world: int, rank: int) -> int:
 
 
 def _train_with_nans(model: nn.Module, opt, rank: int, world: int, check=None) -> None:
-    per = data(0)[0].shape[0] // world
     params = list(model.parameters())
     for step in range(STEPS):
-        x, y = data(step)
-        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        x, y = (split(t, rank, world) for t in data(step))
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         target = NAN_AT.get(step)
@@ -141,18 +144,15 @@ def _train_with_nans(model: nn.Module, opt, rank: int, world: int, check=None) -
 
 
 def nan_on_one_rank_is_skipped_everywhere(rank: int, world: int) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
     assert world == NAN_WORLD
     settings = {"projector": "randomized"}
     reference = make_model()
-    sharded = copy.deepcopy(reference)
+    sharded = make_model()
     reference_opt = optimizer(reference, settings)
     _train_with_nans(reference, reference_opt, 0, 1)
     assert reference_opt.nonfinite_skips == len(NAN_AT)  # the reference skips them too
 
-    mesh = init_device_mesh("cpu", (world,))
-    shard(sharded, mesh)
+    shard(sharded, world)
     opt = optimizer(sharded, settings)
     params = list(sharded.parameters())
     skips = 0
@@ -189,6 +189,4 @@ def nan_on_one_rank_is_skipped_everywhere(rank: int, world: int) -> None:
     dist.all_gather(parts, counts)
     assert [int(c) for c in parts] == [len(NAN_AT)] * world
     # Skipping together keeps the run equal to the single-process run with the same NaNs.
-    for (name, p), q in zip(sharded.named_parameters(), reference.parameters(), strict=True):
-        diff = (p.full_tensor() - q).abs().max().item()
-        assert diff <= 1e-5, f"rank {rank}: {name} differs by {diff:.2e}"
+    assert_params_match(sharded, reference, 1e-5, f"rank {rank}")

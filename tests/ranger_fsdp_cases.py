@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import copy
+from functools import partial
 from typing import Any
 
 import torch
@@ -12,7 +12,7 @@ from galore2.optim import ChainOptimizer, ScaleByAdam
 from galore2.optim.gradient import AdaptiveGradientClipping, CentralizeGradient, NormalizeGradient
 from galore2.optim.weights import Lookahead, NormLoss, StableWeightDecay
 
-from . import fsdp_cases
+from .dist import assert_params_match, cpu_mesh, make_model, shard, sharded_vs_single, train
 
 def chain_optimizer(
     params, grad_transforms=(), param_transforms=(), **settings: Any
@@ -73,35 +73,13 @@ STEPS = 8
 
 
 def fsdp_matches_single_process(rank: int, world: int, which: str = "modules") -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world,))
-    reference = fsdp_cases.make_model()
-    sharded = copy.deepcopy(reference)
-    untouched = copy.deepcopy(reference)
-    build = BUILDERS[which]
-    ref_opt = build(reference)
-    for step in range(STEPS):
-        x, y = fsdp_cases.data(step)
-        ref_opt.zero_grad()
-        nn.functional.mse_loss(reference(x), y).backward()
-        ref_opt.step()
-    fsdp_cases.shard(sharded, mesh)
-    opt = build(sharded)
-    per = fsdp_cases.BATCH // world
-    for step in range(STEPS):
-        x, y = fsdp_cases.data(step)
-        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
-        opt.zero_grad()
-        nn.functional.mse_loss(sharded(x), y).backward()
-        opt.step()
-    for (name, p), q, p0 in zip(
-        sharded.named_parameters(), reference.parameters(), untouched.parameters(), strict=True
-    ):
-        full = p.full_tensor()
-        diff = (full - q).abs().max().item()
-        assert diff <= 1e-5, f"rank {rank}/{world}: {name} differs by {diff:.2e}"
-        assert (full - p0).abs().max().item() > 1e-3, name  # it did train
+    mesh = cpu_mesh(world)
+    sharded, opt, reference, _ = sharded_vs_single(
+        rank, world, lambda m: shard(m, mesh), BUILDERS[which], run=partial(train, steps=STEPS)
+    )
+    assert_params_match(sharded, reference, 1e-5, f"rank {rank}/{world}")
+    for (name, p), p0 in zip(sharded.named_parameters(), make_model().parameters(), strict=True):
+        assert (p.full_tensor() - p0).abs().max().item() > 1e-3, name  # it did train
     steps = [int(s["lookahead.step"]) for s in opt.state.values()]
     assert steps == [STEPS] * len(steps), steps
     slow = [s["lookahead.slow"] for s in opt.state.values()]

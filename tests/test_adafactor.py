@@ -360,13 +360,7 @@ def test_nonfinite_gradient_is_skipped(which):
 
 def _fsdp_worker(rank: int, world: int) -> None:
     """Plain Adafactor (rows split) and GaLore's left (columns split) and right sides."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from . import fsdp_cases
-
-    mesh = init_device_mesh("cpu", (world,))
-    reference = fsdp_cases.make_model()
-    sharded = copy.deepcopy(reference)
+    from .dist import assert_params_match, shard, sharded_vs_single
 
     def optimizer(model: nn.Module) -> galore2.GaLoreAdafactor:
         # 7×10: left side (r×n, columns split); 13×7: right side (m×r, rows split);
@@ -379,16 +373,12 @@ def _fsdp_worker(rank: int, world: int) -> None:
         ]
         return galore2.GaLoreAdafactor(groups, lr=0.1, weight_decay=0.05, beta1=0.5)
 
-    fsdp_cases.train(reference, optimizer(reference))
-    fsdp_cases.shard(sharded, mesh)
-    fsdp_cases.train(sharded, optimizer(sharded), rank, world)
-    for (name, p), q in zip(sharded.named_parameters(), reference.parameters(), strict=True):
-        diff = (p.full_tensor() - q).abs().max().item()
-        assert diff <= 1e-5, f"rank {rank}/{world}: {name} differs by {diff:.2e}"
+    sharded, _, reference, _ = sharded_vs_single(rank, world, lambda m: shard(m, world), optimizer)
+    assert_params_match(sharded, reference, 1e-5, f"rank {rank}/{world}")
 
 
 def test_fsdp_matches_single_process():
-    from .dist_utils import spawn
+    from .dist import spawn
 
     spawn(_fsdp_worker, 2)
 

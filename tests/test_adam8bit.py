@@ -17,7 +17,7 @@ from galore2.optim.adam import ScaleByAdam  # noqa: E402
 from galore2.optim.adam8bit import ScaleByAdam8bit, dequantize, quantize_  # noqa: E402
 
 from . import adam8bit_fsdp_cases  # noqa: E402
-from .dist_utils import spawn  # noqa: E402
+from .dist import spawn  # noqa: E402
 from .helpers import run_python  # noqa: E402
 
 # bitsandbytes' own tolerances for 8-bit blockwise Adam on fp32 tensors

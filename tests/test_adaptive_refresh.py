@@ -12,8 +12,8 @@ from torch import nn
 import galore2
 from galore2.projectors import LEFT, RIGHT, Plan, get_projector
 
-from . import adaptive_fsdp_cases
-from .dist_utils import spawn
+from . import fsdp_cases
+from .dist import spawn
 
 
 def _optimizer(p: nn.Parameter, **settings) -> galore2.GaLoreAdamW:
@@ -132,7 +132,7 @@ def test_bad_adaptive_settings_name_the_key(key, value):
 
 
 def test_adaptive_refresh_under_fsdp_matches_one_process():
-    spawn(adaptive_fsdp_cases.adaptive_matches_single_process, 2)
+    spawn(fsdp_cases.adaptive_matches_single_process, 2)
 
 
 def test_random_projection_never_lengthens_its_gap():

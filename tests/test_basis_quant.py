@@ -15,8 +15,8 @@ from galore2.projectors import LEFT, RIGHT, Plan, get_projector
 from galore2.storage.basis import FORMATS
 from galore2.storage.hadamard import fwht, padded_length, random_signs, rotate, unrotate
 
-from . import basis_quant_fsdp_cases
-from .dist_utils import spawn
+from . import fsdp_cases
+from .dist import spawn
 from .helpers import TinyNet, galore_groups, max_diff, train
 
 CPU = torch.device("cpu")
@@ -363,4 +363,4 @@ def test_project_mode_rotates_moments_with_the_dequantized_bases(side):
 
 
 def test_fsdp_int4_hadamard_matches_single_process():
-    spawn(basis_quant_fsdp_cases.int4_hadamard_matches_single_process, 2)
+    spawn(fsdp_cases.int4_hadamard_matches_single_process, 2)

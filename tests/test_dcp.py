@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import dcp_cases
-from .dist_utils import spawn
+from .dist import spawn
 
 
 def test_save_at_2_resume_at_1_and_3(tmp_path):

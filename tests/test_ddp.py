@@ -3,9 +3,9 @@ on the concatenated batch, and every rank ends with identical parameters and bas
 
 from __future__ import annotations
 
-from . import ddp_cases
-from .dist_timeout import spawn_with_timeout
+from . import data_parallel_cases as cases
+from .dist import spawn
 
 
 def test_ddp_matches_single_process():
-    spawn_with_timeout(ddp_cases.ddp_matches_single_process, 2, timeout=180)
+    spawn(cases.ddp_matches_single_process, 2, timeout=180)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from . import fsdp_regression_cases as cases
-from .dist_utils import spawn
+from .dist import spawn
 
 
 @pytest.mark.parametrize(

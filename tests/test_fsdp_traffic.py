@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import galore2
 from galore2.traffic import Collective, collective_bytes
 
-from .dist_utils import spawn
+from .dist import spawn
 
 RANK, GAP, BATCH = 3, 2, 16  # batch per rank: full-rank, well-conditioned gradients
 UNITS = ["0", "2"]  # fully_shard'ed layers; layer 4 stays in the root (no backward re-gather)

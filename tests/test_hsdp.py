@@ -3,9 +3,9 @@ single-process run on the concatenated batch, and both replicas keep identical b
 
 from __future__ import annotations
 
-from . import hsdp_cases
-from .dist_timeout import spawn_with_timeout
+from . import data_parallel_cases as cases
+from .dist import spawn
 
 
 def test_hsdp_matches_single_process():
-    spawn_with_timeout(hsdp_cases.hsdp_matches_single_process, 4, timeout=150)
+    spawn(cases.hsdp_matches_single_process, 4, timeout=150)

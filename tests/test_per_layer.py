@@ -10,7 +10,7 @@ from torch import nn
 
 import galore2
 
-from .dist_utils import spawn
+from .dist import spawn
 from .helpers import TinyNet, batch, galore_groups
 
 ACCUM, STEPS = 3, 6
@@ -97,12 +97,10 @@ def test_refusals():
 
 
 def _fsdp_per_layer(rank: int, world: int) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
+    from .dist import BATCH, cpu_mesh, data, make_model, optimizer, shard
+    from .dist import STEPS as N
 
-    from .fsdp_cases import BATCH, data, make_model, optimizer, shard
-    from .fsdp_cases import STEPS as N
-
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = cpu_mesh(world)
     models = []
     for per_layer_mode in (False, True):
         model = make_model()

@@ -13,7 +13,7 @@ from galore2.optim.gradient import AdaptiveGradientClipping, CentralizeGradient,
 from galore2.optim.weights import Lookahead, NormLoss, StableWeightDecay, stochastic_round_bf16
 
 from . import ranger_fsdp_cases
-from .dist_utils import spawn
+from .dist import spawn
 from .helpers import TinyNet, max_diff, train
 from .ranger_fsdp_cases import all_modules, chain_optimizer
 

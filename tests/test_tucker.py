@@ -13,7 +13,7 @@ from galore2.projectors import TUCKER, Plan, TuckerProjector, choose_side, get_p
 from galore2.projectors.tucker import contract, expand
 
 from . import tucker_fsdp_cases
-from .dist_utils import spawn
+from .dist import spawn
 
 # ---- a float64 reference ------------------------------------------------------------------
 

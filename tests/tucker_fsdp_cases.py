@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import copy
+from functools import partial
 
 import torch
 from torch import nn
 
 import galore2
+
+from . import dist as shared
 
 STEPS, GAP, RANK, BATCH = 10, 4, 3, 8  # refreshes at steps 0, 4, 8
 
@@ -65,40 +67,25 @@ def optimizer(model: nn.Module, settings: dict) -> galore2.GaLoreAdamW:
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int = 0, world: int = 1) -> None:
-    per = BATCH // world
-    for step in range(STEPS):
-        x, y = data(step)
-        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    shared.train(model, opt, STEPS, rank, world, data=data)
+
+
+def shard(model: nn.Sequential, mesh) -> nn.Sequential:
+    return shared.shard(model, mesh, units=list(model))  # every layer a unit
 
 
 def fsdp_tucker_matches_single_process(rank: int, world: int) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = shared.cpu_mesh(world)
     for settings in CONFIGS:
-        reference = make_model()
-        sharded = copy.deepcopy(reference)
-        train(reference, optimizer(reference, settings))
-        for layer in sharded:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(sharded, mesh=mesh)
-        opt = optimizer(sharded, settings)
-        train(sharded, opt, rank, world)
-        for (name, p), q in zip(sharded.named_parameters(), reference.parameters(), strict=True):
-            diff = (p.full_tensor() - q).abs().max().item()
-            assert diff <= 1e-5, f"{settings} rank {rank}/{world}: {name} differs by {diff:.2e}"
+        sharded, opt, reference, _ = shared.sharded_vs_single(
+            rank, world, lambda m: shard(m, mesh), partial(optimizer, settings=settings),
+            model=make_model, run=train,
+        )  # fmt: skip
+        shared.assert_params_match(sharded, reference, 1e-5, f"{settings} rank {rank}/{world}")
         tucker = [s for s in opt.state.values() if int(s.get("galore.side", -1)) == 4]
         assert len(tucker) == 3
         assert all(int(s["galore.refreshes"]) == 3 for s in tucker)
-        moved = max(
-            (p.full_tensor() - q).abs().max().item()
-            for p, q in zip(sharded.parameters(), make_model().parameters(), strict=True)
-        )
-        assert moved > 1e-3
+        assert shared.max_change(sharded, make_model()) > 1e-3
 
 
 TRAFFIC_CONFIGS = [
@@ -113,14 +100,11 @@ def traffic_matches_collective_bytes(rank: int, world: int) -> None:
     """``galore2.traffic.collective_bytes`` predicts the collectives a Tucker run issues."""
     from collections import Counter
 
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     from galore2.traffic import collective_bytes
 
     from .test_fsdp_traffic import _SINK, _diff, _keys, _wrap_placement
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = shared.cpu_mesh(world)
     undo = _wrap_placement()
     errors = []
     try:
@@ -128,10 +112,7 @@ def traffic_matches_collective_bytes(rank: int, world: int) -> None:
             with torch.device("meta"):
                 meta = make_model()
                 expected = collective_bytes(meta, world, groups=groups(meta, settings))
-            model = make_model()
-            for layer in model:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+            model = shard(make_model(), mesh)
             opt = optimizer(model, settings)
             wants = [
                 _keys(expected.step) + _keys(expected.first_refresh),
@@ -139,9 +120,7 @@ def traffic_matches_collective_bytes(rank: int, world: int) -> None:
                 _keys(expected.step) + _keys(expected.refresh),
             ]
             for step, want in enumerate(wants):
-                x, y = data(step)
-                per = BATCH // world
-                x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+                x, y = (shared.split(t, rank, world) for t in data(step))
                 _SINK[0] = []
                 opt.zero_grad()
                 nn.functional.mse_loss(model(x), y).backward()
