@@ -1,10 +1,11 @@
 """galore2 benchmarks (not part of the installed package).
 
-Run from the repository root with the project's venv active:
+One runner, every benchmark a task of it (repository root, the project's venv active)::
 
-    python -m benchmarks.run_core            # all three, writes BENCHMARKS.md
-    python -m benchmarks.run_core --quick    # small sizes, writes runs/BENCHMARKS-quick.md
-    python -m benchmarks.refresh [--quick]   # one benchmark, prints its table
-    python -m benchmarks.step_time [--quick]
-    python -m benchmarks.memory_7b [--quick]
+    python -m benchmarks.run                        # the side-by-side suite → BENCHMARKS.md
+    python -m benchmarks.run --list                 # every task and the module that holds it
+    python -m benchmarks.run --tasks refresh,step_time [--quick] [--out PATH]
+    python -m benchmarks.run --tasks all            # everything (kernels only with CUDA)
+
+See ``benchmarks/run.py`` for every option.
 """

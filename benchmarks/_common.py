@@ -1,21 +1,31 @@
-"""Helpers shared by the benchmarks: timing, machine description, Markdown tables."""
+"""Helpers shared by the benchmarks: timing, machine description, Markdown, tiny-recipe runs."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import platform
+import re
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+
+class Section(NamedTuple):
+    """What a task returns to be written: its Markdown ``body`` and an optional ``note``
+    that goes between the title and the command (time taken, rows kept from a previous run)."""
+
+    body: str
+    note: str = ""
 
 
 def time_call(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
@@ -69,9 +79,9 @@ def machine_md() -> str:
     return "\n".join(f"- {k}: `{v}`" for k, v in machine().items())
 
 
-def command(module: str) -> str:
-    """The command line that reproduces this run."""
-    return " ".join(["python -m", module, *sys.argv[1:]])
+def command(argv: Sequence[str] | None = None) -> str:
+    """The runner's command line that reproduces this run (``argv``: its arguments)."""
+    return " ".join(["python -m benchmarks.run", *(sys.argv[1:] if argv is None else argv)])
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -98,56 +108,46 @@ def import_galore_torch() -> Any:
     return galore_torch
 
 
-def arg_parser(doc: str | None) -> argparse.ArgumentParser:
-    """An argument parser with the options every benchmark takes (``--quick``, ``--threads``)."""
-    p = argparse.ArgumentParser(
-        description=(doc or "").splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+TEMPLATES = Path(__file__).with_name("templates")
+
+
+@cache
+def _parts(name: str) -> dict[str, str]:
+    """``templates/NAME.md`` split at ``<!-- part: KEY -->`` lines (the first part is "main")."""
+    chunks = re.split(
+        r"^<!-- part: (\w+) -->\n", (TEMPLATES / f"{name}.md").read_text(), flags=re.M
     )
-    p.add_argument("--quick", action="store_true", help="small sizes, for smoke tests only")
-    p.add_argument(
-        "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)"
-    )
-    return p
+    parts = {"main": chunks[0]} | dict(zip(chunks[1::2], chunks[2::2], strict=True))
+    return {k: v.removesuffix("\n") for k, v in parts.items()}
 
 
-def setup(args: argparse.Namespace) -> None:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def render(name: str, part: str = "main", **fields: Any) -> str:
+    """A prose template of ``benchmarks/templates`` with its ``{placeholders}`` filled."""
+    return _parts(name)[part].format(**fields)
 
 
-def llama(size: dict[str, int], device: str | None = None) -> torch.nn.Module:
-    """An untied ``transformers.LlamaForCausalLM`` from a size dict (hidden, ffn, layers,
-    heads, vocab), built from its config (no hub access); ``device="meta"`` allocates nothing."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_run(
+    optimizer: str,
+    lr: str,
+    flags: Sequence[str] = (),
+    steps: int | None = None,
+    out: Path | None = None,
+) -> list[dict[str, Any]]:
+    """One run of the README's tiny recipe in this process
+    (``python -m recipes.pretrain --config tiny --optimizer OPTIMIZER --optim.lr LR``); its
+    metrics history. ``steps``: a shorter run, evaluated twice; ``out``: keep its files there
+    (default: a temporary directory)."""
+    from recipes.pretrain import main as pretrain
 
-    config = LlamaConfig(
-        hidden_size=size["hidden"],
-        intermediate_size=size["ffn"],
-        num_hidden_layers=size["layers"],
-        num_attention_heads=size["heads"],
-        num_key_value_heads=size["heads"],
-        vocab_size=size["vocab"],
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    with torch.device(device or "cpu"):
-        return LlamaForCausalLM(config)
+    if out is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            return tiny_run(optimizer, lr, flags, steps, Path(tmp))
+    argv = ["--config", "tiny", "--optimizer", optimizer, "--optim.lr", lr, "--out", str(out),
+            "--train.progress", "false", *flags]  # fmt: skip
+    if steps:
+        argv += ["--steps", str(steps), "--train.eval_every", str(steps // 2)]
+    return pretrain(argv)
 
 
-def cli(
-    module: str,
-    doc: str | None,
-    run: Callable[..., dict[str, Any]],
-    argv: list[str] | None = None,
-    **options: str,
-) -> None:
-    """The ``main()`` of a benchmark: ``--quick``/``--threads`` plus optional int ``options``
-    (name → help, passed to ``run``), then print the command, the machine and the result."""
-    parser = arg_parser(doc)
-    for name, help_text in options.items():
-        parser.add_argument(f"--{name}", type=int, default=None, help=help_text)
-    args = parser.parse_args(argv)
-    setup(args)
-    out = run(quick=args.quick, **{name: getattr(args, name) for name in options})
-    print(f"`{command(module)}`\n\n{machine_md()}\n\n{out['markdown']}")
+def val_losses(history: list[dict[str, Any]]) -> list[float]:
+    return [r["val_loss"] for r in history if "val_loss" in r]

@@ -1,9 +1,7 @@
 """Quantized GaLore bases: bytes per entry and the error they add (``basis_dtype``).
 
-Usage (repository root, venv active)::
-
-    python -m benchmarks.basis_quant            # 4096×1024 synthetic, r=256; tiny Llama, r=32
-    python -m benchmarks.basis_quant --quick    # 1024×256, r=64; tiny Llama at init (smoke)
+``python -m benchmarks.run --tasks basis_quant``: 4096×1024 synthetic, r=256; tiny Llama,
+r=32. ``--quick``: 1024×256, r=64; tiny Llama at init (smoke).
 
 For each storage format — fp32 (reference), bf16, int8 and int4 with groups of
 256 along the rank axis, int4 with groups of 64, each int format with and without
@@ -33,7 +31,6 @@ Two sets of bases, both exact top-r singular vectors:
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,7 +38,7 @@ from torch import Tensor
 from galore2.projectors import LEFT, RIGHT, Plan, choose_side
 from galore2.storage.basis import FORMATS
 
-from ._common import cli, table
+from ._common import render, table
 
 FULL_SIZE = {"m": 4096, "n": 1024, "rank": 256, "llama_steps": 5}
 QUICK_SIZE = {"m": 1024, "n": 256, "rank": 64, "llama_steps": 0}
@@ -142,7 +139,7 @@ def llama_gradients(steps: int) -> list[tuple[str, Tensor]]:
     ]
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def basis_quant(quick: bool) -> str:
     size = QUICK_SIZE if quick else FULL_SIZE
     m, n, rank = size["m"], size["n"], size["rank"]
     start = time.perf_counter()
@@ -166,21 +163,6 @@ def run(quick: bool = False) -> dict[str, Any]:
                      f"{lrec:.2e}", f"{lproj:.2e}"])  # fmt: skip
     headers = ["basis", f"bytes/entry (r={rank})", "÷ fp32", "synthetic ‖B−B̃‖/‖B‖",
                "synthetic proj. error", "tiny Llama ‖B−B̃‖/‖B‖", "tiny Llama proj. error"]  # fmt: skip
-    md = (
-        f"Synthetic: top-{rank} left singular basis of a {m}×{n} matrix with decaying "
-        f"spectrum. Tiny Llama: exact top-{LLAMA_RANK} bases of the {len(pairs)} attention/"
-        f"MLP gradients of the recipe's tiny model after {size['llama_steps']} AdamW steps "
-        f"(errors pooled over the matrices). g = basis_group_size, H = basis_hadamard. "
-        f"Bytes per entry for the synthetic basis (at r={LLAMA_RANK} each int row has one "
-        f"scale per 32 entries, +0.125 byte/entry). {seconds:.1f} s, "
-        f"{torch.get_num_threads()} threads.\n\n" + table(headers, rows)
-    )
-    return {"markdown": md, "synthetic": synthetic, "llama": llama, "seconds": seconds}
-
-
-def main(argv: list[str] | None = None) -> None:
-    cli("benchmarks.basis_quant", __doc__, run, argv)
-
-
-if __name__ == "__main__":
-    main()
+    return render("basis_quant", rank=rank, m=m, n=n, llama_rank=LLAMA_RANK,
+                  matrices=len(pairs), llama_steps=size["llama_steps"], seconds=seconds,
+                  threads=torch.get_num_threads(), table=table(headers, rows))  # fmt: skip

@@ -18,9 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from recipes.pretrain import main as pretrain
-
-from ._common import cpu_model
+from ._common import cpu_model, tiny_run
 from .contenders import Contender
 
 GRID = (1e-3, 3e-3, 1e-2)
@@ -31,11 +29,7 @@ QUICK_STEPS = 60
 
 def run_one(contender: Contender, lr: float, out: Path, steps: int | None) -> dict[str, Any]:
     """One recipe run; its validation curve, best / final validation loss, speed and state."""
-    argv = ["--config", "tiny", "--optimizer", contender.optimizer, "--optim.lr", f"{lr:g}",
-            "--out", str(out), "--train.progress", "false", *contender.flags]  # fmt: skip
-    if steps:
-        argv += ["--steps", str(steps), "--train.eval_every", str(steps // 2)]
-    hist = pretrain(argv)
+    hist = tiny_run(contender.optimizer, f"{lr:g}", contender.flags, steps, out)
     curve = [(r["tokens"], r["val_loss"]) for r in hist if "val_loss" in r]
     rates = [r["tokens_per_s"] for r in hist[1:]] or [hist[0]["tokens_per_s"]]
     return {

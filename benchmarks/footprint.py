@@ -1,6 +1,7 @@
 """Tasks (b) memory and (c) speed: each contender alone in a fresh process on one Llama.
 
-Usage (what ``benchmarks.run`` does for every contender)::
+The suite's ``footprint`` task (``python -m benchmarks.run --tasks footprint``) runs, for
+every contender, this module's worker in a fresh interpreter (not a runner of its own)::
 
     python -m benchmarks.footprint KEY [--quick]     # prints one JSON line
 

@@ -2,9 +2,10 @@
 
 Usage (repository root, venv active, a CUDA GPU, triton installed)::
 
-    python -m benchmarks.kernels [--repeats 50] [--warmup 10] [--json PATH] [--write]
+    python -m benchmarks.run --tasks kernels [--repeats 50] [--warmup 10] [--json PATH]
 
-Without CUDA (or without triton) it prints why and exits 0: there is nothing to measure.
+It needs CUDA: without a CUDA device (or without triton) the runner says so and skips it,
+writing nothing. ``--quick``: 2 warm-up and 5 timed calls.
 
 Shapes: the 7B model's 4096×4096 (attention) and 11008×4096 / 4096×11008 (MLP) weights
 at GaLore rank r = 1024.
@@ -42,20 +43,18 @@ inputs (``max |Δ|`` relative to the torch result's max |value|).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
 import os
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from galore2.kernels import dispatch
+import galore2.kernels
 
-from ._common import machine, machine_md, median, table
+from ._common import machine, median, render, table
 
 RANK = 1024
 LLAMA_7B = ((4096, 4096), (4096, 11008))  # (m, n) of the weights, as GaLore sees them
@@ -68,15 +67,16 @@ BETAS, EPS = (0.9, 0.999), 1e-8
 @contextlib.contextmanager
 def kernels_mode(mode: str) -> Iterator[None]:
     """GALORE2_KERNELS=mode inside the block (read by galore2 at every call)."""
-    old = os.environ.get(dispatch.ENV_VAR)
-    os.environ[dispatch.ENV_VAR] = mode
+    var = galore2.kernels.ENV_VAR
+    old = os.environ.get(var)
+    os.environ[var] = mode
     try:
         yield
     finally:
         if old is None:
-            del os.environ[dispatch.ENV_VAR]
+            del os.environ[var]
         else:
-            os.environ[dispatch.ENV_VAR] = old
+            os.environ[var] = old
 
 
 class Timer:
@@ -136,9 +136,9 @@ def bench_adam8bit(timer: Timer, copy_bw: float) -> list[dict[str, Any]]:
     except ImportError:
         print("bitsandbytes is not installed: skipping the 8-bit Adam comparison")
         return []
-    from galore2.optim import adam8bit as A8
+    from galore2.optim import adam8bit as A8  # not public: absmax_shape, dynamic_code
 
-    transform = A8.ScaleByAdam8bit()
+    transform = galore2.optim.ScaleByAdam8bit()
     group = {"betas": BETAS, "eps": EPS}
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -166,7 +166,7 @@ def bench_adam8bit(timer: Timer, copy_bw: float) -> list[dict[str, Any]]:
         with kernels_mode("torch"):
             want = transform.update(g, torch_state, group, None)
         with kernels_mode("auto"):
-            assert dispatch.use_triton(g), "auto selection did not pick the Triton kernel"
+            assert galore2.kernels.use_triton(g), "auto selection did not pick the Triton kernel"
             got = transform.update(g, triton_state, group, None)
         check = _rel_err(got, want)
         # bytes: gradient in (4), two code bytes in and out, fp32 direction out; 4 absmax
@@ -329,65 +329,41 @@ def _report(rows: list[dict[str, Any]], copy_bw: float) -> str:
                 f"{r['check']:.1e}" if r.get("check") else "",
             ]
         )
-    name = torch.cuda.get_device_name()
-    return (
-        f"{name}: measured copy bandwidth {copy_bw / 1e9:.0f} GB/s (Tensor.copy_, 512 MiB fp32). "
-        "Median of the timed calls; 'vs torch' is the torch path's time over this one "
-        "(> 1: faster).\n\n" + table(headers, body)
-    )
+    return render("kernels", device=torch.cuda.get_device_name(), copy_gbps=copy_bw / 1e9,
+                  table=table(headers, body))  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.kernels", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("--warmup", type=int, default=10, help="untimed calls first (default 10)")
-    parser.add_argument("--repeats", type=int, default=50, help="timed calls (default 50)")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
-    parser.add_argument(
-        "--write", action="store_true", help="replace BENCHMARKS.md's kernels section"
-    )
-    args = parser.parse_args(argv)
+def unavailable() -> str | None:
+    """Why the kernels cannot be measured here (``None``: they can)."""
+    from galore2.kernels import dispatch  # not public: the import error, the interpreter flag
+
     if not torch.cuda.is_available():
-        print(
-            "benchmarks.kernels measures GPU kernels and no CUDA device is available; nothing to do."
-        )
-        return 0
-    if not dispatch.triton_available():
-        print(
-            "benchmarks.kernels needs triton, which cannot be imported "
-            f"({dispatch.triton_import_error()}); pip install triton. Nothing to do."
-        )
-        return 0
+        return "needs a CUDA GPU (torch.cuda.is_available() is False here)"
+    if not galore2.kernels.triton_available():
+        return (f"needs triton, which cannot be imported ({dispatch.triton_import_error()}); "
+                "pip install triton")  # fmt: skip
     if dispatch.interpreter_enabled():
-        print("TRITON_INTERPRET is set: the kernels would run in Triton's interpreter; unset it.")
-        return 0
+        return "TRITON_INTERPRET is set: the kernels would run in Triton's interpreter; unset it"
+    return None
+
+
+def kernels(quick: bool, repeats: int | None = None, warmup: int | None = None,
+            json_path: str | None = None) -> str | None:  # fmt: skip
+    """The report (``None`` after printing why, where the kernels cannot run)."""
+    why = unavailable()
+    if why is not None:
+        print(f"kernels: skipped, it {why}; nothing measured or written.")
+        return None
     torch.backends.cuda.matmul.allow_tf32 = False  # torch's default: full-precision fp32 matmuls
-    timer = Timer(args.warmup, args.repeats)
+    timer = Timer(warmup or (2 if quick else 10), repeats or (5 if quick else 50))
     copy_bw = copy_bandwidth(timer)
     rows = (
         bench_adam8bit(timer, copy_bw)
         + bench_lowrank(timer, copy_bw)
         + bench_hadamard(timer, copy_bw)
     )
-    report = _report(rows, copy_bw)
-    print(report)
-    if args.write:
-        from .run_core import ROOT, update
-
-        update(
-            ROOT / "BENCHMARKS.md",
-            "kernels",
-            "<!-- BEGIN galore2-bench:kernels -->\n## Triton kernels (GPU)\n\n"
-            f"Command: `python -m benchmarks.kernels --write`\n\n{machine_md()}\n\n{report}\n"
-            "<!-- END galore2-bench:kernels -->\n",
-        )
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump({"machine": machine(), "device": torch.cuda.get_device_name(),
                        "copy_GBps": copy_bw / 1e9, "rows": rows}, f, indent=1)  # fmt: skip
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return _report(rows, copy_bw)

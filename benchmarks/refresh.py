@@ -1,11 +1,8 @@
 """Subspace-refresh benchmark: time and captured energy of one GaLore basis refresh.
 
-Usage (repository root, venv active)::
-
-    python -m benchmarks.refresh            # G 2048×5504 fp32, r=512, 5 timed repeats
-    python -m benchmarks.refresh --quick    # G 512×1376, r=128, 2 repeats (smoke test only)
-
-Runs on the CPU with torch's default thread count; prints a Markdown table.
+``python -m benchmarks.run --tasks refresh [--repeats N]``: G 2048×5504 fp32, r=512, 5
+timed repeats; ``--quick``: G 512×1376, r=128, 2 repeats (smoke test only). Runs on the
+CPU with torch's default thread count (``--threads``).
 
 Test matrix (seeded): ``G_prev`` = rank-k signal (k ≈ 1.17·r, so ≈600 at r=512)
 with singular values s_i = 1/(1 + i/32), plus Gaussian noise with Frobenius
@@ -34,13 +31,7 @@ from torch import Tensor
 
 from galore2.projectors import LEFT, Plan, choose_side, get_projector
 
-from ._common import (
-    cli,
-    import_galore_torch,
-    median,
-    table,
-    time_call,
-)
+from ._common import import_galore_torch, median, render, table, time_call
 
 FULL_SIZE = {"m": 2048, "n": 5504, "rank": 512, "repeats": 5}
 QUICK_SIZE = {"m": 512, "n": 1376, "rank": 128, "repeats": 2}
@@ -102,7 +93,7 @@ def methods(G: Tensor, G_prev: Tensor, plan: Plan) -> dict[str, Callable[[], Ten
     }
 
 
-def run(quick: bool = False, repeats: int | None = None) -> dict:
+def refresh(quick: bool, repeats: int | None = None) -> str:
     size = QUICK_SIZE if quick else FULL_SIZE
     m, n, rank = size["m"], size["n"], size["rank"]
     repeats = repeats or size["repeats"]
@@ -129,17 +120,6 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
             [name, f"{seconds:.4f}", f"{speedup:.1f}×", f"{e:.5f}", f"{100 * rel:.2f}%", verdict]
         )
     headers = ["method", "median s", "speedup vs exact", "energy", "vs exact top-r", "target"]
-    md = (
-        f"G: {m}×{n} fp32 (low-rank-plus-noise, seeded), r={rank}, side="
-        f"{'left' if plan.side == LEFT else 'right'}, {repeats} interleaved timed repeats after 1 warm-up, "
-        f"{torch.get_num_threads()} threads.\n\n" + table(headers, rows)
-    )
-    return {"markdown": md, "results": results}
-
-
-def main(argv: list[str] | None = None) -> None:
-    cli("benchmarks.refresh", __doc__, run, argv, repeats="timed repeats per method")
-
-
-if __name__ == "__main__":
-    main()
+    side = "left" if plan.side == LEFT else "right"
+    return render("refresh", m=m, n=n, rank=rank, side=side, repeats=repeats,
+                  threads=torch.get_num_threads(), table=table(headers, rows))  # fmt: skip

@@ -1,333 +1,238 @@
-"""galore2 against every peer, side by side: convergence, memory, speed, Llama-7B state.
+"""The benchmark runner: every benchmark is a task, selected by name; each writes a BENCHMARKS.md section.
 
 Usage (repository root, venv with the ``bench`` extra, a quiet machine)::
 
-    python -m benchmarks.run                  # full suite → BENCHMARKS.md + benchmarks/figures/
-    python -m benchmarks.run --quick          # ≤ 10 min smoke run → runs/BENCHMARKS-quick.md
-    python -m benchmarks.run --tasks footprint --optimizers adamw,galore_adamw
-    python -m benchmarks.run --tasks convergence --resume   # finish a cut-off sweep
-    python -m benchmarks.run --tasks convergence --partial  # report it so far
+    python -m benchmarks.run                  # the side-by-side suite (peers, state_7b,
+                                              #   footprint, convergence, then targets)
+    python -m benchmarks.run --tasks core     # the benchmarks of the numbered sections
+    python -m benchmarks.run --tasks all      # every task (kernels only where CUDA is)
+    python -m benchmarks.run --list           # the tasks: name, module, section title
+    python -m benchmarks.run --tasks refresh,step_time --out /tmp/bench.md
+    python -m benchmarks.run --quick          # smoke run → runs/BENCHMARKS-quick.md
+    python -m benchmarks.run --tasks footprint --optimizers adamw,galore_adamw [--merge]
+    python -m benchmarks.run --tasks convergence --resume    # finish a cut-off sweep
+    python -m benchmarks.run --tasks convergence --partial   # report it so far
+    python -m benchmarks.run --tasks kernels [--repeats 50 --warmup 10 --json k.json]  # CUDA
+    python -m benchmarks.run --tasks adafactor_step --no-write   # print, write nothing
 
-Tasks (each writes its own BENCHMARKS.md section, ``suite_TASK``):
-
-* ``peers`` — every contender, its package version, and the exact reason when it
-  cannot run here (the exception its first steps raise);
-* ``convergence`` — ``benchmarks/convergence.py``: the tiny recipe, same token
-  budget and lr sweep for everyone; best validation loss ÷ AdamW's best;
-* ``footprint`` — ``benchmarks/footprint.py``: state bytes, peak RSS, median step
-  time, refresh time, each contender alone in a fresh process;
-* ``state_7b`` — ``benchmarks/state_7b.py``: Llama-7B state on the meta device;
-* ``targets`` — the project's targets checked against the latest figures of
-  convergence, footprint and state_7b (written by a run that measured one of them
-  when all three exist).
-
-Raw results go to ``benchmarks/results/suite_TASK.json`` (``runs/results`` with
-``--quick``), plots to ``benchmarks/figures/`` (``runs/figures``).
-
-Ratios are against torch AdamW (foreach) measured in the same run.
+Output goes to ``BENCHMARKS.md`` at the repository root; ``--quick`` (a smoke test: small
+sizes, numbers not meaningful) writes ``runs/BENCHMARKS-quick.md`` instead (``/runs/`` is
+git-ignored), so a smoke test never overwrites real numbers; ``--out`` overrides either.
+Each task owns one section delimited by ``<!-- BEGIN galore2-bench:NAME -->`` /
+``<!-- END galore2-bench:NAME -->`` markers: it is replaced in place when present and
+appended otherwise; the rest of the file is left untouched. Every section records the
+exact command, the machine and the date. Raw results of the suite go to ``results/`` and
+plots to ``figures/`` beside the output (``benchmarks/`` for BENCHMARKS.md, ``runs/``
+with ``--quick``). Section prose lives in ``benchmarks/templates/``.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
+import importlib
+import inspect
+import re
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import convergence, footprint, state_7b, suite_plots
-from ._common import arg_parser, command, machine_md, setup, table
-from .contenders import CONTENDERS, Contender, version, why_not
-from .run_core import ROOT, update
-from .suite_targets import targets_md
+from ._common import Section, command, machine_md, render
 
-TASKS = ("peers", "state_7b", "footprint", "convergence")
-MEASURED = ("state_7b", "footprint", "convergence")
-TITLES = {
-    "peers": "Side-by-side suite: contenders",
-    "convergence": "Side-by-side suite: convergence (tiny recipe, lr sweep)",
-    "footprint": "Side-by-side suite: memory and speed (CPU)",
-    "state_7b": "Side-by-side suite: Llama-7B optimizer state",
-    "targets": "Side-by-side suite: targets",
-}
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def _ratio(x: float | None, base: float | None, fmt: str = "{:.3f}") -> str:
-    return "" if x is None or not base else fmt.format(x / base)
+@dataclass(frozen=True)
+class Task:
+    module: str  # benchmarks.MODULE holds it
+    function: str  # called with the runner values its parameters name (see ``main``)
+    title: str  # the section's heading
+    section: str = ""  # BENCHMARKS.md marker name (default: the task's name)
+    needs_cuda: bool = False
 
 
-def peers_md(contenders: list[Contender]) -> str:
-    rows = []
-    for c in contenders:
-        reason = why_not(c.key)
-        status = "runs" if reason is None else f"cannot run here: `{reason}`"
-        rows.append([c.label, f"`{c.key}`", f"{c.package} {version(c.package)}", status])
-    return table(["optimizer", "key", "package", "status"], rows) + PEER_NOTES
+# The registry: every task, in the order a run does them.
+TASKS: dict[str, Task] = {
+    "peers": Task("suite", "peers", "Side-by-side suite: contenders", "suite_peers"),
+    "state_7b": Task("suite", "state_7b", "Side-by-side suite: Llama-7B optimizer state",
+                     "suite_state_7b"),
+    "footprint": Task("suite", "footprint_task", "Side-by-side suite: memory and speed (CPU)",
+                      "suite_footprint"),
+    "convergence": Task("suite", "convergence_task",
+                        "Side-by-side suite: convergence (tiny recipe, lr sweep)",
+                        "suite_convergence"),
+    "targets": Task("suite", "targets", "Side-by-side suite: targets", "suite_targets"),
+    "refresh": Task("refresh", "refresh", "Subspace refresh: exact SVD vs randomized vs warm power"),
+    "step_time": Task("step_time", "step_time", "Optimizer step time (non-refresh steps)"),
+    "memory_7b": Task("llama_7b", "memory_7b", "Optimizer-state memory, Llama-7B shapes"),
+    "traffic_7b": Task("traffic_7b", "traffic_7b",
+                       "Collective traffic under FSDP2, Llama-7B shapes (on paper)"),
+    "recipe_tiny": Task("tiny", "recipe_tiny", "Main job: tiny recipe, AdamW vs GaLoreAdamW"),
+    "recipe_memory_7b": Task("llama_7b", "recipe_memory_7b",
+                             "Llama-7B recipe: expected per-GPU memory"),
+    "ranger21": Task("tiny", "ranger21", "Ranger21 / GaLoreRanger21 vs AdamW and pytorch-optimizer"),
+    "basis_quant": Task("basis_quant", "basis_quant",
+                        "Quantized bases: bytes and reconstruction error"),
+    "low_memory": Task("tiny", "low_memory",
+                       "Memory below every GaLore: 8-bit moments, quantized bases"),
+    "kernels": Task("kernels", "kernels", "Triton kernels (GPU)", needs_cuda=True),
+    "adafactor_step": Task("step_time", "adafactor_step",
+                           "GaLoreAdafactor step vs galore-torch's, per weight shape"),
+}  # fmt: skip
+DEFAULT = ("peers", "state_7b", "footprint", "convergence")
+GROUPS = {  # --tasks names that stand for several tasks
+    "suite": DEFAULT,
+    "core": ("refresh", "step_time", "memory_7b", "traffic_7b", "recipe_tiny",
+             "recipe_memory_7b", "ranger21", "basis_quant", "low_memory"),
+    "all": tuple(TASKS),
+}  # fmt: skip
+MEASURED = ("state_7b", "footprint", "convergence")  # targets follows any of them
 
 
-# What the probe's first exception does not say (read from the peers' installed sources).
-PEER_NOTES = """
-
-Past their first error the CUDA-only peers would still not run on a CPU: galore-torch's
-`GaLoreAdamW8bit.step` and q-galore-torch's `QGaLoreAdamW8bit.step` both call
-`torch.cuda.synchronize()` unconditionally after every parameter's update. q-galore-torch
-1.0 also predates bitsandbytes 0.45+, whose 8-bit optimizers no longer carry the
-`percentile_clipping` setting its `update_step` reads (hence the `KeyError` above, which
-comes first); it would need an older bitsandbytes and a GPU."""
-
-
-def convergence_md(runs: dict[str, list[dict[str, Any]]], labels: dict[str, str], quick: bool):
-    best = {k: min(rs, key=lambda r: r["best"]) for k, rs in runs.items()}
-    base = best.get("adamw")
-    rows = [
-        [labels[k], f"{b['lr']:g}", f"{b['best']:.4f}", _ratio(b["best"], base and base["best"]),
-         f"{b['tokens_per_s']:,.0f}", _ratio(b["tokens_per_s"], base and base["tokens_per_s"], "{:.2f}"),
-         f"{b['state_bytes'] / 1e6:.2f}", _ratio(b["state_bytes"], base and base["state_bytes"])]
-        for k, b in best.items()
-    ]  # fmt: skip
-    head = ["optimizer", "best lr", "best val loss", "÷ AdamW", "tokens/s", "÷ AdamW",
-            "state MB", "÷ AdamW"]  # fmt: skip
-    lrs = sorted({r["lr"] for rs in runs.values() for r in rs})
-    sweep_rows = []
-    for k, rs in runs.items():
-        by_lr = {r["lr"]: r["best"] for r in rs}
-        sweep_rows.append([labels[k], *(f"{by_lr[lr]:.4f}" if lr in by_lr else "" for lr in lrs)])
-    tokens = next(iter(runs.values()))[0]["tokens"]
-    cpus: dict[str, list[str]] = {}
-    for k, rs in runs.items():
-        for cpu in dict.fromkeys(r.get("cpu", "unrecorded") for r in rs):
-            cpus.setdefault(cpu, []).append(labels[k])
-    machines = (
-        ""
-        if len(cpus) < 2
-        else "\n\n**This sweep ran on more than one machine** (a resumed run), so its "
-        "tokens/s ratios compare different CPUs; the footprint section is the speed "
-        "reference. "
-        + "; ".join(f"`{cpu}`: {', '.join(names)}" for cpu, names in cpus.items())
-        + "."
-    )
-    how = (
-        f"one lr per family ({convergence.QUICK_STEPS} steps)"
-        if quick
-        else f"grid {', '.join(f'{x:g}' for x in convergence.GRID)}, extended one step at a "
-        "winning edge"
-    )
-    return (
-        f"`python -m recipes.pretrain --config tiny --optimizer NAME --optim.lr LR` for every "
-        f"contender: {tokens:,} training tokens of the embedded corpus, byte-level Llama "
-        f"(0.9M parameters), projected optimizers at r = 32, T = 50, α = 0.25; lr sweep: {how}. "
-        "Loss in nats per byte (best validation loss of the run); ratios against AdamW's best "
-        "lr. Plot: `benchmarks/figures/convergence.png`. Tokens/s is end to end (forward, "
-        "backward, step, the periodic evaluations) and drifts with the machine between runs "
-        "made minutes apart; the optimizers' own cost is the memory-and-speed section's step "
-        "time (and `python -m benchmarks.step_time`, interleaved non-refresh steps)."
-        + machines
-        + "\n\n"
-        + table(head, rows)
-        + "\n\nThe sweep (best validation loss per lr):\n\n"
-        + table(["optimizer", *(f"lr {lr:g}" for lr in lrs)], sweep_rows)
-    )
-
-
-def footprint_md(results: dict[str, dict[str, Any]], labels: dict[str, str], quick: bool) -> str:
-    base = results.get("adamw", {})
-    gt = results.get("gt_galore_adamw", {})
-    rows = []
-    for k, r in results.items():
-        peak = r["peak_rss_delta"]
-        refresh = r["refresh_ms"]
-        rows.append([
-            labels[k], f"{r['state_bytes'] / 1e6:.1f}", _ratio(r["state_bytes"], base.get("state_bytes")),
-            "" if peak is None else f"{peak / 1e6:.1f}", _ratio(peak, base.get("peak_rss_delta")),
-            f"{r['step_ms']:.1f}", _ratio(r["step_ms"], base.get("step_ms"), "{:.2f}"),
-            _ratio(r["step_ms"], gt.get("step_ms"), "{:.2f}"),
-            "" if refresh is None else f"{refresh:.0f}",
-            _ratio(gt.get("refresh_ms"), refresh, "{:.1f}") if refresh and refresh > 0 else "",
-        ])  # fmt: skip
-    head = ["optimizer", "state MB", "÷ AdamW", "peak RSS Δ MB", "÷ AdamW", "step ms",
-            "÷ AdamW", "÷ galore-torch", "refresh ms", "galore-torch ÷ this"]  # fmt: skip
-    params = next(iter(results.values()))["params"]
-    threads = next(iter(results.values()))["threads"]
-    return (
-        f"{footprint.describe(quick)} ({params:,} parameters); fixed random gradients; each "
-        f"contender alone in a fresh process, {footprint.STEPS} steps, {threads} threads. "
-        "State: measured after the run. Peak RSS Δ: the process's peak resident memory during "
-        "the steps minus its resident memory before them (state + temporaries). Step: median "
-        "of steps 1–30. Refresh: mean of the 3 refresh steps minus that median (all projected "
-        "matrices). See `benchmarks/footprint.py`.\n\n" + table(head, rows)
-    )
-
-
-def state_7b_md(sizes: dict[str, int | None], labels: dict[str, str], quick: bool) -> str:
-    _, shape = state_7b.shapes(quick)
-    base = sizes.get("adamw")
-    rows = [
-        [labels[k], "not counted (cannot run here)" if b is None else f"{b / 1e9:.2f}",
-         _ratio(b, base)]
-        for k, b in sizes.items()
-    ]  # fmt: skip
-    return (
-        f"Model {shape}, fp32 weights, meta device (GB = 1e9 bytes). galore2: `state_bytes()` "
-        "after `init_state()`; peers: their storage rules, verified against real state by "
-        "`tests/test_bench_suite.py`. galore-torch 1.0 keeps its fp32 basis as a view of the "
-        "whole SVD factor, so each projected matrix holds small side × small side of basis "
-        "(by shapes alone its state would equal pytorch-optimizer GaLore's). "
-        "Plot: `benchmarks/figures/memory_7b.png`.\n\n"
-        + table(["optimizer", "state GB", "÷ AdamW"], rows)
-    )
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = arg_parser(__doc__)
-    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated of {TASKS}")
-    parser.add_argument("--optimizers", default="", help="comma-separated contender keys")
-    parser.add_argument("--out", type=Path, default=None, help="Markdown file to update")
-    parser.add_argument(
-        "--merge",
-        action="store_true",
-        help="with --optimizers: keep the other contenders' saved rows (rerun a few)",
-    )
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="convergence: keep the sweeps a cut-off run saved (results/suite_convergence."
-        "partial.json) and run only the missing contenders",
-    )
-    parser.add_argument(
-        "--partial",
-        action="store_true",
-        help="convergence: write the section (marked partial) and targets from a cut-off "
-        "run's saved sweeps, running nothing",
-    )
-    args = parser.parse_args(argv)
-    setup(args)
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if set(tasks) - set(TASKS):
-        parser.error(f"--tasks: unknown {sorted(set(tasks) - set(TASKS))}; choose from {TASKS}")
-    keys = [k.strip() for k in args.optimizers.split(",") if k.strip()]
-    known = {c.key for c in CONTENDERS}
-    if args.merge and not keys:
-        parser.error("--merge needs --optimizers (the contenders to rerun)")
-    if set(keys) - known:
-        parser.error(
-            f"--optimizers: unknown {sorted(set(keys) - known)}; choose from {sorted(known)}"
+def parse_tasks(spec: str) -> list[str]:
+    """Task names of a ``--tasks`` value (names and :data:`GROUPS`), in registry order."""
+    names = [t.strip() for t in spec.split(",") if t.strip()]
+    if not names:
+        raise ValueError(f"no task named; choose from: {', '.join(TASKS)}")
+    unknown = [n for n in names if n not in TASKS and n not in GROUPS]
+    if unknown:
+        raise ValueError(
+            f"unknown task{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"choose from: {', '.join(TASKS)} (or a group: {', '.join(GROUPS)}; --list "
+            "describes them)"
         )
-    chosen = [c for c in CONTENDERS if not keys or c.key in keys]
-    runnable = [c for c in chosen if why_not(c.key) is None]
-    labels = {c.key: c.label for c in CONTENDERS}
-    if args.out:
-        out, figures, raw = args.out, args.out.parent / "figures", args.out.parent / "results"
-    elif args.quick:
-        out, figures, raw = (
-            ROOT / "runs/BENCHMARKS-quick.md",
-            ROOT / "runs/figures",
-            ROOT / "runs/results",
-        )
+    chosen = {t for n in names for t in GROUPS.get(n, (n,))}
+    return [n for n in TASKS if n in chosen]
+
+
+def listing() -> str:
+    lines = []
+    for name, t in TASKS.items():
+        notes = [x for x in ("default" if name in DEFAULT else "",
+                             "needs CUDA" if t.needs_cuda else "") if x]  # fmt: skip
+        extra = f" [{', '.join(notes)}]" if notes else ""
+        lines.append(f"{name:17} benchmarks/{t.module}.py: {t.title}{extra}")
+    lines += ["", "groups:"] + [f"{name:17} {','.join(tasks)}" for name, tasks in GROUPS.items()]
+    return "\n".join(lines)
+
+
+def update(path: Path, name: str, text: str) -> None:
+    """Replace the section ``name`` of ``path`` by ``text`` (append it when missing)."""
+    old = path.read_text() if path.exists() else render("run") + "\n"
+    pattern = re.compile(
+        rf"<!-- BEGIN galore2-bench:{name} -->\n.*?<!-- END galore2-bench:{name} -->\n?",
+        re.DOTALL,
+    )
+    if pattern.search(old):
+        new = pattern.sub(lambda _: text, old, count=1)
     else:
-        out, figures, raw = (
-            ROOT / "BENCHMARKS.md",
-            ROOT / "benchmarks/figures",
-            ROOT / "benchmarks/results",
-        )
-    start = time.perf_counter()
-    results: dict[str, Any] = {}
+        new = old.rstrip("\n") + "\n\n" + text
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(new)
 
-    def save(task: str, data: dict[str, Any]) -> dict[str, Any]:
-        """Write ``data`` (merged into the saved rows with ``--merge``); return what was written."""
-        path = raw / f"suite_{task}.json"
-        if args.merge and path.exists():
-            old = json.loads(path.read_text())
-            data = {c.key: data.get(c.key, old.get(c.key)) for c in CONTENDERS}
-            data = {k: v for k, v in data.items() if v is not None or k in old or k in keys}
-        raw.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=1) + "\n")
-        return data
 
-    def write(task: str, body: str, took: float | None = None) -> None:
-        note = "\n**Quick mode (smoke run): not representative.**\n" if args.quick else ""
-        if took is not None:
-            note += f"\nThis task took {took / 60:.1f} minutes of the run.\n"
-        if args.merge and task != "targets":
-            note += (
-                f"\nRows for {', '.join(f'`{k}`' for k in keys)} are from this command; the "
-                f"others from the previous full run (saved in `{raw.relative_to(ROOT) if raw.is_relative_to(ROOT) else raw}`).\n"
-            )
-        text = (
-            f"<!-- BEGIN galore2-bench:suite_{task} -->\n## {TITLES[task]}\n{note}\n"
-            f"Command: `{command('benchmarks.run')}`\n\n{machine_md()}\n\n{body}\n"
-            f"<!-- END galore2-bench:suite_{task} -->\n"
-        )
-        update(out, f"suite_{task}", text)
-        print(f"== {task}\n{body}\n", flush=True)
+def section_md(name: str, section: Section, quick: bool, argv: list[str] | None) -> str:
+    task = TASKS[name]
+    marker = task.section or name
+    note = "\n**Quick mode (smoke run, small sizes): not representative.**\n" if quick else ""
+    return (
+        f"<!-- BEGIN galore2-bench:{marker} -->\n## {task.title}\n{note}{section.note}\n"
+        f"Command: `{command(argv)}` (section from `benchmarks/{task.module}.py`)\n\n"
+        f"{machine_md()}\n\n{section.body}\n<!-- END galore2-bench:{marker} -->\n"
+    )
 
-    if "peers" in tasks:
-        write("peers", peers_md(list(CONTENDERS) if args.merge else chosen))
-    if "state_7b" in tasks:
-        results["state_7b"] = save("state_7b", state_7b.run(chosen, args.quick))
-        sizes = {labels[k]: v / 1e9 for k, v in results["state_7b"].items() if v is not None}
-        _, shape = state_7b.shapes(args.quick)
-        suite_plots.memory(sizes, figures / "memory_7b.png", f"Optimizer state (GB), {shape}")
-        write("state_7b", state_7b_md(results["state_7b"], labels, args.quick))
-    if "footprint" in tasks:
-        t0 = time.perf_counter()
-        measured = {c.key: footprint.in_subprocess(c.key, args.quick) for c in runnable}
-        results["footprint"] = save("footprint", measured)
-        write(
-            "footprint",
-            footprint_md(results["footprint"], labels, args.quick),
-            time.perf_counter() - t0,
-        )
-    if "convergence" in tasks:
-        t0 = time.perf_counter()
-        partial = raw / "suite_convergence.partial.json"
-        cut_off = ""
-        if args.partial:  # report a cut-off run's saved sweeps; run nothing
-            if not partial.exists():
-                parser.error(f"--partial: no saved sweeps at {partial}")
-            results["convergence"] = json.loads(partial.read_text())
-            t0 -= results["convergence"].pop("_seconds", 0.0)
-            missing = [labels[c.key] for c in runnable if c.key not in results["convergence"]]
-            cut_off = (
-                f"**Partial: {len(results['convergence'])} of {len(runnable)} contenders.** The "
-                f"run was cut off before {', '.join(missing)}; `python -m benchmarks.run --tasks "
-                "convergence --resume` finishes it and replaces this section.\n\n"
-            )
-        else:
-            done = json.loads(partial.read_text()) if args.resume and partial.exists() else {}
-            took = done.pop("_seconds", 0.0)
 
-            def checkpoint(so_far: dict[str, Any]) -> None:
-                raw.mkdir(parents=True, exist_ok=True)
-                elapsed = took + time.perf_counter() - t0
-                partial.write_text(json.dumps({**so_far, "_seconds": elapsed}, indent=1) + "\n")
+def arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.run",
+        description=__doc__.splitlines()[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--tasks", default=",".join(DEFAULT),
+                   help="comma-separated task names or groups (suite, core, all); default: the "
+                   f"suite ({','.join(DEFAULT)}); --list describes them")  # fmt: skip
+    p.add_argument("--only", dest="tasks", help=argparse.SUPPRESS)  # the old run_core flag
+    p.add_argument("--list", action="store_true", help="list the tasks and exit")
+    p.add_argument("--quick", action="store_true", help="small sizes, for smoke tests only")
+    p.add_argument("--out", type=Path, default=None, help="Markdown file to update")
+    p.add_argument("--no-write", action="store_true", help="print the sections, write nothing")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads (default: torch's own)")  # fmt: skip
+    suite = p.add_argument_group("side-by-side suite (peers, state_7b, footprint, convergence)")
+    suite.add_argument("--optimizers", default="", help="comma-separated contender keys")
+    suite.add_argument("--merge", action="store_true",
+                       help="with --optimizers: keep the other contenders' saved rows "
+                       "(rerun a few)")  # fmt: skip
+    suite.add_argument("--resume", action="store_true",
+                       help="convergence: keep the sweeps a cut-off run saved (results/"
+                       "suite_convergence.partial.json) and run only the missing contenders")  # fmt: skip
+    suite.add_argument("--partial", action="store_true",
+                       help="convergence: write the section (marked partial) and targets from "
+                       "a cut-off run's saved sweeps, running nothing")  # fmt: skip
+    timing = p.add_argument_group("timing tasks")
+    timing.add_argument("--repeats", type=int, default=None,
+                        help="timed repeats (refresh: 5, 2 with --quick; kernels: 50)")  # fmt: skip
+    timing.add_argument("--rounds", type=int, default=None,
+                        help="step_time: interleaved timing rounds (10)")  # fmt: skip
+    timing.add_argument("--warmup", type=int, default=None,
+                        help="kernels: untimed calls first (10)")  # fmt: skip
+    timing.add_argument("--json", dest="json_path", metavar="PATH", default=None,
+                        help="kernels: also write the rows as JSON here")  # fmt: skip
+    return p
 
-            swept = convergence.run(runnable, args.quick, done, checkpoint)
-            results["convergence"] = save("convergence", swept)
-            partial.unlink(missing_ok=True)
-            t0 -= took  # the section states the time of every session of a resumed run
-        curves = {
-            k: (labels[k], min(rs, key=lambda r: r["best"])["curve"])
-            for k, rs in results["convergence"].items()
-        }
-        suite_plots.convergence(
-            curves, figures / "convergence.png", "Tiny recipe, each optimizer at its best lr"
-        )
-        write(
-            "convergence",
-            cut_off + convergence_md(results["convergence"], labels, args.quick),
-            time.perf_counter() - t0,
-        )
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arg_parser()
+    args = parser.parse_args(argv)
+    if args.list:
+        print(listing())
+        return 0
+    try:
+        names = parse_tasks(args.tasks)
+    except ValueError as e:
+        parser.error(f"--tasks: {e}")
+    if set(names) & set(MEASURED) and "targets" not in names:
+        names.append("targets")  # the targets on the latest figures, when all three exist
+    if args.out:
+        out, base = args.out, args.out.parent
+    elif args.quick:
+        out, base = ROOT / "runs/BENCHMARKS-quick.md", ROOT / "runs"
+    else:
+        out, base = ROOT / "BENCHMARKS.md", ROOT / "benchmarks"
+    import torch
+
+    from .suite import Suite
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    values: dict[str, Any] = {
+        **vars(args),
+        "suite": Suite(args, ROOT, base / "results", base / "figures", parser.error),
+    }
+    start, written = time.perf_counter(), []
+    for name in names:
+        task = TASKS[name]
+        if task.needs_cuda and not torch.cuda.is_available():
+            print(f"== {name}: skipped: this task measures GPU kernels and needs a CUDA device "
+                  "(torch.cuda.is_available() is False here); nothing written.", flush=True)  # fmt: skip
+            continue
+        print(f"== {name} ...", flush=True)
+        fn = getattr(importlib.import_module(f"benchmarks.{task.module}"), task.function)
+        result = fn(**{k: values[k] for k in inspect.signature(fn).parameters})
+        if result is None:
+            continue
+        section = result if isinstance(result, Section) else Section(result)
+        print(section.body + "\n", flush=True)
+        if not args.no_write:
+            update(out, task.section or name, section_md(name, section, args.quick, argv))
+            written.append(name)
     minutes = (time.perf_counter() - start) / 60
-    for task in MEASURED:  # the latest saved figures of the tasks this run did not do
-        path = raw / f"suite_{task}.json"
-        if task not in results and path.exists():
-            results[task] = json.loads(path.read_text())
-    if set(tasks) & set(MEASURED) and all(task in results for task in MEASURED):
-        every = {c.key: c.label for c in CONTENDERS}
-        write(
-            "targets", targets_md(results, every, minutes if set(MEASURED) <= set(tasks) else None)
-        )
-    print(f"suite finished in {minutes:.1f} min; wrote {out} and {figures}/")
+    where = f"wrote {', '.join(written)} to {out}" if written else "wrote nothing"
+    print(f"finished in {minutes:.1f} min; {where}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

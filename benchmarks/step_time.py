@@ -1,11 +1,9 @@
-"""Optimizer step-time benchmark: non-refresh steps on a small Llama-shaped model.
+"""Optimizer step time: non-refresh steps on a small Llama, and GaLoreAdafactor vs galore-torch's.
 
-Usage (repository root, venv active)::
+``python -m benchmarks.run --tasks step_time [--rounds N]``: ~3.3M params (d=256, 4
+layers), rank 64; ``--quick``: d=64, 2 layers, rank 16, few steps (smoke test).
 
-    python -m benchmarks.step_time            # ~3.3M params (d=256, 4 layers), rank 64
-    python -m benchmarks.step_time --quick    # d=64, 2 layers, rank 16, few steps (smoke test)
-
-Model: ``transformers.LlamaForCausalLM`` built from a ``LlamaConfig`` (no hub
+Model: ``recipes.model.build_model`` (``transformers.LlamaForCausalLM``, no hub
 access): hidden 256, ffn 688, 4 layers, 4 heads, vocab 256, untied head —
 3,295,488 fp32 parameters on the CPU. GaLore targets every linear layer except
 ``lm_head`` (q/k/v/o 256×256, gate/up 688×256, down 256×688) at rank 64 (a
@@ -22,25 +20,28 @@ each step is timed on its own and the median is reported. galore2 uses its
 default projector (randomized); non-refresh steps do not depend on it.
 On a machine with other load, OpenMP threads contend and single steps can
 take 100× longer; measure on a quiet machine (or pass ``--threads 1``).
+
+``python -m benchmarks.run --tasks adafactor_step``: the median of 7 timed calls, after 2
+untimed ones, of (a) the Adafactor column statistic Σᵢ u²ᵢⱼ as ``torch.norm(u, dim=-2)``
+(torch.optim.Adafactor's op) and as galore2's row-blocked ``_col_sq``; (b) one optimizer
+step of galore2's GaLoreAdafactor and galore-torch's GaLoreAdafactor (both with an explicit
+lr: ``relative_step=False, scale_parameter=False``) on a single weight: a 32000×1024
+embedding (full rank) and 1024×2736 / 2736×1024 matrices at r = 256 (non-refresh steps).
+``--quick`` is the same (about a minute).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
 
 import torch
 from torch import nn
 
 import galore2
+from recipes.config import ModelConfig
+from recipes.model import build_model
 
-from ._common import (
-    cli,
-    import_galore_torch,
-    llama,
-    median,
-    table,
-    time_call,
-)
+from ._common import import_galore_torch, median, render, table, time_call
 
 FULL_SIZE = {
     "hidden": 256,
@@ -66,6 +67,16 @@ WARMUP = 3
 GAP = 10**9
 HPARAMS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 GALORE = {"update_proj_gap": GAP, "scale": 0.25, "proj_type": "std"}
+ADAFACTOR_SHAPES = (((32000, 1024), None), ((1024, 2736), 256), ((2736, 1024), 256))
+ADAFACTOR_REPEATS, ADAFACTOR_WARMUP = 7, 2
+
+
+def llama(size: dict[str, int]) -> nn.Module:
+    """The recipe's Llama with ``size``'s shapes, seeded, on the CPU."""
+    cfg = ModelConfig(vocab_size=size["vocab"], dim=size["hidden"], n_layers=size["layers"],
+                      n_heads=size["heads"], ffn_dim=size["ffn"])  # fmt: skip
+    torch.manual_seed(0)
+    return build_model(cfg)
 
 
 def optimizers(model: nn.Module, rank: int) -> dict[str, torch.optim.Optimizer]:
@@ -98,7 +109,7 @@ def check_no_refresh(opt: torch.optim.Optimizer) -> None:
         assert counts in (set(), {1}), f"refresh counts {counts}: a timed step refreshed"
 
 
-def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
+def step_time(quick: bool, rounds: int | None = None) -> str:
     size = QUICK_SIZE if quick else FULL_SIZE
     rounds = rounds or size["rounds"]
     model = llama(size)
@@ -121,20 +132,46 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
     base, ref = ms["torch AdamW (foreach)"], ms["galore-torch 1.0 GaLoreAdamW"]
     rows = [[name, f"{v:.2f}", f"{v / base:.2f}×", f"{v / ref:.2f}×"] for name, v in ms.items()]
     headers = ["optimizer", "median ms/step", "vs AdamW(foreach)", "vs galore-torch"]
-    md = (
-        f"LlamaForCausalLM: hidden {size['hidden']}, ffn {size['ffn']}, {size['layers']} layers, "
-        f"vocab {size['vocab']}, untied head: {n_params:,} fp32 params, {n_galore:,} of them in "
-        f"the GaLore group (all linear but lm_head), rank {size['rank']}. Non-refresh steps only "
-        f"(update_proj_gap={GAP:.0e}, {WARMUP} untimed warm-up steps); "
-        f"{rounds}×{size['steps']} timed steps per optimizer, interleaved; "
-        f"{torch.get_num_threads()} threads.\n\n" + table(headers, rows)
-    )
-    return {"markdown": md, "ms": ms, "params": n_params}
+    return render("step_time", "step_time", hidden=size["hidden"], ffn=size["ffn"],
+                  layers=size["layers"], vocab=size["vocab"], params=n_params,
+                  projected=n_galore, rank=size["rank"], gap=GAP, warmup=WARMUP, rounds=rounds,
+                  steps=size["steps"], threads=torch.get_num_threads(),
+                  table=table(headers, rows))  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> None:
-    cli("benchmarks.step_time", __doc__, run, argv, rounds="interleaved timing rounds")
+def _adafactor_step_ms(make, shape: tuple[int, int], rank: int | None) -> float:
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(*shape) * 0.02)
+    group: dict = {"params": [p]}
+    if rank:
+        group.update(rank=rank, **GALORE)
+    opt = make([group])
+    p.grad = torch.randn_like(p)
+    return 1e3 * median(time_call(opt.step, ADAFACTOR_REPEATS, ADAFACTOR_WARMUP))
 
 
-if __name__ == "__main__":
-    main()
+def adafactor_step(quick: bool) -> str:
+    """The column statistic and one GaLoreAdafactor step, galore2 vs galore-torch."""
+    from galore2.optim.adafactor import _col_sq  # not public: the statistic this probes
+
+    del quick  # already about a minute
+    gt = import_galore_torch()
+    u = torch.randn(32000, 1024)
+    reps = (ADAFACTOR_REPEATS, ADAFACTOR_WARMUP)
+    norm_ms = 1e3 * median(time_call(lambda: torch.norm(u, dim=-2, keepdim=True), *reps))
+    blocked_ms = 1e3 * median(time_call(lambda: _col_sq(u), *reps))
+    explicit = {"lr": 1e-2, "relative_step": False, "scale_parameter": False}
+    rows = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for shape, rank in ADAFACTOR_SHAPES:
+            a = _adafactor_step_ms(lambda g: galore2.GaLoreAdafactor(g, **explicit), shape, rank)
+            b = _adafactor_step_ms(lambda g: gt.GaLoreAdafactor(g, warmup_init=False, **explicit),
+                                   shape, rank)  # fmt: skip
+            rows.append([f"{shape[0]}×{shape[1]}", rank or "full", f"{a:.1f}", f"{b:.1f}",
+                         f"{a / b:.2f}"])  # fmt: skip
+    headers = ["weight", "rank", "galore2 ms", "galore-torch ms", "ratio"]
+    return render("step_time", "adafactor_step", repeats=ADAFACTOR_REPEATS,
+                  warmup=ADAFACTOR_WARMUP, threads=torch.get_num_threads(), norm_ms=norm_ms,
+                  blocked_ms=blocked_ms, speedup=norm_ms / blocked_ms,
+                  table=table(headers, rows))  # fmt: skip

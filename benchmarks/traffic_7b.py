@@ -1,14 +1,12 @@
 """Collective traffic of galore2 under FSDP2 for Llama-7B shapes, on paper (meta device).
 
-Usage (repository root, venv active)::
-
-    python -m benchmarks.traffic_7b            # Llama-7B, r=1024, p = 8, 64, 512
-    python -m benchmarks.traffic_7b --quick    # dim 256, 2 layers, r=64, p = 2, 8
+``python -m benchmarks.run --tasks traffic_7b``: Llama-7B, r=1024, p = 8, 64, 512;
+with ``--quick`` the recipe's llama_60m at its rank, p = 2, 8.
 
 Nothing is measured: every number comes from :func:`galore2.traffic.collective_bytes`,
 the formula ``tests/test_fsdp_traffic.py`` checks against the collectives that spawned
-FSDP2 runs issue at p = 2 and 3. The model is ``LlamaForCausalLM`` built under
-``torch.device("meta")`` as in ``benchmarks/memory_7b.py`` (fp32, untied head); GaLore
+FSDP2 runs issue at p = 2 and 3. The model is the recipe's ``llama_7b`` on the meta
+device, as in ``benchmarks/llama_7b.py`` (fp32, untied head); GaLore
 projects q/k/v/o/gate/up/down at r=1024, with ``proj_type="std"``: q/k/v/o (4096×4096)
 and gate/up (11008×4096) are projected on the right (no per-step collective) and down
 (4096×11008) on the left (reduce-scatter of PᵀG + all-gather of Adam's direction, both
@@ -30,9 +28,10 @@ from typing import Any
 import torch
 
 from galore2.traffic import Traffic, collective_bytes
+from recipes.config import JobConfig
 
-from ._common import cli, table
-from .memory_7b import FULL_SIZE, QUICK_SIZE, TARGETS, meta_llama
+from ._common import render, table
+from .llama_7b import meta_model, shapes
 
 FULL_WORLDS = (8, 64, 512)
 QUICK_WORLDS = (2, 8)
@@ -48,28 +47,21 @@ def _pct(x: float) -> str:
     return f"{100 * x:.2f}%"
 
 
-def traffic(model: torch.nn.Module, size: dict[str, int], p: int, **kw: Any) -> Traffic:
-    units = [f"model.layers.{i}" for i in range(size["layers"])]
-    return collective_bytes(
-        model,
-        p,
-        rank=size["rank"],
-        target_modules=TARGETS,
-        fsdp_units=units,
-        update_proj_gap=GAP,
-        **kw,
-    )
+def traffic(model: torch.nn.Module, job: JobConfig, p: int, **kw: Any) -> Traffic:
+    units = [f"model.layers.{i}" for i in range(job.model.n_layers)]
+    return collective_bytes(model, p, rank=job.optim.rank, target_modules=job.optim.target_modules,
+                            fsdp_units=units, update_proj_gap=GAP, **kw)  # fmt: skip
 
 
-def run(quick: bool = False) -> dict[str, Any]:
-    size = QUICK_SIZE if quick else FULL_SIZE
+def traffic_7b(quick: bool) -> str:
+    job, _ = shapes(quick)
     worlds = QUICK_WORLDS if quick else FULL_WORLDS
-    model = meta_llama(size)
+    model = meta_model(job)
     results: dict[int, dict[str, Traffic]] = {}
     mixed: dict[int, Traffic] = {}
     for p in worlds:
-        results[p] = {proj: traffic(model, size, p, projector=proj) for proj in PROJECTORS}
-        mixed[p] = traffic(model, size, p, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        results[p] = {proj: traffic(model, job, p, projector=proj) for proj in PROJECTORS}
+        mixed[p] = traffic(model, job, p, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
     step_rows = []
     for p in worlds:
@@ -126,44 +118,12 @@ def run(quick: bool = False) -> dict[str, Any]:
     ]
 
     t8 = results[worlds[0]]["randomized"]
-    per_layer = traffic(model, size, worlds[0], per_layer=True)
+    per_layer = traffic(model, job, worlds[0], per_layer=True)
     n_params = sum(p.numel() for p in model.parameters())
     down = [c for c in t8.step if c.op == "reduce_scatter"]
-    md = (
-        f"LlamaForCausalLM on the meta device (dim {size['hidden']}, {size['layers']} layers, "
-        f"ffn {size['ffn']}, vocab {size['vocab']}, {n_params:,} fp32 params), GaLore on "
-        f"q/k/v/o/gate/up/down at r={size['rank']} ({len(t8.galore_params)} weights), FSDP2 "
-        f"`fully_shard` per decoder layer + root, p = FSDP world size. **Computed, not "
-        f"measured**: `galore2.traffic.collective_bytes`, the formula "
-        f"`tests/test_fsdp_traffic.py` checks call by call against the collectives FSDP2 runs "
-        f"issue at p = 2 and 3. Per rank = bytes received by a rank under ring algorithms, "
-        f"averaged over ranks (see `benchmarks/traffic_7b.py`). FSDP2 per step = forward "
-        f"all-gather + backward all-gather (not the root's) + gradient reduce-scatter, fp32 "
-        f"(the '… bf16' column: `MixedPrecisionPolicy(param_dtype=bf16, "
-        f"reduce_dtype=fp32)`).\n\n"
-        f"Every step galore2 adds, per left-projected weight ({len(down)} down_proj "
-        f"{size['hidden']}×{size['ffn']}), a reduce-scatter of PᵀG and an all-gather of Adam's "
-        f"direction ({size['rank']}×{size['ffn']} fp32 each), plus one int32 flag per "
-        f"parameter (one all-reduce per group); right-projected weights (q/k/v/o/gate/up) "
-        f"need no per-step collective.\n\n"
-        + table(step_headers, step_rows)
-        + f"\n\nPer refresh (every {GAP} steps at the default gap; later refreshes — the "
-        f"first differs only for `power`, a randomized cold start):\n\n"
-        + table(refresh_headers, refresh_rows)
-        + "\n\n`svd` gathers each weight's gradient onto one owner rank (owners balanced by SVD "
-        "cost, `galore2.fsdp.assign_owners`) and broadcasts the basis: its per-rank column is an "
-        "average, the owner receiving the whole m×n gradient it factors. `random` moves only the scalar `usable_norm` all-reduces. "
-        "Per step the all-gather carries Adam's direction in `state_dtype` (fp32 here); it is "
-        "cast to the parameter dtype only after the gather. With per-layer updates "
-        f"(`galore2.per_layer`) the same bytes go in {per_layer.calls('step')} calls per step "
-        f"(one 1-flag all-reduce per parameter, inside backward) instead of {t8.calls('step')}."
-    )
-    return {"markdown": md, "traffic": results, "mixed": mixed}
-
-
-def main(argv: list[str] | None = None) -> None:
-    cli("benchmarks.traffic_7b", __doc__, run, argv)
-
-
-if __name__ == "__main__":
-    main()
+    m = job.model
+    return render("traffic_7b", dim=m.dim, layers=m.n_layers, ffn=m.ffn_dim, vocab=m.vocab_size,
+                  params=n_params, rank=job.optim.rank, weights=len(t8.galore_params),
+                  left=len(down), step_table=table(step_headers, step_rows), gap=GAP,
+                  refresh_table=table(refresh_headers, refresh_rows),
+                  per_layer_calls=per_layer.calls("step"), calls=t8.calls("step"))  # fmt: skip

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import warnings
 from dataclasses import dataclass
 
@@ -40,9 +39,9 @@ import torch
 from torch import nn
 
 import galore2
-from galore2.projectors import FULL, LEFT, NONE, RIGHT
-from galore2.storage.dtype import STATE_DTYPES, normalize_state_dtype
+from galore2.storage.dtype import normalize_state_dtype
 
+from . import state
 from .config import JobConfig, ModelConfig, parse_args
 from .model import build_model, param_dtype
 from .optimizers import NAMES, build_optimizer, galore_settings
@@ -51,17 +50,9 @@ from .peers import PEERS
 # galore2's optimizers and the baselines it replaces; benchmark-only peers are left out
 OPTIMIZERS: tuple[str, ...] = tuple(n for n in NAMES if n not in PEERS)
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-BNB_BLOCK, BNB_MIN_8BIT = 256, 4096  # bitsandbytes 0.50.2 8-bit optimizers (init_state)
 MEASURED = "measured (init_state on meta)"
-_INNER = {NONE: "rows", RIGHT: "rows", LEFT: "cols", FULL: "replicate"}  # galore2.fsdp layouts
-_BASES = {
-    f"proj.{side}{suffix}": layout
-    for side, layout in (("left", "rows"), ("right", "replicate"))
-    for suffix in ("", ".q", ".scale")
-}  # fp32/bf16 bases, or quantized codes + scales
-
-Piece = tuple[tuple[int, ...], int, str]  # shape, bytes per element, layout (rows/cols/...)
-_QMAPS: list[Piece] = [((256,), 4, "replicate")] * 2  # bitsandbytes' shared quantization maps
+COUNTED = {"adamw": "exact count (torch AdamW rules)",
+           "adamw8bit": "exact count (bitsandbytes 0.50.2 rules)"}  # fmt: skip
 
 
 @dataclass
@@ -76,17 +67,6 @@ class Row:
     @property
     def total(self) -> int:
         return self.weights + self.grads + self.state + self.activations
-
-
-def _bytes(pieces: list[Piece], world: int) -> int:
-    total = 0
-    for shape, eb, layout in pieces:
-        dims = list(shape)
-        i = {"rows": 0, "cols": min(1, len(dims) - 1)}.get(layout)
-        if i is not None and dims and world > 1:
-            dims[i] = -(-dims[i] // world)
-        total += eb * math.prod(dims)
-    return total
 
 
 def _norm(cfg: ModelConfig, t: int, a: int) -> int:
@@ -109,14 +89,6 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, a: int) -> int:
     return kept + max(loss, a * t * cfg.vocab_size + bwd + (layer if ac else 0))
 
 
-def _eight_bit(shape: tuple[int, ...], layout: str) -> list[Piece]:
-    """bitsandbytes: 2 uint8 moments + 2 fp32 absmax per block; fp32 moments when small."""
-    n = math.prod(shape)
-    if n < BNB_MIN_8BIT:
-        return [(shape, 4, layout)] * 2
-    return [(shape, 1, layout)] * 2 + [((-(-n // BNB_BLOCK),), 4, "rows")] * 2
-
-
 def galore_optimizer(model: nn.Module, job: JobConfig, state_dtype: str = "float32"):
     """The recipe's GaLoreAdamW over ``model`` with all state created (meta works)."""
     o = job.optim
@@ -130,32 +102,14 @@ def galore_optimizer(model: nn.Module, job: JobConfig, state_dtype: str = "float
     return opt
 
 
-def _measured(opt: torch.optim.Optimizer) -> list[Piece]:
-    """Every state tensor of a galore2 optimizer, laid out as galore2.fsdp shards it."""
-    out: list[Piece] = []
-    for state in opt.state.values():
-        inner = _INNER[int(state["galore.side"])] if "galore.side" in state else "rows"
-        for key, v in state.items():
-            if isinstance(v, torch.Tensor):
-                layout = _BASES.get(key, inner) if v.dim() else "cpu"
-                out.append((tuple(v.shape), v.element_size(), layout))
-    return out
-
-
-def _state(name: str, model: nn.Module, opt, pb: int, sb: int, job: JobConfig):
+def _state(name: str, model: nn.Module, opt, job: JobConfig) -> tuple[list[state.Piece], str]:
     """(pieces, source) of optimizer ``name``'s state; ``opt`` is the measured GaLoreAdamW."""
-    shapes = [tuple(p.shape) for p in model.parameters()]
-    if name == "adamw":  # moments in the parameter dtype; fp32 step scalar on the CPU
-        pieces = [x for s in shapes for x in [(s, pb, "rows")] * 2 + [((), 4, "cpu")]]
-        return pieces, "exact count (torch AdamW rules)"
-    if name == "adamw8bit":
-        pieces = [x for s in shapes for x in _eight_bit(s, "rows")]
-        return [*pieces, *_QMAPS], "exact count (bitsandbytes 0.50.2 rules)"
-    if name == "galore_adamw":
-        return _measured(opt), MEASURED
-    built = build_optimizer(model, dataclasses.replace(job.optim, name=name), 1000)
-    built.init_state()
-    return _measured(built), MEASURED
+    if name in COUNTED:
+        return state.counted(name, model), COUNTED[name]
+    if name != "galore_adamw":
+        opt = build_optimizer(model, dataclasses.replace(job.optim, name=name), 1000)
+        opt.init_state()
+    return state.measured(opt), MEASURED
 
 
 def estimate(
@@ -174,18 +128,18 @@ def estimate(
     dtype = param_dtype(job.model, torch.device("cuda"))  # the recipe's dtype on a GPU
     model = build_model(job.model, "meta").to(dtype)
     pb, W = dtype.itemsize, world_size
-    sb = STATE_DTYPES[normalize_state_dtype(state_dtype)].itemsize
+    normalize_state_dtype(state_dtype)  # a clear error for an unknown dtype
     in_layers = {id(p) for layer in model.model.layers for p in layer.parameters()}
-    params = [(tuple(p.shape), pb, "rows") for p in model.parameters()]
-    root = [(tuple(p.shape), pb, "rows") for p in model.parameters() if id(p) not in in_layers]
-    layer = [(tuple(p.shape), pb, "rows") for p in model.model.layers[0].parameters()]
-    weights = grads = _bytes(params, W)
+    params = [state.Piece(tuple(p.shape), pb) for p in model.parameters()]
+    root = [state.Piece(tuple(p.shape), pb) for p in model.parameters() if id(p) not in in_layers]
+    layer = [state.Piece(tuple(p.shape), pb) for p in model.model.layers[0].parameters()]
+    weights = grads = state.nbytes(params, W)
     if per_layer and job.train.grad_accum == 1:
-        grads = max(_bytes([x], 1) for x in params)
-        grads = grads if W == 1 else max(_bytes(root, W), _bytes(layer, W))
+        grads = max(state.nbytes([x], 1) for x in params)
+        grads = grads if W == 1 else max(state.nbytes(root, W), state.nbytes(layer, W))
     if W > 1:  # FSDP2's unsharded (all-gathered) parameters and gradients
-        unit = max(_bytes(root, 1), _bytes(layer, 1))
-        weights += _bytes(root, 1) + _bytes(layer, 1)
+        unit = max(state.nbytes(root, 1), state.nbytes(layer, 1))
+        weights += state.nbytes(root, 1) + state.nbytes(layer, 1)
         grads += unit + (unit * 4 // pb if pb < 4 else 0)
     acts = activation_bytes(job.model, batch_size, seq_len, pb)
     opt = (
@@ -195,8 +149,8 @@ def estimate(
     )
     rows = []
     for name in optimizers:
-        pieces, source = _state(name, model, opt, pb, sb, job)
-        rows.append(Row(name, source, weights, grads, _bytes(pieces, W), acts))
+        pieces, source = _state(name, model, opt, job)
+        rows.append(Row(name, source, weights, grads, state.nbytes(pieces, W), acts))
     return rows
 
 
@@ -229,7 +183,8 @@ def report(job: JobConfig, batch: int, seq: int, world: int, names, label: str, 
     notes = [
         f"adamw = torch.optim.AdamW: moments in the parameter dtype ({2 * dtype.itemsize} B/param"
         "; 8 for fp32) + a 4-byte CPU step per tensor. adamw8bit (bitsandbytes 0.50.2): uint8 "
-        f"moments + fp32 absmax per {BNB_BLOCK} elements; fp32 below {BNB_MIN_8BIT} elements.",
+        f"moments + fp32 absmax per {state.BNB_BLOCK} elements; fp32 below "
+        f"{state.BNB_MIN_8BIT} elements.",
         "galore2 rows: every state tensor of the optimizer built from this config (init_state "
         "on the meta device): moments in state_dtype (galore_adamw8bit: uint8 + fp32 absmax per "
         "256; galore_adafactor: row + column vectors), bases in optim.basis_dtype (fp32 unless "

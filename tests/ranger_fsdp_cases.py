@@ -14,6 +14,7 @@ from galore2.optim.weights import Lookahead, NormLoss, StableWeightDecay
 
 from .dist import assert_params_match, cpu_mesh, make_model, shard, sharded_vs_single, train
 
+
 def chain_optimizer(
     params, grad_transforms=(), param_transforms=(), **settings: Any
 ) -> ChainOptimizer:

@@ -1,19 +1,22 @@
-"""The side-by-side benchmark suite (benchmarks/run.py): peers, storage rules, tasks, output."""
+"""The benchmark runner (benchmarks/run.py) and its side-by-side suite: registry, peers,
+storage rules (recipes/state.py), tasks, output."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 
 import pytest
 import torch
 
-from benchmarks import convergence, footprint, run, state_7b
+from benchmarks import convergence, footprint, llama_7b, run, suite
 from benchmarks.contenders import BY_KEY, CONTENDERS, why_not
-from benchmarks.state_rules import RULES, peer_state_bytes
 from recipes.config import ModelConfig
 from recipes.metrics import optimizer_state_bytes
 from recipes.model import build_model
 from recipes.optimizers import build_optimizer
+from recipes.state import RULES, counted, nbytes, optimizer_state
 
 SMALL = ModelConfig(vocab_size=300, dim=64, n_layers=1, n_heads=2, ffn_dim=160, max_seq_len=16)
 CUDA_ONLY = ("gt_galore_adamw8bit", "qgalore")
@@ -37,7 +40,9 @@ def test_storage_rule_equals_the_peers_real_state(key):
     projected = [p for g in opt.param_groups if "rank" in g for p in g["params"]]
     assert bool(projected) == BY_KEY[key].projected
     measured = optimizer_state_bytes(opt)
-    assert measured == peer_state_bytes(BY_KEY[key].optimizer, model, projected, 8)
+    assert measured == nbytes(counted(BY_KEY[key].optimizer, model, projected, 8))
+    # the calculator finds the same projected group from the recipe config
+    assert measured == optimizer_state(model, BY_KEY[key].optim_config(rank=8))["total"]
 
 
 def test_shared_storage_is_counted_once():
@@ -68,8 +73,8 @@ def test_state_7b_galore2_rows_are_its_own_count_and_peers_follow_rules():
     """Quick shapes (llama_60m on meta): AdamW 8 B/param; 8-bit + INT4 basis well below GaLore."""
     chosen = [BY_KEY[k] for k in ("adamw", "gt_galore_adamw", "galore_adamw",
                                   "galore_adamw8bit_int4", "qgalore")]  # fmt: skip
-    sizes = state_7b.run(chosen, quick=True)
-    job, _ = state_7b.shapes(True)
+    sizes = llama_7b.state_by_contender(chosen, quick=True)
+    job, _ = llama_7b.shapes(True)
     model = build_model(job.model, device="meta")
     n = sum(p.numel() for p in model.parameters())
     assert sizes["adamw"] == 8 * n + 4 * len(list(model.parameters()))
@@ -128,9 +133,9 @@ def test_convergence_table_flags_a_sweep_that_spans_machines():
 
     labels = {c.key: c.label for c in CONTENDERS}
     same = {"adamw": [result(1e-3, "A")], "galore_adamw": [result(1e-2, "A")]}
-    assert "more than one machine" not in run.convergence_md(same, labels, quick=False)
+    assert "more than one machine" not in suite.convergence_md(same, labels, quick=False)
     mixed = {"adamw": [result(1e-3, "A")], "galore_adamw": [result(1e-2, "B")]}
-    text = run.convergence_md(mixed, labels, quick=False)
+    text = suite.convergence_md(mixed, labels, quick=False)
     assert "more than one machine" in text and "`B`: galore2 GaLoreAdamW" in text
 
 
@@ -141,8 +146,9 @@ def test_suite_end_to_end_writes_sections_and_plots(monkeypatch, tmp_path):
     keys = "adamw,gt_galore_adamw,galore_adamw"
     run.main(["--quick", "--optimizers", keys, "--out", str(out)])
     text = out.read_text()
-    for task in (*run.TASKS, "targets"):
+    for task in (*run.DEFAULT, "targets"):
         assert f"<!-- BEGIN galore2-bench:suite_{task} -->" in text
+    assert "Command: `python -m benchmarks.run --quick --optimizers" in text
     assert "galore-torch GaLoreAdamW" in text and "refresh ≥ 8× faster" in text
     for png in ("convergence.png", "memory_7b.png"):
         data = (tmp_path / "figures" / png).read_bytes()
@@ -155,11 +161,58 @@ def test_footprint_subprocess_returns_json():
     assert got["peak_rss_delta"] is None or got["peak_rss_delta"] >= 0
 
 
-def test_bad_task_and_optimizer_names_are_refused():
+def test_bad_task_and_optimizer_names_are_refused(capsys):
     with pytest.raises(SystemExit):
-        run.main(["--tasks", "speedy"])
+        run.main(["--tasks", "refresh,speedy"])
+    err = capsys.readouterr().err
+    assert "--tasks: unknown task 'speedy'; choose from: peers, " in err and "low_memory" in err
     with pytest.raises(SystemExit):
         run.main(["--optimizers", "sgd"])
+    assert "--optimizers: unknown ['sgd']" in capsys.readouterr().err
+
+
+def test_registry_lists_every_task_and_resolves_each():
+    """One registry: the suite, every former run_core benchmark, kernels and the Adafactor probe."""
+    expected = {"peers", "state_7b", "footprint", "convergence", "targets", "refresh",
+                "step_time", "memory_7b", "traffic_7b", "recipe_tiny", "recipe_memory_7b",
+                "ranger21", "basis_quant", "low_memory", "kernels", "adafactor_step"}  # fmt: skip
+    assert set(run.TASKS) == expected
+    assert set(run.DEFAULT) == {"peers", "state_7b", "footprint", "convergence"}
+    assert run.parse_tasks("all") == list(run.TASKS)
+    assert run.parse_tasks("step_time,refresh") == ["refresh", "step_time"]  # registry order
+    with pytest.raises(ValueError, match="unknown tasks 'a', 'b'"):
+        run.parse_tasks("a,refresh,b")
+    listing = run.listing()
+    for name, task in run.TASKS.items():
+        fn = getattr(importlib.import_module(f"benchmarks.{task.module}"), task.function)
+        params = set(inspect.signature(fn).parameters)
+        assert params <= {"quick", "suite", "repeats", "rounds", "warmup", "json_path"}, name
+        assert name in listing and task.title in listing
+    assert "needs CUDA" in listing.splitlines()[list(run.TASKS).index("kernels")]
+
+
+def test_gpu_task_without_cuda_says_it_needs_cuda(capsys, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    out = tmp_path / "B.md"
+    assert run.main(["--tasks", "kernels", "--out", str(out)]) == 0
+    assert "needs a CUDA device" in capsys.readouterr().out
+    assert not out.exists()
+
+
+def test_meta_device_task_writes_its_section(tmp_path):
+    """``--tasks memory_7b`` (meta-device arithmetic, seconds): a section with the 7B figures."""
+    out = tmp_path / "B.md"
+    run.main(["--tasks", "memory_7b", "--out", str(out)])
+    text = out.read_text()
+    assert text.startswith("# galore2 benchmarks\n")
+    assert "<!-- BEGIN galore2-bench:memory_7b -->\n## Optimizer-state memory, Llama-7B" in text
+    assert "Command: `python -m benchmarks.run --tasks memory_7b --out" in text
+    assert (
+        "| galore2 GaLoreAdamW, r=1024 | 15.051 | 3.758 | 14,152 | 18.809 | 17.52 | 0.349 |" in text
+    )
+    run.main(["--tasks", "memory_7b", "--out", str(out), "--no-write"])  # unchanged
+    assert out.read_text() == text
 
 
 def test_step_targets_compare_with_galore_torchs_class_for_the_same_algorithm():
@@ -187,3 +240,35 @@ def test_step_targets_compare_with_galore_torchs_class_for_the_same_algorithm():
     assert "1.50×" in eight and "**missed**" in eight
     loss = rows["GaLoreAdafactor best val loss ≤ galore-torch GaLoreAdafactor's"]
     assert "0.933×" in loss and "**met**" in loss
+
+
+# Llama-7B state bytes as published in BENCHMARKS.md (suite_state_7b, low_memory, memory_7b),
+# recorded before the calculators were merged into recipes/state.py.
+PUBLISHED_7B = {
+    "adamw": 53907326092, "bnb_adamw8bit": 13687408768, "gt_galore_adamw": 30083678208,
+    "gt_galore_adamw8bit": None, "gt_galore_adafactor": 15040982156, "qgalore": None,
+    "apollo": 18809389952, "apollo_mini": 2115601280, "pto_galore": 18809389056,
+    "pto_ranger21": 134768312320, "galore_adamw": 18809403208,
+    "galore_adamw_power": 18809403208, "galore_adamw8bit": 7581318744,
+    "galore_adamw8bit_int8": 4777426520, "galore_adamw8bit_int4": 4307664472,
+    "galore_adafactor": 3766710648, "galore_adafactor_int8": 962818424,
+    "ranger21": 107814659168, "galore_ranger21": 53288716664,
+}  # fmt: skip
+PUBLISHED_LOW_MEMORY_7B = {
+    "torch AdamW fp32": 53907326092, "bitsandbytes AdamW8bit": 13687408768,
+    "galore-torch GaLoreAdamW fp32": 18809389056, "galore2 GaLoreAdamW fp32": 18809403208,
+    "galore2 8-bit + fp32 basis": 7581318744, "galore2 8-bit + bf16 basis": 5702270552,
+    "galore2 8-bit + INT8 basis": 4777426520, "galore2 8-bit + INT4 basis": 4307664472,
+    "galore2 8-bit + INT4 basis + Hadamard": 4307664472,
+}  # fmt: skip
+
+
+def test_llama_7b_state_figures_are_the_published_ones():
+    """Every 7B state figure of BENCHMARKS.md, byte for byte, from the one calculator."""
+    from benchmarks import tiny
+
+    assert llama_7b.state_by_contender(list(CONTENDERS), quick=False) == PUBLISHED_7B
+    assert tiny.state_7b_variants(quick=False)[0] == PUBLISHED_LOW_MEMORY_7B
+    md = llama_7b.memory_7b(quick=False)
+    assert "| torch.optim.AdamW fp32 (counted) | 53.907 | 0.000 | 1,164 | 53.907 |" in md
+    assert "| galore2 GaLoreAdamW, rank=None (plain) | 53.907 | 0.000 | 6,984 | 53.907 |" in md

@@ -157,7 +157,7 @@ def test_layer_formula_matches_the_tensors_autograd_saves(kv):
 def test_llama_7b_galore_state_and_activations():
     job = llama_7b_job()
     rows = {r.optimizer: r for r in estimate(job, 1, 2048, 1, False)}
-    # BENCHMARKS.md (benchmarks/memory_7b.py): 18.809 GB at r=1024 on q/k/v/o/gate/up/down,
+    # BENCHMARKS.md (memory_7b task, benchmarks/llama_7b.py): 18.809 GB at r=1024 on q/k/v/o/gate/up/down,
     # fp32 moments (15.051) + fp32 bases (3.758); bf16 parameters do not change it
     assert abs(rows["galore_adamw"].state / 1e9 - 18.809) < 0.1
     assert abs(rows["adamw"].weights / 1e9 - 13.477) < 0.01  # 6,738,415,616 × 2 bytes

@@ -435,7 +435,6 @@ def test_bf16_parameters(info):
             assert not value.is_floating_point() or torch.isfinite(value).all()
 
 
-@pytest.mark.xfail(strict=True, reason="unknown-key errors land with the options declarations")
 @each_optimizer
 def test_unknown_group_key_raises_naming_it(info):
     params = make_params()

@@ -138,7 +138,7 @@ def _col_sq(u: Tensor) -> Tensor:
 
     ``torch.norm(u, dim=-2)`` (torch.optim.Adafactor's op) is a strided reduction, several
     times slower on the CPU than squaring contiguous row blocks and summing them (see
-    ``python -m benchmarks.adafactor_step``); the blocks bound the temporary.
+    ``python -m benchmarks.run --tasks adafactor_step``); the blocks bound the temporary.
     """
     m = u.size(-2)
     rows = max(1, _COL_BLOCK // max(1, u[..., :1, :].numel()))
