@@ -241,7 +241,7 @@ def test_unknown_settings_raise(tmp_path):
         GaLoreTrainer(model, args, galore_settings={"rank": 4, "lrr": 1e-3})
     with pytest.raises(ValueError, match=r"optim_args: unknown .*\['foo'\]"):
         create_optimizer(model, training_args(tmp_path, optim_args="rank=4,foo=1"))
-    with pytest.raises(ValueError, match="rank must be .*an int >= 1"):  # checked by galore2
+    with pytest.raises(ValueError, match=r"rank must be .*an int >= 1"):  # checked by galore2
         create_optimizer(model, args, rank=0)
 
 
@@ -266,7 +266,7 @@ def test_optim_args(tmp_path):
     assert parse_optim_args(None) == {} and parse_optim_args("") == {}
     with pytest.raises(ValueError, match="key=value"):
         parse_optim_args("rank")
-    with pytest.raises(ValueError, match="rank must be .*got 'four'"):
+    with pytest.raises(ValueError, match=r"rank must be .*got 'four'"):
         parse_optim_args("rank=four")
     # Nothing set anywhere: the Trainer's own GaLore default rank.
     (galore,) = [
