@@ -180,7 +180,7 @@ def _parse(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
-def _set(job: JobConfig, dotted: str, value: Any) -> None:
+def _set(job: JobConfig, dotted: str, value: Any, optimizer: str | None = None) -> None:
     section_name, _, name = dotted.partition(".")
     sections = {f.name for f in dataclasses.fields(job)}
     if section_name not in sections or not name:
@@ -189,13 +189,10 @@ def _set(job: JobConfig, dotted: str, value: Any) -> None:
         )
     section = getattr(job, section_name)
     names = [f.name for f in dataclasses.fields(section) if f.name != "options"]
-    if (
-        section_name == "optim"
-        and name == "eps"
-        and isinstance(value, (str, list))
-        and ("," in str(value) or isinstance(value, list))
-    ):  # Adafactor's eps is a pair (eps1, eps2): an option of that optimizer, not Adam's field
-        section.options[name] = value
+    from .optimizers import is_own_option  # the optimizer factory knows which keys it owns
+
+    if section_name == "optim" and is_own_option(optimizer or section.name, name):
+        section.options[name] = value  # e.g. Adafactor's eps pair / beta1, not Adam's fields
     elif name in names:
         setattr(section, name, _parse(value, _field_type(section, name), dotted))
     elif section_name == "optim":  # an option of the chosen optimizer: checked by check_options
@@ -233,11 +230,13 @@ def resolve_config_path(path: str | Path) -> Path:
 def load_toml(job: JobConfig, path: str | Path) -> JobConfig:
     with open(resolve_config_path(path), "rb") as f:
         data = tomllib.load(f)
+    optim = data.get("optim")
+    optimizer = optim.get("name") if isinstance(optim, dict) else None
     for section_name, values in data.items():
         if not isinstance(values, dict):
             raise ValueError(f"{path}: top-level key {section_name!r} must be a [section] table")
         for name, value in values.items():
-            _set(job, f"{section_name}.{name}", value)
+            _set(job, f"{section_name}.{name}", value, optimizer)
     check_options(job)
     return job
 
@@ -268,8 +267,10 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     job = JobConfig()
     if config_path is not None:
         load_toml(job, config_path)
+    named = [v for d, v in pairs if d == "optim.name"]
+    optimizer = named[-1] if named else job.optim.name
     for dotted, value in pairs:
-        _set(job, dotted, value)
+        _set(job, dotted, value, optimizer)
     check_options(job)
     return job
 

@@ -33,6 +33,8 @@ import torch
 from torch import nn
 
 import galore2
+from galore2.core.optimizer import ChainOptimizer
+from galore2.core.transform import walk
 from galore2.optim import GaLore
 from galore2.optim.adam import BETAS, EPS
 from galore2.presets import PRESETS
@@ -86,6 +88,33 @@ def galore_settings(cfg: OptimConfig) -> dict[str, Any]:
     settings = {k: getattr(cfg, k) for k in ("rank", "update_proj_gap", "scale", "proj_type")}
     names = {o.name for o in GaLore.options}
     return {**settings, **{k: v for k, v in cfg.options.items() if k in names}}
+
+
+#: [optim] fields that are Adam's (beta1, beta2, eps): for an optimizer whose option of
+#: that name is not Adam's (GaLoreAdafactor's eps pair and beta1), ``--optim.KEY`` sets the
+#: optimizer's own option instead
+_ADAM_FIELDS = ("beta1", "beta2", "eps")
+
+
+def _adam_form(cls: type) -> bool:
+    declared = cls.declared_options()
+    return declared.get("betas") is BETAS and declared.get("eps") is EPS
+
+
+def is_own_option(name: str, key: str) -> bool:
+    """Whether ``--optim.KEY`` sets an option of galore2 optimizer ``name`` that shadows an
+    [optim] field of the same name (Adam's fields, for a rule that is not Adam's)."""
+    cls = PRESETS.get(name)
+    if cls is None or key not in cls.all_options():
+        return False
+    return key in _ADAM_FIELDS and not _adam_form(cls)
+
+
+def _galore_only(cls: type) -> set[str]:
+    """GaLore's options that no other module of ``cls`` reads (they go on projected groups
+    only); a shared one (``seed``, also lookahead's) goes to every group."""
+    others = ChainOptimizer.declared_options([m for m in walk(cls.modules) if m is not GaLore])
+    return {o.name for o in GaLore.options} - set(others)
 
 
 def parse_options(name: str, raw: dict[str, Any]) -> dict[str, Any]:
@@ -166,17 +195,16 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int) -> tor
         kwargs.update(peer.kwargs(cfg))
     elif cfg.name in PRESETS:
         groups = param_groups(model, cfg, _GALORE2[cfg.name][1])
-        declared = cls.declared_options()
-        if declared.get("betas") is BETAS and declared.get("eps") is EPS:  # Adam-form
+        if _adam_form(cls):
             kwargs.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
         if cfg.name == "galore_adafactor":
             # An explicit lr, as the recipe gives galore-torch's GaLoreAdafactor: no 1/√t
             # cap and no RMS(θ) factor (that factor alone divides the step by ~50 here).
             kwargs.update(relative_step=False, scale_parameter=False)
         # every other option set with --optim.KEY (GaLore's own went on the projected group)
-        galore_names = {o.name for o in GaLore.options}
-        kwargs.update({k: v for k, v in parse_options(cfg.name, cfg.options).items()
-                       if k not in galore_names})  # fmt: skip
+        galore_only = _galore_only(cls)
+        own = parse_options(cfg.name, cfg.options)
+        kwargs.update({k: v for k, v in own.items() if k not in galore_only})
     else:
         groups = param_groups(model, cfg, False)
         kwargs.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
