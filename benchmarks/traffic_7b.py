@@ -4,7 +4,7 @@
 with ``--quick`` the recipe's llama_60m at its rank, p = 2, 8.
 
 Nothing is measured: every number comes from :func:`galore2.traffic.collective_bytes`,
-the formula ``tests/test_fsdp_traffic.py`` checks against the collectives that spawned
+the formula ``tests/fsdp/test_fsdp_traffic.py`` checks against the collectives that spawned
 FSDP2 runs issue at p = 2 and 3. The model is the recipe's ``llama_7b`` on the meta
 device, as in ``benchmarks/llama_7b.py`` (fp32, untied head); GaLore
 projects q/k/v/o/gate/up/down at r=1024, with ``proj_type="std"``: q/k/v/o (4096×4096)

@@ -5,7 +5,7 @@ Written with ``galore2.checkpoint.save_checkpoint`` (DCP, atomic, resharding) un
 pickled Python objects): the step, tokens seen, the data loader's position and
 the CPU (and CUDA) RNG states. Every rank seeds identically, so the RNG state is
 replicated and DCP stores it once. A run that stops and resumes follows the same
-loss curve as one that does not (tests/test_recipe.py).
+loss curve as one that does not (tests/recipes/test_recipe.py).
 """
 
 from __future__ import annotations

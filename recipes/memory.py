@@ -14,7 +14,7 @@ size, sharded tensors split along dim 0 like ``torch.chunk`` (the largest shard 
   printed under the table give each row's convention.
 * activations, t = batch·seq tokens, a = p, d = dim, f = ffn, k = kv dim, h = heads,
   V = vocab, L = layers (``layer`` equals the bytes autograd saves, checked on CPU by
-  tests/test_memory_estimate.py)::
+  tests/recipes/test_memory_estimate.py)::
 
       norm  = (4 + 2a)·t·d + 4t        fp32 input copy, normalized x, norm output, rsqrt
       layer = 2·norm + a·t·(2d + 2k) + 4·h·t + 4a·t·f

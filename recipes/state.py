@@ -9,7 +9,7 @@ count through here, on a model built on the meta device (nothing allocated).
   tensor with the layout galore2.fsdp shards it by (:func:`measured`).
 * Everything else is counted from its package's storage rules (:func:`counted`), each
   checked against the package's real state after a step on a small model
-  (``tests/test_bench_suite.py``, ``tests/test_memory_estimate.py``: exact equality).
+  (``tests/benchmarks/test_bench_suite.py``, ``tests/recipes/test_memory_estimate.py``: exact equality).
 
 Rules, per parameter of n elements (m × n₂ for a matrix; ``big``/``small`` = the larger /
 smaller side; r = rank; fp32 weights for the peers):

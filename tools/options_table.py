@@ -4,7 +4,7 @@
     python -m tools.options_table --check   # exit 1 if README.md is out of date
 
 The block between ``<!-- BEGIN options -->`` and ``<!-- END options -->`` is replaced;
-``tests/test_options.py`` fails when it differs from what this renders, so the README
+``tests/core/test_options.py`` fails when it differs from what this renders, so the README
 cannot drift from the code.
 """
 

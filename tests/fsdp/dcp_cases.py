@@ -1,0 +1,60 @@
+"""Workers for test_dcp.py: save with DCP at one world size, load at another, continue."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from galore2.checkpoint import load_checkpoint, save_checkpoint
+
+from ..dist import full_params, make_model, optimizer, shard, train
+
+STOP, END = 10, 20  # refreshes at 0 and 8 before the save, 16 after it
+SETTINGS = {"projector": "randomized", "moments_on_refresh": "project"}
+
+
+def _build(world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = make_model()
+    if world > 1:
+        shard(model, world)
+    return model, optimizer(model, SETTINGS)
+
+
+def save_then_continue(rank: int, world: int, root: str) -> None:
+    model, opt = _build(world)
+    train(model, opt, range(STOP), rank, world)
+    for flatten in (True, False):
+        save_checkpoint(
+            Path(root) / f"flat{int(flatten)}",
+            STOP,
+            model,
+            opt,
+            flatten=flatten,
+            extra={"step": torch.tensor(STOP)},
+        )
+    train(model, opt, range(STOP, END), rank, world)
+    full = full_params(model)  # a collective: every rank takes part
+    if rank == 0:
+        torch.save(full, Path(root) / "uninterrupted.pt")
+
+
+def load_then_continue(rank: int, world: int, root: str) -> None:
+    expected = torch.load(Path(root) / "uninterrupted.pt", weights_only=True)
+    for flatten in (True, False):
+        model, opt = _build(world)
+        extra = load_checkpoint(
+            Path(root) / f"flat{int(flatten)}",
+            model,
+            opt,
+            flatten=flatten,
+            extra={"step": torch.tensor(0)},
+        )
+        assert int(extra["step"]) == STOP
+        state = next(s for s in opt.state.values() if "galore.refreshes" in s)
+        assert int(state["galore.refreshes"]) == 2 and int(state["galore.step"]) == STOP
+        train(model, opt, range(STOP, END), rank, world)
+        for name, value in full_params(model).items():
+            diff = (value - expected[name]).abs().max().item()
+            assert diff <= 1e-5, f"world {world}, flatten={flatten}: {name} differs by {diff:.2e}"

@@ -1,0 +1,12 @@
+"""DCP checkpoints reshard: save under FSDP2 at world 2, resume at world 1 and 3."""
+
+from __future__ import annotations
+
+from . import dcp_cases
+from ..dist import spawn
+
+
+def test_save_at_2_resume_at_1_and_3(tmp_path):
+    spawn(dcp_cases.save_then_continue, 2, str(tmp_path))
+    spawn(dcp_cases.load_then_continue, 1, str(tmp_path))
+    spawn(dcp_cases.load_then_continue, 3, str(tmp_path))

@@ -1,0 +1,11 @@
+"""galore2.GaLoreAdamW under DistributedDataParallel (CPU, gloo): equals a single-process run
+on the concatenated batch, and every rank ends with identical parameters and bases."""
+
+from __future__ import annotations
+
+from . import data_parallel_cases as cases
+from ..dist import spawn
+
+
+def test_ddp_matches_single_process():
+    spawn(cases.ddp_matches_single_process, 2, timeout=180)

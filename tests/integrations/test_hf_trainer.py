@@ -1,0 +1,305 @@
+"""Hugging Face Trainer integration: ``create_optimizer`` and ``GaLoreTrainer`` (CPU, tiny Llama)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import galore2
+
+from ..helpers import run_python
+
+transformers = pytest.importorskip("transformers")
+
+from galore2.integrations.transformers import (  # noqa: E402
+    GaLoreTrainer,
+    create_optimizer,
+    parse_optim_args,
+)
+
+RANK, VOCAB, SEQ = 8, 128, 32
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def tiny_llama(bias: bool = False) -> nn.Module:
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=SEQ,
+        attention_bias=bias,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+class Motifs(torch.utils.data.Dataset):
+    """Sequences that repeat a random motif of 3–7 tokens: learnable by copying from context."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        period = 3 + i % 5
+        ids = torch.randint(0, VOCAB, (period,), generator=g).repeat(SEQ // period + 1)[:SEQ]
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def training_args(tmp_path, **overrides) -> transformers.TrainingArguments:
+    kwargs = {
+        "output_dir": str(tmp_path),
+        "max_steps": 30,
+        "per_device_train_batch_size": 8,
+        "learning_rate": 3e-3,
+        "weight_decay": 0.1,
+        "lr_scheduler_type": "constant",
+        "logging_steps": 1,
+        "report_to": [],
+        "save_strategy": "no",
+        "use_cpu": True,
+        "disable_tqdm": True,
+        **overrides,
+    }
+    return transformers.TrainingArguments(**kwargs)
+
+
+def linear_weights(model: nn.Module, names: tuple[str, ...] = LINEARS) -> set[int]:
+    return {
+        id(m.weight)
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in names
+    }
+
+
+def projected(opt: torch.optim.Optimizer) -> set[int]:
+    return {id(p) for g in opt.param_groups if g["rank"] is not None for p in g["params"]}
+
+
+def assert_trained_low_rank(trainer: transformers.Trainer, opt: galore2.GaLoreAdamW) -> None:
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 30
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first - 0.5, (first, last)
+    model = trainer.model
+    targets = linear_weights(model)
+    assert projected(opt) == targets and len(targets) == 14  # lm_head is not projected
+    for p in model.parameters():
+        moment = opt.state[p]["adam.exp_avg"]
+        if id(p) in targets:  # one side r, the other the parameter's own
+            assert moment.shape in {(RANK, p.shape[1]), (p.shape[0], RANK)}, (p.shape, moment.shape)
+            assert int(opt.state[p]["galore.refreshes"]) == 3  # steps 0, 10, 20
+        else:
+            assert moment.shape == p.shape
+
+
+def test_trainer_with_create_optimizer(tmp_path):
+    model = tiny_llama()
+    args = training_args(tmp_path)
+    opt = create_optimizer(model, args, rank=RANK, update_proj_gap=10)
+    trainer = transformers.Trainer(model, args, train_dataset=Motifs(), optimizers=(opt, None))
+    trainer.train()
+    assert trainer.optimizer.optimizer is opt  # wrapped by accelerate, not replaced
+    assert_trained_low_rank(trainer, opt)
+
+
+def test_galore_trainer(tmp_path):
+    trainer = GaLoreTrainer(
+        tiny_llama(),
+        training_args(tmp_path),
+        train_dataset=Motifs(),
+        galore_settings={"rank": RANK, "update_proj_gap": 10},
+    )
+    trainer.train()
+    opt = trainer.optimizer.optimizer
+    assert isinstance(opt, galore2.GaLoreAdamW)
+    assert_trained_low_rank(trainer, opt)
+    assert opt.state_bytes()["basis"] > 0
+
+
+def test_galore_trainer_keeps_a_given_optimizer(tmp_path):
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = GaLoreTrainer(model, training_args(tmp_path), optimizers=(opt, None))
+    assert trainer.create_optimizer() is opt
+
+
+def test_hyperparameters_come_from_training_arguments(tmp_path):
+    model = tiny_llama(bias=True)
+    args = training_args(
+        tmp_path,
+        learning_rate=2e-3,
+        weight_decay=0.05,
+        adam_beta1=0.8,
+        adam_beta2=0.95,
+        adam_epsilon=1e-6,
+    )
+    opt = create_optimizer(model, args, rank=4, update_proj_gap=7, scale=0.5, projector="svd")
+    # Projected (all decayed), plain decayed (embedding, head), plain not decayed: 3 groups.
+    assert len(opt.param_groups) == 3
+    for g in opt.param_groups:
+        assert g["lr"] == 2e-3 and g["betas"] == (0.8, 0.95) and g["eps"] == 1e-6
+    galore = [g for g in opt.param_groups if g["rank"] is not None]
+    assert len(galore) == 1
+    assert (galore[0]["rank"], galore[0]["update_proj_gap"]) == (4, 7)
+    assert (galore[0]["scale"], galore[0]["projector"]) == (0.5, "svd")
+    # Weight decay as the Trainer's: none for biases and norm weights, 0.05 for the rest.
+    decay_of = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    names = dict(model.named_parameters())
+    assert set(decay_of) == {id(p) for p in names.values()}  # every parameter exactly once
+    for name, p in names.items():
+        no_decay = name.endswith(".bias") or "norm" in name
+        assert decay_of[id(p)] == (0.0 if no_decay else 0.05), name
+    assert any(n.endswith("q_proj.bias") for n in names)
+
+
+class NormGated(nn.Module):
+    """A projected Linear the Trainer does not decay (its name ends in ``_norm``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 16)
+        self.proj = nn.Linear(16, 16)
+        self.gate_norm = nn.Linear(16, 16, bias=False)
+        self.lm_head = nn.Linear(16, 10)
+
+
+def test_four_groups_and_empty_groups_dropped(tmp_path):
+    model = NormGated()
+    opt = create_optimizer(model, training_args(tmp_path), rank=2)
+    groups = {(g["rank"] is not None, g["weight_decay"]): g["params"] for g in opt.param_groups}
+    assert len(opt.param_groups) == 4
+    assert groups[(True, 0.1)] == [model.proj.weight]
+    assert groups[(True, 0.0)] == [model.gate_norm.weight]
+    assert groups[(False, 0.1)] == [model.embed.weight, model.lm_head.weight]
+    assert groups[(False, 0.0)] == [model.proj.bias, model.lm_head.bias]
+    model.embed.requires_grad_(False)
+    model.lm_head.requires_grad_(False)
+    opt = create_optimizer(model, training_args(tmp_path), rank=2)
+    assert len(opt.param_groups) == 3  # frozen parameters are left out; no empty group
+
+
+@pytest.mark.parametrize(
+    ("target", "expected"),
+    [
+        (None, LINEARS),  # all-linear, without the head
+        ("all-linear", LINEARS),
+        ("all_linear", LINEARS),
+        (r".*\.self_attn\.[qv]_proj", ("q_proj", "v_proj")),  # a str is fullmatched
+        (["q_proj", r"model\.layers\.\d+\.mlp\.down_proj"], ("q_proj", "down_proj")),
+        (["lm_head"], ("lm_head",)),  # the head, when named
+    ],
+)
+def test_optim_target_modules(tmp_path, target, expected):
+    model = tiny_llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = create_optimizer(model, training_args(tmp_path, optim_target_modules=target), rank=4)
+    assert projected(opt) == linear_weights(model, expected)
+
+
+def test_optim_target_modules_edge_cases(tmp_path):
+    model = tiny_llama()
+    # A str is fullmatched, not searched: "q_proj" names no module.
+    with pytest.raises(ValueError, match=r"no nn\.Linear module matches 'q_proj'"):
+        create_optimizer(model, training_args(tmp_path, optim_target_modules="q_proj"), rank=4)
+    # A list entry matches as a substring; a non-Linear module matched by name is skipped,
+    # with a warning (one matched by regex is not reported).
+    args = training_args(tmp_path, optim_target_modules=["mlp"])
+    with pytest.warns(UserWarning, match=r"model\.layers\.0\.mlp'.* not nn\.Linear"):
+        opt = create_optimizer(model, args, rank=4)
+    assert projected(opt) == linear_weights(model, ("gate_proj", "up_proj", "down_proj"))
+    args = training_args(tmp_path, optim_target_modules=[r"model\.layers\.1\.mlp.*"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = create_optimizer(model, args, rank=4)
+    assert projected(opt) == {id(model.model.layers[1].mlp.up_proj.weight)} | {
+        id(model.model.layers[1].mlp.gate_proj.weight),
+        id(model.model.layers[1].mlp.down_proj.weight),
+    }
+    # galore_settings override args.
+    opt = create_optimizer(model, args, rank=4, target_modules=["o_proj"])
+    assert projected(opt) == linear_weights(model, ("o_proj",))
+    with pytest.raises(TypeError, match="optim_target_modules must be"):
+        create_optimizer(model, training_args(tmp_path), rank=4, target_modules=3)
+
+
+def test_unknown_settings_raise(tmp_path):
+    model, args = tiny_llama(), training_args(tmp_path)
+    with pytest.raises(
+        ValueError, match=r"galore_settings: unknown .*\['rnak'\].*allowed: .*'rank'"
+    ):
+        create_optimizer(model, args, rnak=4)
+    with pytest.raises(ValueError, match=r"\['lrr'\]"):
+        GaLoreTrainer(model, args, galore_settings={"rank": 4, "lrr": 1e-3})
+    with pytest.raises(ValueError, match=r"optim_args: unknown .*\['foo'\]"):
+        create_optimizer(model, training_args(tmp_path, optim_args="rank=4,foo=1"))
+    with pytest.raises(ValueError, match=r"rank must be .*an int >= 1"):  # checked by galore2
+        create_optimizer(model, args, rank=0)
+
+
+def test_optim_args(tmp_path):
+    model = tiny_llama()
+    args = training_args(
+        tmp_path,
+        optim_args="rank=4, update_proj_gap=50,scale=0.5,projector=svd,state_dtype=bfloat16",
+    )
+    assert parse_optim_args(args.optim_args) == {
+        "rank": 4,
+        "update_proj_gap": 50,
+        "scale": 0.5,
+        "projector": "svd",
+        "state_dtype": "bfloat16",
+    }
+    opt = create_optimizer(model, args, rank=6)  # keyword settings win
+    (galore,) = [g for g in opt.param_groups if g["rank"] is not None]
+    assert (galore["rank"], galore["update_proj_gap"], galore["scale"]) == (6, 50, 0.5)
+    assert galore["projector"] == "svd"
+    assert all(g["state_dtype"] == "bfloat16" for g in opt.param_groups)  # optimizer-wide
+    assert parse_optim_args(None) == {} and parse_optim_args("") == {}
+    with pytest.raises(ValueError, match="key=value"):
+        parse_optim_args("rank")
+    with pytest.raises(ValueError, match=r"rank must be .*got 'four'"):
+        parse_optim_args("rank=four")
+    # Nothing set anywhere: the Trainer's own GaLore default rank.
+    (galore,) = [
+        g for g in create_optimizer(model, training_args(tmp_path)).param_groups if g["rank"]
+    ]
+    assert galore["rank"] == 128
+
+
+def test_package_import_does_not_import_transformers():
+    code = (
+        "import sys\n"
+        "sys.modules['transformers'] = None\n"
+        "import galore2, galore2.integrations\n"
+        "try:\n"
+        "    import galore2.integrations.transformers\n"
+        "except ImportError:\n"
+        "    print('ok')\n"
+    )
+    assert run_python(code).strip() == "ok"
+    # Inside the package the module named ``transformers`` imports the real library.
+    assert issubclass(GaLoreTrainer, transformers.Trainer)
+
+
+def test_trainer_with_galore_ranger21(tmp_path):
+    model = tiny_llama()
+    args = training_args(tmp_path, learning_rate=1e-2)
+    opt = create_optimizer(model, args, optimizer_cls=galore2.GaLoreRanger21, rank=RANK)
+    assert isinstance(opt, galore2.GaLoreRanger21)
+    assert opt.param_groups[0]["num_iterations"] == args.max_steps
+    trainer = transformers.Trainer(model, args, train_dataset=Motifs(), optimizers=(opt, None))
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
+    for p in model.parameters():
+        if id(p) in linear_weights(model):
+            assert RANK in opt.state[p]["pnm.exp_avg"].shape
