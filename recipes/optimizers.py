@@ -87,7 +87,8 @@ def galore_settings(cfg: OptimConfig) -> dict[str, Any]:
     """The projected group's GaLore options: the shared fields, then ``optim.options``."""
     settings = {k: getattr(cfg, k) for k in ("rank", "update_proj_gap", "scale", "proj_type")}
     names = {o.name for o in GaLore.options}
-    return {**settings, **{k: v for k, v in cfg.options.items() if k in names}}
+    own = parse_options(cfg.name, cfg.options) if cfg.name in PRESETS else {}
+    return {**settings, **{k: v for k, v in own.items() if k in names}}
 
 
 #: [optim] fields that are Adam's (beta1, beta2, eps): for an optimizer whose option of

@@ -4,7 +4,9 @@ A group's ``nonfinite`` option says what happens to a parameter whose gradient h
 NaN or an Inf:
 
 * ``"skip"`` (default): the parameter and its state are left untouched this step and the
-  skip is counted in the state (``nonfinite.skips``; :attr:`ChainOptimizer.nonfinite_skips`);
+  skip is counted in the state (``nonfinite.skips``; :attr:`ChainOptimizer.nonfinite_skips`).
+  A built-in LR schedule's counter (``schedule.step``, Ranger21's) still ticks: it is the
+  group's clock, not a statistic of the parameter;
 * ``"raise"``: ``FloatingPointError`` naming the parameters' shapes, raised by
   :meth:`NonFinitePolicy.raise_if_any` before *any* parameter changes (``step()`` looks at
   every gradient first; a per-layer update looks at its one parameter);

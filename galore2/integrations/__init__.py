@@ -1,1 +1,1 @@
-"""Framework integrations (Hugging Face Trainer / accelerate) — built by the recipe issue."""
+"""Framework integrations: the Hugging Face Trainer (and accelerate, through it)."""
