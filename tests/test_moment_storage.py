@@ -184,3 +184,17 @@ def test_moments_argument_is_checked():
         ScaleByPNM(moments="int8")
     with pytest.raises(ValueError, match="moments must be one of"):
         ScaleByAdafactor(moments="float8")
+
+
+def test_adafactor_8bit_next_to_bf16_factors():
+    # state_dtype bf16: the (2, 1, 4096) column factor and the momentum are 8-bit, the row
+    # factor bf16 — computed together in fp32, each stored in its own format
+    p = nn.Parameter(torch.randn(2, 8, 4096) * 0.1)
+    opt = _adafactor([p], moments_8bit=True, state_dtype="bfloat16")
+    for _ in range(3):
+        p.grad = torch.randn_like(p) * 0.01
+        opt.step()
+    s = opt.state[p]
+    assert s["adafactor.row_var"].dtype == torch.bfloat16
+    assert s["adafactor.col_var"].dtype == torch.uint8
+    assert torch.isfinite(p).all()

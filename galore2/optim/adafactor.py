@@ -73,6 +73,7 @@ from ..core.transform import Context, Group, State, Transform
 from ..storage.dtype import STATE_DTYPE
 from ..storage.moments import (
     check_moments,
+    is_quantized,
     moment_format,
     moment_kinds,
     reset_moments,
@@ -227,6 +228,10 @@ class ScaleByAdafactor(Transform):
             if key in state
         }
         views = {key: fmt.view(state, key) for key, fmt in formats.items()}
+        if any(is_quantized(state, key) for key in views):
+            # 8-bit and state_dtype moments side by side (a small factor next to an 8-bit
+            # momentum): all of them in fp32, the float ones rounded back by store()
+            views = {key: v.float() for key, v in views.items()}
         out = self._step(u, views, state, group, ctx)
         for key, fmt in formats.items():
             fmt.store(state, key, views[key])
