@@ -155,8 +155,7 @@ def bench_adam8bit(timer: Timer, copy_bw: float) -> list[dict[str, Any]]:
                 "adam.exp_avg.absmax": torch.zeros(scales, device="cuda"),
                 "adam.exp_avg_sq": torch.zeros(shape, dtype=torch.uint8, device="cuda"),
                 "adam.exp_avg_sq.absmax": torch.zeros(scales, device="cuda"),
-                "adam.exp_avg.block_dim": torch.tensor(dim),
-                "adam.exp_avg_sq.block_dim": torch.tensor(dim),
+                "adam.block_dim": torch.tensor(dim),
                 "adam.step": torch.tensor(0),
             }
             with kernels_mode("torch"):

@@ -32,7 +32,7 @@ ERR_MEAN = 6e-5
 
 def _moments(opt: torch.optim.Optimizer, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = opt.state[p]
-    dim = int(s["adam.exp_avg.block_dim"])
+    dim = int(s["adam.block_dim"])
     m = dequantize(s["adam.exp_avg"], s["adam.exp_avg.absmax"], dim, signed=True)
     v = dequantize(s["adam.exp_avg_sq"], s["adam.exp_avg_sq.absmax"], dim, signed=False)
     return m, v
@@ -331,7 +331,7 @@ def _transform_state(layout: str, shape: tuple[int, int], steps: int = 3):
 def test_rotate_reset_second_moment_sum(layout, shape, scales):
     q, f, sq, sf, group = _transform_state(layout, shape)
     dim = 0 if layout == "cols" else 1
-    assert int(sq["adam.exp_avg.block_dim"]) == dim
+    assert int(sq["adam.block_dim"]) == dim
     assert sq["adam.exp_avg.absmax"].shape == scales
 
     def moments(s):

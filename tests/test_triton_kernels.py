@@ -244,8 +244,7 @@ def test_triton_adam8bit_matches_torch_path(shape, dim, dtype, monkeypatch):
         "adam.exp_avg.absmax": before["ma"].clone(),
         "adam.exp_avg_sq": before["v"].clone(),
         "adam.exp_avg_sq.absmax": before["va"].clone(),
-        "adam.exp_avg.block_dim": torch.tensor(dim),
-        "adam.exp_avg_sq.block_dim": torch.tensor(dim),
+        "adam.block_dim": torch.tensor(dim),
         "adam.step": torch.tensor(step - 1),
     }
     u = ScaleByAdam8bit().update(grad, s, {"betas": BETAS, "eps": EPS}, None)
@@ -385,7 +384,7 @@ def _galore_adamw8bit_run(
         for p in params:
             p.grad = torch.randn(p.shape, generator=g).to(device, dtype)
         opt.step()
-    assert sorted(int(opt.state[p]["adam.exp_avg.block_dim"]) for p in params) == [0, 1]
+    assert sorted(int(opt.state[p]["adam.block_dim"]) for p in params) == [0, 1]
     return [p.detach().float().cpu() for p in params]
 
 

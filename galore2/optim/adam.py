@@ -64,6 +64,9 @@ EPS = Option(
 )
 
 
+AXIS = "adam.block_dim"  # the blocked axis of both 8-bit moments (same shape and layout)
+
+
 class ScaleByAdam(Transform):
     """Adam's moments; ``moments`` picks their storage (``"state_dtype"`` or ``"dynamic8"``,
     see the module docstring)."""
@@ -71,7 +74,7 @@ class ScaleByAdam(Transform):
     name = "adam"
     options = (BETAS, EPS, STATE_DTYPE)
     kinds: ClassVar[dict[str, str]] = {
-        **moment_kinds("adam.exp_avg", "adam.exp_avg_sq"),
+        **moment_kinds("adam.exp_avg", "adam.exp_avg_sq", axis=AXIS),
         "adam.step": "other",
     }
     linear_keys = ("adam.exp_avg",)
@@ -93,7 +96,7 @@ class ScaleByAdam(Transform):
             fmt = moment_format(
                 self.moments, tuple(shape), ctx.layout, group["state_dtype"], signed
             )
-            fmt.allocate(state, key, tuple(shape), ctx.layout, zeros)
+            fmt.allocate(state, key, tuple(shape), ctx.layout, zeros, AXIS)
         state["adam.step"] = counter()
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
@@ -102,8 +105,8 @@ class ScaleByAdam(Transform):
         m_fmt = stored_format(state, "adam.exp_avg", True)
         v_fmt = stored_format(state, "adam.exp_avg_sq", False)
         assert isinstance(m_fmt, Dynamic8Format) and isinstance(v_fmt, Dynamic8Format)
-        m_codes, m_absmax, dim = m_fmt.local(state, "adam.exp_avg")
-        v_codes, v_absmax, _ = v_fmt.local(state, "adam.exp_avg_sq")
+        m_codes, m_absmax, dim = m_fmt.local(state, "adam.exp_avg", AXIS)
+        v_codes, v_absmax, _ = v_fmt.local(state, "adam.exp_avg_sq", AXIS)
         out = run_kernel(
             "adam8bit",
             u,
@@ -123,11 +126,11 @@ class ScaleByAdam(Transform):
         if out is not None:  # the kernel updated codes and absmax in place
             state["adam.step"] += 1
             return out
-        m = m_fmt.view(state, "adam.exp_avg")
-        v = v_fmt.view(state, "adam.exp_avg_sq")
+        m = m_fmt.view(state, "adam.exp_avg", AXIS)
+        v = v_fmt.view(state, "adam.exp_avg_sq", AXIS)
         out = self._step(u, m, v, state, group)  # the direction uses the fp32 moments
-        m_fmt.store(state, "adam.exp_avg", m)
-        v_fmt.store(state, "adam.exp_avg_sq", v)
+        m_fmt.store(state, "adam.exp_avg", m, AXIS)
+        v_fmt.store(state, "adam.exp_avg_sq", v, AXIS)
         return out
 
     @staticmethod
@@ -218,7 +221,7 @@ class ScaleByAdam(Transform):
         t = int(state["adam.step"])
         if t == 0:
             return torch.zeros((), dtype=torch.float64)
-        v = stored_format(state, "adam.exp_avg_sq", False).view(state, "adam.exp_avg_sq")
+        v = stored_format(state, "adam.exp_avg_sq", False).view(state, "adam.exp_avg_sq", AXIS)
         return v.sum(dtype=torch.float64) / (1 - group["betas"][1] ** t)
 
     def reset(self, state: State, group: Group) -> None:
@@ -226,4 +229,4 @@ class ScaleByAdam(Transform):
         state["adam.step"].zero_()
 
     def rotate(self, state: State, rotate_fn: Callable[[Tensor, bool], Tensor]) -> None:
-        rotate_moments(state, self.linear_keys, self.quadratic_keys, rotate_fn)
+        rotate_moments(state, self.linear_keys, self.quadratic_keys, rotate_fn, AXIS)

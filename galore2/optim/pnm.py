@@ -84,6 +84,9 @@ def _corrections(t: int, beta1: float, adamd: bool) -> tuple[float, float]:
     return 1.0 - a**n_active, (1.0 - a**n_passive if n_passive else 0.0)
 
 
+AXIS = "pnm.block_dim"  # the blocked axis of every 8-bit moment (same shape and layout)
+
+
 class ScaleByPNM(Transform):
     """Positive-negative momentum over Adam's second moment (see the module docstring).
 
@@ -97,7 +100,9 @@ class ScaleByPNM(Transform):
     name = "pnm"
     options = (BETAS, EPS, STATE_DTYPE, PNM_BETA0, SOFTPLUS_BETA)
     kinds: ClassVar[dict[str, str]] = {
-        **moment_kinds("pnm.exp_avg", "pnm.neg_exp_avg", "pnm.exp_avg_sq", "pnm.max_exp_avg_sq"),
+        **moment_kinds(
+            "pnm.exp_avg", "pnm.neg_exp_avg", "pnm.exp_avg_sq", "pnm.max_exp_avg_sq", axis=AXIS
+        ),
         "pnm.step": "other",
     }
     linear_keys = ("pnm.exp_avg", "pnm.neg_exp_avg")
@@ -137,17 +142,17 @@ class ScaleByPNM(Transform):
             fmt = moment_format(
                 self.moments, tuple(shape), ctx.layout, group["state_dtype"], signed
             )
-            fmt.allocate(state, key, tuple(shape), ctx.layout, zeros)
+            fmt.allocate(state, key, tuple(shape), ctx.layout, zeros, AXIS)
         state["pnm.step"] = counter()
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
         # each moment as a tensor to update in place: the stored one, or an fp32 copy of
         # 8-bit codes that is quantized back below
         formats = {key: stored_format(state, key, signed) for key, signed in self._keys()}
-        views = {key: fmt.view(state, key) for key, fmt in formats.items()}
+        views = {key: fmt.view(state, key, AXIS) for key, fmt in formats.items()}
         out = self._step(u, views, state, group)
         for key, fmt in formats.items():
-            fmt.store(state, key, views[key])
+            fmt.store(state, key, views[key], AXIS)
         return out
 
     def _step(self, u: Tensor, views: dict[str, Tensor], state: State, group: Group) -> Tensor:
@@ -184,7 +189,7 @@ class ScaleByPNM(Transform):
         t = int(state["pnm.step"])
         if t == 0:
             return torch.zeros((), dtype=torch.float64)
-        v = stored_format(state, "pnm.exp_avg_sq", False).view(state, "pnm.exp_avg_sq")
+        v = stored_format(state, "pnm.exp_avg_sq", False).view(state, "pnm.exp_avg_sq", AXIS)
         return v.sum(dtype=torch.float64) / (1 - group["betas"][1] ** t)
 
     def reset(self, state: State, group: Group) -> None:
@@ -192,7 +197,7 @@ class ScaleByPNM(Transform):
         state["pnm.step"].zero_()
 
     def rotate(self, state: State, rotate_fn: Callable[[Tensor, bool], Tensor]) -> None:
-        rotate_moments(state, self.linear_keys, self.quadratic_keys, rotate_fn)
+        rotate_moments(state, self.linear_keys, self.quadratic_keys, rotate_fn, AXIS)
 
 
 __all__ = ["PNM_BETA0", "PNM_SWITCHES", "SOFTPLUS_BETA", "ScaleByPNM"]

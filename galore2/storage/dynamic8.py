@@ -6,7 +6,9 @@ A logical tensor ``KEY`` of global shape ``shape`` is stored as
   ``create_dynamic_map``: the signed map for first moments, the unsigned one for second
   moments — two format instances, :data:`DYNAMIC8` and :data:`UDYNAMIC8`);
 * ``KEY.absmax`` — one fp32 absmax per block of at most 256 elements;
-* ``KEY.block_dim`` — the blocked axis (an int64 scalar on the CPU).
+* the blocked axis, an int64 scalar on the CPU, under ``KEY.block_dim`` — or under the
+  key given as ``params``: a module whose moments share shape and layout (Adam, PNM)
+  keeps one record for all of them (``adam.block_dim``).
 
 Block layout (sharding-independent, so DCP checkpoints reshard): the tensor is viewed as
 2-D (dim 0 × rest) and blocks run along the axis that is never sharded under FSDP —
@@ -162,10 +164,15 @@ def quantize_(x: Tensor, codes: Tensor, absmax: Tensor, dim: int, signed: bool) 
     absmax.copy_(scale)
 
 
+def axis_key(key: str, params: Any = None) -> str:
+    """Where the blocked axis of ``key`` is recorded: ``params`` if it names a key."""
+    return params if isinstance(params, str) else key + ".block_dim"
+
+
 class Dynamic8Format(TensorFormat):
     """bitsandbytes' dynamic 8-bit blockwise codes (see the module docstring)."""
 
-    suffixes = ("", ".absmax", ".block_dim")
+    suffixes = ("", ".absmax")
 
     def __init__(self, signed: bool) -> None:
         self.signed = signed
@@ -193,16 +200,20 @@ class Dynamic8Format(TensorFormat):
         params: Any = None,
     ) -> None:
         super().allocate(state, key, shape, layout, zeros, params)
-        state[key + ".block_dim"] = counter(block_dim(tuple(shape), layout))  # type: ignore[arg-type]
+        dim = block_dim(tuple(shape), layout)
+        axis = axis_key(key, params)
+        if axis in state and int(state[axis]) != dim:
+            raise ValueError(f"{key!r} is blocked along dim {dim}, {axis!r} records another")
+        state[axis] = counter(dim)  # type: ignore[arg-type]
 
     def load(self, state: State, key: str, params: Any = None) -> Tensor | None:
         if key not in state:
             return None
-        dim = int(state[key + ".block_dim"])
+        dim = int(state[axis_key(key, params)])
         return dequantize(state[key], state[key + ".absmax"], dim, self.signed)
 
     def store(self, state: State, key: str, x: Tensor, params: Any = None) -> None:
-        dim = int(state[key + ".block_dim"])
+        dim = int(state[axis_key(key, params)])
         quantize_(x, state[key], state[key + ".absmax"], dim, self.signed)
 
     def zero_(self, state: State, key: str) -> None:
@@ -210,9 +221,10 @@ class Dynamic8Format(TensorFormat):
         state[key + ".absmax"].zero_()
 
     # ---- what the fused 8-bit Adam kernel reads ----------------------------------
-    def local(self, state: State, key: str) -> tuple[Tensor, Tensor, int]:
+    def local(self, state: State, key: str, params: Any = None) -> tuple[Tensor, Tensor, int]:
         """(local codes, local absmax, blocked axis) of ``key``."""
-        return _local(state[key]), _local(state[key + ".absmax"]), int(state[key + ".block_dim"])
+        dim = int(state[axis_key(key, params)])
+        return _local(state[key]), _local(state[key + ".absmax"]), dim
 
     def code(self, device: torch.device) -> Tensor:
         return dynamic_code(self.signed, device)
@@ -231,6 +243,7 @@ __all__ = [
     "UDYNAMIC8",
     "Dynamic8Format",
     "absmax_shape",
+    "axis_key",
     "block_dim",
     "bnb_functional",
     "code_bounds",

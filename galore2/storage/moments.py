@@ -12,7 +12,10 @@ A moment module is constructed with a moment storage choice, ``moments``:
   blocked axis) keep ``state_dtype`` moments, with the same state keys and results as
   ``"state_dtype"``.
 
-The choice is made per tensor at ``init`` (:func:`moment_format`); afterwards the state
+The blocked axis of 8-bit moments is recorded once per module and tensor when its moments
+share shape and layout (``axis``: ``"adam.block_dim"``, ``"pnm.block_dim"``), else per
+moment (``KEY.block_dim``, Adafactor's factors). The choice is made per tensor at ``init``
+(:func:`moment_format`); afterwards the state
 itself says how a moment is stored (:func:`stored_format`: codes come with ``KEY.absmax``),
 so ``update``, ``reset``, ``rotate`` and a resumed checkpoint need nothing else.
 
@@ -72,12 +75,12 @@ def is_quantized(state: State, key: str) -> bool:
     return key + ".absmax" in state
 
 
-def moment_kinds(*keys: str) -> dict[str, str]:
+def moment_kinds(*keys: str, axis: str | None = None) -> dict[str, str]:
     """State-accounting kinds of moments ``keys`` in any moment format."""
     kinds = {}
     for key in keys:
         kinds[key] = kinds[key + ".absmax"] = "moments"
-        kinds[key + ".block_dim"] = "other"
+        kinds[axis or key + ".block_dim"] = "other"
     return kinds
 
 
@@ -93,6 +96,7 @@ def rotate_moments(
     linear: Iterable[str],
     quadratic: Iterable[str],
     rotate_fn: Callable[[Tensor, bool], Tensor],
+    axis: str | None = None,
 ) -> None:
     """Transform.rotate over moments in any format: dequantize, rotate (second moments with
     squared coefficients, clamped at 0), store back."""
@@ -100,10 +104,10 @@ def rotate_moments(
         if key not in state:
             continue
         fmt = stored_format(state, key, not squared)
-        x = fmt.view(state, key)
+        x = fmt.view(state, key, axis)
         rotated = rotate_fn(x, squared)
         x.copy_(rotated.clamp_(min=0) if squared else rotated)
-        fmt.store(state, key, x)
+        fmt.store(state, key, x, axis)
 
 
 __all__ = [
