@@ -33,7 +33,8 @@ SIGNED = {
 
 
 def _dense(state: dict, key: str) -> torch.Tensor:
-    return stored_format(state, key, SIGNED.get(key, False)).view(state, key).float()
+    axis = {"adam": "adam.block_dim", "pnm": "pnm.block_dim"}.get(key.split(".")[0])
+    return stored_format(state, key, SIGNED.get(key, False)).view(state, key, axis).float()
 
 
 def _not_close(a: torch.Tensor, b: torch.Tensor) -> int:
