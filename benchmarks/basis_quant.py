@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from galore2.projectors import LEFT, RIGHT, Plan, choose_side
-from galore2.storage.basis import FORMATS
+from galore2.storage.basis import FORMATS, Quantization, basis_zeros
 
 from ._common import render, table
 
@@ -87,8 +87,8 @@ def roundtrip(B: Tensor, basis: str, group_size: int, hadamard: bool, seed: int)
     plan = Plan(LEFT, rows, rows, r, B.device, basis=basis, group_size=group_size,
                 hadamard=hadamard, basis_seed=seed)  # fmt: skip
     fmt, state = FORMATS[basis], {}
-    fmt.allocate(state, "proj.left", rows, plan, "rows")
-    fmt.save(state, "proj.left", B, plan)
+    fmt.allocate(state, "proj.left", (rows, plan.rank), "rows", basis_zeros(plan), plan)
+    fmt.store(state, "proj.left", B, plan)
     out = fmt.load(state, "proj.left", plan)
     assert out is not None
     return out
@@ -103,7 +103,7 @@ def measure(pairs: list[tuple[Tensor, Tensor, int]]) -> dict[str, tuple[float, f
         nbytes = entries = rec = rec_ref = proj = proj_ref = 0.0
         for i, ((B, G, side), ref) in enumerate(zip(pairs, refs, strict=True)):
             rows, r = B.shape
-            nbytes += FORMATS[basis].nbytes(rows, r, group_size, hadamard)
+            nbytes += FORMATS[basis].nbytes((rows, r), params=Quantization(group_size, hadamard))
             entries += rows * r
             Bq = roundtrip(B, basis, group_size, hadamard, seed=1000 + i)
             rec += float((B - Bq).square().sum())

@@ -136,7 +136,7 @@ def bench_adam8bit(timer: Timer, copy_bw: float) -> list[dict[str, Any]]:
     except ImportError:
         print("bitsandbytes is not installed: skipping the 8-bit Adam comparison")
         return []
-    from galore2.optim import adam8bit as A8  # not public: absmax_shape, dynamic_code
+    from galore2.storage import dynamic8 as A8
 
     transform = galore2.optim.ScaleByAdam8bit()
     group = {"betas": BETAS, "eps": EPS}
@@ -151,11 +151,11 @@ def bench_adam8bit(timer: Timer, copy_bw: float) -> list[dict[str, Any]]:
             """The state after one torch-path step from zero moments (realistic codes)."""
             scales = A8.absmax_shape(shape, dim)
             s = {
-                "adam8.exp_avg": torch.zeros(shape, dtype=torch.uint8, device="cuda"),
-                "adam8.exp_avg.absmax": torch.zeros(scales, device="cuda"),
-                "adam8.exp_avg_sq": torch.zeros(shape, dtype=torch.uint8, device="cuda"),
-                "adam8.exp_avg_sq.absmax": torch.zeros(scales, device="cuda"),
-                "adam8.block_dim": torch.tensor(dim),
+                "adam.exp_avg": torch.zeros(shape, dtype=torch.uint8, device="cuda"),
+                "adam.exp_avg.absmax": torch.zeros(scales, device="cuda"),
+                "adam.exp_avg_sq": torch.zeros(shape, dtype=torch.uint8, device="cuda"),
+                "adam.exp_avg_sq.absmax": torch.zeros(scales, device="cuda"),
+                "adam.block_dim": torch.tensor(dim),
                 "adam.step": torch.tensor(0),
             }
             with kernels_mode("torch"):

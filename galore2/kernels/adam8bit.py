@@ -1,6 +1,6 @@
 """Fused 8-bit Adam step (Triton): dequantize → Adam moment update → direction → requantize.
 
-One pass over the direction replaces :class:`~galore2.optim.adam8bit.ScaleByAdam8bit`'s
+One pass over the direction replaces :class:`~galore2.optim.adam.ScaleByAdam`'s 8-bit
 torch path (``dequantize`` of both moments, ``ScaleByAdam.update``, ``quantize_`` of
 both), with the same arithmetic, for a direction ``g`` viewed 2-D as
 ``rows = shape[0]`` × ``cols = numel / rows``. Per element, with ``t`` the step
@@ -17,7 +17,7 @@ sorted code values (ties to the lower code); an all-zero block stores absmax 0 a
 0 (as bitsandbytes' CPU quantizer does). ``code_s`` / ``code_u`` are bitsandbytes'
 signed / unsigned dynamic maps.
 
-Blocks (see :mod:`galore2.optim.adam8bit`) hold ``BLOCK = 256`` consecutive elements
+Blocks (see :mod:`galore2.storage.dynamic8`) hold ``BLOCK = 256`` consecutive elements
 of the blocked axis of the 2-D view, the last one per row (column) shorter:
 
 * ``dim = 1`` — along each row; absmax is ``(rows, ceil(cols / 256))``;
@@ -45,7 +45,7 @@ from torch import Tensor
 
 from .dispatch import launch_device
 
-QBLOCK = 256  # elements per quantization block (galore2.optim.adam8bit.BLOCK)
+QBLOCK = 256  # elements per quantization block (galore2.storage.dynamic8.BLOCK)
 
 
 @triton.jit
@@ -172,7 +172,7 @@ def adam8bit_step(
     (fp32, see the module docstring) are updated in place, or written to ``into`` =
     (m_codes, m_absmax, v_codes, v_absmax) when given (the inputs are then only read).
     ``code_*`` are the 256-value dynamic maps (signed for m, unsigned for v), ``bounds_*``
-    their decision bounds (:func:`galore2.optim.adam8bit.code_bounds`); ``step`` counts
+    their decision bounds (:func:`galore2.storage.dynamic8.code_bounds`); ``step`` counts
     this step (t ≥ 1). Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.
     """
     if dim not in (0, 1):

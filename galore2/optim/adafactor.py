@@ -9,6 +9,10 @@ State per direction of shape (…, m, n), in ``state_dtype``:
   (…, 1, n) — m + n values per trailing matrix, so an r×n low-rank direction keeps r + n;
 * ≤1-D (unfactored): one value per element;
 * ``beta1`` set: one more value per element (the momentum ``exp_avg``);
+* ``moments="dynamic8"`` (GaLoreAdafactor's ``moments_8bit``): those of the tensors above
+  that the small-tensor rule allows (≥ 4096 elements, ≥2-D, a blocked axis longer than 1:
+  the momentum of a large direction, a long factor of a batched direction) are stored
+  8-bit blockwise, ~1 byte per element, updated in fp32 (:mod:`galore2.storage.moments`);
 * three int64 CPU scalars: ``adafactor.step`` (t, drives ρ_t),
   ``adafactor.moment_step`` (k, the age of the second-moment estimate, drives β̂₂; equal
   to t unless the estimate was restarted, see reset/rotate below) and
@@ -66,7 +70,15 @@ from torch import Tensor
 from ..core.options import Bool, Option, Optional, Pair, Real
 from ..core.state import counter
 from ..core.transform import Context, Group, State, Transform
-from ..storage.dtype import STATE_DTYPE, STATE_DTYPES
+from ..storage.dtype import STATE_DTYPE
+from ..storage.moments import (
+    check_moments,
+    is_quantized,
+    moment_format,
+    moment_kinds,
+    reset_moments,
+    stored_format,
+)
 
 BETA2_DECAY = Option(
     "beta2_decay", -0.8, Real(high=0.0), "the second-moment decay: β̂₂ = 1 − t^beta2_decay"
@@ -161,10 +173,9 @@ class ScaleByAdafactor(Transform):
     name = "adafactor"
     options = OPTIONS
     kinds: ClassVar[dict[str, str]] = {
-        "adafactor.row_var": "moments",
-        "adafactor.col_var": "moments",
-        "adafactor.variance": "moments",
-        "adafactor.exp_avg": "moments",
+        **moment_kinds(
+            "adafactor.row_var", "adafactor.col_var", "adafactor.variance", "adafactor.exp_avg"
+        ),
         "adafactor.step": "other",
         "adafactor.moment_step": "other",
         "adafactor.split_dim": "other",
@@ -172,39 +183,69 @@ class ScaleByAdafactor(Transform):
     linear_keys = ("adafactor.exp_avg",)
     second_keys = ("adafactor.row_var", "adafactor.col_var", "adafactor.variance")
 
+    def __init__(self, *, moments: str = "state_dtype") -> None:
+        """``moments``: moment storage, ``"state_dtype"`` or ``"dynamic8"`` (8-bit blockwise)."""
+        self.moments = check_moments(moments)
+
+    def __repr__(self) -> str:
+        return f"ScaleByAdafactor(moments={self.moments!r})"
+
     # ---- state -------------------------------------------------------------------
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
     ) -> None:
-        dtype = STATE_DTYPES[group["state_dtype"]]
+        def zeros(s: tuple[int, ...], dtype: torch.dtype, layout: str) -> Tensor:
+            return ctx.placement.zeros(s, dtype, ctx.param.device, layout)
+
+        def allocate(key: str, s: tuple[int, ...], layout: str, signed: bool) -> None:
+            fmt = moment_format(self.moments, s, layout, group["state_dtype"], signed)
+            fmt.allocate(state, key, s, layout, zeros)
+
+        shape = tuple(shape)  # type: ignore[assignment]
         k = len(shape)
         if k >= 2:
             split = _SPLIT_DIM[ctx.layout]
             # A factor whose reduced dim is the split one is a sum over ranks: replicated.
             row_layout = "replicate" if split == k - 1 else ctx.layout
             col_layout = "replicate" if split == k - 2 else ctx.layout
-            state["adafactor.row_var"] = ctx.placement.zeros(
-                (*shape[:-1], 1), dtype, ctx.param.device, row_layout
-            )
-            state["adafactor.col_var"] = ctx.placement.zeros(
-                (*shape[:-2], 1, shape[-1]), dtype, ctx.param.device, col_layout
-            )
+            allocate("adafactor.row_var", (*shape[:-1], 1), row_layout, False)
+            allocate("adafactor.col_var", (*shape[:-2], 1, shape[-1]), col_layout, False)
         else:
-            state["adafactor.variance"] = ctx.zeros(shape, dtype)
+            allocate("adafactor.variance", tuple(shape), ctx.layout, False)
         if BETA1.of(group) is not None:
-            state["adafactor.exp_avg"] = ctx.zeros(shape, dtype)
+            allocate("adafactor.exp_avg", tuple(shape), ctx.layout, True)
         state["adafactor.step"] = counter()
         state["adafactor.split_dim"] = counter(_SPLIT_DIM[ctx.layout])
         state["adafactor.moment_step"] = counter()
 
     # ---- update ------------------------------------------------------------------
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
-        factored = "adafactor.row_var" in state
-        moment = state["adafactor.row_var" if factored else "adafactor.variance"]
+        # each moment as a tensor to update in place: the stored one, or an fp32 copy of
+        # 8-bit codes that is quantized back below
+        formats = {
+            key: stored_format(state, key, key == "adafactor.exp_avg")
+            for key in (*self.second_keys, "adafactor.exp_avg")
+            if key in state
+        }
+        views = {key: fmt.view(state, key) for key, fmt in formats.items()}
+        if any(is_quantized(state, key) for key in views):
+            # 8-bit and state_dtype moments side by side (a small factor next to an 8-bit
+            # momentum): all of them in fp32, the float ones rounded back by store()
+            views = {key: v.float() for key, v in views.items()}
+        out = self._step(u, views, state, group, ctx)
+        for key, fmt in formats.items():
+            fmt.store(state, key, views[key])
+        return out
+
+    def _step(
+        self, u: Tensor, views: dict[str, Tensor], state: State, group: Group, ctx: Context
+    ) -> Tensor:
+        factored = "adafactor.row_var" in views
+        moment = views["adafactor.row_var" if factored else "adafactor.variance"]
         if u.dtype != moment.dtype:
             u = u.to(moment.dtype)
         beta1 = BETA1.of(group)
-        if beta1 is not None and "adafactor.exp_avg" not in state:
+        if beta1 is not None and "adafactor.exp_avg" not in views:
             raise ValueError(
                 "beta1 is set but this parameter's state was created with beta1=None (no "
                 "momentum buffer); set beta1 before the first step"
@@ -226,9 +267,9 @@ class ScaleByAdafactor(Transform):
         if ctx.placement.distributed:
             param_sq = torch.linalg.vector_norm(ctx.param, dtype=torch.float64).square()
         if factored:
-            var, param_sq = self._factored(u, state, weight, eps1, sharded, param_sq, ctx)
+            var, param_sq = self._factored(u, views, weight, eps1, sharded, param_sq, ctx)
         else:
-            var = state["adafactor.variance"].lerp_(u * u, weight).clone()
+            var = views["adafactor.variance"].lerp_(u * u, weight).clone()
             if param_sq is not None:
                 (param_sq,) = _all_reduce(ctx, [param_sq])
         param_scale = 1.0  # max(eps2, RMS(θ)), or 1 without scale_parameter
@@ -255,14 +296,14 @@ class ScaleByAdafactor(Transform):
         update.mul_(scale)
         if beta1 is None:
             return update
-        exp_avg = state["adafactor.exp_avg"]
+        exp_avg = views["adafactor.exp_avg"]
         exp_avg.lerp_(update, 1 - beta1)
         return update.copy_(exp_avg)
 
     @staticmethod
     def _factored(
         u: Tensor,
-        state: State,
+        views: dict[str, Tensor],
         weight: float,
         eps1: float,
         sharded: int | None,
@@ -270,7 +311,7 @@ class ScaleByAdafactor(Transform):
         ctx: Context,
     ) -> tuple[Tensor, Tensor | None]:
         """Update R and C from ``u``; return V̂ (local block) and Σθ² (reduced if given)."""
-        row_var, col_var = state["adafactor.row_var"], state["adafactor.col_var"]
+        row_var, col_var = views["adafactor.row_var"], views["adafactor.col_var"]
         k = u.dim()
         if sharded is None or sharded < k - 2:  # the trailing matrices are whole on this rank
             if param_sq is not None:
@@ -303,17 +344,16 @@ class ScaleByAdafactor(Transform):
 
     # ---- subspace changes (GaLore) -----------------------------------------------
     def reset(self, state: State, group: Group) -> None:
-        for key in (*self.linear_keys, *self.second_keys):
-            if key in state:
-                state[key].zero_()
+        reset_moments(state, (*self.linear_keys, *self.second_keys))
         state["adafactor.moment_step"].zero_()
 
     def rotate(self, state: State, rotate_fn: Callable[[Tensor, bool], Tensor]) -> None:
         if "adafactor.exp_avg" in state:
-            state["adafactor.exp_avg"].copy_(rotate_fn(state["adafactor.exp_avg"], False))
-        for key in self.second_keys:
-            if key in state:
-                state[key].zero_()
+            fmt = stored_format(state, "adafactor.exp_avg", True)
+            exp_avg = fmt.view(state, "adafactor.exp_avg")
+            exp_avg.copy_(rotate_fn(exp_avg, False))
+            fmt.store(state, "adafactor.exp_avg", exp_avg)
+        reset_moments(state, self.second_keys)
         state["adafactor.moment_step"].zero_()
 
     def second_moment_sum(self, state: State, group: Group) -> Tensor | None:
@@ -328,7 +368,8 @@ class ScaleByAdafactor(Transform):
             return torch.zeros((), dtype=torch.float64)
         if "adafactor.variance" in state:
             return state["adafactor.variance"].sum(dtype=torch.float64)
-        row_var, col_var = state["adafactor.row_var"], state["adafactor.col_var"]
+        row_var = stored_format(state, "adafactor.row_var", False).view(state, "adafactor.row_var")
+        col_var = stored_format(state, "adafactor.col_var", False).view(state, "adafactor.col_var")
         if int(state["adafactor.split_dim"]) == row_var.dim() - 2:
             return row_var.sum(dtype=torch.float64) * col_var.size(-1)
         return col_var.sum(dtype=torch.float64) * row_var.size(-2)

@@ -5,6 +5,20 @@ the projected r×n (or m×r) gradient inside GaLore.
 State per element of the direction: 2 values in ``state_dtype`` (``exp_avg``,
 ``exp_avg_sq``) plus one int64 step counter on the CPU.
 
+Moment storage (the ``moments`` constructor argument, :mod:`galore2.storage.moments`):
+``"state_dtype"`` (the default) keeps both moments in the group's ``state_dtype``;
+``"dynamic8"`` stores those of large directions in bitsandbytes' dynamic 8-bit blockwise
+format (:mod:`galore2.storage.dynamic8`; ~1.016 bytes per element and moment for blocks of
+256) — 8-bit Adam (``ScaleByAdam8bit``, ``GaLoreAdamW8bit``). Each step then dequantizes the
+moments to fp32, runs the same arithmetic and quantizes them back; the returned direction
+is computed from the fp32 moments before requantization (as bitsandbytes' 8-bit Adam does).
+On CUDA with triton installed (see :mod:`galore2.kernels.dispatch`, ``GALORE2_KERNELS``)
+that step is one fused Triton kernel (:mod:`galore2.kernels.adam8bit`) with the same
+arithmetic and block layout; its quantizer picks the exact nearest code (bitsandbytes' CPU
+quantizer is off by a code or more on a few percent of elements). Quantized moments are
+always updated in fp32 (``state_dtype`` does not apply to them); small directions keep
+``state_dtype`` moments and match the default exactly.
+
 The arithmetic follows ``torch.optim.AdamW``'s single-tensor path (lerp for the
 first moment, bias-corrected square root in the denominator, ``eps`` added
 after the correction), so a plain group matches ``torch.optim.AdamW`` to
@@ -15,7 +29,9 @@ by ``-lr``.
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from collections.abc import Callable
+from functools import partial
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -23,7 +39,18 @@ from torch import Tensor
 from ..core.options import Option, Pair, Real
 from ..core.state import counter
 from ..core.transform import Context, Group, State, Transform
-from ..storage.dtype import STATE_DTYPE, STATE_DTYPES
+from ..kernels.dispatch import run_kernel
+from ..storage.dtype import STATE_DTYPE
+from ..storage.dynamic8 import Dynamic8Format
+from ..storage.moments import (
+    check_moments,
+    is_quantized,
+    moment_format,
+    moment_kinds,
+    reset_moments,
+    rotate_moments,
+    stored_format,
+)
 
 _BETA = Real(low=0.0, high=1.0, high_open=True)
 BETAS = Option(
@@ -37,27 +64,103 @@ EPS = Option(
 )
 
 
+AXIS = "adam.block_dim"  # the blocked axis of both 8-bit moments (same shape and layout)
+
+
 class ScaleByAdam(Transform):
+    """Adam's moments; ``moments`` picks their storage (``"state_dtype"`` or ``"dynamic8"``,
+    see the module docstring)."""
+
     name = "adam"
     options = (BETAS, EPS, STATE_DTYPE)
     kinds: ClassVar[dict[str, str]] = {
-        "adam.exp_avg": "moments",
-        "adam.exp_avg_sq": "moments",
+        **moment_kinds("adam.exp_avg", "adam.exp_avg_sq", axis=AXIS),
         "adam.step": "other",
     }
     linear_keys = ("adam.exp_avg",)
     quadratic_keys = ("adam.exp_avg_sq",)
 
+    def __init__(self, *, moments: str = "state_dtype") -> None:
+        self.moments = check_moments(moments)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(moments={self.moments!r})"
+
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
     ) -> None:
-        dtype = STATE_DTYPES[group["state_dtype"]]
-        state["adam.exp_avg"] = ctx.zeros(shape, dtype)
-        state["adam.exp_avg_sq"] = ctx.zeros(shape, dtype)
+        def zeros(s: tuple[int, ...], dtype: torch.dtype, layout: str) -> Tensor:
+            return ctx.placement.zeros(s, dtype, ctx.param.device, layout)
+
+        for key, signed in (("adam.exp_avg", True), ("adam.exp_avg_sq", False)):
+            fmt = moment_format(
+                self.moments, tuple(shape), ctx.layout, group["state_dtype"], signed
+            )
+            fmt.allocate(state, key, tuple(shape), ctx.layout, zeros, AXIS)
         state["adam.step"] = counter()
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
-        exp_avg, exp_avg_sq = state["adam.exp_avg"], state["adam.exp_avg_sq"]
+        if not is_quantized(state, "adam.exp_avg"):
+            return self._step(u, state["adam.exp_avg"], state["adam.exp_avg_sq"], state, group)
+        m_fmt = stored_format(state, "adam.exp_avg", True)
+        v_fmt = stored_format(state, "adam.exp_avg_sq", False)
+        assert isinstance(m_fmt, Dynamic8Format) and isinstance(v_fmt, Dynamic8Format)
+        m_codes, m_absmax, dim = m_fmt.local(state, "adam.exp_avg", AXIS)
+        v_codes, v_absmax, _ = v_fmt.local(state, "adam.exp_avg_sq", AXIS)
+        out = run_kernel(
+            "adam8bit",
+            u,
+            m_codes,
+            v_codes,
+            supported=lambda k: k.supported(u),
+            kernel=lambda k: partial(
+                k.adam8bit_step,
+                u,
+                m_codes,
+                m_absmax,
+                v_codes,
+                v_absmax,
+                **self._fused_args(m_fmt, v_fmt, dim, m_codes.device, state, group),
+            ),
+        )
+        if out is not None:  # the kernel updated codes and absmax in place
+            state["adam.step"] += 1
+            return out
+        m = m_fmt.view(state, "adam.exp_avg", AXIS)
+        v = v_fmt.view(state, "adam.exp_avg_sq", AXIS)
+        out = self._step(u, m, v, state, group)  # the direction uses the fp32 moments
+        m_fmt.store(state, "adam.exp_avg", m, AXIS)
+        v_fmt.store(state, "adam.exp_avg_sq", v, AXIS)
+        return out
+
+    @staticmethod
+    def _fused_args(
+        m_fmt: Dynamic8Format,
+        v_fmt: Dynamic8Format,
+        dim: int,
+        device: torch.device,
+        state: State,
+        group: Group,
+    ) -> dict[str, Any]:
+        """The keyword arguments of the fused 8-bit step (galore2.kernels.adam8bit): the same
+        arithmetic, codes and absmax updated in place, the fp32 direction returned (the
+        caller counts the step once it ran; see ``dispatch.run_kernel``)."""
+        beta1, beta2 = group["betas"]
+        return {
+            "dim": dim,
+            "code_m": m_fmt.code(device),
+            "code_v": v_fmt.code(device),
+            "bounds_m": m_fmt.bounds(device),
+            "bounds_v": v_fmt.bounds(device),
+            "beta1": beta1,
+            "beta2": beta2,
+            "eps": group["eps"],
+            "step": int(state["adam.step"]) + 1,
+        }
+
+    @staticmethod
+    def _step(u: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, state: State, group: Group) -> Tensor:
+        """One Adam step on the moments ``exp_avg``, ``exp_avg_sq`` (updated in place)."""
         if u.dtype != exp_avg.dtype:
             u = u.to(exp_avg.dtype)
         beta1, beta2 = group["betas"]
@@ -76,11 +179,25 @@ class ScaleByAdam(Transform):
     def update_many(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
     ) -> list[Tensor]:
-        """The same arithmetic as :meth:`update`, one ``torch._foreach_*`` kernel per op."""
+        """The same arithmetic as :meth:`update`, one ``torch._foreach_*`` kernel per op
+        (8-bit moments: :meth:`update` per tensor)."""
         if not us or us[0].device.type == "cpu":
             # torch's CPU foreach kernels are a slower per-tensor loop (measured: a step of
             # torch.optim.AdamW(foreach=True) takes ~1.5x its for-loop on 2 cores).
             return [self.update(u, s, group, c) for u, s, c in zip(us, states, ctxs, strict=True)]
+        plain = [i for i, s in enumerate(states) if not is_quantized(s, "adam.exp_avg")]
+        out: list[Tensor | None] = [None] * len(us)
+        if plain:
+            results = self._foreach([us[i] for i in plain], [states[i] for i in plain], group)
+            for i, r in zip(plain, results, strict=True):
+                out[i] = r
+        for i, (u, state, ctx) in enumerate(zip(us, states, ctxs, strict=True)):
+            if out[i] is None:
+                out[i] = self.update(u, state, group, ctx)
+        return out  # type: ignore[return-value]
+
+    @staticmethod
+    def _foreach(us: list[Tensor], states: list[State], group: Group) -> list[Tensor]:
         beta1, beta2 = group["betas"]
         exp_avgs = [s["adam.exp_avg"] for s in states]
         exp_avg_sqs = [s["adam.exp_avg_sq"] for s in states]
@@ -104,9 +221,12 @@ class ScaleByAdam(Transform):
         t = int(state["adam.step"])
         if t == 0:
             return torch.zeros((), dtype=torch.float64)
-        v = state["adam.exp_avg_sq"]
+        v = stored_format(state, "adam.exp_avg_sq", False).view(state, "adam.exp_avg_sq", AXIS)
         return v.sum(dtype=torch.float64) / (1 - group["betas"][1] ** t)
 
     def reset(self, state: State, group: Group) -> None:
-        super().reset(state, group)
+        reset_moments(state, (*self.linear_keys, *self.quadratic_keys))
         state["adam.step"].zero_()
+
+    def rotate(self, state: State, rotate_fn: Callable[[Tensor, bool], Tensor]) -> None:
+        rotate_moments(state, self.linear_keys, self.quadratic_keys, rotate_fn, AXIS)

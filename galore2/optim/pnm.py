@@ -4,7 +4,9 @@ Acts on: whatever direction it is given — the full gradient in a plain group,
 the projected r×n (or m×r) gradient inside :class:`~galore2.optim.galore.GaLore`.
 State per element of the direction: 3 values in ``state_dtype`` (``pnm.exp_avg``,
 ``pnm.neg_exp_avg``, ``pnm.exp_avg_sq``), 4 with ``amsgrad`` (``pnm.max_exp_avg_sq``),
-plus one int64 step counter on the CPU (``pnm.step``).
+plus one int64 step counter on the CPU (``pnm.step``). ``moments="dynamic8"`` (Ranger21's
+``moments_8bit``) stores the moments of large directions 8-bit blockwise instead, ~1 byte
+per element each, updated in fp32 (see :mod:`galore2.storage.moments`).
 
 Math at step t (1-based), with (β₁, β₂) = ``betas``, β₀ = ``pnm_beta0`` (default 1)::
 
@@ -38,6 +40,7 @@ Ranger21's reference stored β₀ but never used it; here it is used (β₀ = 0 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -47,7 +50,15 @@ from torch import Tensor
 from ..core.options import Bool, Option, Real
 from ..core.state import counter
 from ..core.transform import Context, Group, State, Transform
-from ..storage.dtype import STATE_DTYPE, STATE_DTYPES
+from ..storage.dtype import STATE_DTYPE
+from ..storage.moments import (
+    check_moments,
+    moment_format,
+    moment_kinds,
+    reset_moments,
+    rotate_moments,
+    stored_format,
+)
 from .adam import BETAS, EPS
 
 PNM_BETA0 = Option(
@@ -73,6 +84,9 @@ def _corrections(t: int, beta1: float, adamd: bool) -> tuple[float, float]:
     return 1.0 - a**n_active, (1.0 - a**n_passive if n_passive else 0.0)
 
 
+AXIS = "pnm.block_dim"  # the blocked axis of every 8-bit moment (same shape and layout)
+
+
 class ScaleByPNM(Transform):
     """Positive-negative momentum over Adam's second moment (see the module docstring).
 
@@ -80,42 +94,70 @@ class ScaleByPNM(Transform):
         amsgrad: keep ``pnm.max_exp_avg_sq`` (running max of v) and divide by it.
         softplus: denominator ``softplus(√v̂, beta=softplus_beta)`` instead of ``√v̂ + eps``.
         adamd: no bias correction of the first moment (AdamD).
+        moments: moment storage, ``"state_dtype"`` or ``"dynamic8"`` (8-bit blockwise).
     """
 
     name = "pnm"
     options = (BETAS, EPS, STATE_DTYPE, PNM_BETA0, SOFTPLUS_BETA)
     kinds: ClassVar[dict[str, str]] = {
-        "pnm.exp_avg": "moments",
-        "pnm.neg_exp_avg": "moments",
-        "pnm.exp_avg_sq": "moments",
-        "pnm.max_exp_avg_sq": "moments",
+        **moment_kinds(
+            "pnm.exp_avg", "pnm.neg_exp_avg", "pnm.exp_avg_sq", "pnm.max_exp_avg_sq", axis=AXIS
+        ),
         "pnm.step": "other",
     }
     linear_keys = ("pnm.exp_avg", "pnm.neg_exp_avg")
     quadratic_keys: tuple[str, ...] = ("pnm.exp_avg_sq",)
 
-    def __init__(self, *, amsgrad: bool = False, softplus: bool = False, adamd: bool = False):
+    def __init__(
+        self,
+        *,
+        amsgrad: bool = False,
+        softplus: bool = False,
+        adamd: bool = False,
+        moments: str = "state_dtype",
+    ):
         self.amsgrad, self.softplus, self.adamd = bool(amsgrad), bool(softplus), bool(adamd)
+        self.moments = check_moments(moments)
         if self.amsgrad:
             self.quadratic_keys = ("pnm.exp_avg_sq", "pnm.max_exp_avg_sq")
 
     def __repr__(self) -> str:
-        return f"ScaleByPNM(amsgrad={self.amsgrad}, softplus={self.softplus}, adamd={self.adamd})"
+        return (
+            f"ScaleByPNM(amsgrad={self.amsgrad}, softplus={self.softplus}, adamd={self.adamd}, "
+            f"moments={self.moments!r})"
+        )
+
+    def _keys(self) -> tuple[tuple[str, bool], ...]:
+        """(moment key, signed) of every moment this module keeps."""
+        keys = (("pnm.exp_avg", True), ("pnm.neg_exp_avg", True), ("pnm.exp_avg_sq", False))
+        return (*keys, ("pnm.max_exp_avg_sq", False)) if self.amsgrad else keys
 
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
     ) -> None:
-        dtype = STATE_DTYPES[group["state_dtype"]]
-        state["pnm.exp_avg"] = ctx.zeros(shape, dtype)
-        state["pnm.neg_exp_avg"] = ctx.zeros(shape, dtype)
-        state["pnm.exp_avg_sq"] = ctx.zeros(shape, dtype)
-        if self.amsgrad:
-            state["pnm.max_exp_avg_sq"] = ctx.zeros(shape, dtype)
+        def zeros(s: tuple[int, ...], dtype: torch.dtype, layout: str) -> Tensor:
+            return ctx.placement.zeros(s, dtype, ctx.param.device, layout)
+
+        for key, signed in self._keys():
+            fmt = moment_format(
+                self.moments, tuple(shape), ctx.layout, group["state_dtype"], signed
+            )
+            fmt.allocate(state, key, tuple(shape), ctx.layout, zeros, AXIS)
         state["pnm.step"] = counter()
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
-        exp_avg, neg_exp_avg = state["pnm.exp_avg"], state["pnm.neg_exp_avg"]
-        exp_avg_sq = state["pnm.exp_avg_sq"]
+        # each moment as a tensor to update in place: the stored one, or an fp32 copy of
+        # 8-bit codes that is quantized back below
+        formats = {key: stored_format(state, key, signed) for key, signed in self._keys()}
+        views = {key: fmt.view(state, key, AXIS) for key, fmt in formats.items()}
+        out = self._step(u, views, state, group)
+        for key, fmt in formats.items():
+            fmt.store(state, key, views[key], AXIS)
+        return out
+
+    def _step(self, u: Tensor, views: dict[str, Tensor], state: State, group: Group) -> Tensor:
+        exp_avg, neg_exp_avg = views["pnm.exp_avg"], views["pnm.neg_exp_avg"]
+        exp_avg_sq = views["pnm.exp_avg_sq"]
         if u.dtype != exp_avg.dtype:
             u = u.to(exp_avg.dtype)
         beta1, beta2 = group["betas"]
@@ -127,7 +169,7 @@ class ScaleByPNM(Transform):
         exp_avg_sq.mul_(beta2).addcmul_(u, u, value=1 - beta2)
         v = exp_avg_sq
         if self.amsgrad:
-            v = state["pnm.max_exp_avg_sq"]
+            v = views["pnm.max_exp_avg_sq"]
             torch.maximum(v, exp_avg_sq, out=v)  # stored: the running max of v
         bc_active, bc_passive = _corrections(t, beta1, self.adamd)
         norm = math.sqrt((1 + beta0) ** 2 + beta0**2)
@@ -147,12 +189,15 @@ class ScaleByPNM(Transform):
         t = int(state["pnm.step"])
         if t == 0:
             return torch.zeros((), dtype=torch.float64)
-        v = state["pnm.exp_avg_sq"]
+        v = stored_format(state, "pnm.exp_avg_sq", False).view(state, "pnm.exp_avg_sq", AXIS)
         return v.sum(dtype=torch.float64) / (1 - group["betas"][1] ** t)
 
     def reset(self, state: State, group: Group) -> None:
-        super().reset(state, group)
+        reset_moments(state, (*self.linear_keys, *self.quadratic_keys))
         state["pnm.step"].zero_()
+
+    def rotate(self, state: State, rotate_fn: Callable[[Tensor, bool], Tensor]) -> None:
+        rotate_moments(state, self.linear_keys, self.quadratic_keys, rotate_fn, AXIS)
 
 
 __all__ = ["PNM_BETA0", "PNM_SWITCHES", "SOFTPLUS_BETA", "ScaleByPNM"]

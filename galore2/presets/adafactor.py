@@ -9,6 +9,7 @@ import torch
 from ..core.optimizer import ChainOptimizer, ParamsT
 from ..optim.adafactor import ScaleByAdafactor
 from ..optim.galore import GaLore
+from ..storage.moments import MOMENTS_8BIT
 
 
 class GaLoreAdafactor(ChainOptimizer):
@@ -32,9 +33,15 @@ class GaLoreAdafactor(ChainOptimizer):
             — GaLore pre-training usually sets both False and sweeps ``lr`` as for
             GaLoreAdamW —, ``maximize``, ``state_dtype``, ``nonfinite`` and the GaLore
             options of :class:`~galore2.GaLoreAdamW`; see :meth:`declared_options`.
+        moments_8bit: store the moments of tensors with ≥ 4096 elements 8-bit blockwise
+            (bitsandbytes' dynamic map, :mod:`galore2.storage.moments`): the ``beta1``
+            momentum of a large direction, long factors of batched directions; the factored
+            second moment of a matrix stays in ``state_dtype``. A constructor switch (it
+            fixes the state keys for the optimizer's lifetime), like Ranger21's.
     """
 
     modules = (GaLore, ScaleByAdafactor)
+    construct_options = (MOMENTS_8BIT,)
     option_hints: ClassVar[dict[str, str]] = {
         "betas": "betas is not a GaLoreAdafactor key: Adafactor's second-moment decay is "
         "beta2_decay (β̂₂ = 1 − t^beta2_decay) and its optional momentum beta1"
@@ -50,6 +57,10 @@ class GaLoreAdafactor(ChainOptimizer):
         weight_decay: float = 0.0,
         **options: Any,
     ) -> None:
+        moments_8bit = MOMENTS_8BIT.validate(options.pop("moments_8bit", MOMENTS_8BIT.default))
+        #: the constructor switches this optimizer was built with
+        self.switches = {"moments_8bit": moments_8bit}
+        storage = "dynamic8" if moments_8bit else "state_dtype"
         defaults = {
             "lr": lr,
             "beta2_decay": beta2_decay,
@@ -58,4 +69,4 @@ class GaLoreAdafactor(ChainOptimizer):
             "weight_decay": weight_decay,
             **options,
         }
-        super().__init__(params, [GaLore(ScaleByAdafactor())], defaults)
+        super().__init__(params, [GaLore(ScaleByAdafactor(moments=storage))], defaults)

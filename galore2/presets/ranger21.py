@@ -13,6 +13,7 @@ normalization (``use_gn``)  full gradient, whole tensor   0
 GaLore projection           (GaLoreRanger21 only)         basis r·min(m,n)/(m·n)
 PNM (``use_pnm``)           moments: full or subspace     3 (Adam without PNM: 2)
 softplus / AdamD / AMSGrad  the PNM denominator           AMSGrad: +1
+8-bit moments               (``moments_8bit``) storage    ~1 byte per moment instead of 4
 update ``p ← p − lr·u``     weights
 norm loss                   weights, per row              0
 stable weight decay         weights (σ over all params)   0
@@ -29,6 +30,12 @@ Fixed relative to the reference implementation: stable weight decay and norm los
 reach every parameter (issue #53); lookahead and schedule counters are in the state
 dict, so resuming is exact (issue #18); the schedule keeps per-group learning rates;
 AMSGrad stores its running max; PNM uses β₀; normalization cannot produce NaN.
+``moments_8bit=True`` stores the moments (PNM's, or Adam's with ``use_pnm=False``) of
+tensors with ≥ 4096 elements 8-bit blockwise, as GaLoreAdamW8bit does
+(:mod:`galore2.storage.moments`). It is a constructor switch, like the PNM variants:
+it fixes the moment module's state keys for the optimizer's lifetime (a per-group option
+could not be changed without invalidating the state), and the state itself records how
+each tensor is stored, so checkpoints resume either way.
 Decay order: stable weight decay is applied after the update (σ needs this step's
 second moments of every parameter), the order galore-torch uses for projected matrices.
 """
@@ -45,6 +52,7 @@ from ..optim.gradient import AdaptiveGradientClipping, CentralizeGradient, Norma
 from ..optim.pnm import PNM_SWITCHES, ScaleByPNM
 from ..optim.schedules import SCHEDULE_SWITCHES, WarmupWarmdown
 from ..optim.weights import LOOKAHEAD_DTYPE, Lookahead, NormLoss, StableWeightDecay
+from ..storage.moments import MOMENTS_8BIT
 
 
 def _switch(name: str, what: str) -> Option:
@@ -83,6 +91,7 @@ class _Ranger21Base(ChainOptimizer):
         *(o for o, _ in GRADIENT_SWITCHES),
         USE_PNM,
         *PNM_SWITCHES,
+        MOMENTS_8BIT,
         *(o for o, _ in WEIGHT_SWITCHES),
         LOOKAHEAD_DTYPE,
         *SCHEDULE_SWITCHES,
@@ -110,7 +119,12 @@ class _Ranger21Base(ChainOptimizer):
                 f"{', '.join(on)} modify the PNM moment module: they need use_pnm=True "
                 "(or switch them off)"
             )
-        moments = ScaleByPNM(**pnm) if switches["use_pnm"] else ScaleByAdam()
+        storage = "dynamic8" if switches["moments_8bit"] else "state_dtype"
+        moments = (
+            ScaleByPNM(**pnm, moments=storage)
+            if switches["use_pnm"]
+            else ScaleByAdam(moments=storage)
+        )
         schedule = None
         if switches["use_warmup"] or switches["use_warmdown"]:
             schedule = WarmupWarmdown(

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from .._numerics import all_finite
 from ..placement import LOCAL, Placement
-from ..storage.basis import KEY_SUFFIXES, basis_format
+from ..storage.basis import KEY_SUFFIXES, basis_format, basis_zeros
 
 State = dict[str, Tensor]
 
@@ -158,9 +158,11 @@ class Projector:
         """Allocate the basis at its final shape (zeros until the first refresh)."""
         fmt = basis_format(plan.basis)
         if plan.side in (LEFT, FULL):  # P shards on dim 0 with its weight's rows
-            fmt.allocate(state, "proj.left", plan.m, plan, "rows")
+            fmt.allocate(state, "proj.left", (plan.m, plan.rank), "rows", basis_zeros(plan), plan)
         if plan.side in (RIGHT, FULL):  # Q is replicated
-            fmt.allocate(state, "proj.right", plan.n, plan, "replicate")
+            fmt.allocate(
+                state, "proj.right", (plan.n, plan.rank), "replicate", basis_zeros(plan), plan
+            )
 
     def bases(self, state: State, plan: Plan) -> tuple[Tensor | None, Tensor | None]:
         """The current (P, Q) as dense fp32 tensors (dequantized if stored quantized);
@@ -178,7 +180,7 @@ class Projector:
         else:
             plan_format = basis_format(plan.basis)
         for key, basis in new.items():
-            plan_format.save(state, "proj." + key, basis, plan)  # type: ignore[arg-type]
+            plan_format.store(state, "proj." + key, basis, plan)
 
     # ---- refresh -----------------------------------------------------------------
     def refresh(

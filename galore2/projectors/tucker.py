@@ -39,7 +39,7 @@ from torch import Tensor
 
 from .._numerics import mix_seed
 from ..placement import LOCAL, Placement
-from ..storage.basis import KEY_SUFFIXES, basis_format
+from ..storage.basis import KEY_SUFFIXES, basis_format, basis_zeros
 from ._sketch import orthonormalize_rows
 from .base import LEFT, RIGHT, Plan, Projector, State, _as, align_signs, usable_norm
 from .random import RandomProjector, gaussian_basis
@@ -159,7 +159,9 @@ class TuckerProjector(Projector):
         fmt = basis_format(plan.basis)
         for k in self.modes(plan):  # U_0 shards on dim 0 with its weight's rows
             layout = "rows" if k == 0 else "replicate"
-            fmt.allocate(state, f"proj.mode{k}", self.shape[k], self._mode_plan(plan, k), layout)
+            mode = self._mode_plan(plan, k)
+            shape = (self.shape[k], mode.rank)
+            fmt.allocate(state, f"proj.mode{k}", shape, layout, basis_zeros(mode), mode)
 
     def bases(self, state: State, plan: Plan) -> tuple[Tensor | None, ...]:
         """The factors as dense fp32 tensors, indexed by mode (None: identity mode)."""
@@ -186,7 +188,7 @@ class TuckerProjector(Projector):
             raise ValueError("storing Tucker factors needs the parameter's Plan")
         fmt = basis_format(plan.basis)
         for key, U in new.items():  # key: "mode{k}"
-            fmt.save(state, "proj." + key, U, self._mode_plan(plan, int(key[4:])))
+            fmt.store(state, "proj." + key, U, self._mode_plan(plan, int(key[4:])))
 
     # ---- refresh -----------------------------------------------------------------
     def refresh(

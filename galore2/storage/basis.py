@@ -1,14 +1,17 @@
 """How a GaLore basis is kept in the optimizer state: the ``basis_dtype`` group key.
 
 A basis is a dense ``rows × r`` fp32 matrix (P: m×r under ``"proj.left"``, row-sharded
-with its weight; Q: n×r under ``"proj.right"``, replicated). A :class:`BasisFormat`
-allocates its state, writes a new basis into it (:meth:`~BasisFormat.save`) and reads
-it back as a dense fp32 tensor (:meth:`~BasisFormat.load`); nothing dense is kept
-for the quantized formats — they are dequantized on every use.
+with its weight; Q: n×r under ``"proj.right"``, replicated). Its format is a
+:class:`~galore2.storage.format.TensorFormat` (the storage protocol bases and moments
+share): it allocates the state (:meth:`~TensorFormat.allocate`, logical shape
+``(rows, r)``, the Plan as ``params``), writes a new basis into it
+(:meth:`~TensorFormat.store`) and reads it back as a dense fp32 tensor
+(:meth:`~TensorFormat.load`); nothing dense is kept for the quantized formats — they
+are dequantized on every use.
 
 * ``fp32`` — the basis itself under ``KEY`` (the default; unchanged behaviour).
 * ``bf16`` — the basis rounded to bfloat16 (``.to(torch.bfloat16)``) under ``KEY``;
-  2 bytes per entry.
+  2 bytes per entry. (Both: :class:`~galore2.storage.format.FloatFormat`.)
 * ``int8`` / ``int4`` — blockwise symmetric absmax quantization under ``KEY.q``
   (codes) and ``KEY.scale`` (fp32 scales). Each row is cut along the rank axis into
   groups of ``basis_group_size`` consecutive entries; group j with absmax a_j gets
@@ -39,13 +42,15 @@ Bytes per row of r entries (k groups): fp32 4r, bf16 2r, int8 L + 4k, int4
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor
 
 from .._numerics import mix_seed
 from ..core.options import Bool, Choice, Int, Option
+from .format import BF16, FP32, Spec, TensorFormat, Zeros
 from .hadamard import next_power_of_two, padded_length, random_signs, rotate, unrotate
 
 if TYPE_CHECKING:
@@ -84,41 +89,27 @@ def _salt(key: str) -> int:
 _TINY = torch.finfo(torch.float32).tiny
 
 
-class BasisFormat:
-    """One storage format: allocate, save (encode) and load (decode) one basis."""
-
-    name: ClassVar[str] = "fp32"
-    suffixes: ClassVar[tuple[str, ...]] = ("",)  # state keys: KEY + suffix
-
-    def allocate(self, state: State, key: str, rows: int, plan: Plan, layout: str) -> None:
-        state[key] = plan.placement.zeros((rows, plan.rank), torch.float32, plan.device, layout)
-
-    def load(self, state: State, key: str, plan: Plan) -> Tensor | None:
-        return state.get(key)
-
-    def save(self, state: State, key: str, basis: Tensor, plan: Plan) -> None:
-        state[key].copy_(basis)
-
-    def nbytes(self, rows: int, rank: int, group_size: int = 256, hadamard: bool = False) -> int:
-        """Bytes this format stores for a ``rows × rank`` basis (all shards together)."""
-        return 4 * rows * rank
+BasisFormat = TensorFormat  # a basis's format is a storage format (kept name)
 
 
-class BFloat16Basis(BasisFormat):
-    name = "bf16"
+@dataclass(frozen=True)
+class Quantization:
+    """The ``params`` of a quantized basis format when no Plan is at hand (byte counts)."""
 
-    def allocate(self, state: State, key: str, rows: int, plan: Plan, layout: str) -> None:
-        state[key] = plan.placement.zeros((rows, plan.rank), torch.bfloat16, plan.device, layout)
-
-    def load(self, state: State, key: str, plan: Plan) -> Tensor | None:
-        stored = state.get(key)
-        return None if stored is None else stored.float()
-
-    def nbytes(self, rows: int, rank: int, group_size: int = 256, hadamard: bool = False) -> int:
-        return 2 * rows * rank
+    group_size: int = 256
+    hadamard: bool = False
 
 
-class QuantizedBasis(BasisFormat):
+def basis_zeros(plan: Plan) -> Zeros:
+    """Allocates a basis's state tensors on the plan's device and placement."""
+
+    def zeros(shape: tuple[int, ...], dtype: torch.dtype, layout: str) -> Tensor:
+        return plan.placement.zeros(shape, dtype, plan.device, layout)
+
+    return zeros
+
+
+class QuantizedBasis(TensorFormat):
     """Blockwise symmetric absmax quantization (see the module docstring)."""
 
     bits: ClassVar[int] = 8
@@ -148,28 +139,28 @@ class QuantizedBasis(BasisFormat):
     def code_columns(self, length: int) -> int:
         return length if self.bits == 8 else (length + 1) // 2
 
-    def nbytes(self, rows: int, rank: int, group_size: int = 256, hadamard: bool = False) -> int:
-        full, tail = self.groups(rank, group_size, hadamard)
-        columns = self.code_columns(self.length(rank, group_size, hadamard))
-        return rows * (columns + 4 * (full + (1 if tail else 0)))
-
     # ---- state -------------------------------------------------------------------
-    def allocate(self, state: State, key: str, rows: int, plan: Plan, layout: str) -> None:
-        g, had = plan.group_size, plan.hadamard
-        full, tail = self.groups(plan.rank, g, had)
-        columns = self.code_columns(self.length(plan.rank, g, had))
-        zeros = plan.placement.zeros
-        state[key + ".q"] = zeros((rows, columns), self.code_dtype, plan.device, layout)
+    def specs(self, shape: tuple[int, ...], layout: str, params: Any = None) -> dict[str, Spec]:
+        """Codes ``(rows, columns)`` and fp32 scales ``(rows, groups)`` of a ``rows × rank``
+        basis; ``params`` (a Plan or :class:`Quantization`) gives the group size and rotation."""
+        rows, rank = shape
+        g = getattr(params, "group_size", 256)
+        had = getattr(params, "hadamard", False)
+        full, tail = self.groups(rank, g, had)
+        columns = self.code_columns(self.length(rank, g, had))
         k = full + (1 if tail else 0)
-        state[key + ".scale"] = zeros((rows, k), torch.float32, plan.device, layout)
+        return {
+            ".q": Spec((rows, columns), self.code_dtype, layout),
+            ".scale": Spec((rows, k), torch.float32, layout),
+        }
 
-    def save(self, state: State, key: str, basis: Tensor, plan: Plan) -> None:
+    def store(self, state: State, key: str, basis: Tensor, plan: Any = None) -> None:
         codes, scales = self.encode(basis, plan, _salt(key))
         self._check(state, key, plan)
         state[key + ".q"].copy_(codes)
         state[key + ".scale"].copy_(scales)
 
-    def load(self, state: State, key: str, plan: Plan) -> Tensor | None:
+    def load(self, state: State, key: str, plan: Any = None) -> Tensor | None:
         if key + ".q" not in state:
             return None
         self._check(state, key, plan)
@@ -283,13 +274,11 @@ def _pieces(x: Tensor, full: int, g: int, tail: int) -> list[Tensor]:
     return out
 
 
-FORMATS: dict[str, BasisFormat] = {
-    f.name: f for f in (BasisFormat(), BFloat16Basis(), Int8Basis(), Int4Basis())
-}
+FORMATS: dict[str, TensorFormat] = {f.name: f for f in (FP32, BF16, Int8Basis(), Int4Basis())}
 KEY_SUFFIXES = tuple(sorted({s for f in FORMATS.values() for s in f.suffixes if s}))
 
 
-def basis_format(name: str) -> BasisFormat:
+def basis_format(name: str) -> TensorFormat:
     """The format of a group's ``basis_dtype`` (validated earlier by the optimizer)."""
     try:
         return FORMATS[name]
@@ -299,12 +288,13 @@ def basis_format(name: str) -> BasisFormat:
 
 __all__ = [
     "FORMATS",
-    "BFloat16Basis",
     "BasisFormat",
     "Int4Basis",
     "Int8Basis",
+    "Quantization",
     "QuantizedBasis",
     "basis_format",
+    "basis_zeros",
 ]
 
 

@@ -33,8 +33,9 @@ from galore2.kernels import dispatch
 from galore2.kernels.adam8bit import adam8bit_step
 from galore2.kernels.hadamard import blockwise_fwht
 from galore2.kernels.lowrank import lowrank_update
-from galore2.optim import adam8bit as A8
 from galore2.optim.adam import ScaleByAdam
+from galore2.optim.adam8bit import ScaleByAdam8bit
+from galore2.storage import dynamic8 as A8
 from galore2.storage import hadamard as H
 
 # Where the kernels run here: CPU tensors under the interpreter, else the GPU.
@@ -235,24 +236,24 @@ def test_triton_adam8bit_matches_torch_path(shape, dim, dtype, monkeypatch):
     zero = _zero_block_mask(shape, dim).to(DEVICE)
     assert bool((into["m"][zero] == 0).all() and (into["v"][zero] == 0).all())
 
-    # Through the call site (ScaleByAdam8bit.update, GALORE2_KERNELS=triton): in place,
+    # Through the call site (ScaleByAdam.update with 8-bit moments, GALORE2_KERNELS=triton): in place,
     # bit-identical to the direct launch.
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
     s = {
-        "adam8.exp_avg": before["m"].clone(),
-        "adam8.exp_avg.absmax": before["ma"].clone(),
-        "adam8.exp_avg_sq": before["v"].clone(),
-        "adam8.exp_avg_sq.absmax": before["va"].clone(),
-        "adam8.block_dim": torch.tensor(dim),
+        "adam.exp_avg": before["m"].clone(),
+        "adam.exp_avg.absmax": before["ma"].clone(),
+        "adam.exp_avg_sq": before["v"].clone(),
+        "adam.exp_avg_sq.absmax": before["va"].clone(),
+        "adam.block_dim": torch.tensor(dim),
         "adam.step": torch.tensor(step - 1),
     }
-    u = A8.ScaleByAdam8bit().update(grad, s, {"betas": BETAS, "eps": EPS}, None)
+    u = ScaleByAdam8bit().update(grad, s, {"betas": BETAS, "eps": EPS}, None)
     assert torch.equal(u, out) and int(s["adam.step"]) == step
-    assert torch.equal(s["adam8.exp_avg"], into["m"]) and torch.equal(
-        s["adam8.exp_avg_sq"], into["v"]
+    assert torch.equal(s["adam.exp_avg"], into["m"]) and torch.equal(
+        s["adam.exp_avg_sq"], into["v"]
     )
-    assert torch.equal(s["adam8.exp_avg.absmax"], into["ma"])
-    assert torch.equal(s["adam8.exp_avg_sq.absmax"], into["va"])
+    assert torch.equal(s["adam.exp_avg.absmax"], into["ma"])
+    assert torch.equal(s["adam.exp_avg_sq.absmax"], into["va"])
 
 
 # ---- back-projection epilogue ----------------------------------------------------------
@@ -383,7 +384,7 @@ def _galore_adamw8bit_run(
         for p in params:
             p.grad = torch.randn(p.shape, generator=g).to(device, dtype)
         opt.step()
-    assert sorted(int(opt.state[p]["adam8.block_dim"]) for p in params) == [0, 1]
+    assert sorted(int(opt.state[p]["adam.block_dim"]) for p in params) == [0, 1]
     return [p.detach().float().cpu() for p in params]
 
 

@@ -32,9 +32,9 @@ ERR_MEAN = 6e-5
 
 def _moments(opt: torch.optim.Optimizer, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = opt.state[p]
-    dim = int(s["adam8.block_dim"])
-    m = dequantize(s["adam8.exp_avg"], s["adam8.exp_avg.absmax"], dim, signed=True)
-    v = dequantize(s["adam8.exp_avg_sq"], s["adam8.exp_avg_sq.absmax"], dim, signed=False)
+    dim = int(s["adam.block_dim"])
+    m = dequantize(s["adam.exp_avg"], s["adam.exp_avg.absmax"], dim, signed=True)
+    v = dequantize(s["adam.exp_avg_sq"], s["adam.exp_avg_sq.absmax"], dim, signed=False)
     return m, v
 
 
@@ -83,15 +83,15 @@ def test_full_rank_matches_bitsandbytes_adamw8bit():
         for a, b in zip(_moments(o_ours, ours), _bnb_moments(o_bnb, theirs), strict=True):
             assert _not_close(a, b) < STATE_MAX_BAD
         s, t = o_ours.state[ours], o_bnb.state[theirs]
-        assert s["adam8.exp_avg"].dtype == torch.uint8 and s["adam8.exp_avg"].shape == shape
+        assert s["adam.exp_avg"].dtype == torch.uint8 and s["adam.exp_avg"].shape == shape
         # Stricter than bnb's tolerance: the same quantizer on the same blocks. The fp32
         # arithmetic differs in the last bits (lerp vs mul/add), so absmax agrees to
         # ~ulps and a code on a rounding boundary may flip now and then.
         for ours_key, bnb_key in (("exp_avg", "1"), ("exp_avg_sq", "2")):
-            flips = (s["adam8." + ours_key] != t["state" + bnb_key]).sum().item()
+            flips = (s["adam." + ours_key] != t["state" + bnb_key]).sum().item()
             assert flips <= 1e-3 * ours.numel()
             torch.testing.assert_close(
-                s[f"adam8.{ours_key}.absmax"].flatten(), t["absmax" + bnb_key], rtol=1e-5, atol=0
+                s[f"adam.{ours_key}.absmax"].flatten(), t["absmax" + bnb_key], rtol=1e-5, atol=0
             )
     assert (ours - _three(shape)[0]).abs().max() > 1e-2  # it did move
 
@@ -107,7 +107,7 @@ def test_full_rank_unaligned_rows_close_to_bitsandbytes():
         for a, b in zip(_moments(o_ours, ours), _bnb_moments(o_bnb, theirs), strict=True):
             assert _not_close(a, b) < STATE_MAX_BAD
         assert (ours - theirs).abs().mean() < 2 * ERR_MEAN
-    assert o_ours.state[ours]["adam8.exp_avg.absmax"].shape == (48, 2)
+    assert o_ours.state[ours]["adam.exp_avg.absmax"].shape == (48, 2)
     ours_err = (ours - fp32).abs().mean().item()
     bnb_err = (theirs - fp32).abs().mean().item()
     assert 0 < ours_err <= 1.1 * bnb_err
@@ -130,10 +130,10 @@ def test_small_tensors_keep_fp32_and_match_torch_adamw():
         r.step()
     for p, q in zip(ours[:-1], ref[:-1], strict=True):
         assert o.state[p]["adam.exp_avg"].dtype == torch.float32
-        assert "adam8.exp_avg" not in o.state[p]
+        assert "adam.exp_avg.absmax" not in o.state[p]
         torch.testing.assert_close(p, q)
         torch.testing.assert_close(o.state[p]["adam.exp_avg_sq"], r.state[q]["exp_avg_sq"])
-    assert o.state[ours[-1]]["adam8.exp_avg"].dtype == torch.uint8
+    assert o.state[ours[-1]]["adam.exp_avg"].dtype == torch.uint8
     assert not torch.equal(ours[-1], ref[-1])  # the 8-bit one differs (tests above)
 
 
@@ -171,7 +171,7 @@ def test_galore_training_loss_within_one_percent_of_fp32():
     _, q_loss, opt = _train(galore2.GaLoreAdamW8bit)
     assert fp32_loss < 0.5 * initial  # a task that trains
     shapes = sorted(
-        tuple(s["adam8.exp_avg"].shape) for s in opt.state.values() if "adam8.exp_avg" in s
+        tuple(s["adam.exp_avg"].shape) for s in opt.state.values() if "adam.exp_avg.absmax" in s
     )
     assert shapes == [(8, 512), (512, 8)]  # both sides held 8-bit
     assert abs(q_loss - fp32_loss) <= 0.01 * fp32_loss, (q_loss, fp32_loss)
@@ -196,7 +196,7 @@ def test_state_bytes_exact_and_quarter_of_fp32():
         if cls is galore2.GaLoreAdamW8bit:
             s = opt.state[model[0].weight]
             expected = 2 * (256 * 1024 * 1 + 1 * 1024 * 4)  # codes + absmax (1, 1024)
-            assert s["adam8.exp_avg.absmax"].shape == (1, 1024)
+            assert s["adam.exp_avg.absmax"].shape == (1, 1024)
             # + 1024×1024 full rank: codes + (1024, 4) absmax
             expected += 2 * (1024 * 1024 + 1024 * 4 * 4)
             expected += 2 * (10 * 1024 + 10 * 4 * 4)  # head 10×1024: 8-bit too
@@ -253,7 +253,7 @@ def test_state_dict_round_trip_resumes_bit_identical():
             loaded = resumed_opt.state[p][key]
             assert loaded.dtype == value.dtype and torch.equal(loaded, value), key
     w1 = next(resumed.parameters())
-    assert resumed_opt.state[w1]["adam8.exp_avg"].dtype == torch.uint8
+    assert resumed_opt.state[w1]["adam.exp_avg"].dtype == torch.uint8
     _resume_steps(resumed, resumed_opt, 5, 10)  # refreshes at steps 8 (after the resume)
 
     for p, q in zip(resumed.parameters(), straight.parameters(), strict=True):
@@ -261,7 +261,7 @@ def test_state_dict_round_trip_resumes_bit_identical():
         assert sorted(resumed_opt.state[p]) == sorted(straight_opt.state[q])
         for key, value in straight_opt.state[q].items():
             assert torch.equal(resumed_opt.state[p][key], value), key
-    n8 = sum("adam8.exp_avg" in s for s in straight_opt.state.values())
+    n8 = sum("adam.exp_avg.absmax" in s for s in straight_opt.state.values())
     assert n8 == 3
 
 
@@ -303,7 +303,7 @@ def test_moments_on_refresh(mode):
         assert int(s["adam.step"]) == (2 if mode == "reset" else 8)  # reset at step 6
         m, v = _moments(opt, p)
         assert torch.isfinite(m).all() and (v >= 0).all() and v.sum() > 0
-        assert not torch.equal(s["adam8.exp_avg"], keep_opt.state[k]["adam8.exp_avg"])
+        assert not torch.equal(s["adam.exp_avg"], keep_opt.state[k]["adam.exp_avg"])
         assert torch.isfinite(p).all()
 
 
@@ -331,13 +331,13 @@ def _transform_state(layout: str, shape: tuple[int, int], steps: int = 3):
 def test_rotate_reset_second_moment_sum(layout, shape, scales):
     q, f, sq, sf, group = _transform_state(layout, shape)
     dim = 0 if layout == "cols" else 1
-    assert int(sq["adam8.block_dim"]) == dim
-    assert sq["adam8.exp_avg.absmax"].shape == scales
+    assert int(sq["adam.block_dim"]) == dim
+    assert sq["adam.exp_avg.absmax"].shape == scales
 
     def moments(s):
         return (
-            dequantize(s["adam8.exp_avg"], s["adam8.exp_avg.absmax"], dim, True),
-            dequantize(s["adam8.exp_avg_sq"], s["adam8.exp_avg_sq.absmax"], dim, False),
+            dequantize(s["adam.exp_avg"], s["adam.exp_avg.absmax"], dim, True),
+            dequantize(s["adam.exp_avg_sq"], s["adam.exp_avg_sq.absmax"], dim, False),
         )
 
     m, v = moments(sq)
@@ -356,8 +356,8 @@ def test_rotate_reset_second_moment_sum(layout, shape, scales):
     q.rotate(sq, rotate)
     # exactly: dequantize → rotate → (clamp ≥ 0 for the second moment) → quantize
     for key, signed, value in (
-        ("adam8.exp_avg", True, rotate(m, False)),
-        ("adam8.exp_avg_sq", False, rotate(v, True).clamp_(min=0)),
+        ("adam.exp_avg", True, rotate(m, False)),
+        ("adam.exp_avg_sq", False, rotate(v, True).clamp_(min=0)),
     ):
         codes = torch.zeros(shape, dtype=torch.uint8)
         absmax = torch.zeros(scales)
@@ -392,7 +392,7 @@ def test_update_many_equals_update_loop():
     for sa, sb in zip(a, b, strict=True):
         for k in sa:
             assert torch.equal(sa[k], sb[k])
-    assert ["adam8.exp_avg" in s for s in a] == [True, False, True]
+    assert ["adam.exp_avg.absmax" in s for s in a] == [True, False, True]
 
 
 def test_missing_bitsandbytes_raises_clear_import_error(monkeypatch):

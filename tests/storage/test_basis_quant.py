@@ -12,7 +12,7 @@ from torch import nn
 
 import galore2
 from galore2.projectors import LEFT, RIGHT, Plan, get_projector
-from galore2.storage.basis import FORMATS
+from galore2.storage.basis import FORMATS, Quantization, basis_zeros
 from galore2.storage.hadamard import fwht, padded_length, random_signs, rotate, unrotate
 
 from ..fsdp import fsdp_cases
@@ -43,8 +43,8 @@ def plan_for(basis: str, rows: int, r: int, group_size: int, hadamard: bool = Fa
 
 def round_trip(basis: str, x: torch.Tensor, plan: Plan) -> tuple[dict, torch.Tensor]:
     fmt, state = FORMATS[basis], {}
-    fmt.allocate(state, "proj.left", x.shape[0], plan, "rows")
-    fmt.save(state, "proj.left", x, plan)
+    fmt.allocate(state, "proj.left", tuple(x.shape), "rows", basis_zeros(plan), plan)
+    fmt.store(state, "proj.left", x, plan)
     return state, fmt.load(state, "proj.left", plan)
 
 
@@ -250,7 +250,7 @@ def test_state_bytes_is_exact(basis, hadamard):
     assert nbytes["moments"] == 4 * 2 * 13 * (40 + 50)
     stored = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
     assert nbytes["total"] == stored
-    assert FORMATS[basis].nbytes(54, 13, 8, hadamard) == nbytes["basis"]
+    assert FORMATS[basis].nbytes((54, 13), params=Quantization(8, hadamard)) == nbytes["basis"]
 
 
 @pytest.mark.parametrize("hadamard", [False, True])
