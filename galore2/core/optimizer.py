@@ -255,8 +255,14 @@ class ChainOptimizer(torch.optim.Optimizer):
         saved_ids = iter_chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = iter_chain.from_iterable(g["params"] for g in self.param_groups)
         saved_state = state_dict["state"]
+        renamed: dict[str, str] = {}  # state keys of older releases -> today's
+        for module in walk(self._all_modules):
+            renamed.update(getattr(module, "renamed_keys", {}))
         for pid, p in zip(saved_ids, params, strict=True):
             for key, value in saved_state.get(pid, {}).items():
+                if key in renamed:
+                    self.state[p].pop(key, None)
+                    key = renamed[key]
                 if isinstance(value, Tensor):
                     # int64 scalars (counters, seeds) live on the CPU; everything else,
                     # 0-d float moments of a 0-d parameter included, with the parameter

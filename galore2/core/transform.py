@@ -86,6 +86,9 @@ class Transform:
     #: the group keys this transform reads (see :mod:`galore2.core.options`)
     options: ClassVar[tuple[Option, ...]] = ()
     kinds: ClassVar[dict[str, str]] = {}
+    #: state keys this transform wrote under other names in earlier releases (old → new);
+    #: ``load_state_dict`` renames them, so older checkpoints keep loading
+    renamed_keys: ClassVar[dict[str, str]] = {}
     linear_keys: ClassVar[tuple[str, ...]] = ()
     quadratic_keys: ClassVar[tuple[str, ...]] = ()
 

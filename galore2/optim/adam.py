@@ -73,6 +73,11 @@ class ScaleByAdam(Transform):
 
     name = "adam"
     options = (BETAS, EPS, STATE_DTYPE)
+    # ScaleByAdam8bit kept its moments under ``adam8.*`` before storage formats were shared
+    renamed_keys: ClassVar[dict[str, str]] = {
+        f"adam8.{k}": f"adam.{k}"
+        for k in ("exp_avg", "exp_avg.absmax", "exp_avg_sq", "exp_avg_sq.absmax", "block_dim")
+    }
     kinds: ClassVar[dict[str, str]] = {
         **moment_kinds("adam.exp_avg", "adam.exp_avg_sq", axis=AXIS),
         "adam.step": "other",

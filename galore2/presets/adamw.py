@@ -54,7 +54,8 @@ class GaLoreAdamW8bit(GaLoreAdamW):
     """:class:`GaLoreAdamW` with Adam's moments stored 8-bit blockwise (bitsandbytes).
 
     Same arguments and arithmetic as :class:`GaLoreAdamW`; only the storage of the two
-    moments changes (:class:`~galore2.optim.adam8bit.ScaleByAdam8bit`). Acts on every
+    moments changes (``ScaleByAdam(moments="dynamic8")``, the storage format of
+    :mod:`galore2.storage.dynamic8`). Acts on every
     parameter's Adam moments: the low-rank r×n / m×r moments of projected matrices and
     the full-shape moments of everything else. Each step dequantizes them to fp32,
     updates, and requantizes with bitsandbytes' dynamic 8-bit map — on CUDA with triton

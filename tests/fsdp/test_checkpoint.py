@@ -11,8 +11,8 @@ import torch
 
 import galore2
 
-from . import resume_worker
 from ..helpers import TinyNet, galore_groups, train
+from . import resume_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 

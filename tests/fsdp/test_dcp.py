@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from . import dcp_cases
 from ..dist import spawn
+from . import dcp_cases
 
 
 def test_save_at_2_resume_at_1_and_3(tmp_path):

@@ -3,8 +3,8 @@ on the concatenated batch, and every rank ends with identical parameters and bas
 
 from __future__ import annotations
 
-from . import data_parallel_cases as cases
 from ..dist import spawn
+from . import data_parallel_cases as cases
 
 
 def test_ddp_matches_single_process():

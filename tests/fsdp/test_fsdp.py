@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from . import fsdp_cases
 from ..dist import spawn
+from . import fsdp_cases
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from . import fsdp_errors_cases as cases
 from ..dist import spawn
+from . import fsdp_errors_cases as cases
 
 
 def test_unsupported_placement_raises_value_error():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from . import fsdp_regression_cases as cases
 from ..dist import spawn
+from . import fsdp_regression_cases as cases
 
 
 @pytest.mark.parametrize(

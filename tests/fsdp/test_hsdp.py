@@ -3,8 +3,8 @@ single-process run on the concatenated batch, and both replicas keep identical b
 
 from __future__ import annotations
 
-from . import data_parallel_cases as cases
 from ..dist import spawn
+from . import data_parallel_cases as cases
 
 
 def test_hsdp_matches_single_process():

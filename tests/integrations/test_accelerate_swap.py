@@ -7,8 +7,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from . import accelerate_swap_cases as cases
 from ..dist import spawn
+from . import accelerate_swap_cases as cases
 
 
 def test_fsdp2_swap_matches_optimizer_built_after_sharding(tmp_path):

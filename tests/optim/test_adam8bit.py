@@ -16,8 +16,8 @@ from galore2.core.transform import Context  # noqa: E402
 from galore2.optim.adam import ScaleByAdam  # noqa: E402
 from galore2.optim.adam8bit import ScaleByAdam8bit, dequantize, quantize_  # noqa: E402
 
-from ..fsdp import adam8bit_fsdp_cases  # noqa: E402
 from ..dist import spawn  # noqa: E402
+from ..fsdp import adam8bit_fsdp_cases  # noqa: E402
 from ..helpers import run_python  # noqa: E402
 
 # bitsandbytes' own tolerances for 8-bit blockwise Adam on fp32 tensors

@@ -12,8 +12,8 @@ from torch import nn
 import galore2
 from galore2.projectors import LEFT, RIGHT, Plan, get_projector
 
-from ..fsdp import fsdp_cases
 from ..dist import spawn
+from ..fsdp import fsdp_cases
 
 
 def _optimizer(p: nn.Parameter, **settings) -> galore2.GaLoreAdamW:

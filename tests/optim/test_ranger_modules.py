@@ -12,10 +12,10 @@ from galore2.core.transform import Context
 from galore2.optim.gradient import AdaptiveGradientClipping, CentralizeGradient, NormalizeGradient
 from galore2.optim.weights import Lookahead, NormLoss, StableWeightDecay, stochastic_round_bf16
 
-from ..fsdp import ranger_fsdp_cases
 from ..dist import spawn
-from ..helpers import TinyNet, max_diff, train
+from ..fsdp import ranger_fsdp_cases
 from ..fsdp.ranger_fsdp_cases import all_modules, chain_optimizer
+from ..helpers import TinyNet, max_diff, train
 
 
 def _grad(module, g, w, **group):

@@ -12,8 +12,8 @@ import galore2
 from galore2.projectors import TUCKER, Plan, TuckerProjector, choose_side, get_projector
 from galore2.projectors.tucker import contract, expand
 
-from ..fsdp import tucker_fsdp_cases
 from ..dist import spawn
+from ..fsdp import tucker_fsdp_cases
 
 # ---- a float64 reference ------------------------------------------------------------------
 

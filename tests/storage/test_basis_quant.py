@@ -15,8 +15,8 @@ from galore2.projectors import LEFT, RIGHT, Plan, get_projector
 from galore2.storage.basis import FORMATS, Quantization, basis_zeros
 from galore2.storage.hadamard import fwht, padded_length, random_signs, rotate, unrotate
 
-from ..fsdp import fsdp_cases
 from ..dist import spawn
+from ..fsdp import fsdp_cases
 from ..helpers import TinyNet, galore_groups, max_diff, train
 
 CPU = torch.device("cpu")

@@ -199,3 +199,53 @@ def test_adafactor_8bit_next_to_bf16_factors():
     assert s["adafactor.row_var"].dtype == torch.bfloat16
     assert s["adafactor.col_var"].dtype == torch.uint8
     assert torch.isfinite(p).all()
+
+
+def test_checkpoint_with_pre_storage_layer_8bit_keys_resumes_bit_identically():
+    """GaLoreAdamW8bit wrote its quantized moments as ``adam8.*`` before the storage layer
+    was shared; such a checkpoint loads (keys renamed) and continues exactly."""
+    torch.manual_seed(0)
+    model = nn.Linear(512, 64)
+    groups = galore2.param_groups(model, rank=16, update_proj_gap=2)
+    opt = galore2.GaLoreAdamW8bit(groups, lr=1e-2)
+
+    def step():
+        model.weight.grad = torch.randn_like(model.weight)
+        model.bias.grad = torch.randn_like(model.bias)
+        opt.step()
+
+    for _ in range(3):
+        step()
+    sd = opt.state_dict()
+    old = {
+        "state": {
+            pid: {
+                (
+                    k.replace("adam.", "adam8.", 1)
+                    if "absmax" in k
+                    or (k in ("adam.exp_avg", "adam.exp_avg_sq", "adam.block_dim")
+                    and any("absmax" in j for j in s))
+                    else k
+                ): v
+                for k, v in s.items()
+            }
+            for pid, s in sd["state"].items()
+        },
+        "param_groups": sd["param_groups"],
+    }
+    assert any(k.startswith("adam8.") for s in old["state"].values() for k in s)
+    buf = io.BytesIO()
+    torch.save(old, buf)
+    buf.seek(0)
+    clone = nn.Linear(512, 64)
+    clone.load_state_dict(model.state_dict())
+    fresh = galore2.GaLoreAdamW8bit(
+        galore2.param_groups(clone, rank=16, update_proj_gap=2), lr=1e-2
+    )
+    fresh.load_state_dict(torch.load(buf, weights_only=True))
+    assert not any(k.startswith("adam8.") for s in fresh.state.values() for k in s)
+    g = [torch.randn_like(model.weight), torch.randn_like(model.bias)]
+    for m, o in ((model, opt), (clone, fresh)):
+        m.weight.grad, m.bias.grad = g[0].clone(), g[1].clone()
+        o.step()
+    assert torch.equal(model.weight, clone.weight) and torch.equal(model.bias, clone.bias)
