@@ -102,3 +102,21 @@ def test_dcp_init_step_creates_every_key_at_final_shape():
         assert all(a[k].shape == b[k].shape and a[k].dtype == b[k].dtype for k in a)
     assert all(torch.equal(p, b) for p, b in zip(fresh.parameters(), before, strict=True))
     assert sd["state"]
+
+
+def test_default_load_is_the_newest_complete_checkpoint(tmp_path):
+    """Several complete checkpoints (saved out of order): load_checkpoint without ``step``
+    restores the newest — its extra, weights and optimizer state — not the oldest."""
+    model, opt = _model_opt()
+    snapshots = {}
+    for step in (2, 6, 4):  # saved out of order: the newest is the largest step, not the last
+        train(model, opt, range(step, step + 1))
+        save_checkpoint(tmp_path, step, model, opt, extra={"step": torch.tensor(step)})
+        snapshots[step] = [p.detach().clone() for p in model.parameters()]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 4, 6]
+    fresh, fresh_opt = _model_opt()
+    extra = load_checkpoint(tmp_path, fresh, fresh_opt, extra={"step": torch.tensor(0)})
+    assert int(extra["step"]) == 6
+    for p, q in zip(fresh.parameters(), snapshots[6], strict=True):
+        assert torch.equal(p, q)
+    assert int(fresh_opt.state[fresh.up.weight]["galore.refreshes"]) == 1  # two steps, T = 3

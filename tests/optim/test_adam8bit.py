@@ -5,20 +5,19 @@ from __future__ import annotations
 import io
 import sys
 
+import bitsandbytes as bnb
 import pytest
 import torch
 from torch import nn
 
-bnb = pytest.importorskip("bitsandbytes")
+import galore2
+from galore2.core.transform import Context
+from galore2.optim.adam import ScaleByAdam
+from galore2.optim.adam8bit import ScaleByAdam8bit, dequantize, quantize_
 
-import galore2  # noqa: E402
-from galore2.core.transform import Context  # noqa: E402
-from galore2.optim.adam import ScaleByAdam  # noqa: E402
-from galore2.optim.adam8bit import ScaleByAdam8bit, dequantize, quantize_  # noqa: E402
-
-from ..dist import spawn  # noqa: E402
-from ..fsdp import adam8bit_fsdp_cases  # noqa: E402
-from ..helpers import run_python  # noqa: E402
+from ..dist import spawn
+from ..fsdp import adam8bit_fsdp_cases
+from ..helpers import run_python
 
 # bitsandbytes' own tolerances for 8-bit blockwise Adam on fp32 tensors
 # (github.com/bitsandbytes-foundation/bitsandbytes, tests/test_optim.py::test_optimizer8bit,

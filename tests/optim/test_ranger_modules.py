@@ -158,6 +158,34 @@ def test_lookahead_interpolates_every_k_steps():
         assert int(opt.state[p]["lookahead.step"]) == k
 
 
+@pytest.mark.parametrize("alpha", [0.8, 0.3])
+def test_lookahead_matches_a_float64_hand_computation(alpha):
+    """α ≠ 0.5, so α and 1 − α differ: every k steps slow ← slow + α·(fast − slow) and
+    fast ← slow, computed by hand (float64) around the same inner Adam; two full cycles
+    and a partial one."""
+    k, steps = 3, 8
+    torch.manual_seed(0)
+    model = TinyNet().double()
+    ref = copy.deepcopy(model)
+    slow = [p.detach().clone() for p in ref.parameters()]
+    opt = chain_optimizer(
+        model.parameters(), param_transforms=[Lookahead()], lookahead_k=k, lookahead_alpha=alpha
+    )
+    inner = chain_optimizer(ref.parameters())
+    for step in range(steps):
+        train(model, opt, range(step, step + 1))
+        train(ref, inner, range(step, step + 1))
+        if (step + 1) % k == 0:
+            with torch.no_grad():
+                for s, fast in zip(slow, ref.parameters(), strict=True):
+                    s.add_(alpha * (fast - s))
+                    fast.copy_(s)
+        for p, q, s in zip(model.parameters(), ref.parameters(), slow, strict=True):
+            assert torch.allclose(p, q, rtol=1e-12, atol=1e-14), step
+            assert torch.allclose(opt.state[p]["lookahead.slow"], s, rtol=1e-12, atol=1e-14)
+    assert max_diff(model, TinyNet().double()) > 1e-3  # it really trained
+
+
 def _save_load(opt_state):
     buf = io.BytesIO()
     torch.save(opt_state, buf)
