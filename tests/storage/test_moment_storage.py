@@ -222,8 +222,10 @@ def test_checkpoint_with_pre_storage_layer_8bit_keys_resumes_bit_identically():
                 (
                     k.replace("adam.", "adam8.", 1)
                     if "absmax" in k
-                    or (k in ("adam.exp_avg", "adam.exp_avg_sq", "adam.block_dim")
-                    and any("absmax" in j for j in s))
+                    or (
+                        k in ("adam.exp_avg", "adam.exp_avg_sq", "adam.block_dim")
+                        and any("absmax" in j for j in s)
+                    )
                     else k
                 ): v
                 for k, v in s.items()
