@@ -157,9 +157,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         "fsdp_reduce_scatter",
         "galore2/optim/galore.py",
         "R = plan.placement.reduce_scatter_cols(R)",
-        "R = plan.placement.reduce_scatter_cols(R) / plan.placement.world",
+        "R = R.chunk(plan.placement.world, dim=1)[plan.placement.rank].contiguous()",
         ("tests/fsdp/test_fsdp.py::test_fsdp_matches_single_process",),
-        "left-side projected gradient averaged over ranks instead of summed",
+        "left side: each rank keeps its columns of its own partial PᵀG (reduction dropped)",
     ),
     Mutation(
         "resume_counters",
