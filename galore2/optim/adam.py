@@ -185,8 +185,9 @@ class ScaleByAdam(Transform):
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
     ) -> list[Tensor]:
         """The same arithmetic as :meth:`update`, one ``torch._foreach_*`` kernel per op
-        (8-bit moments: :meth:`update` per tensor)."""
-        if not us or us[0].device.type == "cpu":
+        (8-bit moments: :meth:`update` per tensor). On the CPU the kernels run only when the
+        group asks for them (``foreach=True``)."""
+        if not us or (us[0].device.type == "cpu" and not group.get("foreach")):
             # torch's CPU foreach kernels are a slower per-tensor loop (measured: a step of
             # torch.optim.AdamW(foreach=True) takes ~1.5x its for-loop on 2 cores).
             return [self.update(u, s, group, c) for u, s, c in zip(us, states, ctxs, strict=True)]

@@ -1,0 +1,272 @@
+"""Mutation harness: do the tests notice small, plausible bugs in galore2's core?
+
+    python -m tests.mutations                 # every mutation
+    python -m tests.mutations --only NAME,... # some of them
+    python -m tests.mutations --list          # names, files and tests
+
+Each mutation is one edit of galore2's source located by an exact code snippet (it must
+occur exactly once in its file, so a refactor that moves or rewrites the code makes the
+harness fail loudly instead of silently testing nothing). For each mutation the repository
+(galore2/, tests/, recipes/, tools/, pyproject.toml) is copied to a temporary directory,
+the edit is applied there and pytest runs the tests listed for it (``-x``, with
+``PYTHONPATH`` set to the copy). The mutation is *killed* when pytest reports a failure,
+*survived* when every listed test passes. Not collected by pytest (no ``test_`` prefix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COPIED = ("galore2", "tests", "recipes", "tools", "pyproject.toml")
+TIMEOUT_S = 1800
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # relative to the repository root
+    pattern: str  # exact source snippet, found exactly once
+    replacement: str
+    tests: tuple[str, ...]  # pytest paths / node ids that should kill it
+    doc: str = ""
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "galore_decay_order",
+        "galore2/optim/galore.py",
+        'group["scale"] * (1.0 - float(group["lr"]) * group["weight_decay"])',
+        'group["scale"]',
+        ("tests/optim/test_reference_galore_torch.py",),
+        "projected matrices decay before the update instead of after it (fold dropped)",
+    ),
+    Mutation(
+        "galore_scale",
+        "galore2/optim/galore.py",
+        'factor = group["scale"] * (',
+        "factor = 1.0 * (",
+        ("tests/optim/test_reference_galore_torch.py",),
+        "the low-rank update ignores the scale α",
+    ),
+    Mutation(
+        "side_rule",
+        "galore2/projectors/base.py",
+        "return RIGHT if m >= n else LEFT",
+        "return RIGHT if m > n else LEFT",
+        ("tests/projectors/test_projectors.py", "tests/optim/test_reference_galore_torch.py"),
+        "square matrices project on the left (galore-torch: right)",
+    ),
+    Mutation(
+        "plain_decay_order",
+        "galore2/core/optimizer.py",
+        "    if decay != 1.0:\n        p.mul_(decay)\n    p.add_(u, alpha=-lr)",
+        "    p.add_(u, alpha=-lr)\n    if decay != 1.0:\n        p.mul_(decay)",
+        ("tests/core/test_adamw_equivalence.py",),
+        "dense updates decay after the update (torch.optim.AdamW: before)",
+    ),
+    Mutation(
+        "bias_correction",
+        "galore2/optim/adam.py",
+        "bias_correction2_sqrt = math.sqrt(1 - beta2**t)",
+        "bias_correction2_sqrt = 1.0",
+        ("tests/core/test_adamw_equivalence.py",),
+        "per-tensor Adam without the second moment's bias correction",
+    ),
+    Mutation(
+        "foreach_moments",
+        "galore2/optim/adam.py",
+        "torch._foreach_mul_(exp_avg_sqs, beta2)",
+        "torch._foreach_mul_(exp_avg_sqs, beta1)",
+        ("tests/core/test_foreach.py",),
+        "foreach Adam's second moment decays with β₁",
+    ),
+    Mutation(
+        "batched_decay",
+        "galore2/core/optimizer.py",
+        "apply_update(params[i], u, lr, decay)",
+        "apply_update(params[i], u, lr, decay if len(chunk) == 1 else 1.0)",
+        ("tests/core/test_foreach.py",),
+        "the batched (foreach) step drops weight decay",
+    ),
+    Mutation(
+        "moments_rotation",
+        "galore2/optim/galore.py",
+        "x = (C * C if squared else C) @ x",
+        "x = (C * C if squared else C).mT @ x",
+        (
+            "tests/optim/test_adaptive_refresh.py",
+            "tests/projectors/test_projectors.py",
+            "tests/core/test_properties.py",
+        ),
+        "moments rotated with Cᵀ instead of C = P_newᵀ·P_old on a refresh",
+    ),
+    Mutation(
+        "orthonormalization",
+        "galore2/projectors/_sketch.py",
+        "    Q = _cholesky_qr2(Y)\n    if Q is not None and all_finite(Q):",
+        "    Q = Y\n    if Q is not None and all_finite(Q):",
+        ("tests/projectors/test_projectors.py",),
+        "randomized / warm-started bases are not orthonormalized",
+    ),
+    Mutation(
+        "cholesky_qr_passes",
+        "galore2/projectors/_sketch.py",
+        "return None if Q is None else _cholesky_qr(Q, False, placement)",
+        "return Q",
+        ("tests/projectors/test_projectors.py",),
+        "CholeskyQR2 runs one pass (loses orthogonality on ill-conditioned input)",
+    ),
+    Mutation(
+        "sign_alignment",
+        "galore2/projectors/base.py",
+        "signs = torch.where(dots < 0, -1.0, 1.0)",
+        "signs = torch.where(dots < 0, 1.0, 1.0)",
+        ("tests/projectors/test_projectors.py",),
+        "refreshed basis columns keep arbitrary signs",
+    ),
+    Mutation(
+        "block_axis_8bit",
+        "galore2/storage/dynamic8.py",
+        'dim = 0 if layout == "cols" else 1',
+        'dim = 1 if layout == "cols" else 0',
+        ("tests/storage/test_moment_storage.py", "tests/optim/test_adam8bit.py"),
+        "8-bit moments blocked along the other axis",
+    ),
+    Mutation(
+        "stable_wd_sigma",
+        "galore2/optim/weights.py",
+        "sigma = math.sqrt(max(float(stats.second_moment_mean), 0.0))",
+        "sigma = max(float(stats.second_moment_mean), 0.0)",
+        (
+            "tests/optim/test_ranger_modules.py::"
+            "test_stable_weight_decay_reaches_every_parameter_with_sigma_from_adam_states",
+            "tests/optim/test_ranger21.py",
+        ),
+        "stable weight decay divides by σ² instead of σ",
+    ),
+    Mutation(
+        "fsdp_reduce_scatter",
+        "galore2/optim/galore.py",
+        "R = plan.placement.reduce_scatter_cols(R)",
+        "R = R.chunk(plan.placement.world, dim=1)[plan.placement.rank].contiguous()",
+        ("tests/fsdp/test_fsdp.py::test_fsdp_matches_single_process",),
+        "left side: each rank keeps its columns of its own partial PᵀG (reduction dropped)",
+    ),
+    Mutation(
+        "resume_counters",
+        "galore2/core/optimizer.py",
+        "self.state[p][key] = value.detach().to(device=device, copy=True)",
+        "self.state[p][key] = value.detach().to(device=device, "
+        "dtype=p.dtype if value.dim() == 0 else value.dtype, copy=True)",
+        (
+            "tests/core/test_optimizer_contract.py",
+            "tests/optim/test_ranger_modules.py::test_resume_mid_lookahead_cycle_is_bit_identical",
+        ),
+        "load_state_dict casts int64 counters and seeds to the parameter's dtype",
+    ),
+    Mutation(
+        "newest_checkpoint",
+        "galore2/checkpoint.py",
+        "step = max(found)",
+        "step = min(found)",
+        ("tests/fsdp/test_checkpoint_helper.py",),
+        "load_checkpoint loads the oldest complete checkpoint",
+    ),
+    Mutation(
+        "lookahead_alpha",
+        "galore2/optim/weights.py",
+        "slow.lerp_(w, alpha)",
+        "slow.lerp_(w, 1.0 - alpha)",
+        ("tests/optim/test_ranger_modules.py", "tests/optim/test_ranger21.py"),
+        "lookahead moves the slow weights by 1 − α",
+    ),
+)
+
+
+def mutated_source(m: Mutation, root: Path = ROOT) -> str:
+    """``m.path``'s source with the mutation applied; raises if the pattern is not there
+    exactly once."""
+    source = (root / m.path).read_text()
+    count = source.count(m.pattern)
+    if count != 1:
+        raise SystemExit(
+            f"mutation {m.name!r}: pattern found {count} times in {m.path} (expected once); "
+            f"update tests/mutations.py:\n{m.pattern}"
+        )
+    return source.replace(m.pattern, m.replacement)
+
+
+def _copy_repo(dest: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+    for name in COPIED:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=ignore)
+        else:
+            shutil.copy2(src, dest / name)
+
+
+def run_one(m: Mutation, timeout: float = TIMEOUT_S) -> tuple[str, float, str]:
+    """(outcome, seconds, pytest's last lines): outcome is killed, survived, timeout
+    (counted as killed) or error (pytest could not run the tests: not a kill)."""
+    source = mutated_source(m)
+    with tempfile.TemporaryDirectory(prefix=f"galore2-mut-{m.name}-") as tmp:
+        dest = Path(tmp)
+        _copy_repo(dest)
+        (dest / m.path).write_text(source)
+        env = {**os.environ, "PYTHONPATH": str(dest), "PYTHONDONTWRITEBYTECODE": "1"}
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests]
+        start = time.perf_counter()
+        try:
+            out = subprocess.run(
+                cmd, cwd=dest, env=env, capture_output=True, text=True, timeout=timeout
+            )
+        except subprocess.TimeoutExpired:
+            return "timeout", time.perf_counter() - start, ""
+        seconds = time.perf_counter() - start
+    tail = "\n".join((out.stdout + out.stderr).strip().splitlines()[-3:])
+    outcome = {0: "survived", 1: "killed"}.get(out.returncode, "error")
+    return outcome, seconds, tail
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="comma-separated mutation names")
+    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    args = ap.parse_args(argv)
+    chosen = list(MUTATIONS)
+    if args.only:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        known = {m.name: m for m in MUTATIONS}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            ap.error(f"unknown mutations {unknown}; see --list")
+        chosen = [known[n] for n in names]
+    for m in chosen:  # every pattern is checked before anything runs
+        mutated_source(m)
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:22s} {m.path}  [{', '.join(m.tests)}]\n{'':22s} {m.doc}")
+        return 0
+    killed = 0
+    for m in chosen:
+        outcome, seconds, tail = run_one(m)
+        killed += outcome in ("killed", "timeout")
+        print(f"{m.name:22s} {outcome:8s} {seconds:7.1f}s", flush=True)
+        if outcome == "error":
+            print("    " + tail.replace("\n", "\n    "), flush=True)
+    print(f"score: {killed}/{len(chosen)} killed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
