@@ -102,11 +102,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "galore2/optim/galore.py",
         "x = (C * C if squared else C) @ x",
         "x = (C * C if squared else C).mT @ x",
-        (
-            "tests/optim/test_adaptive_refresh.py",
-            "tests/projectors/test_projectors.py",
-            "tests/core/test_properties.py",
-        ),
+        ("tests/optim/test_project_rotation.py",),
         "moments rotated with Cᵀ instead of C = P_newᵀ·P_old on a refresh",
     ),
     Mutation(
