@@ -38,7 +38,7 @@ from ..kernels.dispatch import run_kernel
 from ..placement import LOCAL, Placement
 from .modules import GradientTransform, LRSchedule, ParamTransform, run_param_transforms
 from .nonfinite import SKIPS, NonFinitePolicy
-from .options import Bool, LearningRate, Option, Optional, Real, collect, resolve
+from .options import Bool, LearningRate, Option, Optional, Real, closest, collect, resolve
 from .state import counter
 from .transform import Context, LowRankUpdate, Transform, init_chain, run_chain, state_kind, walk
 
@@ -55,8 +55,9 @@ FOREACH = Option(
     "False: one tensor at a time",
 )
 #: Group keys that are not options but are accepted (and left alone): torch's LR
-#: schedulers' ``initial_lr`` and a free-form ``name`` label.
-PASSTHROUGH_KEYS = frozenset({"params", "initial_lr", "name"})
+#: schedulers' ``initial_lr``, torch's ``param_names`` (named parameters) and a free-form
+#: ``name`` label.
+PASSTHROUGH_KEYS = frozenset({"params", "initial_lr", "param_names", "name"})
 
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
 
@@ -110,8 +111,9 @@ class ChainOptimizer(torch.optim.Optimizer):
         unknown = sorted(set(defaults) - set(self.declared))
         if unknown:
             raise TypeError(
-                f"{type(self).__name__}: unexpected keyword arguments {unknown}; its options "
-                f"are {sorted(self.declared)}{self._hints(unknown)}"
+                f"{type(self).__name__}: unexpected keyword arguments {unknown}"
+                f"{closest(unknown, self.declared)}; its options are {sorted(self.declared)}"
+                f"{self._hints(unknown)}"
             )
         self._owns_decay = any(t.owns_weight_decay for t in self._param_transforms)
         self._warned: set[str] = set()

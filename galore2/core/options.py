@@ -16,6 +16,7 @@ several keys (``power_iters`` depends on ``projector``) live in the owning modul
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -259,12 +260,19 @@ class LearningRate(Check):
 
 @dataclass(frozen=True)
 class Option:
-    """One group key: its name, default, check and a one-line doc."""
+    """One group key: its name, default, check and a one-line doc.
+
+    ``resumable=False`` marks a key whose value shapes the stored state or its meaning
+    (rank, projection side, basis storage, seeds...): a checkpoint written with one value
+    cannot continue under another, so loading refuses the change, naming the key. Every
+    other key may change on resume (the new value applies from then on, and is reported).
+    """
 
     name: str
     default: Any
     check: Check
     doc: str
+    resumable: bool = True
 
     def validate(self, value: Any) -> Any:
         """The normalized value; ``ValueError`` naming this option and what is allowed."""
@@ -319,6 +327,17 @@ def markdown_table(options: Mapping[str, Option]) -> str:
     return "\n".join(rows)
 
 
+def closest(unknown: Iterable[str], known: Iterable[str]) -> str:
+    """", did you mean 'rank' (for 'rnak')?" for the unknown keys that have a close match."""
+    known = list(known)
+    hits = []
+    for key in unknown:
+        match = difflib.get_close_matches(key, known, n=1)
+        if match:
+            hits.append(f"{match[0]!r} (for {key!r})")
+    return f", did you mean {', '.join(hits)}?" if hits else ""
+
+
 def resolve(
     options: Mapping[str, Option],
     group: Mapping[str, Any],
@@ -332,8 +351,8 @@ def resolve(
     unknown = sorted(set(group) - set(options) - set(passthrough))
     if unknown:
         raise ValueError(
-            f"unknown parameter group key(s) {unknown} for {owner}; its options are "
-            f"{sorted(options)}"
+            f"unknown parameter group key(s) {unknown} for {owner}{closest(unknown, options)}; "
+            f"its options are {sorted(options)}"
         )
     out = dict(group)
     for name, option in options.items():

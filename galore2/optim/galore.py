@@ -76,6 +76,7 @@ RANK = Option(
     None,
     Optional(Int(low=1), "no projection: the inner rule at full rank"),
     "rank r of the subspace; None leaves the group's parameters unprojected",
+    resumable=False,
 )
 UPDATE_PROJ_GAP = Option("update_proj_gap", 200, Int(low=1), "steps T between subspace refreshes")
 SCALE = Option(
@@ -86,6 +87,7 @@ PROJ_TYPE = Option(
     "std",
     Choice(("std", "reverse_std", "left", "right", "full")),
     "which side is projected (galore-torch's names; std: the smaller dimension)",
+    resumable=False,
 )
 MOMENTS_ON_REFRESH = Option(
     "moments_on_refresh",
@@ -93,12 +95,19 @@ MOMENTS_ON_REFRESH = Option(
     Choice(("keep", "reset", "project")),
     "moments at a refresh: kept (galore-torch), zeroed, or rotated into the new basis",
 )
-SEED = Option("seed", 0, Int(low=0, high=2**62), "base seed of the random sketches and projections")
+SEED = Option(
+    "seed",
+    0,
+    Int(low=0, high=2**62),
+    "base seed of the random sketches and projections",
+    resumable=False,
+)
 TENSOR_PROJECTION = Option(
     "tensor_projection",
     "tucker",
     Choice(("tucker", "matrix")),
     "weights with more than two dims: per-mode Tucker factors, or shape[0] x rest as a matrix",
+    resumable=False,
 )
 ADAPTIVE_REFRESH = Option(
     "adaptive_refresh", False, Bool(), "lengthen a parameter's gap while its subspace stays put"

@@ -68,7 +68,13 @@ PNM_BETA0 = Option(
 PNM_SWITCHES = (
     Option("softplus", True, Bool(), "PNM: softplus(√v̂) as the denominator instead of √v̂ + eps"),
     Option("adamd", False, Bool(), "PNM: AdamD, no bias correction of the first moment"),
-    Option("amsgrad", False, Bool(), "PNM: AMSGrad, the running max of v in the denominator"),
+    Option(
+        "amsgrad",
+        False,
+        Bool(),
+        "PNM: AMSGrad, the running max of v in the denominator",
+        resumable=False,
+    ),
 )
 SOFTPLUS_BETA = Option(
     "softplus_beta", 50.0, Real(low=0.0, low_open=True), "sharpness of the softplus denominator"

@@ -44,6 +44,7 @@ LOOKAHEAD_DTYPE = Option(
     None,
     Optional(Choice(("bfloat16",)), "the parameter's dtype"),
     "lookahead: dtype of the slow weights (bfloat16 halves them, stochastic rounding)",
+    resumable=False,
 )
 
 

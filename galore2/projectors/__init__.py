@@ -27,6 +27,7 @@ PROJECTOR = Option(
     "randomized",
     Choice(tuple(_BY_NAME)),
     "how a basis is found: exact SVD, randomized SVD, warm-started power iteration, random",
+    resumable=False,
 )
 OVERSAMPLE = Option(
     "oversample", 8, Int(low=0), "extra sketch columns of randomized / power cold starts"

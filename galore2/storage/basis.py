@@ -304,16 +304,21 @@ BASIS_DTYPE = Option(
     "fp32",
     Choice(("fp32", "bf16", "int8", "int4"),
            {"float32": "fp32", "bfloat16": "bf16", torch.float32: "fp32", torch.bfloat16: "bf16"}),
-    "how the basis is stored; int8 / int4 are blockwise absmax codes, dequantized on use",
+    "how the basis is stored; int8 / int4 are blockwise absmax codes, dequantized on use", resumable=False
 )  # fmt: skip
 BASIS_GROUP_SIZE = Option(
-    "basis_group_size", 256, Int(low=2), "elements per quantization block of an int8 / int4 basis"
+    "basis_group_size",
+    256,
+    Int(low=2),
+    "elements per quantization block of an int8 / int4 basis",
+    resumable=False,
 )
 BASIS_HADAMARD = Option(
     "basis_hadamard",
     False,
     Bool(),
     "rotate each block by a seeded random Hadamard matrix before quantizing (int8 / int4)",
+    resumable=False,
 )
 OPTIONS = (BASIS_DTYPE, BASIS_GROUP_SIZE, BASIS_HADAMARD)
 

@@ -25,6 +25,7 @@ STATE_DTYPE = Option(
     "float32",
     Choice(tuple(STATE_DTYPES), _ALIASES),
     "dtype of the moments (fp32 / bf16 / fp16 / fp64 aliases and torch dtypes accepted)",
+    resumable=False,
 )
 
 

@@ -41,6 +41,7 @@ MOMENTS_8BIT = Option(
     Bool(),
     "store the moments of tensors with ≥ 4096 elements 8-bit blockwise (bitsandbytes' "
     "dynamic map, ~1 byte per element; needs bitsandbytes)",
+    resumable=False,
 )
 
 _FLOATS = {name: FloatFormat(name, dtype) for name, dtype in STATE_DTYPES.items()}

@@ -123,6 +123,39 @@ def test_unknown_kwargs_raise_type_error(bad):
     assert "rank" in str(err.value) and "update_proj_gap" in str(err.value)  # lists valid options
 
 
+@pytest.mark.parametrize("how", ["constructor", "add_param_group"])
+def test_misspelled_group_key_raises_naming_the_closest_option(how):
+    """Issue 16 item 4: a hand-written group with 'rnak' used to run as full-rank AdamW."""
+    p = nn.Parameter(torch.randn(6, 4))
+    with pytest.raises(ValueError, match=r"\['rnak'\].*did you mean 'rank'") as err:
+        if how == "constructor":
+            galore2.GaLoreAdamW([{"params": [p], "rnak": 8}])
+        else:
+            opt = galore2.GaLoreAdamW([nn.Parameter(torch.randn(3))])
+            opt.add_param_group({"params": [p], "rnak": 8})
+            assert len(opt.param_groups) == 1  # nothing was added
+    assert "rnak" in str(err.value)
+
+
+def test_misspelled_keyword_names_the_closest_option():
+    p = nn.Parameter(torch.randn(6, 4))
+    with pytest.raises(TypeError, match=r"did you mean 'update_proj_gap'"):
+        galore2.GaLoreAdamW([p], update_proj_gp=10)
+
+
+def test_torch_group_keys_are_accepted():
+    """torch.optim's own keys: named parameters (``param_names``) and LR schedulers' ``initial_lr``."""
+    model = nn.Linear(4, 6)
+    names, params = zip(*model.named_parameters(), strict=True)
+    opt = galore2.GaLoreAdamW(
+        [{"params": list(params), "param_names": list(names), "initial_lr": 0.1, "rank": 2}]
+    )
+    assert opt.param_groups[0]["param_names"] == ["weight", "bias"]
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    assert opt.state_dict()["param_groups"][0]["param_names"] == ["weight", "bias"]
+
+
 # ---- sparse gradients -------------------------------------------------------------
 
 
