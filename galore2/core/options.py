@@ -328,7 +328,7 @@ def markdown_table(options: Mapping[str, Option]) -> str:
 
 
 def closest(unknown: Iterable[str], known: Iterable[str]) -> str:
-    """", did you mean 'rank' (for 'rnak')?" for the unknown keys that have a close match."""
+    """The hint \", did you mean 'rank' (for 'rnak')?\" for unknown keys with a close match."""
     known = list(known)
     hits = []
     for key in unknown:
