@@ -27,6 +27,7 @@ import transformers
 from torch import nn
 from transformers.trainer_utils import check_target_module_exists
 
+from ..core.optimizer import ChainOptimizer
 from ..core.options import Option
 from ..groups import _output_head_names, param_groups
 from ..optim.adam import BETAS
@@ -129,8 +130,25 @@ def target_module_names(model: nn.Module, target_modules: str | list[str]) -> li
             f"got {target_modules!r}"
         )
     if not names:
-        raise ValueError(f"galore2: no nn.Linear module matches {target_modules!r}")
+        why = " (an empty list selects nothing; None or 'all-linear' means every linear layer)"
+        raise ValueError(
+            f"galore2: no nn.Linear module matches {target_modules!r}"
+            f"{why if not target_modules else ''}"
+        )
     return names
+
+
+def _optimizer_class(optimizer_cls: type | None) -> type:
+    """``optimizer_cls`` if it is a galore2 optimizer (its options are known), else TypeError:
+    a torch optimizer would silently drop every GaLore setting."""
+    cls = GaLoreAdamW if optimizer_cls is None else optimizer_cls
+    if not (isinstance(cls, type) and issubclass(cls, ChainOptimizer)):
+        raise TypeError(
+            f"optimizer_cls must be a galore2 optimizer class (GaLoreAdamW, GaLoreAdamW8bit, "
+            f"GaLoreAdafactor, GaLoreRanger21...), got {cls!r}; for a torch optimizer use "
+            "the Trainer's own `optim` argument"
+        )
+    return cls
 
 
 def _decay_parameter_names(model: nn.Module) -> list[str]:
@@ -147,7 +165,7 @@ def _build(
     optimizer_cls: type | None = None,
     optimizer_kwargs: dict[str, Any] | None = None,
 ) -> GaLoreAdamW:
-    cls = optimizer_cls or GaLoreAdamW
+    cls = _optimizer_class(optimizer_cls)
     _check_keys(galore_settings, "galore_settings", cls)
     extra = dict(optimizer_kwargs or {})
     if "num_iterations" in inspect.signature(cls).parameters and "num_iterations" not in extra:
@@ -158,7 +176,11 @@ def _build(
             )
         extra["num_iterations"] = args.max_steps
     settings = {"rank": DEFAULT_RANK, **parse_optim_args(args.optim_args, cls), **galore_settings}
-    target = settings.pop(TARGET_MODULES, None) or args.optim_target_modules or "all-linear"
+    target = settings.pop(TARGET_MODULES, None)
+    if target is None:
+        target = args.optim_target_modules
+    if target is None:
+        target = "all-linear"
     # GaLore's own options go on the projected groups; every other option (the loop's, the
     # moment rule's, constructor switches) applies to the whole optimizer.
     projected_keys = {o.name for o in GaLore.options}

@@ -245,6 +245,68 @@ def test_unknown_settings_raise(tmp_path):
         create_optimizer(model, args, rank=0)
 
 
+def test_empty_target_modules_are_refused_not_all_linear(tmp_path):
+    """Issue 16 item 16: ``optim_target_modules=[]`` silently meant every linear layer."""
+    model = tiny_llama()
+    with pytest.raises(ValueError, match=r"matches \[\].*empty list selects nothing"):
+        create_optimizer(model, training_args(tmp_path, optim_target_modules=[]), rank=4)
+    with pytest.raises(ValueError, match=r"empty list"):
+        create_optimizer(model, training_args(tmp_path), rank=4, target_modules=[])
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, "GaLoreAdamW"])
+def test_non_galore_optimizer_class_is_refused(tmp_path, cls):
+    """Issue 16 item 16: ``optimizer_cls=torch.optim.AdamW`` with ``rank=`` must not drop rank."""
+    model = tiny_llama()
+    with pytest.raises(TypeError, match=r"optimizer_cls must be a galore2 optimizer class"):
+        create_optimizer(model, training_args(tmp_path), optimizer_cls=cls, rank=4)
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [galore2.GaLoreAdamW, galore2.GaLoreAdamW8bit, galore2.GaLoreAdafactor, galore2.GaLoreRanger21],
+)
+def test_every_listed_key_parses_from_its_string_form(cls):
+    """Issue 16 item 15: each key ``allowed_settings`` lists must be settable through
+    ``optim_args``, i.e. parse from the text a user writes (``true``, ``0.5``, ``none``...)."""
+    from galore2.integrations.transformers import allowed_settings
+
+    for name, option in allowed_settings(cls).items():
+        value = option.example()
+        if isinstance(value, bool):
+            forms = [str(value).lower(), str(value)]  # true / True
+        elif isinstance(value, tuple):
+            forms = [f"({value[0]},{value[1]})"]
+        elif value is None:
+            forms = ["none"]
+        else:
+            forms = [str(value)]
+        for text in forms:
+            parsed = parse_optim_args(f"{name}={text}", cls)
+            assert parsed == {name: option.validate(value)}, (name, text, parsed)
+
+
+def test_issue_16_keys_parse(tmp_path):
+    """The keys the issue found unsettable, in the form it used."""
+    text = (
+        "adaptive_refresh=true,basis_hadamard=True,basis_group_size=64,refresh_threshold=0.5,"
+        "refresh_patience=2,max_update_proj_gap=400,rank=4,basis_dtype=int8"
+    )
+    assert parse_optim_args(text) == {
+        "adaptive_refresh": True,
+        "basis_hadamard": True,
+        "basis_group_size": 64,
+        "refresh_threshold": 0.5,
+        "refresh_patience": 2,
+        "max_update_proj_gap": 400,
+        "rank": 4,
+        "basis_dtype": "int8",
+    }
+    opt = create_optimizer(tiny_llama(), training_args(tmp_path, optim_args=text))
+    (galore,) = [g for g in opt.param_groups if g["rank"] is not None]
+    assert galore["adaptive_refresh"] is True and galore["max_update_proj_gap"] == 400
+
+
 def test_optim_args(tmp_path):
     model = tiny_llama()
     args = training_args(
