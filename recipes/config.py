@@ -108,9 +108,10 @@ class TrainConfig:
     stop_after: int = 0  # >0: checkpoint and exit after this step (resume later); 0: run to steps
     batch_size: int = 8  # sequences per rank per micro-batch
     grad_accum: int = 1
-    log_every: int = 10
-    eval_every: int = 100
-    eval_batches: int = 8
+    log_every: int = 10  # >= 1
+    eval_every: int = 100  # >= 1 (train.eval_batches 0 turns evaluation off)
+    eval_batches: int = 8  # 0: no evaluation (no val_loss anywhere)
+    max_skip_steps: int = 10  # stop after this many steps in a row skip updates; 0: never
     checkpoint_every: int = 0  # 0: only at the end; -1: never (peers are never checkpointed)
     keep_checkpoints: int = 2
     out: str = "runs/pretrain"
@@ -133,6 +134,14 @@ class JobConfig:
 
 
 SHORTHANDS = {"optimizer": "optim.name", "steps": "train.steps", "out": "train.out"}
+
+# Each listed field's lowest allowed value, checked as the field is set (TOML or CLI).
+MINIMUM = {
+    "train.log_every": (1, ""),
+    "train.eval_every": (1, "; train.eval_batches 0 turns evaluation off"),
+    "train.eval_batches": (0, ""),
+    "train.max_skip_steps": (0, " (0: never stop)"),
+}
 
 
 def _field_type(section: Any, name: str) -> Any:
@@ -194,7 +203,11 @@ def _set(job: JobConfig, dotted: str, value: Any, optimizer: str | None = None) 
     if section_name == "optim" and is_own_option(optimizer or section.name, name):
         section.options[name] = value  # e.g. Adafactor's eps pair / beta1, not Adam's fields
     elif name in names:
-        setattr(section, name, _parse(value, _field_type(section, name), dotted))
+        parsed = _parse(value, _field_type(section, name), dotted)
+        if dotted in MINIMUM and parsed < MINIMUM[dotted][0]:
+            low, hint = MINIMUM[dotted]
+            raise ValueError(f"{dotted} must be >= {low}, got {parsed}{hint}")
+        setattr(section, name, parsed)
     elif section_name == "optim":  # an option of the chosen optimizer: checked by check_options
         section.options[name] = value
     else:
@@ -278,7 +291,9 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
 def usage() -> str:
     lines = [
         "usage: python -m recipes.pretrain [--config PATH|NAME] [--optimizer NAME] [--steps N]",
-        "                                  [--out DIR] [--SECTION.FIELD VALUE ...]",
+        "                                  [--out DIR] [--SECTION.FIELD VALUE ...] [--debug]",
+        "",
+        "errors print one line; --debug (or GALORE2_DEBUG=1) shows the full traceback",
         "",
         "settings (defaults shown; a TOML config sets them per section):",
     ]

@@ -9,7 +9,8 @@
   *paragraph* (text between empty lines, ``"\n\n"``), so prose files need no
   conversion; a file with one document per line should be written as ``.jsonl``.
   ``.jsonl``/``.json`` files (JSON lines or a JSON array of records) take each
-  record's ``data.text_field``.
+  record's ``data.text_field``; a malformed record, or one without a string in that
+  field, is a ``ValueError`` naming the file and line (recipes/records.py).
 * anything else – a Hugging Face hub dataset name (:func:`open_hub`), which needs
   network access or a warm cache.
 
@@ -29,6 +30,8 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from .records import check_records
 
 # Local file suffix → ``datasets`` builder that reads it.
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json"}
@@ -204,15 +207,27 @@ def _text_only(ds: Any, text_field: str, where: str) -> Any:
 def load_local(path: str, text_field: str, cache_dir: str | None = None) -> Any:
     """A local file or folder as a ``datasets.Dataset`` with one ``"text"`` column (file order)."""
     import datasets
+    import pyarrow as pa
 
     builder, files = local_files(path)
+    where = f"data.dataset={path!r}"
     kwargs: dict[str, Any] = {"sample_by": "paragraph"} if builder == "text" else {}
-    ds = datasets.load_dataset(
-        builder, data_files=files, split="train", cache_dir=cache_dir, **kwargs
-    )
+    try:
+        ds = datasets.load_dataset(
+            builder, data_files=files, split="train", cache_dir=cache_dir, **kwargs
+        )
+    except datasets.exceptions.DatasetGenerationError:
+        if builder == "json":  # name the file and line, then fall back to datasets' error
+            check_records(files, text_field, where)
+        raise
     if builder == "text":  # paragraphs split at "\n\n" keep stray newlines at their ends
         return ds.map(_strip_newlines, batched=True, desc="paragraphs")
-    return _text_only(ds, text_field, f"data.dataset={path!r}")
+    ds = _text_only(ds, text_field, where)
+    column = ds.data.column("text")
+    text_type = pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+    if column.null_count or not text_type:  # a record without text: never dropped silently
+        check_records(files, text_field, where)
+    return ds
 
 
 def _strip_newlines(batch: dict[str, list[str]]) -> dict[str, list[str]]:

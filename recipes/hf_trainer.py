@@ -15,6 +15,7 @@ import torch
 import transformers
 
 from galore2.integrations.transformers import GaLoreTrainer
+from recipes.cli import DEBUG_HELP, run_cli
 
 SEQ, EOS = 128, 256  # token ids: the 256 byte values, then an end-of-text id
 
@@ -35,7 +36,7 @@ class ByteText(torch.utils.data.Dataset):
 
 
 def main(argv: list[str] | None = None) -> float:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=DEBUG_HELP)
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps")
     parser.add_argument("--out", default="runs/hf_trainer", help="Trainer output_dir")
     parser.add_argument("--rank", type=int, default=16, help="GaLore rank")
@@ -92,4 +93,4 @@ def main(argv: list[str] | None = None) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -42,6 +42,7 @@ import galore2
 from galore2.storage.dtype import normalize_state_dtype
 
 from . import state
+from .cli import DEBUG_HELP, run_cli
 from .config import JobConfig, ModelConfig, parse_args
 from .model import build_model, param_dtype
 from .optimizers import NAMES, build_optimizer, galore_settings
@@ -207,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m recipes.memory",
         description="Expected per-GPU memory of a recipe config, per optimizer; "
         "other --section.field VALUE arguments override the config.",
+        epilog=DEBUG_HELP,
     )
     ap.add_argument("--config", default="llama_7b", help="recipe config path or name")
     ap.add_argument("--batch-size", type=int, help="sequences per GPU (default: the config's)")
@@ -222,4 +224,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -4,15 +4,25 @@
 least ``step``, ``loss``, ``lr``, ``tokens_per_s``, ``tokens``; eval steps add
 ``val_loss``; GPU runs add ``mfu`` and ``peak_mem_gb`` (``max_memory_allocated``),
 CPU runs ``peak_rss_gb``. ``opt_state_bytes`` is the whole job's optimizer state
-(summed over ranks).
+(summed over ranks). A window holding a non-finite loss logs ``loss`` as ``NaN`` or
+``Infinity`` (as Python's json writes them), adds ``nonfinite_losses`` (steps × ranks of
+the window whose loss was not finite) and warns; skipped updates are
+recipes/divergence.py's fields.
+
+A resumed run (``start_step`` > 0) first drops the rows after ``start_step`` (steps
+logged between the checkpoint and the interruption, done again now), replacing the file
+atomically, so every step appears once. :func:`read_metrics` keeps the last row of a
+step anyway, for files written before that.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +111,8 @@ class Metrics:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if start_step == 0 and self.path.exists():
                 self.path.unlink()  # a fresh run; a resumed run appends
+            elif self.path.exists():
+                truncate_after(self.path, start_step)
         self._losses: list[float] = []
         self._tokens = 0
         self._t0 = time.perf_counter()
@@ -124,9 +136,13 @@ class Metrics:
     def log(self, step: int, lr: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Reduce over ranks, write one JSONL line, return it (every rank gets the same dict)."""
         elapsed = max(time.perf_counter() - self._t0, 1e-9)
-        local = torch.stack(self._losses).float().mean().item() if self._losses else float("nan")
+        local, bad = float("nan"), 0.0
+        if self._losses:  # one host read: the window's mean loss and its non-finite count
+            losses = torch.stack(self._losses).float()
+            bad_t = (~torch.isfinite(losses)).sum().float()
+            local, bad = torch.stack([losses.mean(), bad_t]).tolist()
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        (loss_sum,) = all_reduce_sum([local], self.device)
+        loss_sum, bad = all_reduce_sum([local, bad], self.device)
         rec: dict[str, Any] = {
             "step": step,
             "loss": loss_sum / world,
@@ -136,8 +152,17 @@ class Metrics:
         }
         if self.peak is not None:
             rec["mfu"] = rec["tokens_per_s"] * self.flops_per_token / (self.peak * world)
+        if bad:
+            rec["nonfinite_losses"] = int(bad)
+            if self.rank == 0:
+                warnings.warn(
+                    f"step {step}: the training loss was not finite (NaN/Inf) {int(bad)} "
+                    f"time(s) in this log window (steps × ranks); logged loss {rec['loss']}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         rec.update(memory_fields(self.device))
-        rec.update(extra or {})
+        rec.update({k: v for k, v in (extra or {}).items() if v is not None})  # absent, not null
         self.write(rec)
         self._losses, self._tokens = [], 0
         self._t0 = time.perf_counter()
@@ -158,9 +183,37 @@ class Metrics:
             self.bar.close()
 
 
+def _rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics file; a torn last line (a run killed mid-write) is left out."""
+    lines = path.read_text().splitlines()
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines):
+                break
+            raise ValueError(f"{path}:{i}: not a JSON object: {e}") from None
+    return rows
+
+
+def truncate_after(path: str | Path, step: int) -> None:
+    """Keep the rows of ``path`` with ``step`` <= ``step`` (write a new file, then replace)."""
+    path = Path(path)
+    kept = [r for r in _rows(path) if r.get("step", 0) <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a run's ``metrics.jsonl`` (or of that file), one per step in step order:
+    where a step was logged twice (a run resumed before the truncation existed), the
+    last row wins."""
     p = Path(path)
     if p.is_dir():
         p = p / "metrics.jsonl"
-    with open(p) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    last = {r["step"]: r for r in _rows(p)}
+    return [last[s] for s in sorted(last)]

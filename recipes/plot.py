@@ -11,6 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
+from .cli import DEBUG_HELP, run_cli
 from .metrics import read_metrics
 
 
@@ -71,7 +72,9 @@ def plot(runs: list[str | Path], out: str | Path, x: str = "tokens", title: str 
 
 
 def main(argv: list[str] | None = None) -> Path:
-    ap = argparse.ArgumentParser(prog="python -m recipes.plot", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m recipes.plot", description=__doc__.splitlines()[0], epilog=DEBUG_HELP
+    )
     ap.add_argument("runs", nargs="+", help="recipe output folders (each with metrics.jsonl)")
     ap.add_argument("--out", default="loss_curves.png", help="PNG to write")
     ap.add_argument("--x", default="tokens", choices=["tokens", "step"])
@@ -83,4 +86,4 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -17,7 +17,9 @@ import galore2
 
 from . import checkpoint, data, optimizers
 from . import model as modeling
+from .cli import run_cli
 from .config import parse_args
+from .divergence import Diverged, SkipWatch, likely_causes
 from .metrics import Metrics, adamw_state_bytes, all_reduce_sum, optimizer_state_bytes
 from .runtime import evaluate, setup, teardown, train_step
 from .summary import print_summary, write_config
@@ -64,17 +66,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # peers keep Python objects in their state, which weights-only checkpoints refuse
     checkpoints = t.checkpoint_every >= 0 and o.name not in optimizers.PEERS
     stop = min(t.stop_after, t.steps) if t.stop_after > 0 else t.steps
+    causes = likely_causes(o.lr, o.scale)
+    watch = SkipWatch(opt, t.max_skip_steps, rank=rank, world=world, device=device, causes=causes)
+    halt = None  # why the run stops early (the same on every rank)
     for step in range(start + 1, stop + 1):
         loss = train_step(model, train_loader, opt, sched, updates, job, device)
         metrics.add(loss, train_loader.tokens_per_batch * t.grad_accum * world)
-        last = step == stop
+        halt = watch.after_step(step)
+        last = step == stop or halt is not None
         if step % t.log_every == 0 or last:
             if opt_bytes is None:  # state exists after the first step; its size is fixed
                 opt_bytes = int(all_reduce_sum([float(optimizer_state_bytes(opt))], device)[0])
-            extra = {"opt_state_bytes": opt_bytes}
-            if step % t.eval_every == 0 or last:
+            extra = {"opt_state_bytes": opt_bytes, **watch.fields(step)}
+            if t.eval_batches and (step % t.eval_every == 0 or last):
                 extra["val_loss"] = evaluate(model, val_loader, t.eval_batches, device)
             metrics.log(step, sched.get_last_lr()[0], extra)
+        if halt is not None:  # no checkpoint of a diverged state: the last good one stays
+            break
         if checkpoints and ((t.checkpoint_every and step % t.checkpoint_every == 0) or last):
             total = metrics.total_tokens
             checkpoint.save(
@@ -87,10 +95,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "(use another --out, --train.resume false, or more --steps)"
         )
     if rank == 0 and metrics.history:
-        print_summary(job, metrics.history, opt_bytes, adamw_state_bytes(model))
+        print_summary(job, metrics.history, opt_bytes, adamw_state_bytes(model), halt)
     teardown(world)
+    if halt is not None:
+        raise Diverged(halt)
     return metrics.history
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -73,8 +73,9 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(model, val_loader, n_batches: int, device: torch.device) -> float:
-    """Mean validation loss over the first ``n_batches`` batches of every rank."""
+def evaluate(model, val_loader, n_batches: int, device: torch.device) -> float | None:
+    """Mean validation loss over the first ``n_batches`` batches of every rank; None when
+    that is no batch at all (``n_batches`` 0): never a made-up 0."""
     model.eval()
     total, rows = torch.zeros((), device=device, dtype=torch.float64), 0
     for b in val_loader.batches(n_batches):  # the last batch may be short: weight by rows
@@ -83,4 +84,4 @@ def evaluate(model, val_loader, n_batches: int, device: torch.device) -> float:
         rows += n
     model.train()
     total_all, rows_all = all_reduce_sum([total.item(), float(rows)], device)
-    return total_all / max(rows_all, 1.0)
+    return total_all / rows_all if rows_all else None

@@ -19,8 +19,18 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
-def summarize(history: list[dict[str, Any]], opt_bytes: int | None, adamw_bytes: int) -> dict:
-    """Final train loss (last log window), last val loss, mean tokens/s, state bytes vs AdamW's."""
+def summarize(
+    history: list[dict[str, Any]],
+    opt_bytes: int | None,
+    adamw_bytes: int,
+    stopped: str | None = None,
+) -> dict:
+    """Final train loss (last log window), last val loss (None without evaluation), mean
+    tokens/s, state bytes vs AdamW's, skipped updates (``nonfinite_skips``, None if the
+    optimizer does not count them) and why the run ``stopped`` early (None if it did not).
+    A step logged twice counts once (its last row)."""
+    by_step = {r["step"]: r for r in history}
+    history = [by_step[k] for k in sorted(by_step)]
     last = history[-1]
     vals = [r["val_loss"] for r in history if "val_loss" in r]
     rates = [r["tokens_per_s"] for r in history[1:]] or [last["tokens_per_s"]]  # skip warm-up
@@ -32,6 +42,8 @@ def summarize(history: list[dict[str, Any]], opt_bytes: int | None, adamw_bytes:
         "tokens": last["tokens"],
         "opt_state_bytes": opt_bytes,
         "adamw_state_bytes": adamw_bytes,
+        "nonfinite_skips": last.get("nonfinite_skips"),
+        "stopped": stopped,
     }
     if opt_bytes is not None and adamw_bytes:
         out["state_ratio"] = opt_bytes / adamw_bytes
@@ -39,9 +51,13 @@ def summarize(history: list[dict[str, Any]], opt_bytes: int | None, adamw_bytes:
 
 
 def print_summary(
-    job: JobConfig, history: list[dict[str, Any]], opt_bytes: int | None, adamw_bytes: int
+    job: JobConfig,
+    history: list[dict[str, Any]],
+    opt_bytes: int | None,
+    adamw_bytes: int,
+    stopped: str | None = None,
 ) -> dict:
-    s = summarize(history, opt_bytes, adamw_bytes)
+    s = summarize(history, opt_bytes, adamw_bytes, stopped)
     val = f"{s['val_loss']:.4f}" if s["val_loss"] is not None else "n/a"
     lines = [
         f"== {job.optim.name}: {s['step']} steps, {s['tokens']:,} tokens ==",
@@ -54,6 +70,10 @@ def print_summary(
             f"optimizer state    {_gb(opt_bytes)}  vs AdamW's {_gb(adamw_bytes)} "
             f"({s.get('state_ratio', float('nan')):.3f}×)"
         )
+    if s["nonfinite_skips"] is not None:
+        lines.append(f"skipped updates    {s['nonfinite_skips']:,} (non-finite gradients)")
+    if stopped:
+        lines.append(f"stopped early      {stopped}")
     print("\n".join(lines), flush=True)
     Path(job.train.out, "summary.json").write_text(json.dumps(s, indent=2) + "\n")
     return s
