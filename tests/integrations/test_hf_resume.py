@@ -52,4 +52,6 @@ def test_resume_continues_the_same_run(tmp_path):
     opt = resumed.optimizer.optimizer
     assert isinstance(opt, galore2.GaLoreAdamW)
     assert all(g["rank"] in (4, None) for g in opt.param_groups)
-    assert torch.isfinite(torch.stack([p.detach().norm() for p in resumed.model.parameters()])).all()
+    assert torch.isfinite(
+        torch.stack([p.detach().norm() for p in resumed.model.parameters()])
+    ).all()
