@@ -105,14 +105,15 @@ def test_dcp_init_step_creates_every_key_at_final_shape():
 
 
 def test_default_load_is_the_newest_complete_checkpoint(tmp_path):
-    """Several complete checkpoints (saved out of order): load_checkpoint without ``step``
-    restores the newest — its extra, weights and optimizer state — not the oldest."""
+    """Several complete checkpoints: load_checkpoint without ``step`` restores the newest —
+    its extra, weights and optimizer state — not the oldest nor the last touched."""
     model, opt = _model_opt()
     snapshots = {}
-    for step in (2, 6, 4):  # saved out of order: the newest is the largest step, not the last
+    for step in (2, 4, 6):
         train(model, opt, range(step, step + 1))
         save_checkpoint(tmp_path, step, model, opt, extra={"step": torch.tensor(step)})
         snapshots[step] = [p.detach().clone() for p in model.parameters()]
+    os.utime(tmp_path / "step-00000002")  # the newest is the largest step, not the latest mtime
     assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 4, 6]
     fresh, fresh_opt = _model_opt()
     extra = load_checkpoint(tmp_path, fresh, fresh_opt, extra={"step": torch.tensor(0)})
