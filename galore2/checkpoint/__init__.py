@@ -194,7 +194,12 @@ def _warn_once(message: str) -> None:
 
 
 def _check(
-    folder: Path, saved: dict[str, Any] | None, model: nn.Module, optimizer, model_state, verify
+    folder: Path,
+    saved: dict[str, Any] | None,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, Any],
+    verify: bool,
 ) -> bool:
     """Check ``folder`` before DCP reads it; whether its files were verified intact."""
     if saved is None:

@@ -25,6 +25,7 @@ import galore2.checkpoint as ck
 from tests.helpers import TinyNet, galore_groups, train
 
 root = sys.argv[1]
+torch.set_num_threads(int(sys.argv[2]))  # the parent's: its reference run must match bit for bit
 torch.manual_seed(0)
 model = TinyNet()
 opt = galore2.GaLoreAdamW(galore_groups(model, rank=4, update_proj_gap=3), lr=1e-2)
@@ -51,7 +52,7 @@ def _model_opt():
 def test_killed_writer_leaves_previous_checkpoint_loadable(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-c", KILLED_WRITER, str(tmp_path)],
+        [sys.executable, "-c", KILLED_WRITER, str(tmp_path), str(torch.get_num_threads())],
         env=env,
         cwd=ROOT,
         capture_output=True,
