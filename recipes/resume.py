@@ -10,8 +10,9 @@ Checked before the model is built, so a wrong setting costs seconds, not a train
 * A resumed run compares its settings with the configuration recorded in the checkpoint
   (``galore2.json``). It refuses, naming each key with both values, what a checkpoint
   cannot continue under: the model and data (``model.*`` except activation checkpointing
-  and compile, ``data.*``), the optimizer, its target modules, ``train.batch_size`` /
-  ``grad_accum`` / ``seed``, and every galore2 option declared ``resumable=False`` (rank,
+  and compile, ``data.*``), the optimizer, its target modules, the global batch
+  (``train.batch_size`` × ranks: another world size with the same global batch resumes),
+  ``train.grad_accum`` / ``seed``, and every galore2 option declared ``resumable=False`` (rank,
   proj_type, projector, seed, storage formats...). Everything else (lr, weight decay,
   scale, update_proj_gap, schedule and run lengths, log / eval / checkpoint cadence...)
   applies from the next step; it is printed and recorded under ``changes`` in
@@ -50,9 +51,7 @@ INVOCATION = frozenset(
 EXECUTION = frozenset(("model.activation_checkpointing", "model.compile"))
 #: settings a checkpoint cannot continue under, besides model.* / data.* and the galore2
 #: options declared resumable=False
-FIXED = frozenset(
-    ("optim.name", "optim.target_modules", "train.batch_size", "train.grad_accum", "train.seed")
-)
+FIXED = frozenset(("optim.name", "optim.target_modules", "train.grad_accum", "train.seed"))
 
 
 def _flat(config: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
@@ -86,11 +85,29 @@ def _option_diffs(old: dict[str, Any], new: OptimConfig) -> dict[str, tuple[Any,
     return out
 
 
-def compare(old: dict[str, Any], job: JobConfig) -> tuple[dict[str, tuple], dict[str, tuple]]:
+def _batch(old: dict[str, Any], job: JobConfig, worlds: tuple[int, int]) -> dict[str, tuple]:
+    """The global batch, if it changed: sequences per micro-batch over all ranks."""
+    before, now = old.get("train", {}).get("batch_size"), job.train.batch_size
+    if before is None or before * worlds[0] == now * worlds[1]:
+        return {}
+    if worlds[0] == worlds[1]:
+        return {"train.batch_size": (before, now)}
+    return {"train.batch_size × ranks": (f"{before} × {worlds[0]}", f"{now} × {worlds[1]}")}
+
+
+def compare(
+    old: dict[str, Any], job: JobConfig, worlds: tuple[int, int] = (1, 1)
+) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """(changes a resumed run may apply, changes it must refuse) between the recorded
-    configuration ``old`` and ``job``, each as ``{key: (old value, new value)}``."""
+    configuration ``old`` (written at world size ``worlds[0]``) and ``job`` (run at
+    ``worlds[1]``), each as ``{key: (old value, new value)}``."""
     a, opt_a = _flat(old)
     b, opt_b = _flat(jsonable(job.to_dict()))
+    defaults = galore2_options(OptimConfig(name=job.optim.name))
+    for key in opt_a | opt_b:  # an unset option is at its declared default
+        default = defaults.get(_option_key(key)[6:], (None,))[0]
+        a.setdefault(key, jsonable(default))
+        b.setdefault(key, jsonable(default))
     diffs = {}
     for key in sorted(a.keys() | b.keys()):
         known = key in a and key in b
@@ -98,12 +115,14 @@ def compare(old: dict[str, Any], job: JobConfig) -> tuple[dict[str, tuple], dict
             continue  # a field only one release has
         if a.get(key) != b.get(key):
             diffs[key] = (a.get(key), b.get(key))
-    refused = _option_diffs(old.get("optim", {}), job.optim)
+    refused = {**_option_diffs(old.get("optim", {}), job.optim), **_batch(old, job, worlds)}
     for key, values in diffs.items():
         if key in FIXED or (key.split(".")[0] in ("model", "data") and key not in EXECUTION):
             refused[key] = values
     # an option refused by name may sit under optim.options.NAME (a name an [optim] field has)
-    changes = {k: v for k, v in diffs.items() if _option_key(k) not in refused}
+    changes = {k: v for k, v in diffs.items() if _option_key(k) not in refused and k not in refused}
+    if "train.batch_size × ranks" in refused:
+        changes.pop("train.batch_size", None)
     return changes, dict(sorted(refused.items()))
 
 
@@ -155,7 +174,8 @@ class Run:
         self.run_id, self.history = found["run_id"], list(found["meta"].get("changes", []))
         if not isinstance(config, dict):
             return _say(f"{path} records no recipe configuration: settings not checked")
-        changes, refused = compare(config, self.job)
+        worlds = (found.get("world_size", 1), _world())
+        changes, refused = compare(config, self.job, worlds)
         if refused:
             raise ValueError(
                 f"cannot resume {self.job.train.out} from {path.name} (step {step}) with "
@@ -197,6 +217,10 @@ class Run:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _barrier() -> None:

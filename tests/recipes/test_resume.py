@@ -186,3 +186,25 @@ def test_damaged_newest_checkpoint_falls_back_to_the_older_one(old_run, tmp_path
     assert [r["step"] for r in hist] == [10, 12]
     for r in hist:  # from step 8 exactly as the uninterrupted run went
         assert r["loss"] == original[r["step"]]["loss"]
+
+
+def test_compare_goes_by_global_batch_and_option_declarations():
+    """The pure comparison behind resume: the global batch (batch × ranks) may be re-split
+    across another world size; an option set back to its default is a change too; which
+    galore2 options are refused comes from their declarations (``resumable``)."""
+    from recipes.config import parse_args
+    from recipes.resume import compare
+
+    base = ["--config", "tiny", "--train.batch_size", "4"]
+    old = json.loads(json.dumps(parse_args([*base, "--optim.basis_dtype", "int8"]).to_dict()))
+    same_global = parse_args([*base[:-1], "8", "--optim.basis_dtype", "int8"])
+    changes, refused = compare(old, same_global, worlds=(2, 1))
+    assert refused == {} and changes == {"train.batch_size": (4, 8)}
+    changes, refused = compare(old, same_global, worlds=(1, 1))
+    assert refused == {"train.batch_size": (4, 8)}
+    changes, refused = compare(old, parse_args([*base[:-1], "2"]), worlds=(1, 4))
+    assert set(refused) == {"train.batch_size × ranks", "optim.basis_dtype"}
+    assert refused["optim.basis_dtype"] == ("int8", "fp32")  # unset: its default
+    changes, refused = compare(old, parse_args([*base, "--optim.basis_dtype", "int8",
+                                                "--optim.moments_on_refresh", "reset"]))  # fmt: skip
+    assert refused == {} and changes == {"optim.moments_on_refresh": ("keep", "reset")}
