@@ -33,7 +33,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from galore2.checkpoint import CheckpointCorrupt, list_checkpoints, new_run_id, read_record
+from galore2.checkpoint import (
+    CheckpointCorrupt,
+    list_checkpoints,
+    new_run_id,
+    read_record,
+    set_aside,
+)
 from galore2.checkpoint.record import jsonable
 
 from . import checkpoint
@@ -234,18 +240,13 @@ def _say(message: str) -> None:
 
 
 def _set_aside(path: Path, error: Exception) -> str:
-    """Rename damaged checkpoint ``path`` to ``step-XXXXXXXX.corrupt`` (every rank agrees on
-    the damage: galore2.checkpoint verifies collectively); returns the new name."""
-    dest, n = path.with_name(path.name + ".corrupt"), 1
-    while dest.exists():
-        dest, n = path.with_name(f"{path.name}.corrupt-{n}"), n + 1
-    _barrier()
+    """Move damaged checkpoint ``path`` aside with a loud warning (every rank gets the same
+    error: galore2.checkpoint verifies collectively); returns its new name."""
+    dest = set_aside(path)
     if _rank() == 0:
-        os.replace(path, dest)
         print(f"\n{'!' * 72}\nWARNING: damaged checkpoint {path}\n  {error}\n  moved to "
               f"{dest.name}; resuming from the next older checkpoint\n{'!' * 72}",
               file=sys.stderr, flush=True)  # fmt: skip
-    _barrier()
     warnings.warn(f"checkpoint {path} is damaged, moved to {dest.name}: {error}", stacklevel=3)
     return dest.name
 

@@ -58,6 +58,7 @@ __all__ = [
     "new_run_id",
     "read_record",
     "save_checkpoint",
+    "set_aside",
 ]
 
 _DONE = re.compile(r"^step-(\d{8})$")
@@ -87,6 +88,22 @@ def read_record(folder: str | os.PathLike) -> dict[str, Any] | None:
     return read(Path(folder))
 
 
+def set_aside(folder: str | os.PathLike) -> Path:
+    """Rename a damaged checkpoint ``step-XXXXXXXX`` to ``step-XXXXXXXX.corrupt`` (``-1``,
+    ``-2``... if taken), out of ``list_checkpoints``' sight but not deleted, so the run can
+    continue from an older one and save these steps again. Collective: every rank calls it
+    (rank 0 renames). Returns the new path."""
+    folder = Path(folder)
+    dest, n = folder.with_name(folder.name + ".corrupt"), 1
+    while dest.exists():
+        dest, n = folder.with_name(f"{folder.name}.corrupt-{n}"), n + 1
+    _dist.barrier()
+    if _dist.rank() == 0:
+        os.replace(folder, dest)
+    _dist.barrier()
+    return dest
+
+
 def _options(flatten: bool) -> StateDictOptions:
     return StateDictOptions(flatten_optimizer_state_dict=flatten)
 
@@ -104,7 +121,8 @@ def _owner(root: Path, step: int, run_id: str | None) -> str:
         raise ValueError(
             f"cannot save step {step} into {root}: it holds {existing[-1][1].name}, a newer "
             "step, and keeping the newest checkpoints would delete this one or mix two runs. "
-            "Save into another folder, or move the newer checkpoints away first"
+            "Save into another folder, or move the newer checkpoints away first (set_aside "
+            "does that for a damaged one)"
         )
     owners: dict[str, list[int]] = {}
     for s, path in existing:

@@ -21,6 +21,7 @@ from galore2.checkpoint import (
     load_checkpoint,
     read_record,
     save_checkpoint,
+    set_aside,
 )
 
 from ..helpers import TinyNet, galore_groups, train
@@ -134,6 +135,23 @@ def test_damaged_checkpoint_raises_naming_the_folder(tmp_path, damage):
     model, opt = _model_opt()  # the older checkpoint is intact
     extra = load_checkpoint(tmp_path, model, opt, step=2, extra={"step": torch.tensor(0)})
     assert int(extra["step"]) == 2
+
+
+def test_run_continues_after_setting_a_damaged_checkpoint_aside(tmp_path):
+    """The legit case of saving a step a folder held before: the damaged newest checkpoint
+    is moved aside (kept), the run resumes from the older one and saves that step again."""
+    _trained(tmp_path)
+    _truncate(tmp_path / "step-00000004")
+    model, opt = _model_opt()
+    with pytest.raises(CheckpointCorrupt):
+        load_checkpoint(tmp_path, model, opt)
+    moved = set_aside(tmp_path / "step-00000004")
+    assert moved.name == "step-00000004.corrupt" and moved.is_dir()
+    assert int(load_checkpoint(tmp_path, model, opt, extra={"step": torch.tensor(0)})["step"]) == 2
+    train(model, opt, range(2, 4))
+    again = save_checkpoint(tmp_path, 4, model, opt, keep=2)
+    assert read_record(again)["run_id"] == read_record(tmp_path / "step-00000002")["run_id"]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 4] and moved.is_dir()
 
 
 # --- item 12: a checkpoint of another optimizer, rank or model --------------------------------
