@@ -304,6 +304,7 @@ def prepare(job: JobConfig) -> Run:
                 break
             except CheckpointCorrupt:
                 continue  # moved aside by load, with a warning
+        _barrier()  # no rank writes into out (config.json...) before every rank has read it
         return run
     held = _held(out)
     if held and not t.overwrite:
@@ -316,4 +317,4 @@ def prepare(job: JobConfig) -> Run:
                 path = out / name
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
         _barrier()
-    return Run(job, new_run_id())
+    return Run(job, new_run_id())  # a broadcast: ranks leave together here too
