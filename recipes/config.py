@@ -116,6 +116,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     out: str = "runs/pretrain"
     resume: bool = True  # continue from the newest checkpoint under out/checkpoints
+    overwrite: bool = False  # start afresh in an out dir holding a run, deleting that run
     seed: int = 0
     device: str = "auto"  # auto: cuda if available, else cpu
     progress: bool = True
@@ -221,6 +222,23 @@ def check_options(job: JobConfig) -> None:
     job.optim.options = parse_options(job.optim.name, job.optim.options)
 
 
+#: [train] fields and their lowest allowed values (checked before anything is built)
+_TRAIN_LOW = {"steps": 1, "stop_after": 0, "batch_size": 1, "grad_accum": 1, "log_every": 1,
+              "eval_every": 1, "eval_batches": 1, "checkpoint_every": -1, "keep_checkpoints": 1,
+              "threads": 0}  # fmt: skip
+
+
+def check_train(job: JobConfig) -> None:
+    """``ValueError`` for [train] values no run can use (a zero log interval, keeping no
+    checkpoint...), so they fail at start-up instead of at the first log or save."""
+    for name, low in _TRAIN_LOW.items():
+        value = getattr(job.train, name)
+        if value < low:
+            raise ValueError(f"train.{name} must be >= {low}, got {value}")
+    if not job.train.out.strip():
+        raise ValueError("train.out must name a folder")
+
+
 def override(job: JobConfig, dotted: str, value: Any) -> None:
     """Set ``SECTION.FIELD`` of ``job`` from a CLI / TOML value, parsed to the field's type."""
     _set(job, dotted, value)
@@ -285,6 +303,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     for dotted, value in pairs:
         _set(job, dotted, value, optimizer)
     check_options(job)
+    check_train(job)
     return job
 
 

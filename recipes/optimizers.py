@@ -91,6 +91,21 @@ def galore_settings(cfg: OptimConfig) -> dict[str, Any]:
     return {**settings, **{k: v for k, v in own.items() if k in names}}
 
 
+def galore2_options(cfg: OptimConfig) -> dict[str, tuple[Any, bool]]:
+    """Option name → (the value the recipe gives galore2 optimizer ``cfg.name``, whether a run
+    may change it on resume: its declaration's ``resumable``); ``{}`` for other optimizers.
+    Unset options count at their defaults; GaLore's only where the recipe projects."""
+    cls = PRESETS.get(cfg.name)
+    if cls is None:
+        return {}
+    options = cls.all_options()
+    values = {name: o.default for name, o in options.items()}
+    values.update(parse_options(cfg.name, cfg.options))
+    if _GALORE2[cfg.name][1]:
+        values.update(galore_settings(cfg))
+    return {name: (value, options[name].resumable) for name, value in values.items()}
+
+
 #: [optim] fields that are Adam's (beta1, beta2, eps): for an optimizer whose option of
 #: that name is not Adam's (GaLoreAdafactor's eps pair and beta1), ``--optim.KEY`` sets the
 #: optimizer's own option instead
@@ -244,11 +259,16 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_fn(cfg, total_steps))
 
 
-def restore_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> None:
+def restore_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:
     """After loading an optimizer checkpoint taken at ``step``: continue the schedule from there.
 
-    The loaded param groups already carry that step's learning rates; only the
-    scheduler's counter has to follow.
+    The schedule restarts from each group's ``initial_lr`` (this run's ``optim.lr``, which
+    may differ from the checkpoint's) at ``step``: the learning rate the uninterrupted run
+    has there (bit for bit), or the new base value from the step the change applies.
     """
+    groups = scheduler.optimizer.param_groups
+    scheduler.base_lrs = [g["initial_lr"] for g in groups]
     scheduler.last_epoch = step
-    scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]  # type: ignore[attr-defined]
+    for g, base, fn in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):  # type: ignore[attr-defined]
+        g["lr"] = base * fn(step)
+    scheduler._last_lr = [g["lr"] for g in groups]  # type: ignore[attr-defined]

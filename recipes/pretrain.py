@@ -5,8 +5,9 @@
 
 Settings: recipes/config.py (``--help`` lists them all). Under torchrun the model
 is FSDP2-sharded (gloo on CPU, nccl on GPU). The run resumes from the newest
-checkpoint in ``--out`` and writes ``metrics.jsonl``, ``config.json`` and
-``summary.json`` there.
+checkpoint in ``--out`` (recipes/resume.py: what may change on resume, damaged
+checkpoints, refusing to mix two runs in one folder) and writes ``metrics.jsonl``,
+``config.json`` and ``summary.json`` there.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import warnings
 
 import galore2
 
-from . import checkpoint, data, optimizers
+from . import data, optimizers, resume
 from . import model as modeling
 from .cli import run_cli
 from .config import parse_args
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "optim.per_layer cannot clip the global gradient norm: set max_grad_norm 0"
         )
     rank, world, device = setup(job)
+    run = resume.prepare(job)  # out dir checked, settings compared with the checkpoint's
 
     tokenizer = data.load_tokenizer(job.data.tokenizer)
     if tokenizer.vocab_size > job.model.vocab_size:  # e.g. T5's sentinel ids, never in text
@@ -45,9 +47,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     updates = None
     if o.per_layer:
         updates = galore2.per_layer(model, opt, accumulation_steps=t.grad_accum, scheduler=sched)
-    start, tokens = (0, 0)
-    if t.resume:
-        start, tokens = checkpoint.resume(t.out, model, opt, sched, train_loader, device)
+    start, tokens = run.load(model, opt, sched, train_loader, device)
 
     n_body = modeling.n_params(model, exclude_embeddings=True)
     metrics = Metrics(
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     metrics.total_tokens = tokens
     if rank == 0:
-        write_config(t.out, job)
+        write_config(t.out, job, run.all_changes)
     opt_bytes = None
     # peers keep Python objects in their state, which weights-only checkpoints refuse
     checkpoints = t.checkpoint_every >= 0 and o.name not in optimizers.PEERS
@@ -84,15 +84,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if halt is not None:  # no checkpoint of a diverged state: the last good one stays
             break
         if checkpoints and ((t.checkpoint_every and step % t.checkpoint_every == 0) or last):
-            total = metrics.total_tokens
-            checkpoint.save(
-                t.out, step, model, opt, train_loader, total, device, t.keep_checkpoints
-            )
+            run.save(step, model, opt, train_loader, metrics.total_tokens, device)
     metrics.close()
     if rank == 0 and start >= stop:
         print(
             f"{t.out}: already at step {start} of {stop}; nothing to do "
-            "(use another --out, --train.resume false, or more --steps)"
+            "(use more --steps, or another --out)"
         )
     if rank == 0 and metrics.history:
         print_summary(job, metrics.history, opt_bytes, adamw_state_bytes(model), halt)

@@ -9,10 +9,13 @@ from typing import Any
 from .config import JobConfig
 
 
-def write_config(out: str | Path, job: JobConfig) -> None:
+def write_config(out: str | Path, job: JobConfig, changes: list[dict] | tuple = ()) -> None:
+    """``OUT/config.json``: the settings in force, and under ``changes`` every setting a
+    resumed run changed (``{"step", "key", "from", "to"}``: applied after ``step``)."""
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(job.to_dict(), indent=2) + "\n")
+    record = {**job.to_dict(), "changes": list(changes)}
+    (path / "config.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 def _gb(n: float) -> str:

@@ -171,7 +171,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "newest_checkpoint",
-        "galore2/checkpoint.py",
+        "galore2/checkpoint/__init__.py",
         "step = max(found)",
         "step = min(found)",
         ("tests/fsdp/test_checkpoint_helper.py",),

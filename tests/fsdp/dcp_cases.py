@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from galore2.checkpoint import load_checkpoint, save_checkpoint
+from galore2.checkpoint import CheckpointCorrupt, load_checkpoint, save_checkpoint
 
 from ..dist import full_params, make_model, optimizer, shard, train
 
@@ -58,3 +58,14 @@ def load_then_continue(rank: int, world: int, root: str) -> None:
         for name, value in full_params(model).items():
             diff = (value - expected[name]).abs().max().item()
             assert diff <= 1e-5, f"world {world}, flatten={flatten}: {name} differs by {diff:.2e}"
+
+
+def damaged_fails_on_every_rank(rank: int, world: int, root: str) -> None:
+    """Ranks split the checksum work; a damaged shard only one rank reads fails them all."""
+    model, opt = _build(world)
+    try:
+        load_checkpoint(Path(root) / "flat1", model, opt, extra={"step": torch.tensor(0)})
+    except CheckpointCorrupt as e:
+        assert "__0_0.distcp has changed bytes" in str(e), e
+    else:
+        raise AssertionError(f"rank {rank}: a damaged checkpoint loaded")

@@ -25,6 +25,7 @@ import galore2.checkpoint as ck
 from tests.helpers import TinyNet, galore_groups, train
 
 root = sys.argv[1]
+torch.set_num_threads(int(sys.argv[2]))  # the parent's: its reference run must match bit for bit
 torch.manual_seed(0)
 model = TinyNet()
 opt = galore2.GaLoreAdamW(galore_groups(model, rank=4, update_proj_gap=3), lr=1e-2)
@@ -51,7 +52,7 @@ def _model_opt():
 def test_killed_writer_leaves_previous_checkpoint_loadable(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-c", KILLED_WRITER, str(tmp_path)],
+        [sys.executable, "-c", KILLED_WRITER, str(tmp_path), str(torch.get_num_threads())],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -105,14 +106,15 @@ def test_dcp_init_step_creates_every_key_at_final_shape():
 
 
 def test_default_load_is_the_newest_complete_checkpoint(tmp_path):
-    """Several complete checkpoints (saved out of order): load_checkpoint without ``step``
-    restores the newest — its extra, weights and optimizer state — not the oldest."""
+    """Several complete checkpoints: load_checkpoint without ``step`` restores the newest —
+    its extra, weights and optimizer state — not the oldest nor the last touched."""
     model, opt = _model_opt()
     snapshots = {}
-    for step in (2, 6, 4):  # saved out of order: the newest is the largest step, not the last
+    for step in (2, 4, 6):
         train(model, opt, range(step, step + 1))
         save_checkpoint(tmp_path, step, model, opt, extra={"step": torch.tensor(step)})
         snapshots[step] = [p.detach().clone() for p in model.parameters()]
+    os.utime(tmp_path / "step-00000002")  # the newest is the largest step, not the latest mtime
     assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 4, 6]
     fresh, fresh_opt = _model_opt()
     extra = load_checkpoint(tmp_path, fresh, fresh_opt, extra={"step": torch.tensor(0)})

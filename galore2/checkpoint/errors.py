@@ -1,0 +1,66 @@
+"""Why a checkpoint folder cannot be loaded: damaged files, or a state that does not fit.
+
+Both are ``Exception`` subclasses naming the folder (``path``). DCP reports its own load
+failures as ``CheckpointException``, a ``BaseException`` that ``except Exception`` misses
+and whose message names neither the folder nor the cause: :func:`from_dcp` turns it into
+one of these.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from pathlib import Path
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+
+class CheckpointError(Exception):
+    """A checkpoint folder that cannot be loaded into this model / optimizer."""
+
+    def __init__(self, message: str, path: str | os.PathLike | None = None) -> None:
+        super().__init__(message)
+        self.path = Path(path) if path is not None else None
+
+
+class CheckpointCorrupt(CheckpointError):
+    """The folder's files are damaged or incomplete (truncated, changed bytes, a file
+    missing): an older checkpoint of the same run may still be intact."""
+
+
+class CheckpointMismatch(CheckpointError, ValueError):
+    """The files are intact but hold another state: another optimizer, other non-resumable
+    settings (rank, projector...), other parameter shapes or parameter groups."""
+
+
+#: read errors that mean damaged or incomplete files, not a state that does not fit
+_DAMAGE = (EOFError, pickle.UnpicklingError, UnicodeDecodeError, OSError, zipfile.BadZipFile)
+_DAMAGE_TEXT = ("PytorchStreamReader", "miniz", "zip archive", "invalid header", "file read failed")
+
+
+def causes(exc: BaseException) -> list[BaseException]:
+    """The per-rank exceptions inside a DCP ``CheckpointException`` (else ``[exc]``)."""
+    if isinstance(exc, CheckpointException):
+        return [pair[0] if isinstance(pair, tuple) else pair for pair in exc.failures.values()]
+    return [exc]
+
+
+def _damage(exc: BaseException) -> bool:
+    return isinstance(exc, _DAMAGE) or any(s in str(exc) for s in _DAMAGE_TEXT)
+
+
+def from_dcp(exc: BaseException, folder: Path, intact: bool) -> CheckpointError:
+    """A DCP load failure as :class:`CheckpointCorrupt` (read errors, unless the files were
+    just verified against their recorded checksums) or :class:`CheckpointMismatch`."""
+    found = causes(exc)
+    text = "; ".join(dict.fromkeys(f"{type(e).__name__}: {e}" for e in found))
+    if len(text) > 600:
+        text = text[:600] + " ..."
+    if not intact and any(_damage(e) for e in found):
+        return CheckpointCorrupt(
+            f"checkpoint {folder} cannot be read (damaged files): {text}", folder
+        )
+    return CheckpointMismatch(
+        f"checkpoint {folder} does not fit this model / optimizer: {text}", folder
+    )
