@@ -136,15 +136,8 @@ class JobConfig:
 
 SHORTHANDS = {"optimizer": "optim.name", "steps": "train.steps", "out": "train.out"}
 
+
 # Each listed field's lowest allowed value, checked as the field is set (TOML or CLI).
-MINIMUM = {
-    "train.log_every": (1, ""),
-    "train.eval_every": (1, "; train.eval_batches 0 turns evaluation off"),
-    "train.eval_batches": (0, ""),
-    "train.max_skip_steps": (0, " (0: never stop)"),
-}
-
-
 def _field_type(section: Any, name: str) -> Any:
     hints = typing.get_type_hints(type(section))
     return hints[name]
@@ -204,11 +197,7 @@ def _set(job: JobConfig, dotted: str, value: Any, optimizer: str | None = None) 
     if section_name == "optim" and is_own_option(optimizer or section.name, name):
         section.options[name] = value  # e.g. Adafactor's eps pair / beta1, not Adam's fields
     elif name in names:
-        parsed = _parse(value, _field_type(section, name), dotted)
-        if dotted in MINIMUM and parsed < MINIMUM[dotted][0]:
-            low, hint = MINIMUM[dotted]
-            raise ValueError(f"{dotted} must be >= {low}, got {parsed}{hint}")
-        setattr(section, name, parsed)
+        setattr(section, name, _parse(value, _field_type(section, name), dotted))
     elif section_name == "optim":  # an option of the chosen optimizer: checked by check_options
         section.options[name] = value
     else:
@@ -222,19 +211,30 @@ def check_options(job: JobConfig) -> None:
     job.optim.options = parse_options(job.optim.name, job.optim.options)
 
 
-#: [train] fields and their lowest allowed values (checked before anything is built)
-_TRAIN_LOW = {"steps": 1, "stop_after": 0, "batch_size": 1, "grad_accum": 1, "log_every": 1,
-              "eval_every": 1, "eval_batches": 1, "checkpoint_every": -1, "keep_checkpoints": 1,
-              "threads": 0}  # fmt: skip
+#: [train] fields, their lowest allowed values and what to say (checked before anything
+#: is built)
+_TRAIN_LOW = {
+    "steps": (1, ""),
+    "stop_after": (0, " (0: run all steps)"),
+    "batch_size": (1, ""),
+    "grad_accum": (1, ""),
+    "log_every": (1, ""),
+    "eval_every": (1, "; train.eval_batches 0 turns evaluation off"),
+    "eval_batches": (0, " (0: no evaluation)"),
+    "checkpoint_every": (-1, " (0: only at the end, -1: never)"),
+    "keep_checkpoints": (1, ""),
+    "threads": (0, " (0: torch's default)"),
+    "max_skip_steps": (0, " (0: never stop)"),
+}
 
 
 def check_train(job: JobConfig) -> None:
     """``ValueError`` for [train] values no run can use (a zero log interval, keeping no
     checkpoint...), so they fail at start-up instead of at the first log or save."""
-    for name, low in _TRAIN_LOW.items():
+    for name, (low, hint) in _TRAIN_LOW.items():
         value = getattr(job.train, name)
         if value < low:
-            raise ValueError(f"train.{name} must be >= {low}, got {value}")
+            raise ValueError(f"train.{name} must be >= {low}, got {value}{hint}")
     if not job.train.out.strip():
         raise ValueError("train.out must name a folder")
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from recipes.config import JobConfig, load_toml, parse_args
+from recipes.config import JobConfig, parse_args
 from recipes.metrics import Metrics, read_metrics
 from recipes.summary import summarize
 
@@ -153,8 +153,8 @@ def test_intervals_are_checked_when_parsed(argv, match, tmp_path):
     key, value = argv[0][2:].split(".")[1], argv[1]
     toml = tmp_path / "bad.toml"
     toml.write_text(f"[train]\n{key} = {value}\n")
-    with pytest.raises(ValueError, match=match):
-        load_toml(JobConfig(), toml)
+    with pytest.raises(ValueError, match=match):  # the same check for a TOML config
+        parse_args(["--config", str(toml)])
 
 
 def _jsonl(tmp_path, lines: list[str]) -> str:
