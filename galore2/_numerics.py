@@ -22,17 +22,23 @@ def all_finite(t: Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def finite_flags(tensors: list[Tensor]) -> list[bool]:
-    """``all_finite`` for a list of tensors with one fused norm kernel and one host sync."""
+def norms_within(tensors: list[Tensor], bound: float, dtype: torch.dtype) -> list[bool]:
+    """Per tensor: is its L2 norm, computed in ``dtype``, at most ``bound``?
+
+    False for a NaN or Inf entry and for a sum of squares that overflows ``dtype`` (the
+    norm is a plain sum of squares, not rescaled: on the CPU and in the CUDA
+    ``_foreach_norm`` kernel alike). One reduction per tensor — one fused kernel on
+    accelerators — and one host read per tensor on the CPU, one in all elsewhere.
+    """
     if not tensors:
         return []
     if tensors[0].device.type == "cpu":  # CPU foreach kernels are slower than a loop
-        return [all_finite(t) for t in tensors]
-    norms = torch.stack([n.float() for n in torch._foreach_norm(tensors)]).tolist()
-    return [
-        n == n and (n != math.inf or bool(torch.isfinite(t).all()))
-        for n, t in zip(norms, tensors, strict=True)
-    ]
+        return [
+            float(torch.linalg.vector_norm(t, dtype=None if t.dtype == dtype else dtype)) <= bound
+            for t in tensors
+        ]
+    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=dtype)).tolist()
+    return [n <= bound for n in norms]  # NaN compares False
 
 
 _GOLDEN = 0x9E3779B97F4A7C15

@@ -40,7 +40,7 @@ from ..core.options import Option, Pair, Real
 from ..core.state import counter
 from ..core.transform import Context, Group, State, Transform
 from ..kernels.dispatch import run_kernel
-from ..storage.dtype import STATE_DTYPE
+from ..storage.dtype import STATE_DTYPE, warn_float16
 from ..storage.dynamic8 import Dynamic8Format
 from ..storage.moments import (
     check_moments,
@@ -97,6 +97,7 @@ class ScaleByAdam(Transform):
         def zeros(s: tuple[int, ...], dtype: torch.dtype, layout: str) -> Tensor:
             return ctx.placement.zeros(s, dtype, ctx.param.device, layout)
 
+        warn_float16(group, ctx.warn_once)
         for key, signed in (("adam.exp_avg", True), ("adam.exp_avg_sq", False)):
             fmt = moment_format(
                 self.moments, tuple(shape), ctx.layout, group["state_dtype"], signed
