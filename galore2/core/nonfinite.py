@@ -131,8 +131,9 @@ class NonFinitePolicy:
         states: Sequence[dict[str, Tensor]],
     ) -> list[bool]:
         """Which of a group's parameters to update: False for an unusable gradient (see the
-        module docstring), whose skip is counted in its state. ``"raise"`` groups were checked before the step
-        (a gradient module producing NaN is then skipped, like ``"skip"``)."""
+        module docstring), whose skip is counted in its state. ``"raise"`` groups were
+        checked before the step (a gradient module producing NaN is then skipped, like
+        ``"skip"``)."""
         if group["nonfinite"] == "ignore":
             return [True] * len(grads)
         ok = usable(grads, placements, state_dtype(group))
