@@ -101,13 +101,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         self._schedule = schedule
         self._grad_transforms = list(grad_transforms)
         self._param_transforms = list(param_transforms)
-        self._all_modules = [
-            *self._grad_transforms,
-            *self._chain,
-            *self._param_transforms,
-            *([schedule] if schedule is not None else []),
-        ]
-        self.declared = self.declared_options(self._all_modules)
+        self._derive()
         unknown = sorted(set(defaults) - set(self.declared))
         if unknown:
             raise TypeError(
@@ -115,13 +109,44 @@ class ChainOptimizer(torch.optim.Optimizer):
                 f"{closest(unknown, self.declared)}; its options are {sorted(self.declared)}"
                 f"{self._hints(unknown)}"
             )
-        self._owns_decay = any(t.owns_weight_decay for t in self._param_transforms)
         self._warned: set[str] = set()
-        self._placements: dict[int, Placement] = {}
-        self._where: tuple[int, dict[int, tuple[dict[str, Any], int]]] | None = None
         full = {name: opt.default for name, opt in self.declared.items()}
         full.update(defaults)
         super().__init__(params, full)
+
+    def _derive(self) -> None:
+        """What follows from the modules: the declared options, and empty caches keyed by
+        parameter ``id()`` (rebuilt on use)."""
+        self._all_modules = [
+            *self._grad_transforms,
+            *self._chain,
+            *self._param_transforms,
+            *([self._schedule] if self._schedule is not None else []),
+        ]
+        self.declared = self.declared_options(self._all_modules)
+        self._owns_decay = any(t.owns_weight_decay for t in self._param_transforms)
+        self._placements: dict[int, Placement] = {}
+        self._where: tuple[int, dict[int, tuple[dict[str, Any], int]]] | None = None
+
+    # ---- copy.deepcopy, pickle ---------------------------------------------------
+    #: instance attributes that travel with a copy besides torch's (defaults, state,
+    #: param_groups); everything else is derived again (:meth:`_derive`)
+    _PICKLED = ("_chain", "_schedule", "_grad_transforms", "_param_transforms", "_warned")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch keeps only defaults, state and groups; the modules travel too, and
+        ``switches`` (a preset's constructor switches) when there are some. Step hooks are
+        dropped, as torch drops them."""
+        out = super().__getstate__()
+        for key in (*self._PICKLED, "switches"):
+            if key in self.__dict__:
+                out[key] = self.__dict__[key]
+        return out
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if "_chain" in state:  # not when torch's load_state_dict calls it with two keys
+            self._derive()
 
     def _hints(self, keys: Sequence[str]) -> str:
         return "".join(f". {self.option_hints[k]}" for k in keys if k in self.option_hints)
