@@ -183,7 +183,29 @@ class ChainOptimizer(torch.optim.Optimizer):
         )
         for module in walk(self._all_modules):
             module.validate(group)
+        self._check_complex(group)
         super().add_param_group(group)
+
+    def _check_complex(self, group: dict[str, Any]) -> None:
+        """Complex parameters are updated through their ``torch.view_as_real`` view (as
+        ``torch.optim.AdamW`` does), where every module of the chain is defined for them."""
+        params = group["params"]
+        if isinstance(params, set):
+            return  # torch's add_param_group refuses sets (unordered)
+        # torch turns an iterable into a list too: read a generator once
+        params = group["params"] = [params] if isinstance(params, Tensor) else list(params)
+        bad = [p for p in params if isinstance(p, Tensor) and p.is_complex()]
+        problems = [m.complex_problem(group) for m in walk(self._all_modules)]
+        problems = [why for why in problems if why is not None]
+        if bad and problems:
+            shapes = [f"{tuple(p.shape)} {str(p.dtype)[6:]}" for p in bad]
+            raise ValueError(
+                f"{type(self).__name__}: complex parameters ({', '.join(shapes)}) in a group "
+                f"where {'; '.join(problems)}. GaLoreAdamW updates complex parameters in "
+                "groups with rank=None (AdamW on the real and imaginary parts, as "
+                "torch.optim.AdamW); otherwise optimize real tensors (e.g. keep "
+                "torch.view_as_real(p) as the parameter)"
+            )
 
     # ---- state -------------------------------------------------------------------
     def _warn_once(self, message: str) -> None:
@@ -216,11 +238,11 @@ class ChainOptimizer(torch.optim.Optimizer):
     def _context(self, p: Tensor, index: int) -> Context:
         placement = self._placement(p)
         return Context(
-            param=placement.local(p),
+            param=_real(placement.local(p)),
             index=index,
             warn_once=self._warn_once,
             placement=placement,
-            shape=p.shape,
+            shape=torch.Size((*p.shape, 2)) if p.is_complex() else p.shape,
         )
 
     def _init_param_state(self, p: Tensor, group: dict[str, Any], index: int) -> None:
@@ -230,8 +252,8 @@ class ChainOptimizer(torch.optim.Optimizer):
         if self._schedule is not None:
             self._schedule.init(state)
         for hook in (*self._grad_transforms, *self._param_transforms):
-            hook.init(p.shape, ctx.param, group, state, ctx)
-        init_chain(self._chain, p.shape, ctx.param, group, state, ctx)
+            hook.init(ctx.global_shape, ctx.param, group, state, ctx)
+        init_chain(self._chain, ctx.global_shape, ctx.param, group, state, ctx)
 
     def _indexed_params(self) -> Iterable[tuple[int, dict[str, Any], Tensor]]:
         index = 0
@@ -361,7 +383,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         grad = p.grad
         if grad.is_sparse:
             self._check_sparse()
-        NonFinitePolicy.raise_if_any([group], lambda g: [(p, grad, self._placement(p))])
+        NonFinitePolicy.raise_if_any([group], lambda g: [(p, _real(grad), self._placement(p))])
         stepped = self._step_items(group, [(index, grad, p)])
         run_param_transforms(self._param_transforms, self._chain, stepped)
 
@@ -390,7 +412,7 @@ class ChainOptimizer(torch.optim.Optimizer):
             if not state:
                 self._init_param_state(p, group, index)
             ctx = self._context(p, index)
-            grad = ctx.placement.local(grad)
+            grad = _real(ctx.placement.local(grad))
             if ctx.placement.distributed:  # transforms see local views of DTensor state
                 state = {k: ctx.placement.local(v) for k, v in state.items()}
             params.append(ctx.param)
@@ -430,7 +452,12 @@ class ChainOptimizer(torch.optim.Optimizer):
             yield offset + i, p.grad, p
 
     def _to_check(self, group: dict[str, Any]) -> list[tuple[Tensor, Tensor, Placement]]:
-        return [(p, g, self._placement(p)) for _, g, p in self._indexed_params_of(group)]
+        return [(p, _real(g), self._placement(p)) for _, g, p in self._indexed_params_of(group)]
+
+
+def _real(t: Tensor) -> Tensor:
+    """A complex tensor's real view (…, 2), where optimizers update it; others as they are."""
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def _chunks(params: list[Tensor], foreach: bool | None = None) -> list[list[int]]:

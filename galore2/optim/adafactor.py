@@ -190,6 +190,9 @@ class ScaleByAdafactor(Transform):
     def __repr__(self) -> str:
         return f"ScaleByAdafactor(moments={self.moments!r})"
 
+    def complex_problem(self, group: Group) -> str | None:
+        return "Adafactor's factored second moment is not defined for complex parameters"
+
     # ---- state -------------------------------------------------------------------
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context

@@ -91,6 +91,13 @@ class ScaleByAdam(Transform):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(moments={self.moments!r})"
 
+    def complex_problem(self, group: Group) -> str | None:
+        """Adam is elementwise: on a complex parameter's real view it is
+        ``torch.optim.AdamW``'s complex Adam (which uses that view too)."""
+        if self.moments != "state_dtype":
+            return "8-bit moments are not defined for complex parameters"
+        return None
+
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
     ) -> None:
