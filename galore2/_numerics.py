@@ -7,6 +7,8 @@ import math
 import torch
 from torch import Tensor
 
+_F64 = torch.float64
+
 
 def all_finite(t: Tensor) -> bool:
     """True when every entry of ``t`` is finite.
@@ -23,7 +25,8 @@ def all_finite(t: Tensor) -> bool:
 
 
 def norms_within(tensors: list[Tensor], bound: float, dtype: torch.dtype) -> list[bool]:
-    """Per tensor: is its L2 norm, computed in ``dtype``, at most ``bound``?
+    """Per tensor: is its L2 norm, computed in ``dtype`` (float64 tensors: in float64), at
+    most ``bound``?
 
     False for a NaN or Inf entry and for a sum of squares that overflows ``dtype`` (the
     norm is a plain sum of squares, not rescaled: on the CPU and in the CUDA
@@ -34,10 +37,12 @@ def norms_within(tensors: list[Tensor], bound: float, dtype: torch.dtype) -> lis
         return []
     if tensors[0].device.type == "cpu":  # CPU foreach kernels are slower than a loop
         return [
-            float(torch.linalg.vector_norm(t, dtype=None if t.dtype == dtype else dtype)) <= bound
+            float(torch.linalg.vector_norm(t, dtype=None if t.dtype in (dtype, _F64) else dtype))
+            <= bound
             for t in tensors
         ]
-    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=dtype)).tolist()
+    wide = _F64 if any(t.dtype == _F64 for t in tensors) else dtype  # never narrowing
+    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=wide)).tolist()
     return [n <= bound for n in norms]  # NaN compares False
 
 

@@ -75,3 +75,9 @@ def test_add_param_group_refuses_a_projected_complex_group_and_adds_nothing():
     assert len(opt.param_groups) == 1
     opt.add_param_group({"params": (p for p in ps[:2])})  # rank None: fine (a generator)
     assert len(opt.param_groups[1]["params"]) == 2
+
+
+def test_named_complex_parameters_are_refused_too():
+    named = list(zip(("a", "b", "c"), _params(), strict=True))  # as named_parameters() gives
+    with pytest.raises(ValueError, match="rank=2"):
+        galore2.GaLoreAdamW(named, rank=2)

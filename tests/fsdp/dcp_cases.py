@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
+import galore2
 from galore2.checkpoint import load_checkpoint, save_checkpoint
+from galore2.fsdp.detect import is_dtensor
 
-from ..dist import full_params, make_model, optimizer, shard, train
+from ..dist import GAP, full_params, make_model, optimizer, shard, train
 
 STOP, END = 10, 20  # refreshes at 0 and 8 before the save, 16 after it
 SETTINGS = {"projector": "randomized", "moments_on_refresh": "project"}
@@ -58,3 +62,37 @@ def load_then_continue(rank: int, world: int, root: str) -> None:
         for name, value in full_params(model).items():
             diff = (value - expected[name]).abs().max().item()
             assert diff <= 1e-5, f"world {world}, flatten={flatten}: {name} differs by {diff:.2e}"
+
+
+def sharded_load_checks(rank: int, world: int, root: str) -> None:
+    """load_state_dict with DTensor state: the same settings load (global shapes compared),
+    another rank is refused before anything changes, through DCP as well."""
+    model, opt = _build(world)
+    train(model, opt, range(3), rank, world)
+    saved = opt.state_dict()
+    assert any(is_dtensor(v) for s in saved["state"].values() for v in s.values())
+    model2, opt2 = _build(world)
+    opt2.load_state_dict(saved)
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        for key, value in opt.state[p].items():
+            got = opt2.state[q][key]
+            assert torch.equal(got.to_local() if is_dtensor(got) else got,
+                               value.to_local() if is_dtensor(value) else value), key  # fmt: skip
+    save_checkpoint(Path(root), 3, model, opt)
+    for change in ({"rank": 2}, {"seed": 5}):
+        model3 = make_model()
+        shard(model3, world)
+        settings = {**SETTINGS, "rank": 3, "update_proj_gap": GAP, **change}
+        groups = galore2.param_groups(model3, **settings)
+        opt3 = galore2.GaLoreAdamW(groups, lr=1e-2, weight_decay=0.05)
+        key, value = next(iter(change.items()))
+        message = f"{key}: checkpoint {saved['param_groups'][0][key]}, this optimizer {value}"
+        with pytest.raises(ValueError, match=message):
+            opt3.load_state_dict(saved)
+        assert not opt3.state and opt3.param_groups[0][key] == value
+        if key == "rank":  # DCP's template holds rank-2 shapes: DCP refuses the load itself
+            with pytest.raises(CheckpointException, match="Size mismatch"):
+                load_checkpoint(Path(root), model3, opt3)
+        else:  # same shapes: DCP loads (in place), then load_state_dict refuses
+            with pytest.raises(ValueError, match=message):
+                load_checkpoint(Path(root), model3, opt3)

@@ -10,3 +10,7 @@ def test_save_at_2_resume_at_1_and_3(tmp_path):
     spawn(dcp_cases.save_then_continue, 2, str(tmp_path))
     spawn(dcp_cases.load_then_continue, 1, str(tmp_path))
     spawn(dcp_cases.load_then_continue, 3, str(tmp_path))
+
+
+def test_sharded_state_is_checked_by_global_shape_and_a_changed_rank_refused(tmp_path):
+    spawn(dcp_cases.sharded_load_checks, 2, str(tmp_path))
