@@ -81,3 +81,22 @@ def test_named_complex_parameters_are_refused_too():
     named = list(zip(("a", "b", "c"), _params(), strict=True))  # as named_parameters() gives
     with pytest.raises(ValueError, match="rank=2"):
         galore2.GaLoreAdamW(named, rank=2)
+
+
+def test_complex_state_round_trips_through_state_dict():
+    ours, resumed = _params(), _params()
+    opt = galore2.GaLoreAdamW(ours, lr=1e-2)
+    for p in ours:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.state[ours[0]]["adam.exp_avg"].shape == (5, 4, 2)  # the real view's
+    with torch.no_grad():
+        for p, q in zip(ours, resumed, strict=True):
+            q.copy_(p)
+    opt2 = galore2.GaLoreAdamW(resumed, lr=1e-2)
+    opt2.load_state_dict(opt.state_dict())
+    for o, ps in ((opt, ours), (opt2, resumed)):
+        for p in ps:
+            p.grad = torch.full_like(p, 0.5)
+        o.step()
+    assert all(torch.equal(p, q) for p, q in zip(ours, resumed, strict=True))
