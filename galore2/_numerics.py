@@ -7,6 +7,8 @@ import math
 import torch
 from torch import Tensor
 
+_F64 = torch.float64
+
 
 def all_finite(t: Tensor) -> bool:
     """True when every entry of ``t`` is finite.
@@ -22,17 +24,26 @@ def all_finite(t: Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def finite_flags(tensors: list[Tensor]) -> list[bool]:
-    """``all_finite`` for a list of tensors with one fused norm kernel and one host sync."""
+def norms_within(tensors: list[Tensor], bound: float, dtype: torch.dtype) -> list[bool]:
+    """Per tensor: is its L2 norm, computed in ``dtype`` (float64 tensors: in float64), at
+    most ``bound``?
+
+    False for a NaN or Inf entry and for a sum of squares that overflows ``dtype`` (the
+    norm is a plain sum of squares, not rescaled: on the CPU and in the CUDA
+    ``_foreach_norm`` kernel alike). One reduction per tensor — one fused kernel on
+    accelerators — and one host read per tensor on the CPU, one in all elsewhere.
+    """
     if not tensors:
         return []
     if tensors[0].device.type == "cpu":  # CPU foreach kernels are slower than a loop
-        return [all_finite(t) for t in tensors]
-    norms = torch.stack([n.float() for n in torch._foreach_norm(tensors)]).tolist()
-    return [
-        n == n and (n != math.inf or bool(torch.isfinite(t).all()))
-        for n, t in zip(norms, tensors, strict=True)
-    ]
+        return [
+            float(torch.linalg.vector_norm(t, dtype=None if t.dtype in (dtype, _F64) else dtype))
+            <= bound
+            for t in tensors
+        ]
+    wide = _F64 if any(t.dtype == _F64 for t in tensors) else dtype  # never narrowing
+    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=wide)).tolist()
+    return [n <= bound for n in norms]  # NaN compares False
 
 
 _GOLDEN = 0x9E3779B97F4A7C15

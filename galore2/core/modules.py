@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .options import Option
 from .state import counter
-from .transform import Context, Group, State, walk
+from .transform import Context, Group, State, complex_problem, walk
 
 
 @dataclass
@@ -52,6 +52,10 @@ class GradientTransform:
 
     def validate(self, group: Group) -> None:
         """Checks that involve several of this module's keys (single keys: ``options``)."""
+
+    def complex_problem(self, group: Group) -> str | None:
+        """Why this module cannot act on complex parameters (None: it can)."""
+        return complex_problem(self)
 
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
@@ -78,6 +82,10 @@ class ParamTransform:
 
     def validate(self, group: Group) -> None:
         """Checks that involve several of this module's keys (single keys: ``options``)."""
+
+    def complex_problem(self, group: Group) -> str | None:
+        """Why this module cannot act on complex parameters (None: it can)."""
+        return complex_problem(self)
 
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
@@ -144,6 +152,9 @@ class LRSchedule:
 
     def validate(self, group: Group) -> None:
         """Checks that involve several of this schedule's keys (single keys: ``options``)."""
+
+    def complex_problem(self, group: Group) -> str | None:
+        return None  # it only scales the learning rate
 
     def init(self, state: State) -> None:
         state["schedule.step"] = counter()

@@ -1,32 +1,55 @@
 """The non-finite gradient policy, in one place: the step is check → chain → apply.
 
-A group's ``nonfinite`` option says what happens to a parameter whose gradient holds a
-NaN or an Inf:
+A gradient is *unusable* when it holds a NaN or an Inf, or when its sum of squares
+overflows the dtype the group's state is kept in (``state_dtype``: the largest float32
+is ~3.4e38, so a float32 gradient with one entry ≥ ~1.8e19 counts). The second moments
+(Adam's v, Adafactor's row and column means) accumulate g², so such a gradient would
+turn them into Inf — and the weights into NaN, or freeze them — although every entry
+is finite. A group's ``nonfinite`` option says what happens to a parameter with an
+unusable gradient:
 
 * ``"skip"`` (default): the parameter and its state are left untouched this step and the
   skip is counted in the state (``nonfinite.skips``; :attr:`ChainOptimizer.nonfinite_skips`).
   A built-in LR schedule's counter (``schedule.step``, Ranger21's) still ticks: it is the
   group's clock, not a statistic of the parameter;
-* ``"raise"``: ``FloatingPointError`` naming the parameters' shapes, raised by
-  :meth:`NonFinitePolicy.raise_if_any` before *any* parameter changes (``step()`` looks at
-  every gradient first; a per-layer update looks at its one parameter);
+* ``"raise"``: ``FloatingPointError`` naming the parameters' shapes (and saying whether
+  the gradient is non-finite or its sum of squares overflows), raised by
+  :meth:`NonFinitePolicy.raise_if_any` before *any* parameter changes in ``step()``,
+  which looks at every gradient first. Per-layer updates (:mod:`galore2.core.per_layer`)
+  step one parameter at a time inside backward: there the parameter with the unusable
+  gradient and every parameter after it in backward order are left unchanged, while
+  those stepped before it in that backward pass keep their update;
 * ``"ignore"``: no look at all (NaN propagates, as in ``torch.optim.AdamW``).
+
+The test is one reduction per gradient — its L2 norm, a plain sum of squares computed in
+float32 (float64 for float64 state), compared with √(largest value of the state dtype) —
+and one host read, as the bare NaN/Inf test it replaces.
+
+``state_dtype="float16"``: float16's largest value is 65504, so a gradient counts as
+unusable as soon as ‖g‖² > 65504 (‖g‖ > 255.9), summed over the whole tensor: the second
+moment of every element then stays finite (Adam's v is a running mean of g², so it holds
+|g| ≤ 255.9 per element in steady state; without this check a single step with
+(1 − β₂)·g² > 65504 — |g| > ~8.1e3 at β₂ = 0.999 — made v Inf and froze the element for
+good). For large tensors this skips steps whose entries are far below 255.9; use
+``state_dtype="bfloat16"`` (float32's range, the same memory) instead — a warning says so.
 
 The decision is made on the gradient as the moment chain will see it (after the
 gradient modules: AGC, centralization, normalization), before the chain runs, so no
-transform ever sees a non-finite input and none needs to check. For a sharded
-parameter the decision is the whole gradient's: each rank's flags are combined in one
-all-reduce, so every rank skips — or raises — together.
+transform ever sees an unusable input and none needs to check. For a sharded
+parameter the decision is the whole gradient's: each rank tests its shard and the flags
+are combined in one all-reduce, so every rank skips — or raises — together.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 
-from .._numerics import finite_flags
+from .._numerics import norms_within
 from ..placement import Placement
 from .options import Choice, Option
 
@@ -34,17 +57,27 @@ NONFINITE = Option(
     "nonfinite",
     "skip",
     Choice(("skip", "raise", "ignore")),
-    "a NaN/Inf gradient: skip that parameter's update (counted), raise before any "
-    "change, or ignore (no check)",
+    "a NaN/Inf gradient, or one whose sum of squares overflows the state dtype: skip that "
+    "parameter's update (counted), raise, or ignore (no check)",
 )
 
 SKIPS = "nonfinite.skips"  # the state key counting a parameter's skipped updates
 
 
-def finite_everywhere(grads: Sequence[Tensor], placements: Sequence[Placement]) -> list[bool]:
-    """Per local gradient: is the whole (global) gradient finite? Sharded parameters agree
+def state_dtype(group: dict[str, Any]) -> torch.dtype:
+    """The dtype a group's moments are kept in: its ``state_dtype`` option (declared by the
+    moment modules; its canonical values are torch's dtype names), float32 without one."""
+    return getattr(torch, group.get("state_dtype", "float32"))
+
+
+def usable(
+    grads: Sequence[Tensor], placements: Sequence[Placement], dtype: torch.dtype
+) -> list[bool]:
+    """Per local gradient: is the whole (global) gradient usable with state in ``dtype``
+    (finite, and no shard's sum of squares overflows ``dtype``)? Sharded parameters agree
     through one all-reduce of their flags; call it on every rank together."""
-    ok = finite_flags(list(grads))
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    ok = norms_within(list(grads), math.sqrt(torch.finfo(dtype).max), wide)
     sharded = [i for i, p in enumerate(placements) if p.distributed]
     if sharded:
         bad = placements[sharded[0]].any_global([not ok[i] for i in sharded])
@@ -71,12 +104,23 @@ class NonFinitePolicy:
             if group["nonfinite"] != "raise":
                 continue
             found = items(group)
-            ok = finite_everywhere([pl.local(g) for _, g, pl in found], [pl for *_, pl in found])
-            bad = [tuple(p.shape) for (p, _, _), f in zip(found, ok, strict=True) if not f]
-            if bad:
+            dtype = state_dtype(group)
+            local = [pl.local(g) for _, g, pl in found]
+            ok = usable(local, [pl for *_, pl in found], dtype)
+            bad = [i for i, f in enumerate(ok) if not f]
+            if bad:  # the raise path only: tell NaN/Inf from an overflowing sum of squares
+                nonfinite = [i for i in bad if not bool(torch.isfinite(local[i]).all())]
+                shapes = [tuple(found[i][0].shape) for i in nonfinite]
+                big = [tuple(found[i][0].shape) for i in bad if i not in nonfinite]
+                what = [f"non-finite gradient in parameters of shape {shapes}"] if shapes else []
+                if big:
+                    what.append(
+                        f"gradient whose sum of squares overflows {str(dtype)[6:]} (the "
+                        f"state dtype) in parameters of shape {big}"
+                    )
                 raise FloatingPointError(
-                    f"non-finite gradient in parameters of shape {bad} (nonfinite='raise'); "
-                    "use nonfinite='skip' to skip such updates instead"
+                    f"{'; '.join(what)} (nonfinite='raise'); use nonfinite='skip' to skip "
+                    "such updates instead"
                 )
 
     @staticmethod
@@ -86,12 +130,13 @@ class NonFinitePolicy:
         placements: Sequence[Placement],
         states: Sequence[dict[str, Tensor]],
     ) -> list[bool]:
-        """Which of a group's parameters to update: False for a non-finite gradient, whose
-        skip is counted in its state. ``"raise"`` groups were checked before the step
-        (a gradient module producing NaN is then skipped, like ``"skip"``)."""
+        """Which of a group's parameters to update: False for an unusable gradient (see the
+        module docstring), whose skip is counted in its state. ``"raise"`` groups were
+        checked before the step (a gradient module producing NaN is then skipped, like
+        ``"skip"``)."""
         if group["nonfinite"] == "ignore":
             return [True] * len(grads)
-        ok = finite_everywhere(grads, placements)
+        ok = usable(grads, placements, state_dtype(group))
         for state, f in zip(states, ok, strict=True):
             if not f:
                 state[SKIPS] += 1

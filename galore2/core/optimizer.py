@@ -17,15 +17,22 @@ Options: every group key is declared once, by the module that reads it
 are errors) and every integration derive from those declarations.
 
 State holds tensors only, so ``state_dict()`` round-trips through
-``torch.load(weights_only=True)``; :meth:`load_state_dict` keeps each state
-tensor's saved dtype (torch's default would cast int counters, seeds and fp32
-moments of bf16 parameters to the parameter's dtype).
+``torch.load(weights_only=True)``; :meth:`load_state_dict` checks a checkpoint against
+this optimizer before changing anything (:mod:`galore2.core.resume`) and keeps each
+state tensor's saved dtype (torch's default would cast int counters, seeds and fp32
+moments of bf16 parameters to the parameter's dtype). ``copy.deepcopy`` and pickle
+carry the modules along (torch's ``__getstate__`` keeps only defaults, state, groups).
+
+Complex parameters are updated through ``torch.view_as_real`` (as ``torch.optim.AdamW``
+does): their state lives at the real view's shape ``(*shape, 2)``. A group holding one
+is refused unless every module is defined for it (``complex_problem``).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from functools import partial
 from itertools import chain as iter_chain
 from typing import Any, ClassVar
@@ -39,6 +46,7 @@ from ..placement import LOCAL, Placement
 from .modules import GradientTransform, LRSchedule, ParamTransform, run_param_transforms
 from .nonfinite import SKIPS, NonFinitePolicy
 from .options import Bool, LearningRate, Option, Optional, Real, closest, collect, resolve
+from .resume import SCHEDULED, compare_groups, compare_state, refusal
 from .state import counter
 from .transform import Context, LowRankUpdate, Transform, init_chain, run_chain, state_kind, walk
 
@@ -101,13 +109,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         self._schedule = schedule
         self._grad_transforms = list(grad_transforms)
         self._param_transforms = list(param_transforms)
-        self._all_modules = [
-            *self._grad_transforms,
-            *self._chain,
-            *self._param_transforms,
-            *([schedule] if schedule is not None else []),
-        ]
-        self.declared = self.declared_options(self._all_modules)
+        self._derive()
         unknown = sorted(set(defaults) - set(self.declared))
         if unknown:
             raise TypeError(
@@ -115,13 +117,44 @@ class ChainOptimizer(torch.optim.Optimizer):
                 f"{closest(unknown, self.declared)}; its options are {sorted(self.declared)}"
                 f"{self._hints(unknown)}"
             )
-        self._owns_decay = any(t.owns_weight_decay for t in self._param_transforms)
         self._warned: set[str] = set()
-        self._placements: dict[int, Placement] = {}
-        self._where: tuple[int, dict[int, tuple[dict[str, Any], int]]] | None = None
         full = {name: opt.default for name, opt in self.declared.items()}
         full.update(defaults)
         super().__init__(params, full)
+
+    def _derive(self) -> None:
+        """What follows from the modules: the declared options, and empty caches keyed by
+        parameter ``id()`` (rebuilt on use)."""
+        self._all_modules = [
+            *self._grad_transforms,
+            *self._chain,
+            *self._param_transforms,
+            *([self._schedule] if self._schedule is not None else []),
+        ]
+        self.declared = self.declared_options(self._all_modules)
+        self._owns_decay = any(t.owns_weight_decay for t in self._param_transforms)
+        self._placements: dict[int, Placement] = {}
+        self._where: tuple[int, dict[int, tuple[dict[str, Any], int]]] | None = None
+
+    # ---- copy.deepcopy, pickle ---------------------------------------------------
+    #: instance attributes that travel with a copy besides torch's (defaults, state,
+    #: param_groups); everything else is derived again (:meth:`_derive`)
+    _PICKLED = ("_chain", "_schedule", "_grad_transforms", "_param_transforms", "_warned")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch keeps only defaults, state and groups; the modules travel too, and
+        ``switches`` (a preset's constructor switches) when there are some. Step hooks are
+        dropped, as torch drops them."""
+        out = super().__getstate__()
+        for key in (*self._PICKLED, "switches"):
+            if key in self.__dict__:
+                out[key] = self.__dict__[key]
+        return out
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if "_chain" in state:  # not when torch's load_state_dict calls it with two keys
+            self._derive()
 
     def _hints(self, keys: Sequence[str]) -> str:
         return "".join(f". {self.option_hints[k]}" for k in keys if k in self.option_hints)
@@ -158,7 +191,30 @@ class ChainOptimizer(torch.optim.Optimizer):
         )
         for module in walk(self._all_modules):
             module.validate(group)
+        self._check_complex(group)
         super().add_param_group(group)
+
+    def _check_complex(self, group: dict[str, Any]) -> None:
+        """Complex parameters are updated through their ``torch.view_as_real`` view (as
+        ``torch.optim.AdamW`` does), where every module of the chain is defined for them."""
+        params = group["params"]
+        if isinstance(params, set):
+            return  # torch's add_param_group refuses sets (unordered)
+        # torch turns an iterable into a list too: read a generator once
+        params = group["params"] = [params] if isinstance(params, Tensor) else list(params)
+        tensors = [p[1] if isinstance(p, tuple) else p for p in params]  # (name, p): named
+        bad = [p for p in tensors if isinstance(p, Tensor) and p.is_complex()]
+        problems = [m.complex_problem(group) for m in walk(self._all_modules)]
+        problems = [why for why in problems if why is not None]
+        if bad and problems:
+            shapes = [f"{tuple(p.shape)} {str(p.dtype)[6:]}" for p in bad]
+            raise ValueError(
+                f"{type(self).__name__}: complex parameters ({', '.join(shapes)}) in a group "
+                f"where {'; '.join(problems)}. GaLoreAdamW updates complex parameters in "
+                "groups with rank=None (AdamW on the real and imaginary parts, as "
+                "torch.optim.AdamW); otherwise optimize real tensors (e.g. keep "
+                "torch.view_as_real(p) as the parameter)"
+            )
 
     # ---- state -------------------------------------------------------------------
     def _warn_once(self, message: str) -> None:
@@ -191,22 +247,32 @@ class ChainOptimizer(torch.optim.Optimizer):
     def _context(self, p: Tensor, index: int) -> Context:
         placement = self._placement(p)
         return Context(
-            param=placement.local(p),
+            param=_real(placement.local(p)),
             index=index,
             warn_once=self._warn_once,
             placement=placement,
-            shape=p.shape,
+            shape=torch.Size((*p.shape, 2)) if p.is_complex() else p.shape,
         )
 
     def _init_param_state(self, p: Tensor, group: dict[str, Any], index: int) -> None:
         ctx = self._context(p, index)  # validates a DTensor's placement before any state exists
-        state = self.state[p]
+        self._fill_state(self.state[p], group, ctx)
+
+    def _expected_state(self, p: Tensor, group: dict[str, Any], index: int) -> dict[str, Tensor]:
+        """The state the first step would create for ``p``, built on the meta device (keys,
+        shapes, dtypes; CPU counters are real): what :meth:`load_state_dict` compares with."""
+        ctx = self._context(p, index)
+        state: dict[str, Tensor] = {}
+        self._fill_state(state, group, replace(ctx, param=ctx.param.to("meta")))
+        return state
+
+    def _fill_state(self, state: dict[str, Tensor], group: dict[str, Any], ctx: Context) -> None:
         state[SKIPS] = counter()
         if self._schedule is not None:
             self._schedule.init(state)
         for hook in (*self._grad_transforms, *self._param_transforms):
-            hook.init(p.shape, ctx.param, group, state, ctx)
-        init_chain(self._chain, p.shape, ctx.param, group, state, ctx)
+            hook.init(ctx.global_shape, ctx.param, group, state, ctx)
+        init_chain(self._chain, ctx.global_shape, ctx.param, group, state, ctx)
 
     def _indexed_params(self) -> Iterable[tuple[int, dict[str, Any], Tensor]]:
         index = 0
@@ -263,16 +329,47 @@ class ChainOptimizer(torch.optim.Optimizer):
         return sum(int(s[SKIPS]) for s in self.state.values() if SKIPS in s)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        for group in self.param_groups:  # options added since the checkpoint was written
-            for name in self.declared:
-                group.setdefault(name, self.defaults[name])
-        saved_ids = iter_chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = iter_chain.from_iterable(g["params"] for g in self.param_groups)
-        saved_state = state_dict["state"]
+        """torch's ``load_state_dict``, checked first (:mod:`galore2.core.resume`): options
+        that shape the state must match, this optimizer's other options win (reported),
+        each parameter's saved state must be what this optimizer keeps for it; a
+        ``ValueError`` before anything changes otherwise. Saved dtypes are kept."""
+        owner = type(self).__name__
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        refused, changed = compare_groups(self.declared, self.param_groups, saved_groups)
+        if refused:
+            raise refusal(owner, refused)
         renamed: dict[str, str] = {}  # state keys of older releases -> today's
         for module in walk(self._all_modules):
             renamed.update(getattr(module, "renamed_keys", {}))
+        saved_ids = [pid for g in saved_groups for pid in g["params"]]
+        saved_state = state_dict["state"]
+        if len(saved_ids) == sum(len(g["params"]) for g in self.param_groups):  # else torch's
+            items = (
+                (
+                    _describe(index, group, p),
+                    {renamed.get(k, k): v for k, v in saved_state.get(pid, {}).items()},
+                    partial(self._expected_state, p, group, index),
+                )
+                for pid, (index, group, p) in zip(saved_ids, self._indexed_params(), strict=True)
+            )
+            problems = compare_state(owner, items)
+            if problems:
+                raise refusal(owner, problems)
+        current = [dict(g) for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, mine, saved in zip(self.param_groups, current, saved_groups, strict=True):
+            for name in self.declared:  # this optimizer's options; lr: the checkpoint's
+                if name not in SCHEDULED or name not in saved:
+                    group[name] = mine[name]
+        if changed:
+            warnings.warn(
+                f"{owner}.load_state_dict: settings differ from the checkpoint's; this "
+                f"optimizer's are used: {'; '.join(changed)}",
+                stacklevel=2,
+            )
+        params = iter_chain.from_iterable(g["params"] for g in self.param_groups)
         for pid, p in zip(saved_ids, params, strict=True):
             for key, value in saved_state.get(pid, {}).items():
                 if key in renamed:
@@ -284,6 +381,8 @@ class ChainOptimizer(torch.optim.Optimizer):
                     on_cpu = value.dim() == 0 and not value.is_floating_point()
                     device = torch.device("cpu") if on_cpu else p.device
                     self.state[p][key] = value.detach().to(device=device, copy=True)
+            if self.state.get(p):
+                self.state[p].setdefault(SKIPS, counter())  # older checkpoints lack it
 
     # ---- step --------------------------------------------------------------------
     def _check_sparse(self) -> None:
@@ -336,7 +435,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         grad = p.grad
         if grad.is_sparse:
             self._check_sparse()
-        NonFinitePolicy.raise_if_any([group], lambda g: [(p, grad, self._placement(p))])
+        NonFinitePolicy.raise_if_any([group], lambda g: [(p, _real(grad), self._placement(p))])
         stepped = self._step_items(group, [(index, grad, p)])
         run_param_transforms(self._param_transforms, self._chain, stepped)
 
@@ -365,7 +464,7 @@ class ChainOptimizer(torch.optim.Optimizer):
             if not state:
                 self._init_param_state(p, group, index)
             ctx = self._context(p, index)
-            grad = ctx.placement.local(grad)
+            grad = _real(ctx.placement.local(grad))
             if ctx.placement.distributed:  # transforms see local views of DTensor state
                 state = {k: ctx.placement.local(v) for k, v in state.items()}
             params.append(ctx.param)
@@ -405,7 +504,20 @@ class ChainOptimizer(torch.optim.Optimizer):
             yield offset + i, p.grad, p
 
     def _to_check(self, group: dict[str, Any]) -> list[tuple[Tensor, Tensor, Placement]]:
-        return [(p, g, self._placement(p)) for _, g, p in self._indexed_params_of(group)]
+        return [(p, _real(g), self._placement(p)) for _, g, p in self._indexed_params_of(group)]
+
+
+def _describe(index: int, group: dict[str, Any], p: Tensor) -> str:
+    """``parameter 3 'up.weight' of shape (40, 24)`` (the name when the group has names)."""
+    names = group.get("param_names") or ()
+    offset = next((i for i, q in enumerate(group["params"]) if q is p), len(names))
+    name = f" {names[offset]!r}" if offset < len(names) else ""
+    return f"parameter {index}{name} of shape {tuple(p.shape)}"
+
+
+def _real(t: Tensor) -> Tensor:
+    """A complex tensor's real view (…, 2), where optimizers update it; others as they are."""
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def _chunks(params: list[Tensor], foreach: bool | None = None) -> list[list[int]]:

@@ -18,6 +18,18 @@ the last micro-batch. Refused, with a clear error: global gradient clipping
 (needs every gradient before any update — clip per parameter in your model, or
 use the ordinary ``optimizer.step()``), and ``DistributedDataParallel`` (its
 all-reduce finishes after the hooks fire — use FSDP2 or the ordinary step).
+
+An exception inside ``backward`` (e.g. ``FloatingPointError`` from
+``nonfinite="raise"``, or an out-of-memory error) abandons the optimizer step: the
+micro-batch count restarts, every gradient of the optimizer's parameters is set to
+``None`` (the micro-batches accumulated so far are dropped) and the LR schedule is not
+stepped; the next ``backward`` starts a new optimizer step. Parameters are stepped one
+at a time as their gradients become final, so an exception on the last micro-batch
+leaves the update partial: with ``nonfinite="raise"`` the parameter whose gradient is
+non-finite (or overflows, see :mod:`galore2.core.nonfinite`) and every parameter after
+it in backward order keep their weights and state, while those stepped before it in
+that backward pass keep their update. ``nonfinite="skip"`` (the default) skips only the
+bad parameter; the ordinary ``optimizer.step()`` raises before any parameter changes.
 """
 
 from __future__ import annotations
@@ -85,6 +97,9 @@ class PerLayerUpdates:
         self._last = self.micro_step == self.accumulation_steps
         try:
             loss.backward(**kwargs)
+        except BaseException:
+            self._abandon()
+            raise
         finally:
             last, self._last = self._last, False
         if last:
@@ -95,6 +110,14 @@ class PerLayerUpdates:
                 self.optimizer._opt_called = True  # type: ignore[attr-defined]
                 self.scheduler.step()
         return last
+
+    def _abandon(self) -> None:
+        """After an exception inside backward: drop this optimizer step (see the module
+        docstring) so that the next ``backward`` starts a new one."""
+        self.micro_step = 0
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
 
     def remove(self) -> None:
         """Unregister the hooks (back to ordinary ``optimizer.step()`` training)."""

@@ -96,6 +96,11 @@ class Transform:
         """Checks that involve several of this transform's keys (each key alone was checked
         against its :class:`~galore2.core.options.Option` already); ``ValueError`` naming them."""
 
+    def complex_problem(self, group: Group) -> str | None:
+        """Why this transform cannot update complex parameters in ``group`` (None: it can;
+        the optimizer then hands it the parameter's ``torch.view_as_real`` view)."""
+        return complex_problem(self)
+
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
     ) -> None:
@@ -139,6 +144,11 @@ class Transform:
             state[key].copy_(rotate_fn(state[key], False))
         for key in self.quadratic_keys:
             state[key].copy_(rotate_fn(state[key], True).clamp_(min=0))
+
+
+def complex_problem(module: Any) -> str:
+    """The default answer of ``complex_problem``: not defined for complex parameters."""
+    return f"{type(module).__name__} is not defined for complex parameters"
 
 
 def walk(modules: Iterable[Any]) -> Iterator[Any]:

@@ -70,7 +70,7 @@ from torch import Tensor
 from ..core.options import Bool, Option, Optional, Pair, Real
 from ..core.state import counter
 from ..core.transform import Context, Group, State, Transform
-from ..storage.dtype import STATE_DTYPE
+from ..storage.dtype import STATE_DTYPE, warn_float16
 from ..storage.moments import (
     check_moments,
     is_quantized,
@@ -190,6 +190,9 @@ class ScaleByAdafactor(Transform):
     def __repr__(self) -> str:
         return f"ScaleByAdafactor(moments={self.moments!r})"
 
+    def complex_problem(self, group: Group) -> str | None:
+        return "Adafactor's factored second moment is not defined for complex parameters"
+
     # ---- state -------------------------------------------------------------------
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
@@ -201,6 +204,7 @@ class ScaleByAdafactor(Transform):
             fmt = moment_format(self.moments, s, layout, group["state_dtype"], signed)
             fmt.allocate(state, key, s, layout, zeros)
 
+        warn_float16(group, ctx.warn_once)
         shape = tuple(shape)  # type: ignore[assignment]
         k = len(shape)
         if k >= 2:

@@ -40,7 +40,7 @@ from ..core.options import Option, Pair, Real
 from ..core.state import counter
 from ..core.transform import Context, Group, State, Transform
 from ..kernels.dispatch import run_kernel
-from ..storage.dtype import STATE_DTYPE
+from ..storage.dtype import STATE_DTYPE, warn_float16
 from ..storage.dynamic8 import Dynamic8Format
 from ..storage.moments import (
     check_moments,
@@ -91,12 +91,20 @@ class ScaleByAdam(Transform):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(moments={self.moments!r})"
 
+    def complex_problem(self, group: Group) -> str | None:
+        """Adam is elementwise: on a complex parameter's real view it is
+        ``torch.optim.AdamW``'s complex Adam (which uses that view too)."""
+        if self.moments != "state_dtype":
+            return "8-bit moments are not defined for complex parameters"
+        return None
+
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
     ) -> None:
         def zeros(s: tuple[int, ...], dtype: torch.dtype, layout: str) -> Tensor:
             return ctx.placement.zeros(s, dtype, ctx.param.device, layout)
 
+        warn_float16(group, ctx.warn_once)
         for key, signed in (("adam.exp_avg", True), ("adam.exp_avg_sq", False)):
             fmt = moment_format(
                 self.moments, tuple(shape), ctx.layout, group["state_dtype"], signed

@@ -175,6 +175,13 @@ class GaLore(Transform):
             )
         super().validate(group)
 
+    def complex_problem(self, group: Group) -> str | None:
+        """Transparent without a rank; a projection (rank set) is not defined for complex
+        parameters (the inner transforms answer for themselves, see ``walk``)."""
+        if group["rank"] is None:
+            return None
+        return f"GaLore projection (rank={group['rank']}) is not defined for complex parameters"
+
     # ---- planning ----------------------------------------------------------------
     @staticmethod
     def matrix_shape(shape: torch.Size) -> tuple[int, int]:

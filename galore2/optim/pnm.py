@@ -50,7 +50,7 @@ from torch import Tensor
 from ..core.options import Bool, Option, Real
 from ..core.state import counter
 from ..core.transform import Context, Group, State, Transform
-from ..storage.dtype import STATE_DTYPE
+from ..storage.dtype import STATE_DTYPE, warn_float16
 from ..storage.moments import (
     check_moments,
     moment_format,
@@ -144,6 +144,7 @@ class ScaleByPNM(Transform):
         def zeros(s: tuple[int, ...], dtype: torch.dtype, layout: str) -> Tensor:
             return ctx.placement.zeros(s, dtype, ctx.param.device, layout)
 
+        warn_float16(group, ctx.warn_once)
         for key, signed in self._keys():
             fmt = moment_format(
                 self.moments, tuple(shape), ctx.layout, group["state_dtype"], signed

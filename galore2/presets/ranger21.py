@@ -34,8 +34,9 @@ AMSGrad stores its running max; PNM uses β₀; normalization cannot produce NaN
 tensors with ≥ 4096 elements 8-bit blockwise, as GaLoreAdamW8bit does
 (:mod:`galore2.storage.moments`). It is a constructor switch, like the PNM variants:
 it fixes the moment module's state keys for the optimizer's lifetime (a per-group option
-could not be changed without invalidating the state), and the state itself records how
-each tensor is stored, so checkpoints resume either way.
+could not be changed without invalidating the state); a checkpoint resumes only into an
+optimizer built with the same switch (``load_state_dict`` refuses the other, naming the
+8-bit keys it misses or finds).
 Decay order: stable weight decay is applied after the update (σ needs this step's
 second moments of every parameter), the order galore-torch uses for projected matrices.
 """

@@ -380,15 +380,16 @@ def test_first_step_with_nan_grad(projector):
 @pytest.mark.parametrize("projector", PROJECTORS)
 @pytest.mark.parametrize("when", ["first", "later"])
 def test_huge_finite_gradient_at_refresh(projector, when):
-    """A finite gradient of magnitude 1e20 (a diverging fp32 run) is usable: the refresh
-    must not raise a linalg error and the basis must stay finite and orthonormal."""
+    """A finite gradient of magnitude 1e17 (a diverging fp32 run; its sum of squares still
+    fits float32 — larger ones are skipped, tests/core/test_nonfinite_overflow.py) is usable:
+    the refresh must not raise a linalg error and the basis must stay finite and orthonormal."""
     torch.manual_seed(0)
     p = nn.Parameter(torch.randn(8, 12))
     opt = galore_opt(p, projector, gap=1)
     if when == "later":
         p.grad = torch.randn_like(p)
         opt.step()
-    p.grad = torch.randn_like(p) * 1e20
+    p.grad = torch.randn_like(p) * 1e17
     opt.step()
     assert torch.isfinite(p).all()
     assert int(opt.state[p]["galore.refreshes"]) == (2 if when == "later" else 1)

@@ -146,3 +146,46 @@ def _ddp_refused(rank: int, world: int) -> None:
 
 def test_per_layer_refuses_ddp_with_a_clear_error():
     spawn(_ddp_refused, 1)
+
+
+def test_an_exception_inside_backward_abandons_the_step_and_training_goes_on():
+    """Issue 16 item 2: after a caught FloatingPointError (nonfinite="raise") every later
+    backward() returned False and the weights never moved again. Per-layer ``raise``
+    guarantees (module docstring): the parameter with the bad gradient and every one after
+    it in backward order are unchanged; those stepped before it keep their update."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)])
+    opt = galore2.GaLoreAdamW(model.parameters(), lr=1e-2, nonfinite="raise")
+    names = {id(p): n for n, p in model.named_parameters()}
+    bad = model[2].weight
+    poison = {"on": False}
+    bad.register_hook(lambda g: g * float("nan") if poison["on"] else g)
+    order: list[str] = []  # registered before per_layer's hooks: the order params are stepped
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: order.append(names[id(p)]))
+    updates = galore2.per_layer(model, opt, accumulation_steps=2)
+
+    def loss():
+        return model(torch.randn(5, 6)).pow(2).mean()
+
+    assert updates.backward(loss()) is False
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    poison["on"] = True
+    with pytest.raises(FloatingPointError, match=r"\(6, 6\)"):
+        updates.backward(loss())
+    poison["on"] = False
+    stepped = order[: order.index("2.weight")]
+    assert stepped  # parameters after the bad one in the model come first in backward
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) != (n in stepped), n
+        assert (n in stepped) == bool(opt.state[p]), n  # no state for the untouched ones
+    assert all(p.grad is None for p in model.parameters())  # the step was abandoned
+    assert updates.micro_step == 0
+
+    # The next optimizer step works: two micro-batches, every parameter updated.
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert updates.backward(loss()) is False
+    assert updates.backward(loss()) is True
+    for n, p in model.named_parameters():
+        assert not torch.equal(p, before[n]), n
+        assert p.grad is None

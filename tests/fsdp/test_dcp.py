@@ -16,3 +16,7 @@ def test_save_at_2_resume_at_1_and_3(tmp_path):
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     spawn(dcp_cases.damaged_fails_on_every_rank, 2, str(tmp_path))
+
+
+def test_sharded_state_is_checked_by_global_shape_and_a_changed_rank_refused(tmp_path):
+    spawn(dcp_cases.sharded_load_checks, 2, str(tmp_path))

@@ -1,0 +1,157 @@
+"""What :meth:`ChainOptimizer.load_state_dict` checks before it changes anything.
+
+torch's ``Optimizer.load_state_dict`` replaces every group value by the checkpoint's and
+copies whatever state it finds; the mistakes that lets through show up later, or never
+(a resumed run silently at the checkpoint's rank, another optimizer's state failing
+with a bare ``KeyError`` at the first step, fp32 moments kept in an 8-bit optimizer).
+Here, per group and then per parameter:
+
+**Options** (:func:`compare_groups`). ``lr`` follows torch (LR schedulers own it: the
+checkpoint's value is restored, ``initial_lr`` and the other non-option keys likewise).
+An option declared ``resumable=False`` (it shapes the stored state: ``rank``,
+``proj_type``, ``state_dtype``…) that differs is refused: ``ValueError`` naming each key
+with both values. Any other option that differs takes this optimizer's value (the
+constructor's: what the resumed run asked for), reported in one warning. An option the
+checkpoint lacks (written by an older release) keeps this optimizer's value.
+
+**State** (:func:`compare_state`). Each parameter's saved state (old key names mapped
+through the modules' ``renamed_keys``) is compared with the state its first step would
+create here (built on the meta device, one parameter at a time): keys, global shapes,
+dtypes. Refused, naming the parameter's index (and name), shape and the keys: keys of
+modules this optimizer does not have (another optimizer's state), missing keys, another
+shape (the parameter changed) or dtype (e.g. 8-bit moments on one side only). Extra keys
+of this optimizer's own modules are kept (``adafactor.exp_avg`` after ``beta1`` was
+switched off); keys a module creates on demand (:data:`OPTIONAL`) may be missing. A
+DTensor is compared by its global shape; a plain tensor saved for a DTensor state (or the
+reverse) by key and dtype only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from ..fsdp.detect import is_dtensor
+from .options import Option
+
+#: state keys that may be missing from a checkpoint (created on demand at the next step)
+OPTIONAL = frozenset({"galore.gap", "galore.streak", "galore.similarity", "nonfinite.skips"})
+#: group options owned by LR schedulers: the checkpoint's value is restored (torch's rule)
+SCHEDULED = frozenset({"lr"})
+_SHOWN = 6  # problems listed in a refusal before "... and N more"
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # tensors with several elements...
+        return a is b
+
+
+def _normalized(option: Option, value: Any) -> Any:
+    try:
+        return option.validate(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def compare_groups(
+    declared: Mapping[str, Option],
+    groups: Sequence[Mapping[str, Any]],
+    saved_groups: Sequence[Mapping[str, Any]],
+) -> tuple[list[str], list[str]]:
+    """(refused, changed): the lines of the refusal (non-resumable options that differ)
+    and of the warning (resumable ones, which take this optimizer's value)."""
+    refused, changed = [], []
+    for i, (group, saved) in enumerate(zip(groups, saved_groups, strict=True)):
+        for name, option in declared.items():
+            if name in SCHEDULED or name not in saved:
+                continue
+            old, new = _normalized(option, saved[name]), group[name]
+            if _same(old, new):
+                continue
+            if option.resumable:
+                changed.append(f"group {i}: {name} {old!r} → {new!r}")
+            else:
+                refused.append(f"group {i}: {name}: checkpoint {old!r}, this optimizer {new!r}")
+    return refused, changed
+
+
+def _prefix(key: str) -> str:
+    return key.split(".", 1)[0] + ".*" if "." in key else key
+
+
+def _dtype(t: Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _param_problems(saved: Mapping[str, Any], expected: Mapping[str, Tensor]) -> list[str]:
+    problems = []
+    missing = sorted(set(expected) - set(saved) - OPTIONAL)
+    if missing:
+        problems.append(f"missing {', '.join(missing)}")
+    for key in sorted(set(expected) & set(saved)):
+        got, want = saved[key], expected[key]
+        if not isinstance(got, Tensor):
+            problems.append(f"{key} is a {type(got).__name__}, not a tensor")
+            continue
+        if got.dtype != want.dtype:
+            problems.append(f"{key} is {_dtype(got)} in the checkpoint, {_dtype(want)} here")
+        elif is_dtensor(got) == is_dtensor(want) and got.shape != want.shape:
+            problems.append(
+                f"{key} has shape {tuple(got.shape)} in the checkpoint, {tuple(want.shape)} here"
+            )
+    if any("uint8" in p for p in problems):
+        problems.append(
+            "8-bit moments resume only into an optimizer that stores them 8-bit "
+            "(GaLoreAdamW8bit, moments_8bit=True), other moments only into one that does not"
+        )
+    return problems
+
+
+def compare_state(
+    owner: str,
+    items: Iterable[tuple[str, Mapping[str, Any], Callable[[], Mapping[str, Tensor]]]],
+) -> list[str]:
+    """The lines of a refusal for the parameters ``items``: (description, saved state with
+    today's key names, a function building the state this optimizer would create)."""
+    foreign: set[str] = set()
+    own: set[str] = set()
+    foreign_params: list[str] = []
+    lines: list[str] = []
+    for what, saved, make in items:
+        if not saved:
+            continue
+        expected = make()
+        ours = {_prefix(k) for k in expected}
+        theirs = {_prefix(k) for k in saved} - ours
+        if theirs:
+            foreign |= theirs
+            own |= ours
+            foreign_params.append(what)
+            continue
+        problems = _param_problems(saved, expected)
+        if problems:
+            lines.append(f"{what}: {'; '.join(problems)}")
+    if foreign:
+        more = f" and {len(foreign_params) - 1} more" if len(foreign_params) > 1 else ""
+        lines.insert(
+            0,
+            f"the checkpoint's state has {', '.join(sorted(foreign))} keys, which {owner} "
+            f"never writes (was it saved by another optimizer?); {owner} keeps "
+            f"{', '.join(sorted(own))} keys ({foreign_params[0]}{more})",
+        )
+    return lines
+
+
+def refusal(owner: str, lines: list[str]) -> ValueError:
+    """One ``ValueError`` listing ``lines`` (the first few)."""
+    shown = lines[:_SHOWN]
+    if len(lines) > _SHOWN:
+        shown.append(f"... and {len(lines) - _SHOWN} more")
+    return ValueError(
+        f"{owner}.load_state_dict: the checkpoint does not fit this optimizer (nothing was "
+        "loaded):\n  " + "\n  ".join(shown)
+    )
