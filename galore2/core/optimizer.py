@@ -46,7 +46,7 @@ from ..placement import LOCAL, Placement
 from .modules import GradientTransform, LRSchedule, ParamTransform, run_param_transforms
 from .nonfinite import SKIPS, NonFinitePolicy
 from .options import Bool, LearningRate, Option, Optional, Real, closest, collect, resolve
-from .resume import SCHEDULED, compare_groups, compare_state, refusal
+from .resume import SCHEDULED, compare_groups, compare_state, known_prefixes, refusal
 from .state import counter
 from .transform import Context, LowRankUpdate, Transform, init_chain, run_chain, state_kind, walk
 
@@ -348,13 +348,14 @@ class ChainOptimizer(torch.optim.Optimizer):
         if len(saved_ids) == sum(len(g["params"]) for g in self.param_groups):  # else torch's
             items = (
                 (
-                    _describe(index, group, p),
+                    partial(_describe, index, group, p),
                     {renamed.get(k, k): v for k, v in saved_state.get(pid, {}).items()},
                     partial(self._expected_state, p, group, index),
                 )
                 for pid, (index, group, p) in zip(saved_ids, self._indexed_params(), strict=True)
             )
-            problems = compare_state(owner, items)
+            known = known_prefixes([NonFinitePolicy, *walk(self._all_modules)])
+            problems = compare_state(owner, known, items)
             if problems:
                 raise refusal(owner, problems)
         current = [dict(g) for g in self.param_groups]
@@ -508,7 +509,8 @@ class ChainOptimizer(torch.optim.Optimizer):
 
 
 def _describe(index: int, group: dict[str, Any], p: Tensor) -> str:
-    """``parameter 3 'up.weight' of shape (40, 24)`` (the name when the group has names)."""
+    """``parameter 3 'up.weight' of shape (40, 24)`` (with its name when the group has names;
+    only for the parameters of a refusal, so the search is cheap enough)."""
     names = group.get("param_names") or ()
     offset = next((i for i, q in enumerate(group["params"]) if q is p), len(names))
     name = f" {names[offset]!r}" if offset < len(names) else ""

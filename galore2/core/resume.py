@@ -111,37 +111,44 @@ def _param_problems(saved: Mapping[str, Any], expected: Mapping[str, Tensor]) ->
     return problems
 
 
+def known_prefixes(modules: Iterable[Any]) -> set[str]:
+    """``adam.*``, ``galore.*``…: the state-key prefixes ``modules`` write (from their
+    ``kinds``)."""
+    return {_prefix(k) for m in modules for k in getattr(m, "kinds", {})}
+
+
 def compare_state(
     owner: str,
-    items: Iterable[tuple[str, Mapping[str, Any], Callable[[], Mapping[str, Tensor]]]],
+    known: set[str],
+    items: Iterable[
+        tuple[Callable[[], str], Mapping[str, Any], Callable[[], Mapping[str, Tensor]]]
+    ],
 ) -> list[str]:
-    """The lines of a refusal for the parameters ``items``: (description, saved state with
-    today's key names, a function building the state this optimizer would create)."""
+    """The lines of a refusal for the parameters ``items``: (its description, saved state with
+    today's key names, a function building the state this optimizer would create);
+    ``known``: the key prefixes of this optimizer's modules (:func:`known_prefixes`)."""
     foreign: set[str] = set()
-    own: set[str] = set()
     foreign_params: list[str] = []
     lines: list[str] = []
     for what, saved, make in items:
         if not saved:
             continue
-        expected = make()
-        ours = {_prefix(k) for k in expected}
-        theirs = {_prefix(k) for k in saved} - ours
+        theirs = {_prefix(k) for k in saved} - known
         if theirs:
             foreign |= theirs
-            own |= ours
-            foreign_params.append(what)
+            foreign_params.append(what())
             continue
+        expected = make()
         problems = _param_problems(saved, expected)
         if problems:
-            lines.append(f"{what}: {'; '.join(problems)}")
+            lines.append(f"{what()}: {'; '.join(problems)}")
     if foreign:
         more = f" and {len(foreign_params) - 1} more" if len(foreign_params) > 1 else ""
         lines.insert(
             0,
             f"the checkpoint's state has {', '.join(sorted(foreign))} keys, which {owner} "
             f"never writes (was it saved by another optimizer?); {owner} keeps "
-            f"{', '.join(sorted(own))} keys ({foreign_params[0]}{more})",
+            f"{', '.join(sorted(known))} keys ({foreign_params[0]}{more})",
         )
     return lines
 
