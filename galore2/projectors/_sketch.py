@@ -1,20 +1,36 @@
-"""Shared numerical pieces of the randomized and power projectors."""
+"""Shared numerical pieces of the randomized and power projectors.
+
+Orthonormalization is CholeskyQR2 with a certificate: the second pass's Gram matrix is
+Q₁ᵀQ₁, so ‖Q₁ᵀQ₁ − I‖ — how far the first pass got — costs nothing extra. When it is
+small (≤ 1/2, so κ(Q₁)² ≤ 3) the second pass returns Q orthonormal to O(u) whose columns
+span Y's as accurately as Householder QR's would (Yamamoto et al. 2015); when it is not
+(Y too ill-conditioned for CholeskyQR, κ ≳ u^-1/2, or rank-deficient), Householder QR is
+used instead. The certificates of all orthonormalizations in one basis search are read
+together, once (:func:`certified`): one device→host synchronization per basis.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from .._numerics import all_finite, generator_for, mix_seed
+from .._numerics import generator_for, mix_seed
 from ..placement import LOCAL, Placement
 
+# ‖Q₁ᵀQ₁ − I‖_F above which CholeskyQR2's first pass is deemed to have failed: below it
+# κ(Q₁)² ≤ 3 and the second pass is as accurate as Householder QR.
+_CERTIFY = 0.5
 
-def _cholesky_qr(
-    Y: Tensor, equilibrate: bool = False, placement: Placement = LOCAL
-) -> Tensor | None:
-    """One CholeskyQR pass: Y·R⁻¹ with RᵀR = YᵀY; None if YᵀY is not numerically PD.
+Orth = Callable[[Tensor], Tensor]
+
+
+def _cholesky_pass(
+    Y: Tensor, equilibrate: bool, placement: Placement
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One CholeskyQR pass: (Y·R⁻¹ with RᵀR = YᵀY, YᵀY, Cholesky succeeded), no host read.
 
     ``equilibrate`` factors D⁻¹·YᵀY·D⁻¹ (D = column norms, read off the Gram diagonal)
     instead, and solves with R·D: the same Q, but Cholesky sees a well-scaled matrix.
@@ -23,61 +39,99 @@ def _cholesky_qr(
     gram = placement.reduce(Y.mT @ Y)
     if equilibrate:
         d = torch.diagonal(gram).sqrt()
-        if not bool((d > 0).all()):
-            return None
         R, info = torch.linalg.cholesky_ex(gram / d[:, None] / d[None, :], upper=True)
         R = R * d[None, :]
     else:
         R, info = torch.linalg.cholesky_ex(gram, upper=True)
-    if int(info) != 0:
-        return None
-    return torch.linalg.solve_triangular(R, Y, upper=True, left=False)
+    return torch.linalg.solve_triangular(R, Y, upper=True, left=False), gram, info == 0
 
 
-def _cholesky_qr2(Y: Tensor, placement: Placement = LOCAL) -> Tensor | None:
-    Q = _cholesky_qr(Y, True, placement)
-    return None if Q is None else _cholesky_qr(Q, False, placement)
+def cholesky_qr2(Y: Tensor, placement: Placement = LOCAL) -> tuple[Tensor, Tensor]:
+    """CholeskyQR2 of Y (column order and signs kept) and its certificate, a 0-d bool
+    tensor on Y's device (no host read): both factorizations succeeded and
+    ‖Q₁ᵀQ₁ − I‖_F ≤ 1/2 for the first pass's Q₁ — False for a non-finite Y too."""
+    Q1, _, ok1 = _cholesky_pass(Y, True, placement)
+    Q, gram, ok2 = _cholesky_pass(Q1, False, placement)
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    return Q, ok1 & ok2 & (torch.linalg.matrix_norm(gram - eye) <= _CERTIFY)
 
 
-def orthonormalize_rows(Y: Tensor, placement: Placement) -> Tensor:
-    """``orthonormalize`` for a Y whose rows are sharded over ``placement`` (CholeskyQR2
-    with all-reduced Gram matrices; float64 retry; LinAlgError if Y is too ill-conditioned).
-    Every rank takes the same branch: the Gram matrices are identical everywhere."""
-    if not placement.distributed:
-        return orthonormalize(Y)
-    Q = _cholesky_qr2(Y, placement)
-    if Q is None:
-        Q = _cholesky_qr2(Y.double(), placement)
-    if Q is None:
-        # Rank-deficient Y (a gradient of rank < k): complete it with tiny random directions
-        # (they carry none of G's energy) — what Householder QR does in one process.
-        Y64 = Y.double()
+def householder(Y: Tensor) -> Tensor:
+    """Householder QR's Q of Y, signed so that R has a non-negative diagonal (as CholeskyQR's)."""
+    Q, R = torch.linalg.qr(Y, mode="reduced")
+    return Q * torch.where(torch.diagonal(R) < 0, -1.0, 1.0).to(Q.dtype)
+
+
+def certified(run: Callable[[Orth], Tensor], placement: Placement, eager: bool) -> Tensor:
+    """``run(orth)`` with every ``orth`` a certified CholeskyQR2 over ``placement``, and the
+    robust orthonormalization (:func:`robust`) wherever a certificate fails.
+
+    By default the certificates are read together once, at the end, and if any failed
+    ``run`` is repeated with the robust orthonormalization throughout: one host read per
+    ``run``. A run whose iterates pass through collectives is ``eager`` instead: each
+    certificate is read as it is made and only a failed orthonormalization is redone, so a
+    failure costs no extra collectives (the traffic stays what ``galore2.traffic`` counts),
+    at one host read per orthonormalization. Every rank reads the same certificates (their
+    Gram matrices are all-reduced or replicated), so every rank takes the same branch.
+    ``run`` must be deterministic apart from ``orth``.
+    """
+    oks: list[Tensor] = []
+
+    def fast(Y: Tensor) -> Tensor:
+        Q, ok = cholesky_qr2(Y, placement)
+        if eager:
+            return Q if bool(ok) else robust(Y, placement)
+        oks.append(ok)
+        return Q
+
+    out = run(fast)
+    if eager or not oks or bool(torch.stack(oks).all()):  # the one host read
+        return out
+    return run(lambda Y: robust(Y, placement))
+
+
+def robust(Y: Tensor, placement: Placement) -> Tensor:
+    """What replaces an uncertified CholeskyQR2: Householder QR, or, for row-sharded Y (no
+    Householder QR across ranks), :func:`_orthonormalize_sharded`."""
+    if placement.distributed:
+        return _orthonormalize_sharded(Y, placement)
+    return householder(Y)
+
+
+def _orthonormalize_sharded(Y: Tensor, placement: Placement) -> Tensor:
+    """Row-sharded Y that fp32 CholeskyQR2 could not certify: float64 CholeskyQR2; if Y is
+    rank-deficient (a gradient of rank < k), Y completed with tiny random directions (they
+    carry none of G's energy: what Householder QR does in one process); LinAlgError if that
+    fails too (the refresh then keeps the basis)."""
+    Y64 = Y.double()
+    Q, ok = cholesky_qr2(Y64, placement)
+    if not bool(ok):
         total = placement.reduce(Y64.pow(2).sum().reshape(1))
         rms = math.sqrt(float(total) / max(1, Y.numel() * placement.world)) or 1.0
         gen = generator_for(Y.device, mix_seed(placement.rank, *Y.shape))
         noise = torch.randn(Y.shape, generator=gen, device=Y.device, dtype=torch.float64)
-        Q = _cholesky_qr2(Y64 + 1e-6 * rms * noise, placement)
-        if Q is None:
+        Q, ok = cholesky_qr2(Y64 + 1e-6 * rms * noise, placement)
+        if not bool(ok):
             raise torch.linalg.LinAlgError("sharded CholeskyQR2 failed: basis kept")
     return Q.to(Y.dtype)
 
 
+def orthonormalize_rows(Y: Tensor, placement: Placement) -> Tensor:
+    """``orthonormalize`` for a Y whose rows may be sharded over ``placement`` (Gram
+    matrices all-reduced). One host read."""
+    return certified(lambda orth: orth(Y), placement, eager=True)
+
+
 def orthonormalize(Y: Tensor) -> Tensor:
-    """An orthonormal basis of Y's columns, column order and signs kept (R has a positive diagonal).
+    """An orthonormal basis of Y's columns, column order and signs kept (R has a positive
+    diagonal), as accurate as Householder QR's.
 
     CholeskyQR2 is all BLAS-3 and several times faster than Householder QR for tall
     thin Y. Columns are equilibrated first (warm-started iterates are near-orthogonal
-    with very different norms, σᵢ²), which lets it run in the input dtype; it falls
-    back to float64 CholeskyQR2, then to Householder QR, when Y is too ill-conditioned.
+    with very different norms, σᵢ²), which lets it run in the input dtype; Householder QR
+    takes over when the result cannot be certified. One host read.
     """
-    Q = _cholesky_qr2(Y)
-    if Q is not None and all_finite(Q):
-        return Q
-    Q = _cholesky_qr2(Y.double())
-    if Q is None or not all_finite(Q):
-        Q, R = torch.linalg.qr(Y.double(), mode="reduced")
-        Q = Q * torch.sign(torch.diagonal(R)).where(torch.diagonal(R) != 0, 1.0)
-    return Q.to(Y.dtype)
+    return certified(lambda orth: orth(Y), LOCAL, eager=True)
 
 
 def top_eigvecs(gram: Tensor, rank: int, dtype: torch.dtype) -> Tensor:
@@ -98,13 +152,19 @@ def left_basis(
 
     G (m×n) may be row-sharded over ``pl`` (this rank holds some rows); the basis comes
     back sharded the same way. Ω (n×k, k = rank + oversample) is seeded, so every rank
-    draws the same. Collectives: k×k and n×k all-reduces.
+    draws the same. Collectives: k×k and n×k all-reduces. One host read (:func:`certified`).
     """
     n = G.shape[1]
     k = min(rank + oversample, m, n)
-    Y = orthonormalize_rows(G @ _gaussian(n, k, seed, G), pl)
-    for _ in range(iters):
-        Y = orthonormalize_rows(G @ pl.reduce(G.mT @ Y), pl)
+    GO = G @ _gaussian(n, k, seed, G)
+
+    def run(orth: Orth) -> Tensor:
+        Y = orth(GO)
+        for _ in range(iters):
+            Y = orth(G @ pl.reduce(G.mT @ Y))
+        return Y
+
+    Y = certified(run, pl, eager=pl.distributed)
     if k == rank:
         return Y
     B = pl.reduce(Y.mT @ G)  # k×n
@@ -117,15 +177,20 @@ def right_basis(
     """Randomized top-``rank`` basis of Gᵀ's column space (n×rank), replicated on every rank.
 
     G (m×n) may be row-sharded: Gᵀ·X = Σ over ranks of G_iᵀ·X_i. Ω (m×k) is seeded and
-    each rank uses its own rows of it. Collectives: n×k and k×k all-reduces.
+    each rank uses its own rows of it. Collectives: n×k and k×k all-reduces. One host read.
     """
     n = G.shape[1]
     k = min(rank + oversample, m, n)
     start, stop = pl.row_range(m)
-    omega = _gaussian(m, k, seed, G)[start:stop]
-    Y = orthonormalize(pl.reduce(G.mT @ omega))
-    for _ in range(iters):
-        Y = orthonormalize(pl.reduce(G.mT @ (G @ Y)))
+    GO = pl.reduce(G.mT @ _gaussian(m, k, seed, G)[start:stop])
+
+    def run(orth: Orth) -> Tensor:
+        Y = orth(GO)
+        for _ in range(iters):
+            Y = orth(pl.reduce(G.mT @ (G @ Y)))
+        return Y
+
+    Y = certified(run, LOCAL, eager=pl.distributed)
     if k == rank:
         return Y
     C = G @ Y  # m×k (rows sharded)
@@ -133,16 +198,26 @@ def right_basis(
 
 
 def warm_left(G: Tensor, P: Tensor, iters: int, pl: Placement = LOCAL) -> Tensor:
-    """Subspace iteration from an orthonormal (row-sharded) basis P: Y ← orth(G·(Gᵀ·Y))."""
-    Y = P
-    for _ in range(iters):
-        Y = orthonormalize_rows(G @ pl.reduce(G.mT @ Y), pl)
-    return Y
+    """Subspace iteration from an orthonormal (row-sharded) basis P: Y ← orth(G·(Gᵀ·Y)).
+    One host read."""
+
+    def run(orth: Orth) -> Tensor:
+        Y = P
+        for _ in range(iters):
+            Y = orth(G @ pl.reduce(G.mT @ Y))
+        return Y
+
+    return certified(run, pl, eager=pl.distributed)
 
 
 def warm_right(G: Tensor, Q: Tensor, iters: int, pl: Placement = LOCAL) -> Tensor:
-    """Subspace iteration from an orthonormal (replicated) basis Q: Y ← orth(Gᵀ·(G·Y))."""
-    Y = Q
-    for _ in range(iters):
-        Y = orthonormalize(pl.reduce(G.mT @ (G @ Y)))
-    return Y
+    """Subspace iteration from an orthonormal (replicated) basis Q: Y ← orth(Gᵀ·(G·Y)).
+    One host read."""
+
+    def run(orth: Orth) -> Tensor:
+        Y = Q
+        for _ in range(iters):
+            Y = orth(pl.reduce(G.mT @ (G @ Y)))
+        return Y
+
+    return certified(run, LOCAL, eager=pl.distributed)

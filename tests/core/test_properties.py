@@ -6,7 +6,7 @@ fp32 and bf16 parameters, every ``proj_type``, ``projector`` and
 
 (a) keep the parameter finite and change it;
 (b) create exactly the documented state at the documented shapes;
-(c) keep non-random bases orthonormal;
+(c) keep non-random bases orthonormal (to fp32 accuracy: see ``FP32``);
 (d) move the parameter only inside the projected subspace (and, on the first
     step, by exactly −lr·α·back(R / (|R| + eps)) computed in float64);
 (e) choose the side by the documented rule.
@@ -14,11 +14,14 @@ fp32 and bf16 parameters, every ``proj_type``, ``projector`` and
 
 from __future__ import annotations
 
+import ast
+import math
 import os
 import warnings
+from pathlib import Path
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import galore2
@@ -29,17 +32,52 @@ PROJ_TYPES = ["std", "reverse_std", "left", "right", "full"]
 PROJECTORS = ["svd", "randomized", "power", "random"]
 # eps large enough that R / (|R| + eps) is well conditioned for the float64 comparison
 LR, SCALE, EPS = 1e-2, 0.25, 0.1
+# What fp32 allows a basis B (d×r) found by a backward-stable method: ‖BᵀB − I‖_F and the
+# relative error of projecting a rank-r gradient onto it are c·sqrt(d·r)·u and c·sqrt(d)·u
+# (d-term inner products in unit roundoff u = 2⁻²⁴, errors adding like a random walk), c a
+# small constant. Over 5,000 random cases of these strategies c ≤ 9.3 (exact SVD) and
+# ≤ 5.3 (randomized, power); c = 24 leaves room for other BLAS builds. CholeskyQR2 without
+# a fallback reached c ≈ 1300 on rank-deficient sketches (tools/sketch_accuracy.py).
+FP32 = 24 * 2.0**-24
 
 
 def budget(n: int) -> settings:
-    """``n`` examples, derandomized (the same examples on every run and machine, CI
-    included); ``HYPOTHESIS_RANDOM=1`` explores new ones locally."""
+    """``n`` examples. Unless ``HYPOTHESIS_RANDOM`` is set (to explore new examples
+    locally), derandomized with no example database: the same examples on every run and
+    machine, CI included, none replayed from an earlier run's failures."""
+    explore = bool(os.environ.get("HYPOTHESIS_RANDOM"))
     return settings(
         max_examples=n,
         deadline=None,
-        derandomize=not os.environ.get("HYPOTHESIS_RANDOM"),
+        derandomize=not explore,
+        **({} if explore else {"database": None}),
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )
+
+
+def test_property_tests_are_derandomized_without_a_database(monkeypatch):
+    """CI (no HYPOTHESIS_RANDOM) gets the derandomized profile, and every ``@given`` test
+    under tests/ takes its settings from :func:`budget`."""
+    monkeypatch.delenv("HYPOTHESIS_RANDOM", raising=False)
+    ci = budget(3)
+    assert ci.derandomize is True and ci.database is None
+    monkeypatch.setenv("HYPOTHESIS_RANDOM", "1")
+    assert budget(3).derandomize is False
+
+    def name(node: ast.expr) -> str:
+        node = node.func if isinstance(node, ast.Call) else node
+        return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+    tests_dir = Path(__file__).resolve().parents[1]
+    given_tests = []
+    for path in sorted(tests_dir.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                decorators = [name(d) for d in node.decorator_list]
+                if "given" in decorators:
+                    given_tests.append(node.name)
+                    assert "budget" in decorators, f"{path}:{node.lineno} {node.name}"
+    assert len(given_tests) >= 3, given_tests
 
 
 def expected_side(m: int, n: int, rank: int, proj_type: str) -> int:
@@ -194,12 +232,13 @@ def test_projected_steps(case, dtype, proj_type, projector, moments, gap, steps,
         P, Q = dense_bases(opt, p, rank, projector)
         assert (P is not None) == (side in (LEFT, FULL))
         assert (Q is not None) == (side in (RIGHT, FULL))
-        # (c) orthonormal bases
+        # (c) orthonormal bases, to what fp32 allows
         if projector != "random":
             for B in (P, Q):
                 if B is not None:
                     eye = torch.eye(rank, dtype=torch.float64)
-                    assert torch.linalg.norm(B.double().mT @ B.double() - eye) <= 1e-4
+                    bound = FP32 * math.sqrt(B.shape[0] * rank)
+                    assert torch.linalg.norm(B.double().mT @ B.double() - eye) <= bound
 
         # (d) the update lies in span(P)·X·span(Q)ᵀ
         # slack for rounding the weights to fp32 (a few ulps of ‖W‖) on top of a relative bound
@@ -268,8 +307,12 @@ def test_side_rule_and_init_state(dims, rank, proj_type, projector):
     projector=st.sampled_from(["svd", "randomized", "power"]),
     seed=st.integers(0, 2**20),
 )
+# rank-deficient sketches (k = min(r + 8, m, n) > r): 2.0e-4 and 1.3e-4 with CholeskyQR2 alone
+@example(case=(10, 9, 8), proj_type="std", projector="randomized", seed=80)
+@example(case=(10, 9, 8), proj_type="left", projector="power", seed=140)
 def test_low_rank_gradient_basis_spans_it(case, proj_type, projector, seed):
-    """A gradient of rank r is captured exactly: R = proj(G) and back(R) = G."""
+    """A gradient of rank r is captured exactly, to what fp32 allows: R = proj(G) and
+    back(R) = G with ‖back(R) − G‖ ≤ c·sqrt(max(m, n))·u·‖G‖ (``FP32``)."""
     m, n, rank = case
     side = expected_side(m, n, rank, proj_type)
     gen = torch.Generator().manual_seed(seed)
@@ -288,4 +331,5 @@ def test_low_rank_gradient_basis_spans_it(case, proj_type, projector, seed):
     P64 = None if P is None else P.double()
     Q64 = None if Q is None else Q.double()
     recon = back(project(G64, P64, Q64), P64, Q64)
-    assert torch.linalg.norm(recon - G64) <= 1e-4 * torch.linalg.norm(G64)
+    bound = FP32 * math.sqrt(max(m, n)) * torch.linalg.norm(G64)
+    assert torch.linalg.norm(recon - G64) <= bound
