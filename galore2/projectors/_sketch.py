@@ -1,12 +1,15 @@
 """Shared numerical pieces of the randomized and power projectors.
 
 Orthonormalization is CholeskyQR2 with a certificate: the second pass's Gram matrix is
-Q₁ᵀQ₁, so ‖Q₁ᵀQ₁ − I‖ — how far the first pass got — costs nothing extra. When it is
-small (≤ 1/2, so κ(Q₁)² ≤ 3) the second pass returns Q orthonormal to O(u) whose columns
-span Y's as accurately as Householder QR's would (Yamamoto et al. 2015); when it is not
-(Y too ill-conditioned for CholeskyQR, κ ≳ u^-1/2, or rank-deficient), Householder QR is
-used instead. The certificates of all orthonormalizations in one basis search are read
-together, once (:func:`certified`): one device→host synchronization per basis.
+Q₁ᵀQ₁, so ‖Q₁ᵀQ₁ − I‖_F — how far the first pass got — costs nothing extra. When it is
+≤ 1/2 (so κ(Q₁)² ≤ 3) the second pass returns a Q orthonormal to O(u) whose columns span
+Y's as accurately as Householder QR's would (Yamamoto et al. 2015: CholeskyQR2 is stable
+once its second pass sees a well-conditioned input). When it is not — Y too ill-conditioned
+for CholeskyQR (κ ≳ u^-1/2 after equilibration) or rank-deficient (a sketch with more
+columns than G's rank), where CholeskyQR can "succeed" with a far from orthonormal Q —
+Householder QR replaces it. A basis search reads the certificates of all its
+orthonormalizations together, once: one device→host synchronization per basis (one per
+orthonormalization under a distributed placement, see :func:`certified`).
 """
 
 from __future__ import annotations
@@ -68,12 +71,13 @@ def certified(run: Callable[[Orth], Tensor], placement: Placement, eager: bool) 
 
     By default the certificates are read together once, at the end, and if any failed
     ``run`` is repeated with the robust orthonormalization throughout: one host read per
-    ``run``. A run whose iterates pass through collectives is ``eager`` instead: each
-    certificate is read as it is made and only a failed orthonormalization is redone, so a
-    failure costs no extra collectives (the traffic stays what ``galore2.traffic`` counts),
-    at one host read per orthonormalization. Every rank reads the same certificates (their
-    Gram matrices are all-reduced or replicated), so every rank takes the same branch.
-    ``run`` must be deterministic apart from ``orth``.
+    ``run`` (a failure costs the run twice). A run whose iterates pass through collectives
+    is ``eager`` instead: each certificate is read as it is made and only a failed
+    orthonormalization is redone, so a failure repeats no collective of ``run`` (only the
+    row-sharded retry's own Gram all-reduces are added), at one host read per
+    orthonormalization. Every rank reads the same certificates (their Gram matrices are
+    all-reduced or replicated), so every rank takes the same branch. ``run`` must be
+    deterministic apart from ``orth``.
     """
     oks: list[Tensor] = []
 
