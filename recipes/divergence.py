@@ -17,10 +17,10 @@ recipe, through :class:`SkipWatch`:
 Optimizers without the counter (torch AdamW, the peers) let a NaN through instead; the
 loss row then shows it (``NaN``/``Infinity``) and :class:`recipes.metrics.Metrics` warns.
 
-Under torchrun the optimizer's skip decisions are the same on every rank (each sharded
-gradient's finiteness flag is all-reduced before the decision), so every rank's counters,
-streak and stop step are the same: the stop needs no communication of its own (and no
-extra device→host synchronization per step).
+Under torchrun the optimizer's skip decision is already the same on every rank (its
+finiteness flags are all-reduced); the stop decision is made the same everywhere too,
+by one scalar all-reduce (MAX) of the streak per step, only when world > 1 and
+``max_skip_steps`` > 0.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.distributed as dist
 
 
 class Diverged(RuntimeError):
@@ -40,6 +41,13 @@ def likely_causes(lr: float, scale: float) -> str:
         f"is too large (optim.scale={scale:g}), or the data holds something that makes the "
         "loss non-finite"
     )
+
+
+def _max_over_ranks(value: int, device: torch.device) -> int:
+    on = torch.device("cpu") if dist.get_backend() == "gloo" else device
+    t = torch.tensor([value], dtype=torch.int64, device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 class SkipWatch:
@@ -55,12 +63,14 @@ class SkipWatch:
         max_skip_steps: int,
         *,
         rank: int,
+        world: int,
+        device: torch.device,
         causes: str = "",
     ) -> None:
         self.optimizer = optimizer
         self.enabled = hasattr(optimizer, "nonfinite_skips")
         self.max_skip_steps = max_skip_steps
-        self.rank = rank
+        self.rank, self.world, self.device = rank, world, device
         self.causes = causes
         self.updates_per_step = sum(len(g["params"]) for g in optimizer.param_groups)
         self.total = self._read()  # a resumed run starts from the checkpoint's count
@@ -94,6 +104,8 @@ class SkipWatch:
         if not self.max_skip_steps:
             return None
         streak = self.streak
+        if self.world > 1:
+            streak = _max_over_ranks(streak, self.device)
         if streak < self.max_skip_steps:
             return None
         return (

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     checkpoints = t.checkpoint_every >= 0 and o.name not in optimizers.PEERS
     stop = min(t.stop_after, t.steps) if t.stop_after > 0 else t.steps
     causes = likely_causes(o.lr, o.scale)
-    watch = SkipWatch(opt, t.max_skip_steps, rank=rank, causes=causes)
+    watch = SkipWatch(opt, t.max_skip_steps, rank=rank, world=world, device=device, causes=causes)
     halt = None  # why the run stops early (the same on every rank)
     for step in range(start + 1, stop + 1):
         loss = train_step(model, train_loader, opt, sched, updates, job, device)
