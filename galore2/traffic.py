@@ -45,8 +45,9 @@ for every later one), per projected weight:
 * ``usable_norm``: all-reduce of one int32 (any non-finite) and one fp64 (Σ‖G_i‖²);
 * ``randomized`` (and ``power``'s first refresh, a randomized cold start), with
   k = min(r + oversample, m, n) and q = ``power_iters``: left — CholeskyQR2 of G·Ω
-  (two k×k Gram all-reduces), q × (Gᵀ·Y: n×k, then two k×k Grams), Yᵀ·G (k×n, only
-  when k > r), ``align_signs`` (r; at the first refresh too, against the zero-initialized basis);
+  (two k×k Gram all-reduces, the first in fp64, as in every CholeskyQR2 below), q × (Gᵀ·Y:
+  n×k, then two k×k Grams), Yᵀ·G (k×n, only when k > r), ``align_signs`` (r; at the first
+  refresh too, against the zero-initialized basis);
   right — Gᵀ·Ω (n×k), q × Gᵀ·(G·Y) (n×k), CᵀC (k×k,
   only when k > r); the right basis is replicated, so its orthonormalization and sign
   alignment are local;
@@ -232,7 +233,7 @@ def _refresh(
         out.append(Collective(op, shape, dtype, source, name, gap))
 
     def grams(k: int, where: str) -> None:  # orthonormalize_rows: sharded CholeskyQR2
-        add("all_reduce", (k, k), _F32, f"{where}: CholeskyQR2 Gram 1")
+        add("all_reduce", (k, k), _F64, f"{where}: CholeskyQR2 Gram 1 (float64)")
         add("all_reduce", (k, k), _F32, f"{where}: CholeskyQR2 Gram 2")
 
     left, right = side in (LEFT, FULL), side in (RIGHT, FULL)

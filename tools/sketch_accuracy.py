@@ -1,9 +1,11 @@
 """How accurate the randomized and power bases are, over many seeds.
 
-    PYTHONPATH=<tree> python -m tools.sketch_accuracy [--seeds 200]
+    python -m tools.sketch_accuracy [--seeds 200]
+    cd /tmp && PYTHONPATH=<other checkout> python <this checkout>/tools/sketch_accuracy.py
 
-Runs against whichever galore2 is first on ``PYTHONPATH`` (so the same script measures
-two checkouts). Cases:
+Runs against whichever galore2 is imported (``-m`` from a checkout's root: that checkout's;
+the second form, from a directory without one: ``PYTHONPATH``'s), so the same script
+measures two checkouts. Cases:
 
 - ``10x9 r8 <proj_type>``: an exactly rank-8 gradient G = A·B (A 10×8, B 8×9 Gaussian) stepped
   once by ``GaLoreAdamW(rank=8)``, as ``tests/core/test_properties.py`` does; with the default

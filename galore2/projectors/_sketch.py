@@ -1,15 +1,16 @@
 """Shared numerical pieces of the randomized and power projectors.
 
-Orthonormalization is CholeskyQR2 with a certificate: the second pass's Gram matrix is
-Q₁ᵀQ₁, so ‖Q₁ᵀQ₁ − I‖_F — how far the first pass got — costs nothing extra. When it is
-≤ 1/2 (so κ(Q₁)² ≤ 3) the second pass returns a Q orthonormal to O(u) whose columns span
-Y's as accurately as Householder QR's would (Yamamoto et al. 2015: CholeskyQR2 is stable
-once its second pass sees a well-conditioned input). When it is not — Y too ill-conditioned
-for CholeskyQR (κ ≳ u^-1/2 after equilibration) or rank-deficient (a sketch with more
-columns than G's rank), where CholeskyQR can "succeed" with a far from orthonormal Q —
-Householder QR replaces it. A basis search reads the certificates of all its
-orthonormalizations together, once: one device→host synchronization per basis (one per
-orthonormalization under a distributed placement, see :func:`certified`).
+Orthonormalization is a mixed-precision CholeskyQR2 (first Gram matrix in float64) with a
+certificate: the second pass's Gram matrix is Q₁ᵀQ₁, so ‖Q₁ᵀQ₁ − I‖_F — how far the first
+pass got — costs nothing extra. When it is ≤ 1/2 (so κ(Q₁)² ≤ 3) the second pass returns a
+Q orthonormal to O(u) whose columns span Y's as accurately as Householder QR's would
+(Yamamoto et al. 2015: CholeskyQR2 is stable once its second pass sees a well-conditioned
+input). When it is not — Y too ill-conditioned even so (κ ≳ 1e6 after equilibration) or
+rank-deficient (a sketch with more columns than G's rank), where CholeskyQR can "succeed"
+with a far from orthonormal Q — Householder QR replaces it. A basis search reads the
+certificates of all its orthonormalizations together, once: one device→host
+synchronization per basis (one per orthonormalization under a distributed placement, see
+:func:`certified`).
 """
 
 from __future__ import annotations
@@ -30,33 +31,30 @@ _CERTIFY = 0.5
 Orth = Callable[[Tensor], Tensor]
 
 
-def _cholesky_pass(
-    Y: Tensor, equilibrate: bool, placement: Placement
-) -> tuple[Tensor, Tensor, Tensor]:
-    """One CholeskyQR pass: (Y·R⁻¹ with RᵀR = YᵀY, YᵀY, Cholesky succeeded), no host read.
-
-    ``equilibrate`` factors D⁻¹·YᵀY·D⁻¹ (D = column norms, read off the Gram diagonal)
-    instead, and solves with R·D: the same Q, but Cholesky sees a well-scaled matrix.
-    Y may be row-sharded: the Gram matrix is summed over ``placement``.
-    """
-    gram = placement.reduce(Y.mT @ Y)
-    if equilibrate:
-        d = torch.diagonal(gram).sqrt()
-        R, info = torch.linalg.cholesky_ex(gram / d[:, None] / d[None, :], upper=True)
-        R = R * d[None, :]
-    else:
-        R, info = torch.linalg.cholesky_ex(gram, upper=True)
-    return torch.linalg.solve_triangular(R, Y, upper=True, left=False), gram, info == 0
-
-
 def cholesky_qr2(Y: Tensor, placement: Placement = LOCAL) -> tuple[Tensor, Tensor]:
-    """CholeskyQR2 of Y (column order and signs kept) and its certificate, a 0-d bool
-    tensor on Y's device (no host read): both factorizations succeeded and
-    ‖Q₁ᵀQ₁ − I‖_F ≤ 1/2 for the first pass's Q₁ — False for a non-finite Y too."""
-    Q1, _, ok1 = _cholesky_pass(Y, True, placement)
-    Q, gram, ok2 = _cholesky_pass(Q1, False, placement)
+    """Mixed-precision CholeskyQR2 of Y (column order and signs kept) and its certificate,
+    a 0-d bool tensor on Y's device; no host read. Y may be row-sharded: the Gram matrices
+    are summed over ``placement``.
+
+    The first pass forms and factors the Gram matrix in float64 (equilibrated: D⁻¹·YᵀY·D⁻¹
+    with D the column norms, solved with R·D — the same Q, a well-scaled Cholesky), so its
+    Q₁ is off orthonormal by about u·κ(Y) instead of u·κ(Y)² (Yamazaki, Tomov & Dongarra
+    2015): fp32 sketches of real gradients (κ up to ~1e6 after power iterations) need no
+    fallback. The second pass, in Y's dtype, makes Q orthonormal to O(u). Certificate:
+    both Cholesky factorizations succeeded and ‖Q₁ᵀQ₁ − I‖_F ≤ 1/2 (read off the second
+    pass's Gram matrix); False for a rank-deficient or non-finite Y.
+    """
+    Y64 = Y.double()
+    gram = placement.reduce(Y64.mT @ Y64)
+    d = torch.diagonal(gram).sqrt()
+    R, info1 = torch.linalg.cholesky_ex(gram / d[:, None] / d[None, :], upper=True)
+    Q1 = torch.linalg.solve_triangular((R * d[None, :]).to(Y.dtype), Y, upper=True, left=False)
+    gram = placement.reduce(Q1.mT @ Q1)
+    R, info2 = torch.linalg.cholesky_ex(gram, upper=True)
+    Q = torch.linalg.solve_triangular(R, Q1, upper=True, left=False)
     eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-    return Q, ok1 & ok2 & (torch.linalg.matrix_norm(gram - eye) <= _CERTIFY)
+    near = torch.linalg.matrix_norm(gram - eye) <= _CERTIFY
+    return Q, (info1 == 0) & (info2 == 0) & near
 
 
 def householder(Y: Tensor) -> Tensor:

@@ -9,6 +9,7 @@ import torch
 
 import galore2
 from galore2.projectors import FULL, LEFT, RIGHT, Plan, get_projector
+from galore2.projectors._sketch import cholesky_qr2
 
 
 def low_rank_plus_noise(m: int, n: int, k: int, noise: float, seed: int) -> torch.Tensor:
@@ -158,6 +159,27 @@ def test_sketched_bases_are_orthonormal_to_fp32_accuracy(
             G1 = G + 0.01 * spectrum_matrix(m, n, torch.logspace(0, -decades, k), seed + 50)
             B = proj.refresh(G1, state, plan, settings, seed=seed + 1)[key]
             assert orthonormality_error(B) <= ORTHONORMAL, (seed, "warm")
+
+
+@pytest.mark.parametrize("kappa", [1e2, 1e4, 1e6])
+def test_cholesky_qr2_certifies_ill_conditioned_sketches_without_a_fallback(kappa):
+    """The first Gram matrix in float64 lets fp32 CholeskyQR2 handle κ up to ~1e7 on its own
+    (fp32 Gram matrices fail from κ ≈ 3e3): what power iterations on real gradients make —
+    the tiny recipe's first refresh has κ up to 8e6 (1.4e5 with equilibrated columns), 15 of
+    its 56 sketches past the fp32 limit. Rank-deficient or non-finite Y are not certified."""
+    g = torch.Generator().manual_seed(0)
+    U = torch.linalg.qr(torch.randn(300, 40, generator=g, dtype=torch.float64)).Q
+    V = torch.linalg.qr(torch.randn(40, 40, generator=g, dtype=torch.float64)).Q
+    Y = ((U * torch.logspace(0, -math.log10(kappa), 40, dtype=torch.float64)) @ V.T).float()
+    Q, ok = cholesky_qr2(Y)
+    assert bool(ok) and orthonormality_error(Q) <= ORTHONORMAL
+    Q64, Y64 = Q.double(), Y.double()  # Q spans Y's columns: residual at rounding level
+    assert torch.linalg.norm(Y64 - Q64 @ (Q64.T @ Y64)) <= 32 * U32 * torch.linalg.norm(Y64)
+    deficient = Y.clone()
+    deficient[:, -1] = deficient[:, 0]
+    assert not bool(cholesky_qr2(deficient)[1])
+    Y[3, 2] = float("nan")
+    assert not bool(cholesky_qr2(Y)[1])
 
 
 def projection_error(G: torch.Tensor, bases: dict[str, torch.Tensor]) -> float:
