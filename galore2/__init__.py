@@ -6,15 +6,29 @@ Only torch is required to import this package; optional backends
 
 from .core import ChainOptimizer, PerLayerUpdates, per_layer
 from .groups import param_groups
-from .presets import GaLoreAdafactor, GaLoreAdamW, GaLoreAdamW8bit, GaLoreRanger21, Ranger21
+from .presets import (
+    APOLLO,
+    APOLLOMini,
+    Fira,
+    GaLoreAdafactor,
+    GaLoreAdamW,
+    GaLoreAdamW8bit,
+    GaLoreMuon,
+    GaLoreRanger21,
+    Ranger21,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "APOLLO",
+    "APOLLOMini",
     "ChainOptimizer",
+    "Fira",
     "GaLoreAdafactor",
     "GaLoreAdamW",
     "GaLoreAdamW8bit",
+    "GaLoreMuon",
     "GaLoreRanger21",
     "PerLayerUpdates",
     "Ranger21",

@@ -94,6 +94,9 @@ class ChainOptimizer(torch.optim.Optimizer):
     #: what to say about a key this optimizer does not have (e.g. Adam's ``betas`` given
     #: to Adafactor), appended to the unknown-key error
     option_hints: ClassVar[dict[str, str]] = {}
+    #: a preset's own defaults for options its modules declare (Fira: ``residual="fira"``);
+    #: :meth:`declared_options` reports them, so docs, recipes and integrations see them
+    preset_defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(
         self,
@@ -163,13 +166,16 @@ class ChainOptimizer(torch.optim.Optimizer):
     def declared_options(cls, chain: Sequence[Any] = ()) -> dict[str, Option]:
         """Every group option of this optimizer: the loop's, then its modules' (in chain
         order, looking inside wrappers), each declared once."""
-        return collect(
+        declared = collect(
             [
                 cls.options,
                 *(m.options for m in walk(cls.modules)),
                 *(m.options for m in walk(chain)),
             ]
         )
+        for name, value in cls.preset_defaults.items():
+            declared[name] = replace(declared[name], default=declared[name].validate(value))
+        return declared
 
     @classmethod
     def all_options(cls) -> dict[str, Option]:

@@ -128,6 +128,12 @@ class Transform:
         group and step with every tensor of the group, so work that needs all of them at
         once — e.g. spreading exact SVDs over ranks — can be batched."""
 
+    def bias_correction(self, state: State, group: Group) -> float:
+        """The scalar by which this step's bias correction multiplied the direction just
+        returned (Adam: √(1−β₂ᵗ)/(1−β₁ᵗ); 1 for rules without one). Fira's and APOLLO's
+        norm-growth limiter compares norms without it (:mod:`galore2.optim.residual`)."""
+        return 1.0
+
     def second_moment_sum(self, state: State, group: Group) -> Tensor | None:
         """Σ of this transform's bias-corrected second moment (for stable weight decay's σ);
         None if it keeps no second moment."""

@@ -231,6 +231,11 @@ class ScaleByAdam(Transform):
         torch._foreach_add_(denoms, shift)
         return list(torch._foreach_div(exp_avgs, denoms))
 
+    def bias_correction(self, state: State, group: Group) -> float:
+        beta1, beta2 = group["betas"]
+        t = int(state["adam.step"])
+        return math.sqrt(1 - beta2**t) / (1 - beta1**t) if t > 0 else 1.0
+
     def second_moment_sum(self, state: State, group: Group) -> Tensor | None:
         t = int(state["adam.step"])
         if t == 0:

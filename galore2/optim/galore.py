@@ -70,6 +70,7 @@ from ..projectors import KINDS as PROJECTOR_KINDS
 from ..projectors import OPTIONS as PROJECTOR_OPTIONS
 from ..storage.basis import OPTIONS as BASIS_OPTIONS
 from ..storage.basis import validate_basis_options
+from . import residual
 
 RANK = Option(
     "rank",
@@ -141,6 +142,7 @@ OPTIONS = (
     REFRESH_PATIENCE,
     MAX_UPDATE_PROJ_GAP,
     TENSOR_PROJECTION,
+    *residual.OPTIONS,
 )
 
 
@@ -156,6 +158,7 @@ class GaLore(Transform):
         "galore.gap": "other",
         "galore.streak": "other",
         "galore.similarity": "other",
+        residual.LIMIT_KEY: "other",
         **PROJECTOR_KINDS,
     }
 
@@ -167,6 +170,7 @@ class GaLore(Transform):
     def validate(self, group: Group) -> None:
         validate_projector_options(group)
         validate_basis_options(group)
+        residual.validate(group)
         cap, gap = group["max_update_proj_gap"], group["update_proj_gap"]
         if cap is not None and cap < gap:
             raise ValueError(
@@ -230,6 +234,7 @@ class GaLore(Transform):
             _init_adaptive(state, group)
         projector = _projector(group, plan, shape)
         projector.init_state(state, plan, group)
+        residual.init_state(state, group, ref)
         if isinstance(projector, TuckerProjector):  # the core r_0 × r_1 × …
             low, layout = projector.core_shape(plan), projector.core_layout(plan)
         else:
@@ -243,13 +248,14 @@ class GaLore(Transform):
             return run_chain(self.inner, [u], [state], group, [ctx])[0]
         plan, R = self._project(u, state, group, ctx)
         (N,) = run_chain(self.inner, [R], [state], group, [ctx])
-        return self._back(dense(N), state, group, plan, ctx, u.shape)
+        return self._back(dense(N), state, group, plan, ctx, u, R)
 
     def update_many(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
     ) -> list[Tensor | LowRankUpdate]:
         plans: dict[int, Plan] = {}
         inner_in: list[Tensor] = []  # the plain tensors as they are, projected ones as R
+        # (the inner chain may not modify its input in place: R is still needed by _back)
         for i, (u, state) in enumerate(zip(us, states, strict=True)):
             if int(state["galore.side"]) == NONE:
                 inner_in.append(u)
@@ -258,7 +264,9 @@ class GaLore(Transform):
                 inner_in.append(R)
         results = run_chain(self.inner, inner_in, states, group, ctxs)
         return [
-            self._back(dense(N), states[i], group, plans[i], ctxs[i], u.shape) if i in plans else N
+            self._back(dense(N), states[i], group, plans[i], ctxs[i], u, inner_in[i])
+            if i in plans
+            else N
             for i, (N, u) in enumerate(zip(results, us, strict=True))
         ]
 
@@ -285,23 +293,44 @@ class GaLore(Transform):
         return plan, R
 
     def _back(
-        self, N: Tensor, state: State, group: Group, plan: Plan, ctx: Context, shape: torch.Size
+        self, N: Tensor, state: State, group: Group, plan: Plan, ctx: Context, u: Tensor, R: Tensor
     ) -> LowRankUpdate | Tensor:
         # The optimizer decays before applying an update (torch.optim.AdamW's order). For a
         # projected matrix GaLore decays *after* it (galore-torch, GaLore 2 paper):
         # (W − lr·u)(1 − lr·λ) = W(1 − lr·λ) − lr·(1 − lr·λ)·u, so fold (1 − lr·λ) in here,
         # as a scalar of the low-rank update (applied inside the optimizer's addmm_).
-        factor = group["scale"] * (1.0 - float(group["lr"]) * group["weight_decay"])
+        shape = u.shape
+        decay = 1.0 - float(group["lr"]) * group["weight_decay"]
+        factor = group["scale"] * decay
         projector = _projector(group, plan, (plan.m, *shape[1:]))
         if isinstance(projector, TuckerProjector):  # dense N ×_k U_k: this rank's rows
             delta = projector.project_back(N, state, plan, ctx.param.dtype)
             state["galore.step"] += 1
             return delta.mul_(factor)
+        if residual.active(group):  # Fira / APOLLO: a dense update
+            return self._combine(N, state, group, plan, u, R, projector).mul_(decay).view(shape)
         if plan.side == LEFT:  # every rank needs all of N for its rows P_i·N
             N = plan.placement.all_gather_cols(N, plan.n)
         A, B = projector.back_factors(N, state, plan, ctx.param.dtype)
         state["galore.step"] += 1
         return LowRankUpdate(A, B, shape, factor)
+
+    def _combine(
+        self, N: Tensor, state: State, group: Group, plan: Plan, u: Tensor, R: Tensor,
+        projector: Projector,
+    ) -> Tensor:  # fmt: skip
+        """Fira's residual compensation or APOLLO's gradient scaling (:mod:`.residual`)."""
+        if plan.side == LEFT:  # column shards of N and R: one all-gather brings both
+            r = N.shape[0]
+            both = plan.placement.all_gather_cols(torch.cat([N.float(), R.float()]), plan.n)
+            N, R = both[:r], both[r:]
+        P, Q = projector.bases(state, plan) if group["residual"] != "none" else (None, None)
+        bias = 1.0
+        for t in self.inner:
+            bias *= t.bias_correction(state, group)
+        out = residual.combine(u.reshape(-1, plan.n), R, N, P, Q, state, group, plan, bias)
+        state["galore.step"] += 1
+        return out
 
     # ---- refresh -----------------------------------------------------------------
     def prepare(
