@@ -58,6 +58,8 @@ def _preset_line(name: str, cls: type) -> str:
         for p in sig
         if p.default is not inspect.Parameter.empty and p.name in cls.declared_options()
     )
+    preset = ", ".join(f"{k}={v!r}" for k, v in cls.preset_defaults.items())
+    own = ", ".join(x for x in (own, preset) if x)
     return f"| `{cls.__name__}` | `{name}` | {modules} | {own} |"
 
 

@@ -8,8 +8,8 @@ times the learning-rate adjustment of ``adjust_lr_fn``:
 * ``orthogonalize="newton_schulz"`` (Muon): five steps of the quintic iteration
   X ← aX + (bA + cA²)X, A = XXᵀ, from X/‖X‖_F, with Muon's coefficients
   (3.4445, −4.7750, 2.0315). It is a polynomial in XXᵀ, so O = U·p(Σ)·Vᵀ exactly: the
-  singular vectors are the input's and the singular values p(σ/‖X‖_F) land in about
-  [0.7, 1.2] for σ/‖X‖_F ≳ 1e-3 (tested against float64 SVDs). Computed in float32
+  singular vectors are the input's and the singular values p(σ/‖X‖_F) land in
+  [0.68, 1.21] for σ/‖X‖_F ≥ 2e-3 (tested against float64 SVDs). Computed in float32
   (float64 inputs: float64); torch.optim.Muon uses bfloat16.
 * ``orthogonalize="polar"`` (SUMO, arXiv 2505.24749): the exact polar factor U·Vᵀ, from
   the eigendecomposition of the small Gram matrix XXᵀ in float64 (singular values below

@@ -33,8 +33,9 @@ The **norm-growth limiter** (``norm_growth_limit`` γ, default 1.01; None: off) 
 S = φ ⊙ residual (Fira) or S = φ ⊙ G (APOLLO): when ‖S_t‖ > γ·‖S_{t−1}‖, S_t is rescaled
 to γ·‖S_{t−1}‖, so a sudden spike cannot blow up the update. Norms are compared before
 the inner rule's bias correction (Adam's √(1−β₂ᵗ)/(1−β₁ᵗ), a schedule, not growth) and
-before the learning rate, as both reference implementations do. Its state is one fp32
-scalar per matrix, ``galore.limit_norm`` (0 until the first step: no previous norm, no
+before the learning rate, as both reference implementations do. Its state is one float64
+scalar per matrix, ``galore.limit_norm`` (float64: a finite S may have a norm beyond
+float32's range when ‖R‖ ≈ 0 makes φ huge) (0 until the first step: no previous norm, no
 limit — also after a step whose S was exactly zero, where the references would clamp the
 next steps to ~1e-8).
 
@@ -124,7 +125,7 @@ def validate(group: dict[str, Any]) -> None:
 
 def init_state(state: dict[str, Tensor], group: dict[str, Any], ref: Tensor) -> None:
     if active(group):
-        state[LIMIT_KEY] = torch.zeros((), dtype=torch.float32, device=ref.device)
+        state[LIMIT_KEY] = torch.zeros((), dtype=torch.float64, device=ref.device)
 
 
 def combine(
@@ -180,12 +181,13 @@ def _limit(S: Tensor, state: dict[str, Tensor], group: dict[str, Any], plan: Pla
     if gamma is None:
         return S
     prev = state[LIMIT_KEY]
-    sq = S.square().sum().reshape(1)
+    # in float64: S's norm may overflow float32 when ‖R‖ ≈ 0 makes φ huge (finite S)
+    sq = torch.linalg.vector_norm(S, dtype=torch.float64).square().reshape(1)
     norm = plan.placement.reduce(sq)[0].sqrt() / bias  # the norm the references limit
     ratio = torch.clamp(norm / (prev + _EPS), min=gamma) / gamma
     limiter = torch.where(prev > 0, ratio, torch.ones_like(ratio))
     prev.copy_(norm / limiter)
-    return S.div_(limiter)
+    return S.div_(limiter.float())
 
 
 __all__ = [

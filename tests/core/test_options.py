@@ -26,7 +26,12 @@ ROOT = Path(__file__).resolve().parents[2]
 # Values whose derived example would break a check involving another key, with the
 # companions that make them valid.
 COMPANIONS: dict[str, dict[str, object]] = {
-    "basis_hadamard": {"basis_dtype": "int8"},
+    # a stored basis (APOLLO's presets default to projector="random", which stores none)
+    "basis_dtype": {"projector": "randomized"},
+    "basis_hadamard": {"basis_dtype": "int8", "projector": "randomized"},
+    # Fira and APOLLO are alternatives (Fira needs an orthonormal basis)
+    "residual": {"scale_type": None, "projector": "randomized"},
+    "scale_type": {"residual": "none"},
     "use_pnm": {"softplus": False},
     "max_update_proj_gap": {},
 }
