@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from galore2.presets import PRESETS
 from recipes import optimizers
 from recipes.config import JobConfig, ModelConfig, OptimConfig, override
 from recipes.model import build_model
@@ -41,6 +42,13 @@ class Contender:
         return job.optim
 
 
+def _as_flags(preset: str) -> tuple[str, ...]:
+    """Recipe flags giving another galore2 optimizer what preset ``preset`` sets: its
+    ``preset_defaults`` and the [optim] fields it fixes (APOLLO-Mini's rank 1, α = √128)."""
+    settings = PRESETS[preset].preset_defaults | optimizers.preset_fields(preset)
+    return tuple(x for k, v in settings.items() for x in (f"--optim.{k}", str(v)))
+
+
 def _c(key, label, optimizer, package, *flags, family="galore", projected=True) -> Contender:
     return Contender(key, label, optimizer, package, tuple(flags), family, projected)
 
@@ -55,8 +63,10 @@ CONTENDERS: tuple[Contender, ...] = (
     _c("gt_galore_adafactor", "galore-torch GaLoreAdafactor", "gt_galore_adafactor",
        "galore-torch"),
     _c("qgalore", "q-galore-torch QGaLoreAdamW8bit", "qgalore_adamw8bit", "q-galore-torch"),
-    _c("apollo", "apollo-torch APOLLO", "apollo", "apollo-torch"),
-    _c("apollo_mini", "apollo-torch APOLLO-Mini", "apollo_mini", "apollo-torch"),
+    # keys kept from before galore2 had its own APOLLO (results JSON); recipe names at_*
+    _c("apollo", "apollo-torch APOLLO", "at_apollo", "apollo-torch"),
+    _c("apollo_mini", "apollo-torch APOLLO-Mini", "at_apollo_mini", "apollo-torch"),
+    _c("fira_adamw", "fira FiraAdamW", "fira_adamw", "fira"),
     _c("pto_galore", "pytorch-optimizer GaLore", "pto_galore", "pytorch-optimizer"),
     _c("pto_ranger21", "pytorch-optimizer Ranger21", "pto_ranger21", "pytorch-optimizer",
        family="adam", projected=False),
@@ -74,6 +84,21 @@ CONTENDERS: tuple[Contender, ...] = (
        "galore2", "--optim.basis_dtype", "int8"),
     _c("ranger21", "galore2 Ranger21", "ranger21", "galore2", family="adam", projected=False),
     _c("galore_ranger21", "galore2 GaLoreRanger21", "galore_ranger21", "galore2"),
+    _c("galore2_fira", "galore2 Fira", "fira", "galore2"),
+    _c("galore2_fira_power", "galore2 Fira (warm power)", "fira", "galore2",
+       "--optim.projector", "power"),
+    _c("galore2_fira_8bit_int8", "galore2 Fira 8-bit + INT8 basis", "galore_adamw8bit",
+       "galore2", *_as_flags("fira"), "--optim.basis_dtype", "int8"),
+    _c("galore2_apollo", "galore2 APOLLO", "apollo", "galore2"),
+    _c("galore2_apollo_mini", "galore2 APOLLO-Mini", "apollo_mini", "galore2"),
+    # no 8-bit APOLLO preset: GaLoreAdamW8bit with APOLLO's / APOLLO-Mini's settings
+    _c("galore2_apollo_8bit", "galore2 APOLLO 8-bit", "galore_adamw8bit", "galore2",
+       *_as_flags("apollo")),
+    _c("galore2_apollo_mini_8bit", "galore2 APOLLO-Mini 8-bit", "galore_adamw8bit", "galore2",
+       *_as_flags("apollo_mini")),
+    _c("galore2_muon", "galore2 GaLoreMuon", "galore_muon", "galore2"),
+    _c("galore2_muon_polar", "galore2 GaLoreMuon (polar)", "galore_muon", "galore2",
+       "--optim.orthogonalize", "polar"),
 )  # fmt: skip
 BY_KEY = {c.key: c for c in CONTENDERS}
 

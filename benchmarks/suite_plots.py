@@ -6,6 +6,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from .contenders import BY_KEY
+
 
 def _pyplot():
     import matplotlib
@@ -17,7 +19,8 @@ def _pyplot():
 
 
 def _style(key: str, i: int) -> dict[str, Any]:
-    ours = not key.startswith(("gt_", "pto_", "apollo", "bnb_", "adamw", "qgalore"))
+    contender = BY_KEY.get(key)  # (a key only an older results file has counts as a peer)
+    ours = contender is not None and contender.package == "galore2"
     return {
         "color": f"C{i % 10}",
         "linestyle": "-" if ours else "--",

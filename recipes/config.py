@@ -273,7 +273,9 @@ def load_toml(job: JobConfig, path: str | Path) -> JobConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> JobConfig:
-    """Build a JobConfig from ``--config`` and ``--section.field value`` overrides."""
+    """Build a JobConfig from ``--config`` and ``--section.field value`` overrides; the
+    [optim] fields the chosen preset fixes (:func:`recipes.optimizers.preset_fields`) are
+    set to its values."""
     argv = list(sys.argv[1:] if argv is None else argv)
     pairs: list[tuple[str, str]] = []
     config_path: str | None = None
@@ -304,6 +306,9 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         _set(job, dotted, value, optimizer)
     check_options(job)
     check_train(job)
+    from .optimizers import apply_preset_fields  # e.g. APOLLO-Mini's rank 1, its definition
+
+    apply_preset_fields(job.optim)
     return job
 
 

@@ -11,16 +11,29 @@ Names and what they build:
                        explicit lr: relative_step and scale_parameter off)
 ``ranger21``           ``galore2.Ranger21`` (full rank)
 ``galore_ranger21``    ``galore2.GaLoreRanger21``
+``fira``               ``galore2.Fira`` (GaLoreAdamW + Fira's residual compensation)
+``apollo``             ``galore2.APOLLO`` (random projection, channel-wise gradient
+                       scaling, α = 1)
+``apollo_mini``        ``galore2.APOLLOMini`` (rank 1, tensor-wise scaling, α = √128)
+``galore_muon``        ``galore2.GaLoreMuon`` (orthogonalized low-rank momentum)
 =====================  ==========================================================
 
-Peers from other packages (``gt_galore_adamw``, ``apollo``, ``pto_ranger21``, ...;
-benchmark extras) are listed in :mod:`recipes.peers`.
+Peers from other packages (``gt_galore_adamw``, ``at_apollo``, ``fira_adamw``,
+``pto_ranger21``, ...; benchmark extras) are listed in :mod:`recipes.peers`.
 
 Every optimizer gets the same parameter split: weight decay on ≥2-D weights only
-(norm weights and biases get none), and for ``galore_*`` the weights of modules
-matching ``optim.target_modules`` are projected (GaLore's recipe: attention and
-MLP matrices; embeddings and the output head stay full rank). Names whose
-galore2 class has not been built yet fail with a clear message.
+(norm weights and biases get none), and for every galore2 optimizer with GaLore in its
+chain (all but ``ranger21``) the weights of modules matching ``optim.target_modules``
+are projected (GaLore's recipe: attention and MLP matrices; embeddings and the output
+head stay full rank). GaLore's options (``--optim.residual fira``,
+``--optim.scale_type channel``...) apply to any of them.
+
+A preset may fix [optim] fields that define it (:func:`preset_fields`): APOLLO's and
+APOLLO-Mini's α (``optim.scale``: 1 and √128, their ``preset_defaults``) and APOLLO-Mini's
+rank 1 (``APOLLOMini.projected_rank``). The recipe uses those values instead of
+``optim.scale`` / ``optim.rank``, writes them into the run's configuration (config.json,
+checkpoints) and prints them. Names whose galore2 class has not been built yet fail with a
+clear message.
 """
 
 from __future__ import annotations
@@ -43,10 +56,18 @@ from .config import OptimConfig
 from .peers import PEERS
 from .peers import resolve as resolve_peer
 
+
+def _projects(cls: type) -> bool:
+    """Whether the recipe projects for galore2 class ``cls``: GaLore is in its chain."""
+    return GaLore in walk(cls.modules)
+
+
 # name -> (galore2 class name, projected?)
-_GALORE2 = {name: (cls.__name__, name.startswith("galore_")) for name, cls in PRESETS.items()}
+_GALORE2 = {name: (cls.__name__, _projects(cls)) for name, cls in PRESETS.items()}
+#: the GaLore settings every projected contender shares (OptimConfig fields; peers read them)
+_SHARED = ("rank", "update_proj_gap", "scale", "proj_type")
 #: options the recipe sets from its own shared fields (OptimConfig), not from ``options``
-_FROM_FIELDS = ("lr", "weight_decay", "rank", "update_proj_gap", "scale", "proj_type")
+_FROM_FIELDS = ("lr", "weight_decay", *_SHARED)
 NAMES = ("adamw", "adamw8bit", *_GALORE2, *PEERS)
 _OWN_SCHEDULE = ("ranger21", "galore_ranger21", *(n for n, p in PEERS.items() if p.own_schedule))
 
@@ -83,9 +104,39 @@ def param_groups(
     return projected_group + _split_decay(plain, {}, cfg.weight_decay)
 
 
+def projects(name: str) -> bool:
+    """Whether recipe optimizer ``name`` gets a projected group (a projecting peer, or a
+    galore2 optimizer with GaLore in its chain)."""
+    if name in PEERS:
+        return PEERS[name].projected
+    return name in _GALORE2 and _GALORE2[name][1]
+
+
+def preset_fields(name: str) -> dict[str, Any]:
+    """The shared [optim] fields galore2 optimizer ``name`` fixes itself, as part of its
+    definition: those of its ``preset_defaults`` (APOLLO's α = 1, APOLLO-Mini's √128) and
+    the rank of its ``projected_rank`` (APOLLO-Mini: 1). ``{}`` for every other name."""
+    cls = PRESETS.get(name)
+    if cls is None:
+        return {}
+    fixed = {k: v for k, v in cls.preset_defaults.items() if k in _SHARED}
+    rank = getattr(cls, "projected_rank", None)
+    if rank is not None:
+        fixed["rank"] = rank
+    return fixed
+
+
+def apply_preset_fields(cfg: OptimConfig) -> None:
+    """Set the fields :func:`preset_fields` fixes on ``cfg``, so that the run's recorded
+    configuration (config.json, checkpoints) is the one in force."""
+    for key, value in preset_fields(cfg.name).items():
+        setattr(cfg, key, value)
+
+
 def galore_settings(cfg: OptimConfig) -> dict[str, Any]:
-    """The projected group's GaLore options: the shared fields, then ``optim.options``."""
-    settings = {k: getattr(cfg, k) for k in ("rank", "update_proj_gap", "scale", "proj_type")}
+    """The projected group's GaLore options: the shared fields (those the preset fixes at
+    its own values, :func:`preset_fields`), then ``optim.options``."""
+    settings = {k: getattr(cfg, k) for k in _SHARED} | preset_fields(cfg.name)
     names = {o.name for o in GaLore.options}
     own = parse_options(cfg.name, cfg.options) if cfg.name in PRESETS else {}
     return {**settings, **{k: v for k, v in own.items() if k in names}}

@@ -14,10 +14,12 @@ else in plain groups. Settings follow each package's README for LLM pre-training
                            (``relative_step=False, scale_parameter=False``), no first moment
 ``qgalore_adamw8bit``      q-galore-torch 1.0 ``QGaLoreAdamW8bit`` (INT4 basis, group 256,
                            adaptive refresh; CUDA only, like galore-torch's 8-bit class)
-``apollo``                 apollo-torch ``APOLLOAdamW``: random projection at ``optim.rank``,
-                           channel-wise scaling, apollo scale 1
-``apollo_mini``            the same class as APOLLO-Mini: rank 1, tensor-wise scaling,
-                           apollo scale 128
+``at_apollo``              apollo-torch ``APOLLOAdamW``: random projection at ``optim.rank``,
+                           channel-wise scaling, apollo scale 1 (galore2's: ``apollo``)
+``at_apollo_mini``         the same class as APOLLO-Mini: rank 1, tensor-wise scaling,
+                           apollo scale 128 (galore2's: ``apollo_mini``)
+``fira_adamw``             fira 1.0.2 ``FiraAdamW`` (rank, update_proj_gap, alpha = ``optim.
+                           scale``, proj_type; galore2's: ``fira``)
 ``pto_galore``             pytorch-optimizer's ``GaLore`` (rank, update_proj_gap, scale,
                            projection_type)
 ``pto_ranger21``           pytorch-optimizer's ``Ranger21`` (full rank, its own schedule)
@@ -91,12 +93,22 @@ def _apollo_keys(rank: int | None, scale_type: str, scale: float) -> Keys:
     return keys
 
 
+def _fira_keys(cfg: OptimConfig) -> dict[str, Any]:
+    return {
+        "rank": cfg.rank,
+        "update_proj_gap": cfg.update_proj_gap,
+        "alpha": cfg.scale,
+        "proj_type": cfg.proj_type,
+    }
+
+
 def _adam_kwargs(cfg: OptimConfig) -> dict[str, Any]:
     return {"betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
 
 
 def _quiet_adam_kwargs(cfg: OptimConfig) -> dict[str, Any]:
-    return {**_adam_kwargs(cfg), "no_deprecation_warning": True}  # galore-torch's AdamW warns
+    # galore-torch's and fira's AdamW (transformers' old AdamW) warn without it
+    return {**_adam_kwargs(cfg), "no_deprecation_warning": True}
 
 
 def _adafactor_kwargs(cfg: OptimConfig) -> dict[str, Any]:
@@ -133,12 +145,13 @@ PEERS: dict[str, Peer] = {
     "qgalore_adamw8bit": Peer(
         "q-galore-torch", "q_galore_torch", "QGaLoreAdamW8bit", True, _qgalore_keys
     ),
-    "apollo": Peer(
+    "at_apollo": Peer(
         "apollo-torch", "apollo_torch", "APOLLOAdamW", True, _apollo_keys(None, "channel", 1.0)
     ),
-    "apollo_mini": Peer(
+    "at_apollo_mini": Peer(
         "apollo-torch", "apollo_torch", "APOLLOAdamW", True, _apollo_keys(1, "tensor", 128.0)
     ),
+    "fira_adamw": Peer("fira", "fira", "FiraAdamW", True, _fira_keys, _quiet_adam_kwargs),
     "pto_galore": Peer("pytorch-optimizer", "pytorch_optimizer", "GaLore", True, _pto_galore_keys),
     "pto_ranger21": Peer(
         "pytorch-optimizer",

@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     metrics.total_tokens = tokens
     if rank == 0:
         write_config(t.out, job, run.all_changes)
+        fixed = optimizers.preset_fields(o.name)
+        if fixed:  # parse_args set them: APOLLO's α, APOLLO-Mini's rank 1
+            values = ", ".join(f"optim.{k}={v:g}" for k, v in fixed.items())
+            print(f"{o.name}: {values} (fixed by the preset; other values are not used)")
     opt_bytes = None
     # peers keep Python objects in their state, which weights-only checkpoints refuse
     checkpoints = t.checkpoint_every >= 0 and o.name not in optimizers.PEERS

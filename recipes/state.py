@@ -18,13 +18,14 @@ smaller side; r = rank; fp32 weights for the peers):
 * bitsandbytes AdamW8bit (0.50.2): tensors under 4096 elements two fp32 moments;
   larger ones two uint8 moments + one fp32 absmax per 256 elements each; plus its two
   256-entry fp32 code maps, shared by all parameters.
-* galore-torch GaLoreAdamW, pytorch-optimizer GaLore, apollo-torch APOLLO: a projected
-  matrix keeps fp32 moments at the projected shape (big × r) and an fp32 basis
-  (r × small); APOLLO also a 0-d fp32 norm of its last scaled gradient (APOLLO-Mini:
-  r = 1). Other parameters: two fp32 moments.
-* galore-torch 1.0 keeps its basis as a *view* of the full SVD factor (``U[:, :r]`` or
-  ``Vh[:r]``, copied only when the weights are not fp32), so with fp32 weights each
-  projected matrix holds small × small fp32 elements of basis, not r × small.
+* galore-torch GaLoreAdamW, pytorch-optimizer GaLore, apollo-torch APOLLO, fira
+  FiraAdamW: a projected matrix keeps fp32 moments at the projected shape (big × r) and
+  an fp32 basis (r × small); APOLLO and Fira also a 0-d fp32 norm of their last scaled
+  gradient (APOLLO's ``scaled_grad``, Fira's ``scaling_grad``; APOLLO-Mini: r = 1).
+  Other parameters: two fp32 moments (Fira's step counter is a Python int).
+* galore-torch 1.0 and fira 1.0.2 keep their basis as a *view* of the full SVD factor
+  (``U[:, :r]`` or ``Vh[:r]``, copied only when the weights are not fp32), so with fp32
+  weights each projected matrix holds small × small fp32 elements of basis, not r × small.
 * galore-torch GaLoreAdafactor (no first moment): factored second moment of the
   projected gradient (big + r), the basis as above, and a 0-d fp32 RMS per parameter;
   unprojected matrices m + n₂; vectors n.
@@ -45,14 +46,18 @@ from torch import nn
 from galore2.projectors import FULL, LEFT, NONE, RIGHT
 
 from .config import OptimConfig
-from .optimizers import NAMES, build_optimizer, param_groups
+from .optimizers import NAMES, build_optimizer, param_groups, projects
 from .peers import PEERS
 
 BNB_BLOCK, BNB_MIN_8BIT = 256, 4096  # bitsandbytes 0.50.2 8-bit optimizers
 RANGER21_TENSORS = 5
-RULES = ("adamw", "adamw8bit", "gt_galore_adamw", "gt_galore_adafactor", "apollo",
-         "apollo_mini", "pto_galore", "pto_ranger21")  # fmt: skip
+RULES = ("adamw", "adamw8bit", "gt_galore_adamw", "gt_galore_adafactor", "at_apollo",
+         "at_apollo_mini", "fira_adamw", "pto_galore", "pto_ranger21")  # fmt: skip
 GALORE2 = tuple(n for n in NAMES if n not in PEERS and n not in ("adamw", "adamw8bit"))
+#: peers whose basis is a view of the whole SVD factor (small × small with fp32 weights)
+_FULL_FACTOR = ("gt_galore_adamw", "gt_galore_adafactor", "fira_adamw")
+#: peers that keep a 0-d norm of the last scaled gradient per projected matrix
+_LAST_NORM = ("at_apollo", "at_apollo_mini", "fira_adamw")
 
 _INNER = {NONE: "rows", RIGHT: "rows", LEFT: "cols", FULL: "replicate"}  # galore2.fsdp layouts
 _BASES = {
@@ -102,11 +107,11 @@ def _eight_bit(shape: tuple[int, ...]) -> list[Piece]:
 def _projected(name: str, p: nn.Parameter, rank: int) -> list[Piece]:
     m, n = p.shape[0], p.numel() // p.shape[0]
     big, small = max(m, n), min(m, n)
-    r = min(1 if name == "apollo_mini" else rank, small)
-    basis = [Piece((small if name.startswith("gt_") else r, small), 4, kind="basis")]
+    r = min(1 if name == "at_apollo_mini" else rank, small)
+    basis = [Piece((small if name in _FULL_FACTOR else r, small), 4, kind="basis")]
     if name == "gt_galore_adafactor":
         return [Piece((big,), 4), Piece((r,), 4), Piece((), 4, kind="other"), *basis]
-    norm = [Piece((), 4, kind="other")] if name in ("apollo", "apollo_mini") else []
+    norm = [Piece((), 4, kind="other")] if name in _LAST_NORM else []
     return [Piece((big, r), 4)] * 2 + basis + norm
 
 
@@ -163,8 +168,7 @@ def galore2_state(opt: torch.optim.Optimizer) -> dict[str, int]:
 
 def projected_params(model: nn.Module, cfg: OptimConfig) -> list[nn.Parameter]:
     """The parameters the recipe projects for optimizer ``cfg.name`` (none if it is full rank)."""
-    projects = PEERS[cfg.name].projected if cfg.name in PEERS else cfg.name in GALORE2
-    if not projects:
+    if not projects(cfg.name):
         return []
     return [p for g in param_groups(model, cfg, True) if "rank" in g for p in g["params"]]
 

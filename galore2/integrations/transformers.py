@@ -29,13 +29,16 @@ from transformers.trainer_utils import check_target_module_exists
 
 from ..core.optimizer import ChainOptimizer
 from ..core.options import Option
+from ..core.transform import walk
 from ..groups import _output_head_names, param_groups
 from ..optim.adam import BETAS
 from ..optim.galore import GaLore
+from ..presets import PRESETS
 from ..presets.adamw import GaLoreAdamW
 
 #: The rank used when neither ``galore_settings`` nor ``args.optim_args`` sets one
-#: (the default of the Trainer's own ``optim="galore_adamw"``).
+#: (the default of the Trainer's own ``optim="galore_adamw"``), unless the optimizer
+#: class has its own (``projected_rank``: APOLLOMini's 1), see :func:`default_rank`.
 DEFAULT_RANK = 128
 #: Not an option of the optimizer: which modules are projected (replaces
 #: ``args.optim_target_modules``).
@@ -138,15 +141,22 @@ def target_module_names(model: nn.Module, target_modules: str | list[str]) -> li
     return names
 
 
+def default_rank(optimizer_cls: type = GaLoreAdamW) -> int:
+    """The projected groups' rank when none is given: the class's own ``projected_rank``
+    (APOLLOMini: 1, its definition) if it has one, else :data:`DEFAULT_RANK`."""
+    rank = getattr(optimizer_cls, "projected_rank", None)
+    return DEFAULT_RANK if rank is None else rank
+
+
 def _optimizer_class(optimizer_cls: type | None) -> type:
     """``optimizer_cls`` if it is a galore2 optimizer (its options are known), else TypeError:
     a torch optimizer would silently drop every GaLore setting."""
     cls = GaLoreAdamW if optimizer_cls is None else optimizer_cls
     if not (isinstance(cls, type) and issubclass(cls, ChainOptimizer)):
+        projecting = [c.__name__ for c in PRESETS.values() if GaLore in walk(c.modules)]
         raise TypeError(
-            f"optimizer_cls must be a galore2 optimizer class (GaLoreAdamW, GaLoreAdamW8bit, "
-            f"GaLoreAdafactor, GaLoreRanger21...), got {cls!r}; for a torch optimizer use "
-            "the Trainer's own `optim` argument"
+            f"optimizer_cls must be a galore2 optimizer class ({', '.join(projecting)}), "
+            f"got {cls!r}; for a torch optimizer use the Trainer's own `optim` argument"
         )
     return cls
 
@@ -175,7 +185,11 @@ def _build(
                 "optimizer_kwargs={'num_iterations': N}"
             )
         extra["num_iterations"] = args.max_steps
-    settings = {"rank": DEFAULT_RANK, **parse_optim_args(args.optim_args, cls), **galore_settings}
+    settings = {
+        "rank": default_rank(cls),
+        **parse_optim_args(args.optim_args, cls),
+        **galore_settings,
+    }
     target = settings.pop(TARGET_MODULES, None)
     if target is None:
         target = args.optim_target_modules
@@ -224,10 +238,10 @@ def create_optimizer(
     :func:`target_module_names`) and ``optim_args`` (``"rank=128,update_proj_gap=200"``).
     ``galore_settings`` override both. Any option of the optimizer is accepted (the list:
     :func:`allowed_settings`, from the optimizer's own declarations): GaLore's options
-    (``rank`` — default 128 —, ``update_proj_gap``, ``scale``, ``projector``…) go on the
-    projected groups; every other option (``state_dtype``, ``nonfinite``, the moment
-    rule's, a preset's constructor switches) applies to the whole optimizer;
-    ``target_modules`` replaces ``args.optim_target_modules``. Any other key raises
+    (``rank`` — default 128, :func:`default_rank` —, ``update_proj_gap``, ``scale``,
+    ``projector``…) go on the projected groups; every other option (``state_dtype``,
+    ``nonfinite``, the moment rule's, a preset's constructor switches) applies to the whole
+    optimizer; ``target_modules`` replaces ``args.optim_target_modules``. Any other key raises
     ``ValueError``.
 
     Up to four groups (projected/plain × decayed/not): parameters the Trainer would not
@@ -237,7 +251,9 @@ def create_optimizer(
     ``optimizer_cls`` picks another galore2 optimizer taking GaLore param groups (e.g.
     :class:`~galore2.GaLoreAdamW8bit`, :class:`~galore2.GaLoreAdafactor` — which gets no
     Adam betas / eps —, :class:`~galore2.GaLoreRanger21`, whose ``num_iterations`` defaults
-    to ``args.max_steps``); ``optimizer_kwargs`` go to its constructor.
+    to ``args.max_steps``, :class:`~galore2.Fira`, :class:`~galore2.APOLLO`,
+    :class:`~galore2.APOLLOMini` — default rank 1, :func:`default_rank` —,
+    :class:`~galore2.GaLoreMuon`); ``optimizer_kwargs`` go to its constructor.
     """
     return _build(
         model,

@@ -69,6 +69,9 @@ class APOLLOMini(GaLoreAdamW):
         "scale": math.sqrt(128),
     }
     option_hints: ClassVar[dict[str, str]] = _APOLLO_HINTS
+    #: the rank of its projected groups by definition (not a group default: a default
+    #: ``rank`` would project every group); read by the recipe and the Trainer integration
+    projected_rank: ClassVar[int | None] = 1
 
 
 class GaLoreMuon(GaLoreAdamW):

@@ -253,6 +253,13 @@ PUBLISHED_7B = {
     "galore_adamw8bit_int8": 4777426520, "galore_adamw8bit_int4": 4307664472,
     "galore_adafactor": 3766710648, "galore_adafactor_int8": 962818424,
     "ranger21": 107814659168, "galore_ranger21": 53288716664,
+    # contenders added after that publication (fira; galore2's Fira, APOLLO, GaLoreMuon):
+    # fira keeps galore-torch's whole-SVD-factor basis plus one norm per projected matrix
+    "fira_adamw": 30083679104, "galore2_fira": 18809404104, "galore2_fira_power": 18809404104,
+    "galore2_fira_8bit_int8": 4777427416, "galore2_apollo": 15051309512,
+    "galore2_apollo_mini": 2111947208, "galore2_apollo_8bit": 3823225048,
+    "galore2_apollo_mini_8bit": 547275224, "galore2_muon": 12333396040,
+    "galore2_muon_polar": 12333396040,
 }  # fmt: skip
 PUBLISHED_LOW_MEMORY_7B = {
     "torch AdamW fp32": 53907326092, "bitsandbytes AdamW8bit": 13687408768,

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from galore2.integrations.transformers import (  # noqa: E402
     GaLoreTrainer,
     create_optimizer,
+    default_rank,
     parse_optim_args,
 )
 
@@ -258,14 +259,19 @@ def test_empty_target_modules_are_refused_not_all_linear(tmp_path):
 def test_non_galore_optimizer_class_is_refused(tmp_path, cls):
     """Issue 16 item 16: ``optimizer_cls=torch.optim.AdamW`` with ``rank=`` must not drop rank."""
     model = tiny_llama()
-    with pytest.raises(TypeError, match=r"optimizer_cls must be a galore2 optimizer class"):
+    with pytest.raises(TypeError, match=r"optimizer_cls must be a galore2 optimizer class") as e:
         create_optimizer(model, training_args(tmp_path), optimizer_cls=cls, rank=4)
+    listed = str(e.value).split("(", 1)[1].split(")", 1)[0].split(", ")  # from PRESETS
+    assert {"GaLoreAdamW", "GaLoreRanger21", "Fira", "APOLLO", "APOLLOMini", "GaLoreMuon"} <= set(
+        listed
+    ), listed
 
 
 @pytest.mark.parametrize(
     "cls",
-    [galore2.GaLoreAdamW, galore2.GaLoreAdamW8bit, galore2.GaLoreAdafactor, galore2.GaLoreRanger21],
-)
+    [galore2.GaLoreAdamW, galore2.GaLoreAdamW8bit, galore2.GaLoreAdafactor, galore2.GaLoreRanger21,
+     galore2.Fira, galore2.APOLLO, galore2.APOLLOMini, galore2.GaLoreMuon],
+)  # fmt: skip
 def test_every_listed_key_parses_from_its_string_form(cls):
     """Issue 16 item 15: each key ``allowed_settings`` lists must be settable through
     ``optim_args``, i.e. parse from the text a user writes (``true``, ``0.5``, ``none``...)."""
@@ -365,3 +371,40 @@ def test_trainer_with_galore_ranger21(tmp_path):
     for p in model.parameters():
         if id(p) in linear_weights(model):
             assert RANK in opt.state[p]["pnm.exp_avg"].shape
+
+
+@pytest.mark.parametrize(
+    "cls", [galore2.Fira, galore2.APOLLO, galore2.APOLLOMini, galore2.GaLoreMuon]
+)
+def test_galore_trainer_with_low_rank_presets(tmp_path, cls):
+    """Fira, APOLLO, APOLLO-Mini and GaLoreMuon through the integration: a few steps with
+    finite losses, the preset's own defaults on the projected groups, low-rank state (the
+    rank of APOLLO-Mini's groups is its own 1 when none is given)."""
+    settings = {} if cls is galore2.APOLLOMini else {"rank": RANK}
+    trainer = GaLoreTrainer(
+        tiny_llama(),
+        training_args(tmp_path, max_steps=3),
+        train_dataset=Motifs(),
+        optimizer_cls=cls,
+        galore_settings={"update_proj_gap": 10, **settings},
+    )
+    before = {id(p): p.detach().clone() for p in trainer.model.parameters()}
+    trainer.train()
+    opt = trainer.optimizer.optimizer
+    assert type(opt) is cls
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses))), losses
+    rank = settings.get("rank", default_rank(cls))
+    assert (cls is galore2.APOLLOMini) == (rank == 1)
+    targets = linear_weights(trainer.model)
+    assert projected(opt) == targets
+    for g in opt.param_groups:
+        if g["rank"] is not None:
+            assert g["rank"] == rank
+            assert {k: g[k] for k in cls.preset_defaults} == cls.preset_defaults
+    key = "muon.momentum" if cls is galore2.GaLoreMuon else "adam.exp_avg"
+    for p in trainer.model.parameters():
+        assert not torch.equal(p.detach(), before[id(p)])  # every parameter trained
+        if id(p) in targets:
+            shape = opt.state[p][key].shape
+            assert shape in {(rank, p.shape[1]), (p.shape[0], rank)}, (p.shape, shape)

@@ -235,3 +235,68 @@ def test_recipe_runs_ranger21_presets(tmp_path, name):
     assert hist[-1]["loss"] < hist[0]["loss"]
     lrs = [r["lr"] for r in hist]
     assert lrs == [0.01] * len(lrs)  # the recipe's schedule stays flat: Ranger21 has its own
+
+
+LOW_RANK_RUNS = {
+    "fira": ["--optimizer", "fira"],
+    "apollo": ["--optimizer", "apollo"],
+    "apollo_mini": ["--optimizer", "apollo_mini"],
+    "galore_muon": ["--optimizer", "galore_muon"],
+    "galore_adamw+fira": ["--optimizer", "galore_adamw", "--optim.residual", "fira"],
+}
+
+
+@pytest.mark.parametrize("extra", LOW_RANK_RUNS.values(), ids=LOW_RANK_RUNS.keys())
+def test_recipe_runs_low_rank_presets(tmp_path, capsys, extra):
+    hist = run(tmp_path, "--steps", "4", "--optim.lr", "0.01", *extra)
+    assert [r["step"] for r in hist] == [2, 4]
+    assert all(math.isfinite(r["loss"]) for r in hist) and math.isfinite(hist[-1]["val_loss"])
+    config = json.loads((tmp_path / "config.json").read_text())["optim"]
+    fixed = optimizers.preset_fields(config["name"])
+    assert {k: config[k] for k in fixed} == fixed  # recorded as used
+    assert (f"{config['name']}: optim." in capsys.readouterr().out) == bool(fixed)
+
+
+def test_apollo_mini_projects_at_rank_1_and_apollo_at_its_alpha():
+    """APOLLO-Mini is rank 1 by definition (APOLLOMini.projected_rank), whatever optim.rank
+    says; APOLLO's and APOLLO-Mini's α are their own (preset_defaults), not optim.scale."""
+    model = build_model(parse_args(SMALL).model)
+    assert optimizers.preset_fields("apollo_mini") == {"scale": math.sqrt(128), "rank": 1}
+    assert optimizers.preset_fields("apollo") == {"scale": 1.0}
+    assert optimizers.preset_fields("fira") == optimizers.preset_fields("galore_adamw") == {}
+    for name, rank, scale in (("apollo_mini", 1, math.sqrt(128)), ("apollo", 8, 1.0)):
+        opt = optimizers.build_optimizer(model, OptimConfig(name=name, rank=8, scale=0.25), 10)
+        (group,) = [g for g in opt.param_groups if g["rank"] is not None]
+        assert (group["rank"], group["scale"]) == (rank, scale)
+        assert group["projector"] == "random" and group["scale_type"] is not None
+        opt.init_state()
+        moments = [opt.state[p]["adam.exp_avg"].shape for p in group["params"]]
+        assert all(rank in shape for shape in moments), moments
+    job = parse_args([*SMALL, "--optimizer", "apollo_mini", "--optim.scale", "0.5"])
+    assert (job.optim.rank, job.optim.scale) == (1, math.sqrt(128))  # the configuration in force
+    job = parse_args([*SMALL, "--optimizer", "galore_adamw"])
+    assert (job.optim.rank, job.optim.scale) == (8, 0.25)  # SMALL's, untouched
+
+
+def test_galore_options_apply_to_every_projecting_optimizer():
+    """``--optim.residual fira`` (a GaLore option) reaches the projected group of every
+    galore2 optimizer with GaLore in its chain, and only that group; an optimizer without
+    GaLore refuses it."""
+    model = build_model(parse_args(SMALL).model)
+    names = [n for n in optimizers.PRESETS if optimizers.projects(n)]
+    assert "ranger21" not in names and {"fira", "apollo", "apollo_mini", "galore_muon"} <= {*names}
+    for name in names:
+        if "scale_type" in optimizers.PRESETS[name].preset_defaults:
+            continue  # APOLLO's scaling and Fira's residual are alternatives (refused together)
+        cfg = OptimConfig(name=name, rank=8, options={"residual": "fira"})
+        opt = optimizers.build_optimizer(model, cfg, 10)
+        kinds = {g["rank"] is not None: g["residual"] for g in opt.param_groups}
+        assert kinds[True] == "fira", name
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+        assert all(torch.isfinite(p).all() for p in model.parameters()), name
+    with pytest.raises(
+        ValueError, match=r"unknown setting 'optim.residual' for optimizer ranger21"
+    ):
+        parse_args([*SMALL, "--optimizer", "ranger21", "--optim.residual", "fira"])
