@@ -275,7 +275,7 @@ def load_toml(job: JobConfig, path: str | Path) -> JobConfig:
 def parse_args(argv: list[str] | None = None) -> JobConfig:
     """Build a JobConfig from ``--config`` and ``--section.field value`` overrides; the
     [optim] fields the chosen preset fixes (:func:`recipes.optimizers.preset_fields`) are
-    set to its values."""
+    set to its values (given on the command line, they are an error, not ignored)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     pairs: list[tuple[str, str]] = []
     config_path: str | None = None
@@ -306,8 +306,17 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         _set(job, dotted, value, optimizer)
     check_options(job)
     check_train(job)
-    from .optimizers import apply_preset_fields  # e.g. APOLLO-Mini's rank 1, its definition
+    from .optimizers import apply_preset_fields, preset_fields  # APOLLO-Mini's rank 1…
 
+    given = {d.removeprefix("optim.") for d, _ in pairs if d.startswith("optim.")}
+    fixed = {k: v for k, v in preset_fields(job.optim.name).items() if k in given}
+    if fixed:  # a value the user chose would not be used: refuse instead of ignoring it
+        key, value = next(iter(fixed.items()))
+        raise ValueError(
+            f"--optim.{key}: optimizer {job.optim.name!r} fixes optim.{key}={value:g} (its "
+            f"definition); for another value use galore_adamw with the same options, e.g. "
+            "--optimizer galore_adamw --optim.projector random --optim.scale_type channel"
+        )
     apply_preset_fields(job.optim)
     return job
 

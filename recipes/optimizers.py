@@ -30,9 +30,9 @@ head stay full rank). GaLore's options (``--optim.residual fira``,
 
 A preset may fix [optim] fields that define it (:func:`preset_fields`): APOLLO's and
 APOLLO-Mini's α (``optim.scale``: 1 and √128, their ``preset_defaults``) and APOLLO-Mini's
-rank 1 (``APOLLOMini.projected_rank``). The recipe uses those values instead of
-``optim.scale`` / ``optim.rank``, writes them into the run's configuration (config.json,
-checkpoints) and prints them. Names whose galore2 class has not been built yet fail with a
+rank 1 (``APOLLOMini.projected_rank``). The recipe uses those values instead of the
+config file's ``optim.scale`` / ``optim.rank``, writes them into the run's configuration
+(config.json, checkpoints) and prints them; setting them on the command line is an error. Names whose galore2 class has not been built yet fail with a
 clear message.
 """
 

@@ -36,6 +36,19 @@ def run(out: Path, *extra: str) -> list[dict]:
     return main([*SMALL, "--out", str(out), *extra])
 
 
+def _without(argv: list[str], *flags: str) -> list[str]:
+    """``argv`` without the ``--flag VALUE`` pairs of ``flags``."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
 # --- configuration ------------------------------------------------------------------------
 
 
@@ -248,7 +261,9 @@ LOW_RANK_RUNS = {
 
 @pytest.mark.parametrize("extra", LOW_RANK_RUNS.values(), ids=LOW_RANK_RUNS.keys())
 def test_recipe_runs_low_rank_presets(tmp_path, capsys, extra):
-    hist = run(tmp_path, "--steps", "4", "--optim.lr", "0.01", *extra)
+    fixed = optimizers.preset_fields(extra[1])  # given on the command line they are refused
+    base = _without(SMALL, *(f"--optim.{k}" for k in fixed))
+    hist = main([*base, "--out", str(tmp_path), "--steps", "4", "--optim.lr", "0.01", *extra])
     assert [r["step"] for r in hist] == [2, 4]
     assert all(math.isfinite(r["loss"]) for r in hist) and math.isfinite(hist[-1]["val_loss"])
     config = json.loads((tmp_path / "config.json").read_text())["optim"]
@@ -272,7 +287,7 @@ def test_apollo_mini_projects_at_rank_1_and_apollo_at_its_alpha():
         opt.init_state()
         moments = [opt.state[p]["adam.exp_avg"].shape for p in group["params"]]
         assert all(rank in shape for shape in moments), moments
-    job = parse_args([*SMALL, "--optimizer", "apollo_mini", "--optim.scale", "0.5"])
+    job = parse_args([*_without(SMALL, "--optim.rank"), "--optimizer", "apollo_mini"])
     assert (job.optim.rank, job.optim.scale) == (1, math.sqrt(128))  # the configuration in force
     job = parse_args([*SMALL, "--optimizer", "galore_adamw"])
     assert (job.optim.rank, job.optim.scale) == (8, 0.25)  # SMALL's, untouched
@@ -300,3 +315,14 @@ def test_galore_options_apply_to_every_projecting_optimizer():
         ValueError, match=r"unknown setting 'optim.residual' for optimizer ranger21"
     ):
         parse_args([*SMALL, "--optimizer", "ranger21", "--optim.residual", "fira"])
+
+
+def test_a_field_the_preset_fixes_is_refused_on_the_command_line():
+    """APOLLO-Mini is rank 1 with α = √128 by definition: --optim.rank / --optim.scale would be
+    ignored, so they are an error naming the field (the config file's values are replaced)."""
+    from recipes.config import parse_args
+
+    assert parse_args(["--config", "tiny", "--optimizer", "apollo_mini"]).optim.rank == 1
+    for flag, value in (("--optim.rank", "4"), ("--optim.scale", "2")):
+        with pytest.raises(ValueError, match=flag):
+            parse_args(["--config", "tiny", "--optimizer", "apollo_mini", flag, value])
