@@ -12,7 +12,9 @@ refreshes at 0, 8 and 16):
 What sharding changes, per module: Fira and APOLLO all-gather [N; R] of a LEFT matrix (its
 per-column ratios ‖N‖/‖R‖ need every row of both) and keep a RIGHT matrix's per-row ratios
 local; APOLLO-Mini's Frobenius ratio and the limiter's ‖S‖ are all-reduced; Muon all-reduces
-each r×r Gram matrix (and ‖X‖_F) of the column- (LEFT) or row-sharded (RIGHT) momentum. Only
+each r×r Gram matrix (and ‖X‖_F) of the column- (LEFT) or row-sharded (RIGHT) momentum, and
+nothing for proj_type="full"'s replicated r×r one; with proj_type="reverse_std" the low-rank
+direction's longer side is the parameter's shorter one. Only
 the order of fp32 sums differs from one process, so parameters agree to 1e-5 (as
 test_fsdp.py's) and the limiter's norm — a plain replicated scalar — is bitwise the same on
 every rank and within 1e-5 (relative) of the single process's.
@@ -28,7 +30,7 @@ import torch
 import galore2
 from galore2.checkpoint import load_checkpoint, save_checkpoint
 from galore2.optim.residual import LIMIT_KEY
-from galore2.projectors import LEFT, RIGHT
+from galore2.projectors import FULL, LEFT, RIGHT
 
 from .. import dist as shared
 from ..dist import (
@@ -59,6 +61,11 @@ CONFIGS: dict[str, tuple[type, dict]] = {
     "apollo-mini": (galore2.APOLLOMini, {}),  # scale_type="tensor", α = √128
     "muon-newton_schulz": (galore2.GaLoreMuon, {"orthogonalize": "newton_schulz"}),  # randomized
     "muon-polar": (galore2.GaLoreMuon, {"orthogonalize": "polar", "projector": "svd"}),
+    # the other side of each matrix (7×10 RIGHT, 13×7 LEFT, 5×13 RIGHT): the low-rank
+    # direction's longer side is the parameter's shorter one
+    "muon-reverse_std": (galore2.GaLoreMuon, {"proj_type": "reverse_std"}),
+    # both sides projected: the r×r direction is whole (replicated) on every rank
+    "muon-full": (galore2.GaLoreMuon, {"proj_type": "full", "orthogonalize": "polar"}),
 }
 ATOL = 1e-5  # parameters (test_fsdp.py's tolerance)
 LIMIT_RTOL = 1e-5  # the limiter's norm against one process
@@ -115,7 +122,9 @@ def matches_single_process(rank: int, world: int, names: tuple[str, ...]) -> Non
         diff = _max_param_diff(sharded, reference)
         assert_params_match(sharded, reference, ATOL, where)
         _report(rank, f"{name} world {world}: max |param diff|", diff)
-        assert _sides(opt) == sorted([LEFT, RIGHT, LEFT]), (where, _sides(opt))
+        proj_type = CONFIGS[name][1].get("proj_type", "std")
+        sides = {"std": [LEFT, LEFT, RIGHT], "reverse_std": [LEFT, RIGHT, RIGHT]}
+        assert _sides(opt) == sorted(sides.get(proj_type, [FULL] * 3)), (where, _sides(opt))
         assert refresh_counts(opt) == [3, 3, 3], (where, refresh_counts(opt))
         assert max_change(sharded, make_model()) > 1e-3, where  # it trained
         if CONFIGS[name][0] is galore2.GaLoreMuon:
