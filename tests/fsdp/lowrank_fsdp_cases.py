@@ -265,3 +265,23 @@ def dcp_load(rank: int, world: int, root: str, names: tuple[str, ...]) -> None:
             assert diff <= ATOL, f"{name} world {world}: {pname} differs by {diff:.2e}"
             worst = max(worst, diff)
         _report(rank, f"dcp {name} → world {world}: max |param diff| vs uninterrupted", worst)
+
+
+# ---- HSDP (2 replicas × 2 shards) -----------------------------------------------------------
+
+
+def hsdp_matches_single_process(rank: int, world: int, names: tuple[str, ...]) -> None:
+    """data_parallel_cases' HSDP run for these configs: equal to one process, and every state
+    tensor (bases, moments, Muon's momentum, the limiter's norm) bitwise equal across the
+    replicas — the norms are reduced over the shard group only."""
+    from .data_parallel_cases import _check_replicas, _hsdp
+
+    assert world == 4
+    mesh = cpu_mesh(2, 2, names=("replicate", "shard"))
+    for name in names:
+        model, opt, reference, _ = sharded_vs_single(
+            rank, world, partial(_hsdp, mesh=mesh), partial(build, name=name)
+        )
+        assert_params_match(model, reference, ATOL, f"{name} rank {rank}")
+        _report(rank, f"hsdp {name}: max |param diff|", _max_param_diff(model, reference))
+        _check_replicas(model, opt, f"{name} rank {rank}", mesh.get_group("replicate"))

@@ -30,3 +30,9 @@ def test_dcp_every_config_resumes_at_1_and_3(tmp_path):
     spawn(cases.dcp_save, 2, str(tmp_path), names)
     spawn(cases.dcp_load, 1, str(tmp_path), names)
     spawn(cases.dcp_load, 3, str(tmp_path), names)
+
+
+@pytest.mark.slow
+def test_hsdp_matches_single_process():
+    names = ("fira-svd", "muon-newton_schulz", "muon-polar")  # configs that store bases
+    spawn(cases.hsdp_matches_single_process, 4, names, timeout=300)
