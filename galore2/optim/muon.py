@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from ..core.options import Bool, Choice, Int, Option, Real
+from ..core.state import counter
 from ..core.transform import Context, Group, State, Transform, complex_problem
 from ..placement import Placement
 from ..storage.dtype import STATE_DTYPE, STATE_DTYPES
@@ -99,11 +100,14 @@ def polar(X: Tensor, reduce: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor
     return out if X.dtype == torch.float64 else out.float()
 
 
-def _sharded_dim(layout: str, placement: Placement) -> int | None:
-    """Which dim of a direction with this state layout is split over ranks (None: whole)."""
-    if not placement.distributed:
-        return None
-    return {"cols": 1, "rows": 0, "param": 0}.get(layout)
+# The direction's dim that a sharded parameter splits across ranks, per state layout
+# (galore2.placement): "param"/"rows" split dim 0, "cols" dim 1, "replicate" none.
+_SPLIT_DIM = {"param": 0, "rows": 0, "cols": 1, "replicate": -1}
+
+
+def _sharded_dim(split: int, placement: Placement) -> int | None:
+    """Which dim of the direction is split over ranks in this run (None: whole here)."""
+    return None if split < 0 or not placement.distributed else split
 
 
 class ScaleByMuon(Transform):
@@ -111,7 +115,7 @@ class ScaleByMuon(Transform):
 
     name = "muon"
     options = (MOMENTUM, NESTEROV, ORTHOGONALIZE, NS_STEPS, ADJUST_LR_FN, STATE_DTYPE)
-    kinds: ClassVar[dict[str, str]] = {"muon.momentum": "moments"}
+    kinds: ClassVar[dict[str, str]] = {"muon.momentum": "moments", "muon.split_dim": "other"}
     linear_keys = ("muon.momentum",)
 
     def init(
@@ -120,7 +124,8 @@ class ScaleByMuon(Transform):
         if len(shape) != 2:
             raise ValueError(f"Muon orthogonalizes matrices; got a direction of shape {shape}")
         rows, cols = int(shape[0]), int(shape[1])
-        sharded = _sharded_dim(ctx.layout, ctx.placement)
+        split = _SPLIT_DIM[ctx.layout]
+        sharded = _sharded_dim(split, ctx.placement)
         long_dim = 0 if rows > cols else 1
         if sharded is not None and sharded != long_dim:
             raise ValueError(
@@ -129,6 +134,9 @@ class ScaleByMuon(Transform):
                 "in a group without rank (AdamW)"
             )
         state["muon.momentum"] = ctx.zeros(shape, STATE_DTYPES[group["state_dtype"]])
+        # update's context carries the parameter's layout ("param"), not the low-rank
+        # direction's: record which dim of the direction the layout splits (as Adafactor does)
+        state["muon.split_dim"] = counter(split)
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
         buf = state["muon.momentum"]
@@ -136,14 +144,11 @@ class ScaleByMuon(Transform):
         u = u.to(buf.dtype)
         buf.lerp_(u, 1 - beta)
         x = u.lerp(buf, beta) if group["nesterov"] else buf
-        rows, cols = _global_2d(x, ctx)
+        sharded = _sharded_dim(int(state["muon.split_dim"]), ctx.placement)
+        rows, cols = _global_2d(x, sharded, ctx)
         transpose = rows > cols  # work on short × long
         X = x.mT if transpose else x
-        reduce = (
-            ctx.placement.reduce
-            if _sharded_dim(ctx.layout, ctx.placement) is not None
-            else (lambda t: t)
-        )
+        reduce = ctx.placement.reduce if sharded is not None else (lambda t: t)
         if group["orthogonalize"] == "polar":
             ortho = polar(X, reduce)
         else:
@@ -157,16 +162,16 @@ class ScaleByMuon(Transform):
         return ortho * adjust
 
 
-def _global_2d(x: Tensor, ctx: Context) -> tuple[int, int]:
-    """The global (rows, cols) of a direction whose local piece is ``x``."""
-    if ctx.layout == "param":  # the parameter itself
-        return int(ctx.global_shape[0]), int(ctx.global_shape[1])
+def _global_2d(x: Tensor, sharded: int | None, ctx: Context) -> tuple[int, int]:
+    """The global (rows, cols) of a direction whose local piece is ``x`` and whose dim
+    ``sharded`` is split over ranks: the parameter's m (the parameter itself, or a right
+    basis's m×r) or n (a left basis's r×n)."""
     rows, cols = int(x.shape[0]), int(x.shape[1])
-    if ctx.placement.distributed and ctx.layout in ("rows", "cols"):
-        # a low-rank direction: the sharded side is the parameter's m (rows) or n (cols)
-        m = int(ctx.global_shape[0])
-        n = int(ctx.global_shape.numel() // m)
-        return (m, cols) if ctx.layout == "rows" else (rows, n)
+    m = int(ctx.global_shape[0])
+    if sharded == 0:
+        return m, cols
+    if sharded == 1:
+        return rows, int(ctx.global_shape.numel() // m)
     return rows, cols
 
 

@@ -16,9 +16,23 @@ from ..helpers import TinyNet, batch, galore_groups
 ACCUM, STEPS = 3, 6
 
 
-def _opt(model):
-    return galore2.GaLoreAdamW(
-        galore_groups(model, rank=4, update_proj_gap=4), lr=1e-2, weight_decay=0.1
+# GaLoreAdamW and the presets whose update is not a low-rank product: Fira and APOLLO return
+# a dense update scaled by ratios of norms and the norm-growth limiter's state, GaLoreMuon
+# orthogonalizes its low-rank momentum. TinyNet: 40×24 (right), 40×40, 12×40 (left).
+PRESETS = {
+    "galore": (galore2.GaLoreAdamW, {}),
+    "fira": (galore2.Fira, {}),
+    "apollo": (galore2.APOLLO, {}),
+    "apollo-mini": (galore2.APOLLOMini, {}),
+    "muon": (galore2.GaLoreMuon, {}),
+    "muon-polar": (galore2.GaLoreMuon, {"orthogonalize": "polar"}),
+}
+
+
+def _opt(model, preset="galore"):
+    cls, settings = PRESETS[preset]
+    return cls(
+        galore_groups(model, rank=4, update_proj_gap=4, **settings), lr=1e-2, weight_decay=0.1
     )
 
 
@@ -31,12 +45,13 @@ def _loss(model, step, micro):
     return (model(x) - y).pow(2).mean() / ACCUM
 
 
+@pytest.mark.parametrize("preset", list(PRESETS))
 @pytest.mark.parametrize("accumulation", [1, ACCUM])
-def test_per_layer_equals_ordinary_step(accumulation):
+def test_per_layer_equals_ordinary_step(accumulation, preset):
     torch.manual_seed(0)
     ref = TinyNet()
     model = copy.deepcopy(ref)
-    ref_opt, opt = _opt(ref), _opt(model)
+    ref_opt, opt = _opt(ref, preset), _opt(model, preset)
     ref_sched, sched = _sched(ref_opt), _sched(opt)
     updates = galore2.per_layer(model, opt, accumulation_steps=accumulation, scheduler=sched)
     for step in range(STEPS):
@@ -96,16 +111,21 @@ def test_refusals():
         galore2.per_layer(model, torch.optim.AdamW(model.parameters()))
 
 
-def _fsdp_per_layer(rank: int, world: int) -> None:
+def _fsdp_per_layer(rank: int, world: int, config: str | None = None) -> None:
+    """``config``: a name of lowrank_fsdp_cases.CONFIGS (default: GaLoreAdamW, randomized)."""
     from ..dist import BATCH, cpu_mesh, data, make_model, optimizer, shard
     from ..dist import STEPS as N
+    from ..fsdp import lowrank_fsdp_cases
 
     mesh = cpu_mesh(world)
     models = []
     for per_layer_mode in (False, True):
         model = make_model()
         shard(model, mesh)
-        opt = optimizer(model, {"projector": "randomized"})
+        if config is None:
+            opt = optimizer(model, {"projector": "randomized"})
+        else:
+            opt = lowrank_fsdp_cases.build(model, config)
         updates = galore2.per_layer(model, opt, accumulation_steps=2) if per_layer_mode else None
         per = BATCH // world // 2
         for step in range(N):
@@ -136,6 +156,14 @@ def _fsdp_per_layer(rank: int, world: int) -> None:
 
 def test_per_layer_under_fsdp2_equals_ordinary_step():
     spawn(_fsdp_per_layer, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["fira-svd", "apollo-mini", "muon-polar"])
+def test_per_layer_under_fsdp2_lowrank_presets(config):
+    """Fira (exact refreshes: gathered per parameter here, batched in step()), APOLLO-Mini
+    and GaLoreMuon: their collectives run inside backward, one parameter at a time."""
+    spawn(_fsdp_per_layer, 3, config)
 
 
 def _ddp_refused(rank: int, world: int) -> None:
