@@ -63,6 +63,8 @@ TASKS: dict[str, Task] = {
                         "Side-by-side suite: convergence (tiny recipe, lr sweep)",
                         "suite_convergence"),
     "targets": Task("suite", "targets", "Side-by-side suite: targets", "suite_targets"),
+    "per_byte": Task("per_byte", "per_byte", "Side-by-side suite: loss per byte of state",
+                     "suite_per_byte"),
     "refresh": Task("refresh", "refresh", "Subspace refresh: exact SVD vs randomized vs warm power"),
     "step_time": Task("step_time", "step_time", "Optimizer step time (non-refresh steps)"),
     "memory_7b": Task("llama_7b", "memory_7b", "Optimizer-state memory, Llama-7B shapes"),
@@ -193,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         names = parse_tasks(args.tasks)
     except ValueError as e:
         parser.error(f"--tasks: {e}")
-    if set(names) & set(MEASURED) and "targets" not in names:
-        names.append("targets")  # the targets on the latest figures, when all three exist
+    if set(names) & set(MEASURED):  # targets and loss per byte on the latest figures
+        names += [t for t in ("targets", "per_byte") if t not in names]
     if args.out:
         out, base = args.out, args.out.parent
     elif args.quick:

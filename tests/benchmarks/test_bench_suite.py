@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -279,3 +280,17 @@ def test_llama_7b_state_figures_are_the_published_ones():
     md = llama_7b.memory_7b(quick=False)
     assert "| torch.optim.AdamW fp32 (counted) | 53.907 | 0.000 | 1,164 | 53.907 |" in md
     assert "| galore2 GaLoreAdamW, rank=None (plain) | 53.907 | 0.000 | 6,984 | 53.907 |" in md
+
+
+def test_readme_which_optimizer_table_is_the_saved_figures():
+    """README's "which optimizer" table is what ``--tasks per_byte`` renders from the committed
+    results (rerun it after a suite run); every galore2 row names a real contender."""
+    from benchmarks import per_byte
+
+    root = Path(__file__).resolve().parents[2]
+    items = per_byte.rows(per_byte.load(root / "benchmarks" / "results"))
+    readme = (root / "README.md").read_text()
+    assert per_byte.readme_block(readme, per_byte.which_md(items)) == readme, (
+        "README's which-optimizer table is stale: python -m benchmarks.run --tasks per_byte"
+    )
+    assert "**galore2" in per_byte.which_md(items)
