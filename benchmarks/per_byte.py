@@ -111,7 +111,7 @@ def which_md(items: list[dict[str, Any]]) -> str:
                 "best peer in budget (state ÷ AdamW)",
             ],
             lines,
-        )  # fmt: skip
+        )
     )
 
 

@@ -174,7 +174,7 @@ def test_bad_task_and_optimizer_names_are_refused(capsys):
 
 def test_registry_lists_every_task_and_resolves_each():
     """One registry: the suite, every former run_core benchmark, kernels and the Adafactor probe."""
-    expected = {"peers", "state_7b", "footprint", "convergence", "targets", "refresh",
+    expected = {"peers", "state_7b", "footprint", "convergence", "targets", "per_byte", "refresh",
                 "step_time", "memory_7b", "traffic_7b", "recipe_tiny", "recipe_memory_7b",
                 "ranger21", "basis_quant", "low_memory", "kernels", "adafactor_step"}  # fmt: skip
     assert set(run.TASKS) == expected
