@@ -132,22 +132,25 @@ def tiny_run(
     flags: Sequence[str] = (),
     steps: int | None = None,
     out: Path | None = None,
+    config: str = "tiny",
+    evals: int = 2,
 ) -> list[dict[str, Any]]:
     """One run of the README's tiny recipe in this process
     (``python -m recipes.pretrain --config tiny --optimizer OPTIMIZER --optim.lr LR``); its
-    metrics history. ``steps``: a shorter run, evaluated twice; ``out``: keep its files there
-    (default: a temporary directory)."""
+    metrics history. ``steps``: another run length, evaluated ``evals`` times (twice);
+    ``out``: keep its files there (default: a temporary directory); ``config``: another
+    recipe config (``recipes/configs/CONFIG.toml``)."""
     from recipes.pretrain import main as pretrain
 
     if out is None:
         with tempfile.TemporaryDirectory() as tmp:
-            return tiny_run(optimizer, lr, flags, steps, Path(tmp))
+            return tiny_run(optimizer, lr, flags, steps, Path(tmp), config, evals)
     # An lr sweep's diverging point runs to the end (its rows count the skipped updates,
     # ``nonfinite_skips``) instead of stopping the whole benchmark.
-    argv = ["--config", "tiny", "--optimizer", optimizer, "--optim.lr", lr, "--out", str(out),
+    argv = ["--config", config, "--optimizer", optimizer, "--optim.lr", lr, "--out", str(out),
             "--train.progress", "false", "--train.max_skip_steps", "0", *flags]  # fmt: skip
     if steps:
-        argv += ["--steps", str(steps), "--train.eval_every", str(steps // 2)]
+        argv += ["--steps", str(steps), "--train.eval_every", str(max(1, steps // evals))]
     return pretrain(argv)
 
 

@@ -27,9 +27,12 @@ QUICK_LR = {"adam": 1e-3, "galore": 1e-2}
 QUICK_STEPS = 60
 
 
-def run_one(contender: Contender, lr: float, out: Path, steps: int | None) -> dict[str, Any]:
-    """One recipe run; its validation curve, best / final validation loss, speed and state."""
-    hist = tiny_run(contender.optimizer, f"{lr:g}", contender.flags, steps, out)
+def run_one(contender: Contender, lr: float, out: Path, steps: int | None,
+            config: str = "tiny", evals: int = 2) -> dict[str, Any]:  # fmt: skip
+    """One recipe run; its validation curve, best / final validation loss, speed and state
+    (``config``, ``evals``: another recipe config, evaluated that many times when ``steps``
+    is given; see :func:`tiny_run`)."""
+    hist = tiny_run(contender.optimizer, f"{lr:g}", contender.flags, steps, out, config, evals)
     curve = [(r["tokens"], r["val_loss"]) for r in hist if "val_loss" in r]
     rates = [r["tokens_per_s"] for r in hist[1:]] or [hist[0]["tokens_per_s"]]
     return {

@@ -5,7 +5,9 @@ Usage (repository root, venv with the ``bench`` extra, a quiet machine)::
     python -m benchmarks.run                  # the side-by-side suite (peers, state_7b,
                                               #   footprint, convergence, then targets)
     python -m benchmarks.run --tasks core     # the benchmarks of the numbered sections
-    python -m benchmarks.run --tasks all      # every task (kernels only where CUDA is)
+    python -m benchmarks.run --tasks all      # every task but the opt-in ones (kernels
+                                              #   only where CUDA is)
+    python -m benchmarks.run --tasks scale_check [--resume]  # opt-in: ~20M Llama, hours on CPU
     python -m benchmarks.run --list           # the tasks: name, module, section title
     python -m benchmarks.run --tasks refresh,step_time --out /tmp/bench.md
     python -m benchmarks.run --quick          # smoke run → runs/BENCHMARKS-quick.md
@@ -81,13 +83,17 @@ TASKS: dict[str, Task] = {
     "kernels": Task("kernels", "kernels", "Triton kernels (GPU)", needs_cuda=True),
     "adafactor_step": Task("step_time", "adafactor_step",
                            "GaLoreAdafactor step vs galore-torch's, per weight shape"),
+    "scale_check": Task("scale_check", "scale_check",
+                        "Side-by-side suite: scale check (~20M-parameter Llama, best tiny lrs)",
+                        "suite_scale_check"),
 }  # fmt: skip
 DEFAULT = ("peers", "state_7b", "footprint", "convergence")
+OPT_IN = ("scale_check",)  # hours on a CPU: run by name only, in no group
 GROUPS = {  # --tasks names that stand for several tasks
     "suite": DEFAULT,
     "core": ("refresh", "step_time", "memory_7b", "traffic_7b", "recipe_tiny",
              "recipe_memory_7b", "ranger21", "basis_quant", "low_memory"),
-    "all": tuple(TASKS),
+    "all": tuple(n for n in TASKS if n not in OPT_IN),
 }  # fmt: skip
 MEASURED = ("state_7b", "footprint", "convergence")  # targets follows any of them
 
@@ -112,6 +118,7 @@ def listing() -> str:
     lines = []
     for name, t in TASKS.items():
         notes = [x for x in ("default" if name in DEFAULT else "",
+                             "opt-in: by name only, hours on CPU" if name in OPT_IN else "",
                              "needs CUDA" if t.needs_cuda else "") if x]  # fmt: skip
         extra = f" [{', '.join(notes)}]" if notes else ""
         lines.append(f"{name:17} benchmarks/{t.module}.py: {t.title}{extra}")
@@ -154,7 +161,8 @@ def arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tasks", default=",".join(DEFAULT),
                    help="comma-separated task names or groups (suite, core, all); default: the "
-                   f"suite ({','.join(DEFAULT)}); --list describes them")  # fmt: skip
+                   f"suite ({','.join(DEFAULT)}); opt-in tasks ({','.join(OPT_IN)}) only by "
+                   "name; --list describes them")  # fmt: skip
     p.add_argument("--only", dest="tasks", help=argparse.SUPPRESS)  # the old run_core flag
     p.add_argument("--list", action="store_true", help="list the tasks and exit")
     p.add_argument("--quick", action="store_true", help="small sizes, for smoke tests only")
@@ -162,17 +170,22 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-write", action="store_true", help="print the sections, write nothing")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (default: torch's own)")  # fmt: skip
-    suite = p.add_argument_group("side-by-side suite (peers, state_7b, footprint, convergence)")
+    suite = p.add_argument_group("side-by-side suite (peers, state_7b, footprint, convergence, "
+                                 "scale_check)")  # fmt: skip
     suite.add_argument("--optimizers", default="", help="comma-separated contender keys")
     suite.add_argument("--merge", action="store_true",
                        help="with --optimizers: keep the other contenders' saved rows "
                        "(rerun a few)")  # fmt: skip
     suite.add_argument("--resume", action="store_true",
                        help="convergence: keep the sweeps a cut-off run saved (results/"
-                       "suite_convergence.partial.json) and run only the missing contenders")  # fmt: skip
+                       "suite_convergence.partial.json) and run only the missing contenders; "
+                       "scale_check: likewise its finished runs")  # fmt: skip
     suite.add_argument("--partial", action="store_true",
-                       help="convergence: write the section (marked partial) and targets from "
-                       "a cut-off run's saved sweeps, running nothing")  # fmt: skip
+                       help="convergence, scale_check: write the section (marked partial; "
+                       "convergence: and targets) from a cut-off run's saved results, "
+                       "running nothing")  # fmt: skip
+    suite.add_argument("--steps", type=int, default=None,
+                       help="scale_check: training steps per run (1500; --quick: 6)")  # fmt: skip
     timing = p.add_argument_group("timing tasks")
     timing.add_argument("--repeats", type=int, default=None,
                         help="timed repeats (refresh: 5, 2 with --quick; kernels: 50)")  # fmt: skip

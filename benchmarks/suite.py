@@ -9,6 +9,9 @@ Tasks (each writes its own BENCHMARKS.md section, ``suite_TASK``):
   refresh time, each contender alone in a fresh process;
 * ``convergence`` — ``benchmarks/convergence.py``: the tiny recipe, same token budget and
   lr sweep for everyone; best validation loss ÷ AdamW's best;
+* ``scale_check`` (opt-in: by name only, hours on a CPU) — ``benchmarks/scale_check.py``:
+  a few contenders at their best tiny-sweep lr and one neighbour on a ~20M-parameter Llama
+  (``recipes/configs/llama_20m.toml``, 1,500 steps); does the ranking hold?
 * ``targets`` — the project's targets (``benchmarks/suite_targets.py``) checked against
   the latest figures of convergence, footprint and state_7b (run after any of them, when
   all three exist).

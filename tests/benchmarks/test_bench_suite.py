@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import convergence, footprint, llama_7b, run, suite
+from benchmarks import convergence, footprint, llama_7b, run, scale_check, suite
 from benchmarks.contenders import BY_KEY, CONTENDERS, why_not
 from recipes.config import ModelConfig
 from recipes.metrics import optimizer_state_bytes
@@ -176,10 +176,13 @@ def test_registry_lists_every_task_and_resolves_each():
     """One registry: the suite, every former run_core benchmark, kernels and the Adafactor probe."""
     expected = {"peers", "state_7b", "footprint", "convergence", "targets", "per_byte", "refresh",
                 "step_time", "memory_7b", "traffic_7b", "recipe_tiny", "recipe_memory_7b",
-                "ranger21", "basis_quant", "low_memory", "kernels", "adafactor_step"}  # fmt: skip
+                "ranger21", "basis_quant", "low_memory", "kernels", "adafactor_step",
+                "scale_check"}  # fmt: skip
     assert set(run.TASKS) == expected
     assert set(run.DEFAULT) == {"peers", "state_7b", "footprint", "convergence"}
-    assert run.parse_tasks("all") == list(run.TASKS)
+    assert run.parse_tasks("all") == [n for n in run.TASKS if n != "scale_check"]  # opt-in
+    assert all("scale_check" not in tasks for tasks in run.GROUPS.values())
+    assert run.parse_tasks("scale_check") == ["scale_check"]
     assert run.parse_tasks("step_time,refresh") == ["refresh", "step_time"]  # registry order
     with pytest.raises(ValueError, match="unknown tasks 'a', 'b'"):
         run.parse_tasks("a,refresh,b")
@@ -187,9 +190,11 @@ def test_registry_lists_every_task_and_resolves_each():
     for name, task in run.TASKS.items():
         fn = getattr(importlib.import_module(f"benchmarks.{task.module}"), task.function)
         params = set(inspect.signature(fn).parameters)
-        assert params <= {"quick", "suite", "repeats", "rounds", "warmup", "json_path"}, name
+        assert params <= {"quick", "suite", "repeats", "rounds", "warmup", "json_path",
+                          "steps"}, name  # fmt: skip
         assert name in listing and task.title in listing
     assert "needs CUDA" in listing.splitlines()[list(run.TASKS).index("kernels")]
+    assert "opt-in" in listing.splitlines()[list(run.TASKS).index("scale_check")]
 
 
 def test_gpu_task_without_cuda_says_it_needs_cuda(capsys, tmp_path):
@@ -256,10 +261,10 @@ PUBLISHED_7B = {
     "ranger21": 107814659168, "galore_ranger21": 53288716664,
     # contenders added after that publication (fira; galore2's Fira, APOLLO, GaLoreMuon):
     # fira keeps galore-torch's whole-SVD-factor basis plus one norm per projected matrix
-    "fira_adamw": 30083679104, "galore2_fira": 18809404104, "galore2_fira_power": 18809404104,
-    "galore2_fira_8bit_int8": 4777427416, "galore2_apollo": 15051309512,
-    "galore2_apollo_mini": 2111947208, "galore2_apollo_8bit": 3823225048,
-    "galore2_apollo_mini_8bit": 547275224, "galore2_muon": 12333396040,
+    "fira_adamw": 30083679104, "galore2_fira": 18809405000, "galore2_fira_power": 18809405000,
+    "galore2_fira_8bit_int8": 4777428312, "galore2_apollo": 15051310408,
+    "galore2_apollo_mini": 2111948104, "galore2_apollo_8bit": 3823225944,
+    "galore2_apollo_mini_8bit": 547276120, "galore2_muon": 12333396040,
     "galore2_muon_polar": 12333396040,
 }  # fmt: skip
 PUBLISHED_LOW_MEMORY_7B = {
@@ -294,3 +299,98 @@ def test_readme_which_optimizer_table_is_the_saved_figures():
         "README's which-optimizer table is stale: python -m benchmarks.run --tasks per_byte"
     )
     assert "**galore2" in per_byte.which_md(items)
+
+
+# --- scale_check (opt-in): the tiny sweep's best lrs on a ~20M-parameter Llama ---------------
+
+
+def _sweep(*points):
+    return [{"lr": lr, "best": best} for lr, best in points]
+
+
+def test_scale_check_takes_the_best_tiny_lr_and_the_neighbour_toward_the_second_best():
+    # the published tiny sweep's shapes: AdamW best 1e-3, second 3e-3 (above)
+    assert scale_check.lrs(_sweep((3e-4, 1.9), (1e-3, 1.44), (3e-3, 1.47), (1e-2, 1.9))) == (
+        1e-3, 3e-3)  # fmt: skip
+    # second best below, and not adjacent: still the next lr on that side
+    assert scale_check.lrs(_sweep((1e-3, 1.5), (3e-3, 1.8), (1e-2, 1.2), (3e-2, 1.9))) == (
+        1e-2, 3e-3)  # fmt: skip
+    # best at the sweep's top edge: the neighbour is below; a diverged lr ranks last
+    assert scale_check.lrs(_sweep((3e-3, float("nan")), (1e-2, 1.4), (3e-2, 1.3))) == (3e-2, 1e-2)
+    assert scale_check.lrs(_sweep((1e-2, 1.0))) == (1e-2, 3e-3)  # one run (a quick sweep): below
+    contenders = [BY_KEY[k] for k in ("adamw", "galore_adamw")]
+    tiny = {"adamw": _sweep((1e-3, 1.4), (3e-3, 1.5))}
+    assert scale_check.plan(contenders, tiny, quick=False) == {"adamw": (1e-3, 3e-3)}
+    assert scale_check.plan(contenders, {}, quick=True) == {
+        "adamw": (1e-3, 3e-4), "galore_adamw": (1e-2, 3e-3)}  # fmt: skip
+
+
+def test_scale_check_resume_keeps_finished_runs_and_saves_after_each(monkeypatch):
+    ran, saved = [], []
+
+    def fake(contender, lr, out, steps, config, evals):
+        ran.append((contender.key, lr))
+        return {"lr": lr, "best": lr}
+
+    monkeypatch.setattr(convergence, "run_one", fake)
+    done = {"adamw": [{"lr": 1e-3, "best": 9.0, "config": "c", "steps": 5},
+                      {"lr": 3e-3, "best": 9.0, "config": "c", "steps": 4}]}  # fmt: skip
+    plan = {"adamw": (1e-3, 3e-3), "galore_adamw": (1e-2, 3e-2)}
+    got = scale_check.run(plan, "c", 5, 2, done, lambda r: saved.append(sum(map(len, r.values()))))
+    assert ran == [
+        ("adamw", 3e-3),
+        ("galore_adamw", 1e-2),
+        ("galore_adamw", 3e-2),
+    ]  # other steps: rerun
+    assert got["adamw"][0] == done["adamw"][0] and saved == [2, 3, 4]
+    assert all(r["wall_s"] >= 0 and r["eval_every"] == 2 for r in got["galore_adamw"])
+
+
+def test_scale_check_ranking_verdict():
+    labels = {"a": "A", "b": "B", "c": "C"}
+    assert "holds" in scale_check.verdict({"a": 1.0, "b": 2.0}, {"a": 1.5, "b": 2.5}, labels)
+    text = scale_check.verdict(
+        {"a": 1.0, "b": 2.0, "c": 3.0}, {"a": 2.0, "b": 1.0, "c": 3.0}, labels
+    )
+    assert "Kendall τ = 0.33 over 3" in text and "A and B swapped" in text
+
+
+def test_scale_check_quick_runs_and_writes_its_section(monkeypatch, tmp_path):
+    """``--tasks scale_check --quick`` on a still smaller model (2 steps): it runs every
+    contender at two lrs, writes its section, raw results and plot; opt-in, so the default
+    suite never runs it."""
+    cfg = tmp_path / "micro.toml"
+    cfg.write_text(
+        "[model]\nvocab_size = 257\ndim = 32\nn_layers = 1\nn_heads = 2\nffn_dim = 64\n"
+        "max_seq_len = 32\n[data]\nseq_len = 32\n[optim]\nrank = 8\nupdate_proj_gap = 50\n"
+        "[train]\nbatch_size = 2\neval_batches = 1\ncheckpoint_every = -1\n"
+    )
+    monkeypatch.setattr(scale_check, "QUICK_CONFIG", str(cfg))
+    monkeypatch.setattr(scale_check, "QUICK_STEPS", 2)
+    out = tmp_path / "B.md"
+    argv = ["--tasks", "scale_check", "--quick", "--optimizers", "adamw,galore_adamw",
+            "--out", str(out)]  # fmt: skip
+    run.main(argv)
+    text = out.read_text()
+    assert "<!-- BEGIN galore2-bench:suite_scale_check -->" in text
+    assert "Command: `python -m benchmarks.run --tasks scale_check --quick" in text
+    row = next(ln for ln in text.splitlines() if ln.startswith("| torch AdamW (foreach) | "))
+    assert "| 0.0003: " in row.replace("**", "") and ", 0.001: " in row.replace("**", "")
+    assert row.count("**") == 2  # the best lr in bold
+    assert "Wall time: " in text and "for 4 runs" in text
+    saved = json.loads((tmp_path / "results" / "suite_scale_check.json").read_text())
+    assert [r["lr"] for r in saved["galore_adamw"]] == [1e-2, 3e-3]
+    assert not (tmp_path / "results" / "suite_scale_check.partial.json").exists()
+    assert (tmp_path / "figures" / "scale_check.png").read_bytes()[:4] == b"\x89PNG"
+    # a cut-off task: --partial reports the saved runs, --resume runs only the missing one
+    partial = tmp_path / "results" / "suite_scale_check.partial.json"
+    saved["galore_adamw"].pop()
+    partial.write_text(json.dumps(saved))
+    run.main([*argv, "--partial"])
+    assert "**Partial: 3 of 4 runs.** The run was cut off before galore2 GaLoreAdamW at 0.003" in (
+        out.read_text())  # fmt: skip
+    kept = saved["adamw"][0]["wall_s"]
+    run.main([*argv, "--resume"])
+    again = json.loads((tmp_path / "results" / "suite_scale_check.json").read_text())
+    assert again["adamw"][0]["wall_s"] == kept and len(again["galore_adamw"]) == 2
+    assert "Partial" not in out.read_text() and not partial.exists()

@@ -100,6 +100,9 @@ def test_every_shipped_config_loads_and_builds(path):
         assert (cfg.intermediate_size, cfg.vocab_size, job.data.seq_len) == (11008, 32000, 2048)
         assert (job.optim.rank, job.optim.update_proj_gap, job.optim.scale) == (1024, 500, 0.25)
         assert 6.6e9 < n < 6.8e9  # Llama-7B: 6.74B parameters
+    if path.stem == "llama_20m":  # the benchmarks' scale check: tiny's data, r = dim / 4
+        assert n == 19_242_496 and job.data.tokenizer == "byte" and job.data.dataset == "embedded"
+        assert (job.optim.rank, job.optim.update_proj_gap, job.optim.scale) == (128, 50, 0.25)
 
 
 # --- optimizers and schedule -----------------------------------------------------------------
