@@ -264,8 +264,8 @@ PUBLISHED_7B = {
     "fira_adamw": 30083679104, "galore2_fira": 18809405000, "galore2_fira_power": 18809405000,
     "galore2_fira_8bit_int8": 4777428312, "galore2_apollo": 15051310408,
     "galore2_apollo_mini": 2111948104, "galore2_apollo_8bit": 3823225944,
-    "galore2_apollo_mini_8bit": 547276120, "galore2_muon": 12333396040,
-    "galore2_muon_polar": 12333396040,
+    "galore2_apollo_mini_8bit": 547276120, "galore2_muon": 12333397832,
+    "galore2_muon_polar": 12333397832,
 }  # fmt: skip
 PUBLISHED_LOW_MEMORY_7B = {
     "torch AdamW fp32": 53907326092, "bitsandbytes AdamW8bit": 13687408768,

@@ -99,7 +99,7 @@ def _check_limiter(opt, ref_opt, model, reference, where: str, rtol: float = LIM
             assert LIMIT_KEY not in state, where
             continue
         value, expected = state[LIMIT_KEY], ref_state[LIMIT_KEY]
-        assert not hasattr(value, "full_tensor") and value.dtype == torch.float32, where
+        assert not hasattr(value, "full_tensor") and value.dtype == torch.float64, where
         assert_same_across(value, f"{where}: {LIMIT_KEY}")
         assert float(expected) > 0, where  # the limiter ran
         rel = abs(float(value) - float(expected)) / float(expected)

@@ -111,7 +111,8 @@ def test_galore_muon_trains_and_keeps_one_low_rank_moment(orthogonalize):
     assert losses[-1] < losses[0]
     for p in (model.up.weight, model.mid.weight, model.down.weight):
         state = opt.state[p]
-        assert set(k for k in state if k.startswith(("muon.", "adam."))) == {"muon.momentum"}
+        muon_keys = {k for k in state if k.startswith(("muon.", "adam."))}
+        assert muon_keys == {"muon.momentum", "muon.split_dim"}  # no Adam moments
         m, n = p.shape
         assert state["muon.momentum"].shape == ((m, 6) if m >= n else (6, n))
     assert "adam.exp_avg" in opt.state[model.norm.weight]  # groups without rank: AdamW
