@@ -50,7 +50,7 @@ def rows(figures: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         state = s7.get(c.key)
         step = (foot.get(c.key) or {}).get("step_ms")
         out.append({
-            "key": c.key, "label": c.label, "ours": c.package == "galore2", "lr": best["lr"],
+            "key": c.key, "label": c.label, "ours": c.package == "galore2", "lr": best.get("lr"),
             "loss": best["best"],
             "vs_adamw": best["best"] / adamw["best"] if adamw else None,
             "vs_apollo": best["best"] / apollo["best"] if apollo else None,
@@ -68,7 +68,7 @@ def per_byte_md(items: list[dict[str, Any]]) -> str:
     body = table(
         ["optimizer", "best lr", "best val loss", "÷ AdamW", "÷ APOLLO", "7B state ÷ AdamW",
          "step ÷ AdamW"],
-        [[r["label"], f"{r['lr']:g}", f"{r['loss']:.4f}", _f(r["vs_adamw"], "{:.3f}"),
+        [[r["label"], _f(r["lr"], "{:g}"), f"{r['loss']:.4f}", _f(r["vs_adamw"], "{:.3f}"),
           _f(r["vs_apollo"], "{:.3f}"), _f(r["state"], "{:.3f}"), _f(r["step"], "{:.2f}")]
          for r in sorted(items, key=lambda r: (r["state"] is None, r["state"] or 0, r["loss"]))],
     )  # fmt: skip
@@ -82,13 +82,18 @@ def per_byte_md(items: list[dict[str, Any]]) -> str:
     )
 
 
+def best_within(items: list[dict[str, Any]], budget: float, ours: bool) -> dict[str, Any] | None:
+    """The row (galore2's when ``ours``, else a peer's) with the lowest loss whose Llama-7B
+    state is at most ``budget`` × AdamW's; None if none fits."""
+    fits = [r for r in items if r["ours"] == ours and r["state"] is not None]
+    return min((r for r in fits if r["state"] <= budget), key=lambda r: r["loss"], default=None)
+
+
 def which_md(items: list[dict[str, Any]]) -> str:
     """README's table: per memory budget, galore2's best variant and the best peer."""
     lines = []
     for budget, name in BUDGETS:
-        fits = [r for r in items if r["state"] is not None and r["state"] <= budget]
-        ours = min((r for r in fits if r["ours"]), key=lambda r: r["loss"], default=None)
-        peer = min((r for r in fits if not r["ours"]), key=lambda r: r["loss"], default=None)
+        ours, peer = best_within(items, budget, True), best_within(items, budget, False)
         if ours is None:
             continue
         lines.append([

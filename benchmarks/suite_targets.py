@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import per_byte
 from ._common import table
-from .contenders import BY_KEY
 
 OURS_PROJECTED = ("galore_adamw", "galore_adamw_power", "galore_adamw8bit",
                   "galore_adamw8bit_int8", "galore_adamw8bit_int4", "galore_adafactor",
@@ -25,40 +25,26 @@ def _counterpart(key: str, measured: dict[str, Any]) -> str:
     return twin if measured.get(twin) else "gt_galore_adamw"
 
 
-def _best_within(conv: dict[str, float], s7: dict[str, Any], budget: float, ours: bool
-                 ) -> tuple[str, float] | None:  # fmt: skip
-    """The contender (galore2's or a peer's) with the lowest loss whose 7B state is at most
-    ``budget`` × AdamW's; None if there is none."""
-    adamw = s7.get("adamw")
-    if not adamw:
-        return None
-    fits = [(loss, k) for k, loss in conv.items()
-            if k in BY_KEY and (BY_KEY[k].package == "galore2") == ours
-            and s7.get(k) is not None and s7[k] / adamw <= budget and k != "adamw"]  # fmt: skip
-    if not fits:
-        return None
-    loss, key = min(fits)
-    return key, loss
-
-
-def _per_byte_rows(conv: dict[str, float], s7: dict[str, Any], labels: dict[str, str]
-                   ) -> list[list[str]]:  # fmt: skip
+def _per_byte_rows(results: dict[str, Any], labels: dict[str, str]) -> list[list[str]]:
     """Issue 17's targets: the best loss per byte of optimizer state. A: at ≤ 0.35× AdamW's
     7B state galore2's best ≤ every peer's; B: at ≤ 10%, ≤ APOLLO-Mini's and ≤ galore2
     8-bit + INT8 basis' (the best low-memory variant before issue 17)."""
+    items = per_byte.rows(results)
+    loss = {r["key"]: r["loss"] for r in items}
     rows: list[list[str]] = []
-    ours, peer = _best_within(conv, s7, 0.35, True), _best_within(conv, s7, 0.35, False)
+    ours, peer = per_byte.best_within(items, 0.35, True), per_byte.best_within(items, 0.35, False)
     if ours and peer:
         rows.append(["A: at ≤ 0.35× AdamW's 7B state, galore2's best val loss ≤ every peer's",
-                     f"{labels[ours[0]]} {ours[1]:.4f} vs {labels[peer[0]]} {peer[1]:.4f} "
-                     f"({ours[1] / peer[1]:.3f}×)", _met(ours[1] <= peer[1])])  # fmt: skip
-    ours = _best_within(conv, s7, 0.10, True)
-    mini, int8 = conv.get("apollo_mini"), conv.get("galore_adamw8bit_int8")
+                     f"{labels[ours['key']]} {ours['loss']:.4f} vs {labels[peer['key']]} "
+                     f"{peer['loss']:.4f} ({ours['loss'] / peer['loss']:.3f}×)",
+                     _met(ours["loss"] <= peer["loss"])])  # fmt: skip
+    ours = per_byte.best_within(items, 0.10, True)
+    mini, int8 = loss.get("apollo_mini"), loss.get("galore_adamw8bit_int8")
     if ours and mini is not None and int8 is not None:
         rows.append(["B: at ≤ 10% of AdamW's 7B state, galore2's best ≤ APOLLO-Mini's and ≤ "
                      "galore2 8-bit + INT8 basis'",
-                     f"{labels[ours[0]]} {ours[1]:.4f} vs {mini:.4f} / {int8:.4f}",
-                     _met(ours[1] <= mini and ours[1] <= int8)])  # fmt: skip
+                     f"{labels[ours['key']]} {ours['loss']:.4f} vs {mini:.4f} / {int8:.4f}",
+                     _met(ours["loss"] <= mini and ours["loss"] <= int8)])  # fmt: skip
     return rows
 
 
@@ -92,7 +78,7 @@ def targets_md(
         rows.append([f"{labels[k]}: ≤ 1.02× galore-torch's loss at ≤ 10% of AdamW's 7B state",
                      f"{ratio:.3f}× loss at {100 * share:.1f}% state",
                      _met(ratio <= 1.02 and share <= 0.10)])  # fmt: skip
-    rows += _per_byte_rows(conv, s7, labels)
+    rows += _per_byte_rows(results, labels)
     base, gt_f = foot.get("adamw"), foot.get("gt_galore_adamw")
     for k in OURS_PROJECTED:
         if not foot.get(k) or base is None:

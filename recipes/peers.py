@@ -47,13 +47,23 @@ def _no_keys(cfg: OptimConfig) -> dict[str, Any]:
     return {}
 
 
-def _galore_keys(cfg: OptimConfig) -> dict[str, Any]:
-    return {
-        "rank": cfg.rank,
-        "update_proj_gap": cfg.update_proj_gap,
-        "scale": cfg.scale,
-        "proj_type": cfg.proj_type,
-    }
+def _galore_keys_as(scale: str = "scale", proj_type: str = "proj_type") -> Keys:
+    """GaLore's four shared settings under a package's own names for α and the side rule."""
+
+    def keys(cfg: OptimConfig) -> dict[str, Any]:
+        return {
+            "rank": cfg.rank,
+            "update_proj_gap": cfg.update_proj_gap,
+            scale: cfg.scale,
+            proj_type: cfg.proj_type,
+        }
+
+    return keys
+
+
+_galore_keys = _galore_keys_as()
+_pto_galore_keys = _galore_keys_as(proj_type="projection_type")  # pytorch-optimizer
+_fira_keys = _galore_keys_as(scale="alpha")  # fira's α
 
 
 def _qgalore_keys(cfg: OptimConfig) -> dict[str, Any]:
@@ -70,15 +80,6 @@ def _qgalore_keys(cfg: OptimConfig) -> dict[str, Any]:
     }
 
 
-def _pto_galore_keys(cfg: OptimConfig) -> dict[str, Any]:
-    return {
-        "rank": cfg.rank,
-        "update_proj_gap": cfg.update_proj_gap,
-        "scale": cfg.scale,
-        "projection_type": cfg.proj_type,
-    }
-
-
 def _apollo_keys(rank: int | None, scale_type: str, scale: float) -> Keys:
     def keys(cfg: OptimConfig) -> dict[str, Any]:
         return {
@@ -91,15 +92,6 @@ def _apollo_keys(rank: int | None, scale_type: str, scale: float) -> Keys:
         }
 
     return keys
-
-
-def _fira_keys(cfg: OptimConfig) -> dict[str, Any]:
-    return {
-        "rank": cfg.rank,
-        "update_proj_gap": cfg.update_proj_gap,
-        "alpha": cfg.scale,
-        "proj_type": cfg.proj_type,
-    }
 
 
 def _adam_kwargs(cfg: OptimConfig) -> dict[str, Any]:
