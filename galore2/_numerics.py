@@ -24,26 +24,36 @@ def all_finite(t: Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def norms_within(tensors: list[Tensor], bound: float, dtype: torch.dtype) -> list[bool]:
+def norms_within(
+    tensors: list[Tensor], bound: float, dtype: torch.dtype, batched: bool = False
+) -> Tensor:
     """Per tensor: is its L2 norm, computed in ``dtype`` (float64 tensors: in float64), at
-    most ``bound``?
+    most ``bound``? A bool tensor on the tensors' device — no host read.
 
     False for a NaN or Inf entry and for a sum of squares that overflows ``dtype`` (the
     norm is a plain sum of squares, not rescaled: on the CPU and in the CUDA
-    ``_foreach_norm`` kernel alike). One reduction per tensor — one fused kernel on
-    accelerators — and one host read per tensor on the CPU, one in all elsewhere.
+    ``_foreach_norm`` kernel alike). ``batched``: one ``_foreach_norm`` (one fused kernel on
+    accelerators); otherwise one reduction per tensor (CPU foreach kernels are a slower
+    loop). Either way the flags come back as one tensor, for one read (:func:`host_list`).
     """
-    if not tensors:
-        return []
-    if tensors[0].device.type == "cpu":  # CPU foreach kernels are slower than a loop
-        return [
-            float(torch.linalg.vector_norm(t, dtype=None if t.dtype in (dtype, _F64) else dtype))
-            <= bound
+    wide = _F64 if any(t.dtype == _F64 for t in tensors) else dtype  # never narrowing
+    if batched:
+        norms = torch._foreach_norm(tensors, 2, dtype=wide)
+    else:
+        norms = [
+            torch.linalg.vector_norm(t, dtype=None if t.dtype in (dtype, _F64) else dtype)
             for t in tensors
         ]
-    wide = _F64 if any(t.dtype == _F64 for t in tensors) else dtype  # never narrowing
-    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=wide)).tolist()
-    return [n <= bound for n in norms]  # NaN compares False
+    return torch.stack([n.to(wide) for n in norms]) <= bound  # NaN compares False
+
+
+def host_list(t: Tensor) -> list:
+    """``t``'s values on the host: the one device→host read of an optimizer step.
+
+    Every read the step makes of a value computed on the device goes through here (a
+    single transfer however long ``t`` is), so ``tools.step_counts`` and the tests count
+    them by wrapping this function (``tolist`` dispatches no op a dispatch mode could see)."""
+    return t.tolist()
 
 
 _GOLDEN = 0x9E3779B97F4A7C15

@@ -66,8 +66,9 @@ class Placement:
     def any(self, flags: list[bool]) -> list[bool]:
         return flags
 
-    def any_global(self, flags: list[bool]) -> list[bool]:
-        """``any`` over every rank of the default process group (all ranks step together)."""
+    def any_global(self, flags: Tensor) -> Tensor:
+        """Elementwise ``any`` of a bool tensor over every rank of the default process group
+        (all ranks step together); stays on the flags' device (no host read)."""
         return flags
 
     def gather_rows(self, t: Tensor, owner: int) -> Tensor | None:

@@ -23,7 +23,8 @@ unusable gradient:
 
 The test is one reduction per gradient — its L2 norm, a plain sum of squares computed in
 float32 (float64 for float64 state), compared with √(largest value of the state dtype) —
-and one host read, as the bare NaN/Inf test it replaces.
+kept on the device; the flags of every group of a ``step()`` are read together, in one
+device→host transfer (the step's only synchronization, see :func:`read_flags`).
 
 ``state_dtype="float16"``: float16's largest value is 65504, so a gradient counts as
 unusable as soon as ‖g‖² > 65504 (‖g‖ > 255.9), summed over the whole tensor: the second
@@ -49,6 +50,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .. import _numerics
 from .._numerics import norms_within
 from ..placement import Placement
 from .options import Choice, Option
@@ -71,23 +73,46 @@ def state_dtype(group: dict[str, Any]) -> torch.dtype:
 
 
 def usable(
-    grads: Sequence[Tensor], placements: Sequence[Placement], dtype: torch.dtype
-) -> list[bool]:
-    """Per local gradient: is the whole (global) gradient usable with state in ``dtype``
-    (finite, and no shard's sum of squares overflows ``dtype``)? Sharded parameters agree
-    through one all-reduce of their flags; call it on every rank together."""
+    grads: Sequence[Tensor],
+    placements: Sequence[Placement],
+    dtype: torch.dtype,
+    batched: bool = False,
+) -> Tensor:
+    """Per local gradient, a bool tensor on their device (no host read): is the whole
+    (global) gradient usable with state in ``dtype`` (finite, and no shard's sum of squares
+    overflows ``dtype``)? Sharded parameters agree through one all-reduce of their flags;
+    call it on every rank together."""
     wide = torch.float64 if dtype == torch.float64 else torch.float32
-    ok = norms_within(list(grads), math.sqrt(torch.finfo(dtype).max), wide)
+    ok = norms_within(list(grads), math.sqrt(torch.finfo(dtype).max), wide, batched)
     sharded = [i for i, p in enumerate(placements) if p.distributed]
     if sharded:
-        bad = placements[sharded[0]].any_global([not ok[i] for i in sharded])
-        for i, b in zip(sharded, bad, strict=True):
-            ok[i] = not b
+        index = torch.tensor(sharded, device=ok.device)
+        bad = placements[sharded[0]].any_global(~ok[index])
+        ok = ok.index_put((index,), ~bad)
     return ok
 
 
+def read_flags(flags: Sequence[Tensor | None]) -> list[list[bool] | None]:
+    """Several groups' flags in one host read (:func:`galore2._numerics.host_list`): the
+    step's one device→host synchronization. None stays None (a group that checks nothing)."""
+    present = [f for f in flags if f is not None and f.numel()]
+    values = _numerics.host_list(torch.cat(present)) if present else []
+    out: list[list[bool] | None] = []
+    start = 0
+    for f in flags:
+        if f is None:
+            out.append(None)
+            continue
+        out.append(values[start : start + f.numel()])
+        start += f.numel()
+    return out
+
+
 class NonFinitePolicy:
-    """Decides which parameters of a step are updated; see the module docstring."""
+    """Decides which parameters of a step are updated; see the module docstring.
+
+    The step asks :meth:`check` of every group (device flags, no host read), reads all
+    groups' flags at once (:func:`read_flags`) and hands each group's to :meth:`keep`."""
 
     options: ClassVar[tuple[Option, ...]] = (NONFINITE,)
     kinds: ClassVar[dict[str, str]] = {SKIPS: "other"}
@@ -97,16 +122,23 @@ class NonFinitePolicy:
         groups: Sequence[dict[str, Any]],
         items: Callable[[dict[str, Any]], Sequence[tuple[Tensor, Tensor, Placement]]],
     ) -> None:
-        """``nonfinite="raise"``: look at every gradient of those groups before any change.
+        """``nonfinite="raise"``: look at every gradient of those groups before any change
+        (one host read for all of them).
 
         ``items(group)`` gives (parameter, gradient, placement) of each parameter to step."""
+        checked = []
         for group in groups:
             if group["nonfinite"] != "raise":
                 continue
             found = items(group)
             dtype = state_dtype(group)
             local = [pl.local(g) for _, g, pl in found]
-            ok = usable(local, [pl for *_, pl in found], dtype)
+            if local:
+                flags = usable(local, [pl for *_, pl in found], dtype, _batched(group, local))
+                checked.append((found, local, dtype, flags))
+        values = read_flags([flags for *_, flags in checked])
+        for (found, local, dtype, _), ok in zip(checked, values, strict=True):
+            assert ok is not None
             bad = [i for i, f in enumerate(ok) if not f]
             if bad:  # the raise path only: tell NaN/Inf from an overflowing sum of squares
                 nonfinite = [i for i in bad if not bool(torch.isfinite(local[i]).all())]
@@ -124,20 +156,29 @@ class NonFinitePolicy:
                 )
 
     @staticmethod
-    def keep(
-        group: dict[str, Any],
-        grads: Sequence[Tensor],
-        placements: Sequence[Placement],
-        states: Sequence[dict[str, Tensor]],
-    ) -> list[bool]:
-        """Which of a group's parameters to update: False for an unusable gradient (see the
-        module docstring), whose skip is counted in its state. ``"raise"`` groups were
-        checked before the step (a gradient module producing NaN is then skipped, like
-        ``"skip"``)."""
-        if group["nonfinite"] == "ignore":
-            return [True] * len(grads)
-        ok = usable(grads, placements, state_dtype(group))
+    def check(
+        group: dict[str, Any], grads: Sequence[Tensor], placements: Sequence[Placement]
+    ) -> Tensor | None:
+        """Device flags of a group's usable gradients (see the module docstring); None when
+        the group checks nothing (``"ignore"``). ``"raise"`` groups were checked before the
+        step; they are checked again here, after the gradient modules (a module producing
+        NaN is then skipped, like ``"skip"``)."""
+        if group["nonfinite"] == "ignore" or not grads:
+            return None
+        return usable(grads, placements, state_dtype(group), _batched(group, grads))
+
+    @staticmethod
+    def keep(ok: list[bool] | None, states: Sequence[dict[str, Tensor]]) -> list[bool]:
+        """Which of a group's parameters to update, from its read flags (None: all); the
+        skip of each one not updated is counted in its state."""
+        if ok is None:
+            return [True] * len(states)
         for state, f in zip(states, ok, strict=True):
             if not f:
                 state[SKIPS] += 1
         return ok
+
+
+def _batched(group: dict[str, Any], grads: Sequence[Tensor]) -> bool:
+    """One foreach reduction for the group: on accelerators, or when it asks (``foreach``)."""
+    return bool(group.get("foreach")) or grads[0].device.type != "cpu"

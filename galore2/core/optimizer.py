@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import chain as iter_chain
 from typing import Any, ClassVar
@@ -44,7 +44,7 @@ from ..fsdp.detect import is_dtensor  # cheap: imports nothing distributed
 from ..kernels.dispatch import run_kernel
 from ..placement import LOCAL, Placement
 from .modules import GradientTransform, LRSchedule, ParamTransform, run_param_transforms
-from .nonfinite import SKIPS, NonFinitePolicy
+from .nonfinite import SKIPS, NonFinitePolicy, read_flags
 from .options import Bool, LearningRate, Option, Optional, Real, closest, collect, resolve
 from .resume import SCHEDULED, compare_groups, compare_state, known_prefixes, refusal
 from .state import counter
@@ -410,9 +410,10 @@ class ChainOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._check_sparse()
         NonFinitePolicy.raise_if_any(self.param_groups, self._to_check)
-        stepped: list[tuple[dict[str, Any], dict[str, Tensor], Context]] = []
-        for group in self.param_groups:
-            stepped += self._step_items(group, list(self._indexed_params_of(group)))
+        batches = [
+            self._gather(group, list(self._indexed_params_of(group))) for group in self.param_groups
+        ]
+        stepped = self._run([b for b in batches if b is not None])
         run_param_transforms(self._param_transforms, self._chain, stepped)
         return loss
 
@@ -443,15 +444,17 @@ class ChainOptimizer(torch.optim.Optimizer):
         if grad.is_sparse:
             self._check_sparse()
         NonFinitePolicy.raise_if_any([group], lambda g: [(p, _real(grad), self._placement(p))])
-        stepped = self._step_items(group, [(index, grad, p)])
+        batch = self._gather(group, [(index, grad, p)])
+        stepped = self._run([batch] if batch is not None else [])
         run_param_transforms(self._param_transforms, self._chain, stepped)
 
-    def _step_items(
+    def _gather(
         self, group: dict[str, Any], items: list[tuple[int, Tensor, Tensor]]
-    ) -> list[tuple[dict[str, Any], dict[str, Tensor], Context]]:
-        """Step ``items`` of ``group``; returns (group, local state, ctx) of those updated."""
+    ) -> _Batch | None:
+        """Everything of ``items`` (of ``group``) before the chain: lazy state, the scheduled
+        lr, local views, the gradient modules, and the non-finite flags (on the device)."""
         if not items:
-            return []
+            return None
         if self._schedule is not None:  # built-in schedule: lr = schedule(group, step count)
             for index, _, p in items:
                 if not self.state[p]:
@@ -463,9 +466,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         given = group  # parameter modules see the group as given (with the scheduled lr)
         if self._owns_decay:  # a parameter module (stable weight decay) applies the decay
             group = {**group, "weight_decay": 0.0}
-        lr = float(group["lr"])
-        decay = 1.0 - lr * group["weight_decay"]
-        params, states, ctxs, grads = [], [], [], []
+        batch = _Batch(group, given)
         for index, grad, p in items:
             state = self.state[p]
             if not state:
@@ -474,30 +475,47 @@ class ChainOptimizer(torch.optim.Optimizer):
             grad = _real(ctx.placement.local(grad))
             if ctx.placement.distributed:  # transforms see local views of DTensor state
                 state = {k: ctx.placement.local(v) for k, v in state.items()}
-            params.append(ctx.param)
-            states.append(state)
-            ctxs.append(ctx)
-            grads.append(-grad if group["maximize"] else grad)
+            batch.params.append(ctx.param)
+            batch.states.append(state)
+            batch.ctxs.append(ctx)
+            batch.grads.append(-grad if group["maximize"] else grad)
         for hook in self._grad_transforms:  # full-space gradient modules, in place
-            for g, state, ctx in zip(grads, states, ctxs, strict=True):
+            for g, state, ctx in zip(batch.grads, batch.states, batch.ctxs, strict=True):
                 hook.apply_(g, group, state, ctx)
-        keep = NonFinitePolicy.keep(group, grads, [c.placement for c in ctxs], states)
-        live = [i for i, k in enumerate(keep) if k]
-        params, states, ctxs, grads = (
-            [xs[i] for i in live] for xs in (params, states, ctxs, grads)
-        )
-        self._chain[0].prepare(grads, states, group, ctxs)
-        for chunk in _chunks(params, group.get("foreach")):
-            outs = run_chain(
-                self._chain,
-                [grads[i] for i in chunk],
-                [states[i] for i in chunk],
-                group,
-                [ctxs[i] for i in chunk],
+        batch.flags = NonFinitePolicy.check(group, batch.grads, [c.placement for c in batch.ctxs])
+        return batch
+
+    def _run(
+        self, batches: list[_Batch]
+    ) -> list[tuple[dict[str, Any], dict[str, Tensor], Context]]:
+        """Read every batch's flags at once (the step's one host read), then per batch:
+        count skips, run the chain on the usable tensors and apply their updates. Returns
+        (group, local state, ctx) of those updated."""
+        flags = read_flags([b.flags for b in batches])
+        stepped = []
+        for batch, ok in zip(batches, flags, strict=True):
+            keep = NonFinitePolicy.keep(ok, batch.states)
+            live = [i for i, k in enumerate(keep) if k]
+            params, states, ctxs, grads = (
+                [xs[i] for i in live]
+                for xs in (batch.params, batch.states, batch.ctxs, batch.grads)
             )
-            for i, u in zip(chunk, outs, strict=True):
-                apply_update(params[i], u, lr, decay)
-        return [(given, state, ctx) for state, ctx in zip(states, ctxs, strict=True)]
+            group = batch.group
+            lr = float(group["lr"])
+            decay = 1.0 - lr * group["weight_decay"]
+            self._chain[0].prepare(grads, states, group, ctxs)
+            for chunk in _chunks(params, group.get("foreach")):
+                outs = run_chain(
+                    self._chain,
+                    [grads[i] for i in chunk],
+                    [states[i] for i in chunk],
+                    group,
+                    [ctxs[i] for i in chunk],
+                )
+                for i, u in zip(chunk, outs, strict=True):
+                    apply_update(params[i], u, lr, decay)
+            stepped += [(batch.given, state, ctx) for state, ctx in zip(states, ctxs, strict=True)]
+        return stepped
 
     def _indexed_params_of(self, group: dict[str, Any]) -> Iterable[tuple[int, Tensor, Tensor]]:
         offset = 0
@@ -512,6 +530,19 @@ class ChainOptimizer(torch.optim.Optimizer):
 
     def _to_check(self, group: dict[str, Any]) -> list[tuple[Tensor, Tensor, Placement]]:
         return [(p, _real(g), self._placement(p)) for _, g, p in self._indexed_params_of(group)]
+
+
+@dataclass
+class _Batch:
+    """A group's parameters of one step, gathered before the chain runs (see ``_gather``)."""
+
+    group: dict[str, Any]  # as the chain sees it (scheduled lr; decay 0 if a module owns it)
+    given: dict[str, Any]  # as parameter modules see it
+    params: list[Tensor] = field(default_factory=list)
+    states: list[dict[str, Tensor]] = field(default_factory=list)
+    ctxs: list[Context] = field(default_factory=list)
+    grads: list[Tensor] = field(default_factory=list)
+    flags: Tensor | None = None  # usable gradients, on the device (None: not checked)
 
 
 def _describe(index: int, group: dict[str, Any], p: Tensor) -> str:

@@ -127,12 +127,12 @@ class ShardedPlacement(Placement):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [bool(x) for x in t.tolist()]
 
-    def any_global(self, flags: list[bool]) -> list[bool]:
-        if not flags:
+    def any_global(self, flags: Tensor) -> Tensor:
+        if not flags.numel():
             return flags
-        t = torch.tensor(flags, dtype=torch.int32)
+        t = flags.to(torch.int32)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return [bool(x) for x in t.tolist()]
+        return t.bool()
 
     def gather_rows(self, t: Tensor, owner: int) -> Tensor | None:
         """Gather a row-sharded matrix (torch.chunk layout) onto ``owner``; None elsewhere."""

@@ -89,8 +89,9 @@ def _wrap_placement() -> Callable[[], None]:
 
     def flags(name):
         def any_(self, fl):
-            if fl:
-                _record("all_reduce", torch.zeros(len(fl), dtype=torch.int32))
+            n = fl.numel() if isinstance(fl, torch.Tensor) else len(fl)
+            if n:
+                _record("all_reduce", torch.zeros(n, dtype=torch.int32))
             return saved[name](self, fl)
 
         return any_
