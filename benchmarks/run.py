@@ -69,6 +69,8 @@ TASKS: dict[str, Task] = {
                      "suite_per_byte"),
     "refresh": Task("refresh", "refresh", "Subspace refresh: exact SVD vs randomized vs warm power"),
     "step_time": Task("step_time", "step_time", "Optimizer step time (non-refresh steps)"),
+    "step_counts": Task("step_counts", "step_counts",
+                        "Accelerator cost of a step, counted on the CPU: launches, syncs, graph breaks"),
     "memory_7b": Task("llama_7b", "memory_7b", "Optimizer-state memory, Llama-7B shapes"),
     "traffic_7b": Task("traffic_7b", "traffic_7b",
                        "Collective traffic under FSDP2, Llama-7B shapes (on paper)"),
@@ -91,7 +93,7 @@ DEFAULT = ("peers", "state_7b", "footprint", "convergence")
 OPT_IN = ("scale_check",)  # hours on a CPU: run by name only, in no group
 GROUPS = {  # --tasks names that stand for several tasks
     "suite": DEFAULT,
-    "core": ("refresh", "step_time", "memory_7b", "traffic_7b", "recipe_tiny",
+    "core": ("refresh", "step_time", "step_counts", "memory_7b", "traffic_7b", "recipe_tiny",
              "recipe_memory_7b", "ranger21", "basis_quant", "low_memory"),
     "all": tuple(n for n in TASKS if n not in OPT_IN),
 }  # fmt: skip

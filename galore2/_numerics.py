@@ -51,7 +51,7 @@ def host_list(t: Tensor) -> list:
     """``t``'s values on the host: the one device→host read of an optimizer step.
 
     Every read the step makes of a value computed on the device goes through here (a
-    single transfer however long ``t`` is), so ``tools.step_counts`` and the tests count
+    single transfer however long ``t`` is), so ``benchmarks.step_counts`` and the tests count
     them by wrapping this function (``tolist`` dispatches no op a dispatch mode could see)."""
     return t.tolist()
 

@@ -25,8 +25,8 @@ Gradient transforms modify ``.grad`` in place (as ``clip_grad_norm_`` does): a s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -41,6 +41,7 @@ class Stats:
     """Statistics over every parameter stepped this step (global under FSDP)."""
 
     second_moment_mean: Tensor  # Σ bias-corrected second moments / Σ parameter elements
+    cache: dict[Any, Tensor] = field(default_factory=dict)  # modules' values derived from it
 
 
 class GradientTransform:
@@ -110,19 +111,22 @@ def compute_stats(chain: list, items: list[tuple[Group, State, Context]]) -> Sta
     Low-rank moments are summed as stored (r·n values) but divided by the full m·n
     elements. Sharded parameters contribute their local sums, all-reduced once.
     """
-    local = torch.zeros((), dtype=torch.float64)
+    local: Tensor | None = None  # on the parameters' device: no host read
     numel = 0
     sharded = None
     for group, state, ctx in items:
         total = second_moment_sum(chain, state, group)
         if total is not None:
-            local += total.double().cpu()
+            total = total.double()
+            local = total if local is None else local + total.to(local.device)
         numel += ctx.global_shape.numel()
         if ctx.placement.distributed:
             sharded = ctx.placement
+    if local is None:
+        local = torch.zeros((), dtype=torch.float64, device=items[0][2].param.device)
     if sharded is not None:
         device = next(ctx.param.device for _, _, ctx in items if ctx.placement.distributed)
-        local = sharded.reduce(local.to(device)).cpu()
+        local = sharded.reduce(local.to(device))
     return Stats(second_moment_mean=local / max(numel, 1))
 
 

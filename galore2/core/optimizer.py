@@ -512,8 +512,7 @@ class ChainOptimizer(torch.optim.Optimizer):
                     group,
                     [ctxs[i] for i in chunk],
                 )
-                for i, u in zip(chunk, outs, strict=True):
-                    apply_update(params[i], u, lr, decay)
+                apply_updates([params[i] for i in chunk], outs, lr, decay)
             stepped += [(batch.given, state, ctx) for state, ctx in zip(states, ctxs, strict=True)]
         return stepped
 
@@ -578,6 +577,22 @@ def _chunks(params: list[Tensor], foreach: bool | None = None) -> list[list[int]
     cpu = [i for i, p in enumerate(params) if p.device.type == "cpu"]
     rest = [i for i, p in enumerate(params) if p.device.type != "cpu"]
     return [[i] for i in cpu] + ([rest] if rest else [])
+
+
+def apply_updates(
+    params: list[Tensor], updates: list[Tensor | LowRankUpdate], lr: float, decay: float
+) -> None:
+    """:func:`apply_update` over a batch: dense updates of several tensors by two foreach
+    kernels (decay, then ``p ← p − lr·u``), low-rank ones one by one (one fused matmul each)."""
+    dense = [i for i, u in enumerate(updates) if not isinstance(u, LowRankUpdate)]
+    if len(dense) > 1:
+        ps = [params[i] for i in dense]
+        if decay != 1.0:
+            torch._foreach_mul_(ps, decay)
+        torch._foreach_add_(ps, [updates[i] for i in dense], alpha=-lr)  # type: ignore[misc]
+    for p, u in zip(params, updates, strict=True):
+        if len(dense) <= 1 or isinstance(u, LowRankUpdate):
+            apply_update(p, u, lr, decay)
 
 
 def apply_update(p: Tensor, u: Tensor | LowRankUpdate, lr: float, decay: float) -> None:

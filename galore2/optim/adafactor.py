@@ -276,27 +276,30 @@ class ScaleByAdafactor(Transform):
             var = views["adafactor.variance"].lerp_(u * u, weight).clone()
             if param_sq is not None:
                 (param_sq,) = _all_reduce(ctx, [param_sq])
-        param_scale = 1.0  # max(eps2, RMS(θ)), or 1 without scale_parameter
+        # The scalars below stay 0-d float64 tensors on the device (no host read): the same
+        # double arithmetic as Python floats, so the result is bitwise what .item() gave.
+        param_scale: Tensor | float = 1.0  # max(eps2, RMS(θ)), or 1 without scale_parameter
         if scale_parameter:
             if param_sq is None:
-                param_rms = ctx.param.norm(2).item() / (max(ctx.param.numel(), 1) ** 0.5)
+                param_rms = ctx.param.norm(2).double() / (max(ctx.param.numel(), 1) ** 0.5)
             else:
-                param_rms = math.sqrt(float(param_sq) / max(ctx.global_shape.numel(), 1))
-            param_scale = max(eps2, param_rms)
+                param_rms = (param_sq.double() / max(ctx.global_shape.numel(), 1)).sqrt()
+            param_scale = param_rms.clamp(min=eps2)
 
         # eps1² because of the square root that follows (torch's convention)
         update = var.clamp_(min=eps1 * eps1).rsqrt_().mul_(u)
         if sharded is None:
-            update_norm, numel = update.norm(2).item(), update.numel()
+            update_norm, numel = update.norm(2).double(), update.numel()
         else:
             numel = math.prod(_global_size(update, i, sharded, ctx) for i in range(update.dim()))
             total = torch.linalg.vector_norm(update, dtype=torch.float64).square()
             (total,) = _all_reduce(ctx, [total])
-            update_norm = math.sqrt(float(total))
-        clip = max(1.0, update_norm / ((max(numel, 1) ** 0.5) * group["d"]))  # max(1, RMS(U)/d)
+            update_norm = total.sqrt()
+        # max(1, RMS(U)/d)
+        clip = (update_norm / ((max(numel, 1) ** 0.5) * group["d"])).clamp(min=1.0)
         scale = param_scale / clip
         if rho < lr:  # α_t/lr = max(eps2, RMS(θ))·ρ_t/lr; ρ_t = lr otherwise (lr = 0 included)
-            scale *= rho / lr
+            scale = scale * (rho / lr)
         update.mul_(scale)
         if beta1 is None:
             return update

@@ -8,7 +8,6 @@ those of :mod:`galore2.optim.gradient`: rows of ≥2-D parameters, the whole ten
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar
 
 import torch
@@ -103,10 +102,15 @@ class StableWeightDecay(ParamTransform):
         if stats is None:
             raise ValueError("stable weight decay needs the step's statistics (optimizer.step())")
         decay = float(group["lr"]) * float(group["weight_decay"])
-        sigma = math.sqrt(max(float(stats.second_moment_mean), 0.0))
-        if decay == 0.0 or sigma == 0.0 or not math.isfinite(sigma):
+        if decay == 0.0:
             return
-        ctx.param.mul_(max(1.0 - decay / sigma, 0.0))
+        key = ("swd", decay)  # one factor per step and group, kept on the device
+        if key not in stats.cache:
+            sigma = stats.second_moment_mean.clamp(min=0.0).sqrt()
+            usable = (sigma > 0) & sigma.isfinite()
+            factor = (1.0 - decay / sigma).clamp(min=0.0)
+            stats.cache[key] = torch.where(usable, factor, torch.ones_like(factor))
+        ctx.param.mul_(stats.cache[key])
 
 
 def stochastic_round_bf16(x: Tensor, generator: torch.Generator | None = None) -> Tensor:

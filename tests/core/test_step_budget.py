@@ -1,0 +1,92 @@
+"""What a step costs an accelerator, counted on the CPU (``benchmarks/step_counts.py``):
+at most one device→host synchronization per step for every galore2 optimizer, and on the
+batched path a launch count within twice torch AdamW's (foreach) plus the projections.
+
+A regression here — a ``float()`` of a gradient statistic, a per-tensor kernel where a
+foreach one ran — fails CI although no GPU ever runs it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import galore2
+from benchmarks.contenders import CONTENDERS
+from benchmarks.step_counts import (
+    big_model,
+    contender_maker,
+    count_step,
+    counting,
+    meta_reads,
+    same_groups_adamw,
+)
+
+GALORE2 = [c.key for c in CONTENDERS if c.package == "galore2"]
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@pytest.mark.parametrize("foreach", [None, True])
+@pytest.mark.parametrize("key", GALORE2)
+def test_at_most_one_sync_per_step(key, foreach):
+    options = {} if foreach is None else {"foreach": foreach}
+    counts = count_step(contender_maker(key, **options))
+    assert counts.syncs <= 1, (key, counts)
+    assert counts.launches > 0  # the counter saw the step
+
+
+def test_the_counter_sees_reads_of_device_values():
+    """The harness itself: a float() of a gradient statistic is a sync, a counter read is
+    not, and galore2's batched read counts once."""
+    opt = galore2.GaLoreAdamW([torch.nn.Parameter(torch.ones(3))])
+    with counting(opt) as counts:
+        float(torch.ones(2).sum())
+        int(torch.tensor(3))  # a host-resident int counter
+        galore2._numerics.host_list(torch.ones(4) > 0)
+    assert (counts.syncs, counts.counter_reads) == (2, 1)
+
+
+def _launch_budget(key: str, model_fn, **options) -> tuple[int, int]:
+    """(launches other than matmuls of galore2's batched step, 2 × torch AdamW's)."""
+    ours = count_step(contender_maker(key, **options), model_fn())
+    ref = count_step(lambda m: same_groups_adamw(contender_maker(key)(m)), model_fn())
+    return ours.launches - ours.matmuls, 2 * ref.launches
+
+
+def test_batched_galore_adamw_within_twice_adamw_launches():
+    from benchmarks.step_counts import tiny_model
+
+    ours, budget = _launch_budget("galore_adamw", tiny_model, foreach=True)
+    assert ours <= budget, (ours, budget)
+
+
+def test_batched_galore_adamw_within_budget_at_7b_layer_shapes():
+    """Meta tensors of Llama-7B's shapes: the batched path is the default off the CPU."""
+    with meta_reads():
+        ours, budget = _launch_budget("galore_adamw", big_model, projector="svd")
+    assert ours <= budget, (ours, budget)
+
+
+def test_batched_launches_do_not_grow_with_the_parameter_count():
+    """Foreach kernels: doubling the layers adds matmuls only (one projection and one
+    back-projection per matrix), not elementwise launches."""
+    from recipes.config import parse_args
+    from recipes.model import build_model
+
+    def model(layers: int):
+        cfg = parse_args(["--config", "tiny", "--model.n_layers", str(layers)]).model
+        torch.manual_seed(0)
+        return build_model(cfg)
+
+    small = count_step(contender_maker("galore_adamw", foreach=True), model(2))
+    large = count_step(contender_maker("galore_adamw", foreach=True), model(4))
+    assert large.launches - large.matmuls == small.launches - small.matmuls
+    assert large.matmuls == 2 * small.matmuls
