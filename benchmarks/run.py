@@ -83,6 +83,8 @@ TASKS: dict[str, Task] = {
     "low_memory": Task("tiny", "low_memory",
                        "Memory below every GaLore: 8-bit moments, quantized bases"),
     "kernels": Task("kernels", "kernels", "Triton kernels (GPU)", needs_cuda=True),
+    "gpu_step": Task("gpu_step", "gpu_step", "Optimizer step on a GPU, Llama-7B layer shapes",
+                     needs_cuda=True),
     "adafactor_step": Task("step_time", "adafactor_step",
                            "GaLoreAdafactor step vs galore-torch's, per weight shape"),
     "scale_check": Task("scale_check", "scale_check",

@@ -235,7 +235,6 @@ def big_table() -> str:
     model's table do not depend on shapes."""
     body = []
     with meta_reads():
-        first = contender_maker("galore_adamw")(big_model())
         ref = count_step(
             lambda m: same_groups_adamw(contender_maker("galore_adamw")(m)), big_model()
         )

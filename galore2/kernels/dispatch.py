@@ -7,6 +7,9 @@ The choice is made per call from the environment variable ``GALORE2_KERNELS``
   (non-DTensor) tensor on an NVIDIA GPU of compute capability 8.0 or newer (Ampere
   onwards: the kernels' bf16 matmul needs it) and ``import triton`` works; the torch
   path otherwise. CPU tensors always take the torch path.
+  A kernel module may opt out of ``auto`` with ``AUTO = False`` when it measured slower
+  than its torch path (``lowrank``: cuBLAS' ``addmm_`` beat it on an H100, BENCHMARKS.md
+  "Triton kernels (GPU)").
 * ``torch`` — always the torch path (the reference implementation).
 * ``triton`` — the Triton kernel wherever one applies; a :class:`RuntimeError` when
   it cannot run: triton is not importable, or a tensor is a DTensor, or a tensor is
@@ -182,6 +185,8 @@ def run_kernel(
     if not use_triton(*tensors):
         return None
     module = importlib.import_module(f"{__package__}.{name}")
+    if kernel_mode() == "auto" and not getattr(module, "AUTO", True):
+        return None  # measured slower than the torch path: only GALORE2_KERNELS=triton runs it
     if not supported(module):
         return None
     return launch(name, kernel(module))

@@ -187,6 +187,12 @@ def _small_strides(*tensors: Tensor) -> bool:
     return all(abs(s) * 128 < 2**31 for t in tensors for s in t.stride())
 
 
+#: not in ``GALORE2_KERNELS=auto``: on an H100 cuBLAS' ``addmm_`` took 0.76–0.84× this
+#: kernel's time at Llama-7B shapes (fp32 and bf16; ``python -m benchmarks.run --tasks
+#: kernels``, 2026-11-24), so auto keeps the torch path; ``triton`` mode still runs it.
+AUTO = False
+
+
 def supported(p: Tensor, A: Tensor, B: Tensor) -> bool:
     """Inputs the kernel takes: 2-D operands of one dtype in :data:`DTYPES`, strides below
     2**24 elements."""

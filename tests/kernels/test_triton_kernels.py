@@ -433,11 +433,29 @@ def test_kernel_failure_in_auto_mode_falls_back_to_torch_once(monkeypatch):
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)
     named = sorted(str(w.message).split("'")[1] for w in caught if w.category is RuntimeWarning)
-    assert named == ["adam8bit", "hadamard", "lowrank"]  # once each, not once per call
-    assert sorted(dispatch.disabled_kernels()) == ["adam8bit", "hadamard", "lowrank"]
-    assert "sm_xx" in dispatch.disabled_kernels()["lowrank"]
+    # once each, not once per call; lowrank is not an auto kernel (AUTO = False): never tried
+    assert named == ["adam8bit", "hadamard"]
+    assert sorted(dispatch.disabled_kernels()) == ["adam8bit", "hadamard"]
+    assert "sm_xx" in dispatch.disabled_kernels()["hadamard"]
     with pytest.raises(RuntimeError, match="sm_xx"):
         _galore_adamw8bit_run(monkeypatch, "triton", "cpu")
+
+
+def test_auto_mode_leaves_out_kernels_measured_slower(monkeypatch):
+    """``lowrank`` (AUTO = False: cuBLAS' addmm_ was faster on an H100) runs only when
+    GALORE2_KERNELS=triton asks for it; auto takes the torch path even where Triton could run."""
+    import galore2.kernels.lowrank as k_low
+
+    calls = []
+    monkeypatch.setattr(k_low, "lowrank_update", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(dispatch, "use_triton", lambda *t: dispatch.kernel_mode() != "torch")
+    p, A, B = torch.zeros(4, 6), torch.ones(4, 2), torch.ones(2, 6)
+    monkeypatch.setenv(dispatch.ENV_VAR, "auto")
+    apply_update(p, LowRankUpdate(A, B, p.shape), lr=1.0, decay=1.0)
+    assert calls == [] and torch.equal(p, torch.full((4, 6), -2.0))  # the torch path ran
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    apply_update(p, LowRankUpdate(A, B, p.shape), lr=1.0, decay=1.0)
+    assert calls == [1]
 
 
 # ---- GPU: automatic selection ----------------------------------------------------------
