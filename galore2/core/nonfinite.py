@@ -26,6 +26,17 @@ float32 (float64 for float64 state), compared with √(largest value of the stat
 kept on the device; the flags of every group of a ``step()`` are read together, in one
 device→host transfer (the step's only synchronization, see :func:`read_flags`).
 
+``capturable=True`` (as in ``torch.optim``): the flags are never read; the step runs every
+parameter on its gradient with unusable entries replaced by zeros, then puts back the
+weights and device state of those whose gradient was unusable (``torch.where`` against a
+copy taken before the chain), so a non-refresh step makes no host read (CUDA graphs,
+no stall). Differences from ``"skip"``: the host-resident step counters (Adam's
+bias-correction count, the refresh schedule) advance for a masked parameter as for the
+others; the step copies the device state of the stepped parameters first (transient
+memory of one copy of it); skips are counted on the device and added to
+``nonfinite.skips`` when :attr:`ChainOptimizer.nonfinite_skips` or ``state_dict()`` is read
+(one read there). Refresh steps still read each basis's certificate.
+
 ``state_dtype="float16"``: float16's largest value is 65504, so a gradient counts as
 unusable as soon as ‖g‖² > 65504 (‖g‖ > 255.9), summed over the whole tensor: the second
 moment of every element then stays finite (Adam's v is a running mean of g², so it holds
@@ -53,7 +64,7 @@ from torch import Tensor
 from .. import _numerics
 from .._numerics import norms_within
 from ..placement import Placement
-from .options import Choice, Option
+from .options import Bool, Choice, Option
 
 NONFINITE = Option(
     "nonfinite",
@@ -61,6 +72,15 @@ NONFINITE = Option(
     Choice(("skip", "raise", "ignore")),
     "a NaN/Inf gradient, or one whose sum of squares overflows the state dtype: skip that "
     "parameter's update (counted), raise, or ignore (no check)",
+)
+
+CAPTURABLE = Option(
+    "capturable",
+    False,
+    Bool(),
+    "keep the non-finite decision on the device (no host read in a non-refresh step): "
+    "updates of unusable gradients are masked out instead of skipped; needs nonfinite "
+    "'skip' or 'ignore'",
 )
 
 SKIPS = "nonfinite.skips"  # the state key counting a parameter's skipped updates
@@ -114,8 +134,17 @@ class NonFinitePolicy:
     The step asks :meth:`check` of every group (device flags, no host read), reads all
     groups' flags at once (:func:`read_flags`) and hands each group's to :meth:`keep`."""
 
-    options: ClassVar[tuple[Option, ...]] = (NONFINITE,)
+    options: ClassVar[tuple[Option, ...]] = (NONFINITE, CAPTURABLE)
     kinds: ClassVar[dict[str, str]] = {SKIPS: "other"}
+
+    @staticmethod
+    def validate(group: dict[str, Any]) -> None:
+        if group["capturable"] and group["nonfinite"] == "raise":
+            raise ValueError(
+                "capturable=True keeps the non-finite decision on the device, but "
+                "nonfinite='raise' needs the host to see it; use nonfinite='skip' (masked "
+                "on the device) or 'ignore' with capturable=True"
+            )
 
     @staticmethod
     def raise_if_any(

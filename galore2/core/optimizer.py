@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .. import _numerics
 from ..fsdp.detect import is_dtensor  # cheap: imports nothing distributed
 from ..kernels.dispatch import run_kernel
 from ..placement import LOCAL, Placement
@@ -137,6 +138,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         self.declared = self.declared_options(self._all_modules)
         self._owns_decay = any(t.owns_weight_decay for t in self._param_transforms)
         self._placements: dict[int, Placement] = {}
+        self._pending_skips: dict[Tensor, Tensor] = {}  # capturable: counted on the device
         self._where: tuple[int, dict[int, tuple[dict[str, Any], int]]] | None = None
 
     # ---- copy.deepcopy, pickle ---------------------------------------------------
@@ -148,6 +150,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         """torch keeps only defaults, state and groups; the modules travel too, and
         ``switches`` (a preset's constructor switches) when there are some. Step hooks are
         dropped, as torch drops them."""
+        self._flush_skips()
         out = super().__getstate__()
         for key in (*self._PICKLED, "switches"):
             if key in self.__dict__:
@@ -195,6 +198,7 @@ class ChainOptimizer(torch.optim.Optimizer):
             passthrough=PASSTHROUGH_KEYS,
             owner=f"{type(self).__name__}{hint}",
         )
+        NonFinitePolicy.validate(group)
         for module in walk(self._all_modules):
             module.validate(group)
         self._check_complex(group)
@@ -331,8 +335,26 @@ class ChainOptimizer(torch.optim.Optimizer):
 
     @property
     def nonfinite_skips(self) -> int:
-        """How many per-parameter updates were skipped for non-finite gradients."""
+        """How many per-parameter updates were skipped (or masked, ``capturable=True``) for
+        unusable gradients."""
+        self._flush_skips()
         return sum(int(s[SKIPS]) for s in self.state.values() if SKIPS in s)
+
+    def _flush_skips(self) -> None:
+        """Add the skips counted on the device (``capturable=True``) to the state's counters:
+        one host read, here rather than in the step."""
+        pending = getattr(self, "_pending_skips", None)
+        if not pending:
+            return
+        params = list(pending)
+        counts = _numerics.host_list(torch.stack([pending[p].to(torch.int64) for p in params]))
+        for p, n in zip(params, counts, strict=True):
+            self.state[p][SKIPS] += n
+        pending.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        self._flush_skips()
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's ``load_state_dict``, checked first (:mod:`galore2.core.resume`): options
@@ -475,6 +497,7 @@ class ChainOptimizer(torch.optim.Optimizer):
             grad = _real(ctx.placement.local(grad))
             if ctx.placement.distributed:  # transforms see local views of DTensor state
                 state = {k: ctx.placement.local(v) for k, v in state.items()}
+            batch.owners.append(p)
             batch.params.append(ctx.param)
             batch.states.append(state)
             batch.ctxs.append(ctx)
@@ -491,10 +514,14 @@ class ChainOptimizer(torch.optim.Optimizer):
         """Read every batch's flags at once (the step's one host read), then per batch:
         count skips, run the chain on the usable tensors and apply their updates. Returns
         (group, local state, ctx) of those updated."""
-        flags = read_flags([b.flags for b in batches])
+        host = [b for b in batches if not b.group["capturable"]]
+        read = dict(zip(map(id, host), read_flags([b.flags for b in host]), strict=True))
         stepped = []
-        for batch, ok in zip(batches, flags, strict=True):
-            keep = NonFinitePolicy.keep(ok, batch.states)
+        for batch in batches:
+            if batch.group["capturable"]:
+                stepped += self._run_masked(batch)
+                continue
+            keep = NonFinitePolicy.keep(read[id(batch)], batch.states)
             live = [i for i, k in enumerate(keep) if k]
             params, states, ctxs, grads = (
                 [xs[i] for i in live]
@@ -515,6 +542,46 @@ class ChainOptimizer(torch.optim.Optimizer):
                 apply_updates([params[i] for i in chunk], outs, lr, decay)
             stepped += [(batch.given, state, ctx) for state, ctx in zip(states, ctxs, strict=True)]
         return stepped
+
+    def _run_masked(self, batch: _Batch) -> list[tuple[dict[str, Any], dict[str, Tensor], Context]]:
+        """``capturable=True``: no host read. Every parameter steps on its gradient with an
+        unusable one replaced by zeros; the weights and device state of those masked out are
+        put back from a copy (see :mod:`galore2.core.nonfinite`)."""
+        group, ok = batch.group, batch.flags
+        lr = float(group["lr"])
+        decay = 1.0 - lr * group["weight_decay"]
+        if ok is None:  # nonfinite="ignore": nothing to mask
+            oks: list[Tensor | None] = [None] * len(batch.params)
+            grads = batch.grads
+        else:
+            oks = list(ok.unbind())
+            grads = [torch.where(k, g, 0.0) for g, k in zip(batch.grads, oks, strict=True)]
+            for p, k in zip(batch.owners, oks, strict=True):
+                skipped = (~k).to(torch.int32)
+                prev = self._pending_skips.get(p)
+                self._pending_skips[p] = skipped if prev is None else prev + skipped
+        device = batch.params[0].device if batch.params else None
+        saved = [
+            {k: t.clone() for k, t in s.items() if t.device == device and not _counter(t)}
+            if k_ is not None
+            else {}
+            for s, k_ in zip(batch.states, oks, strict=True)
+        ]
+        self._chain[0].prepare(grads, batch.states, group, batch.ctxs)
+        for chunk in _chunks(batch.params, group.get("foreach")):
+            outs = run_chain(
+                self._chain,
+                [grads[i] for i in chunk],
+                [batch.states[i] for i in chunk],
+                group,
+                [batch.ctxs[i] for i in chunk],
+            )
+            for i, u in zip(chunk, outs, strict=True):
+                apply_masked(batch.params[i], u, lr, decay, oks[i])
+        for state, old, k in zip(batch.states, saved, oks, strict=True):
+            for key, before in old.items():
+                state[key].copy_(torch.where(k, state[key], before))
+        return [(batch.given, s, c) for s, c in zip(batch.states, batch.ctxs, strict=True)]
 
     def _indexed_params_of(self, group: dict[str, Any]) -> Iterable[tuple[int, Tensor, Tensor]]:
         offset = 0
@@ -537,11 +604,17 @@ class _Batch:
 
     group: dict[str, Any]  # as the chain sees it (scheduled lr; decay 0 if a module owns it)
     given: dict[str, Any]  # as parameter modules see it
-    params: list[Tensor] = field(default_factory=list)
+    owners: list[Tensor] = field(default_factory=list)  # the parameters themselves
+    params: list[Tensor] = field(default_factory=list)  # their local tensors
     states: list[dict[str, Tensor]] = field(default_factory=list)
     ctxs: list[Context] = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)
     flags: Tensor | None = None  # usable gradients, on the device (None: not checked)
+
+
+def _counter(t: Tensor) -> bool:
+    """A host-resident step counter (0-d integer on the CPU), whatever the parameters' device."""
+    return t.dim() == 0 and not t.is_floating_point() and t.device.type == "cpu"
 
 
 def _describe(index: int, group: dict[str, Any], p: Tensor) -> str:
@@ -593,6 +666,23 @@ def apply_updates(
     for p, u in zip(params, updates, strict=True):
         if len(dense) <= 1 or isinstance(u, LowRankUpdate):
             apply_update(p, u, lr, decay)
+
+
+def apply_masked(
+    p: Tensor, u: Tensor | LowRankUpdate, lr: float, decay: float, ok: Tensor | None
+) -> None:
+    """:func:`apply_update` where a 0-d device flag ``ok`` (None: true) decides on the device
+    whether the update and the decay happen (``capturable=True``): no host read."""
+    if ok is None:
+        apply_update(p, u, lr, decay)
+        return
+    if decay != 1.0:
+        p.mul_(torch.where(ok, decay, 1.0))
+    if isinstance(u, LowRankUpdate):
+        u = LowRankUpdate(u.A, u.B * ok, u.shape, u.scale)
+        apply_update(p, u, lr, 1.0)
+    else:
+        p.add_(torch.where(ok, u, 0.0), alpha=-lr)
 
 
 def apply_update(p: Tensor, u: Tensor | LowRankUpdate, lr: float, decay: float) -> None:

@@ -1,0 +1,90 @@
+"""``capturable=True``: the non-finite decision stays on the device (no host read in a
+non-refresh step); an unusable gradient's update is masked out, its weights and device
+state put back; the skip is counted on the device and shows in ``nonfinite_skips``."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import galore2
+from benchmarks.contenders import CONTENDERS
+from benchmarks.step_counts import contender_maker, count_step
+from galore2.core.nonfinite import SKIPS
+
+from ..helpers import TinyNet, batch, galore_groups
+
+# one contender per kind of state and update (test_step_budget.py covers every one by default)
+KEYS = ["galore_adamw", "galore_adamw8bit_int4", "galore_adafactor", "galore_ranger21",
+        "galore2_fira", "galore2_apollo_mini", "galore2_muon"]  # fmt: skip
+assert set(KEYS) <= {c.key for c in CONTENDERS}
+
+
+@pytest.mark.parametrize(
+    "key,foreach", [(k, None) for k in KEYS] + [("galore_adamw", True), ("galore2_fira", True)]
+)
+def test_no_sync_in_a_capturable_step(key, foreach):
+    options = {"capturable": True} | ({} if foreach is None else {"foreach": True})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        counts = count_step(contender_maker(key, **options))
+    assert counts.syncs == 0, (key, counts)
+
+
+def _grads(model: TinyNet, step: int) -> None:
+    x, y = batch(step)
+    for p in model.parameters():
+        p.grad = None
+    (model(x) - y).pow(2).mean().backward()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 1e30])  # NaN, and a sum of squares overflowing
+def test_masked_step_equals_skip(bad):
+    torch.manual_seed(0)
+    model = TinyNet()
+    twin = copy.deepcopy(model)
+    settings = {"rank": 4, "update_proj_gap": 2, "weight_decay": 0.1, "lr": 1e-2}
+    capt = galore2.GaLoreAdamW(galore_groups(model, **settings), capturable=True)
+    skip = galore2.GaLoreAdamW(galore_groups(twin, **settings))
+    for step in range(3):  # the same trajectory to rounding
+        _grads(model, step)
+        _grads(twin, step)
+        capt.step()
+        skip.step()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moments = {k: v.clone() for k, v in capt.state[model.mid.weight].items()}
+    _grads(model, 3)
+    _grads(twin, 3)
+    model.mid.weight.grad[0, 0] = bad
+    twin.mid.weight.grad[0, 0] = bad
+    capt.step()
+    skip.step()
+    assert torch.equal(model.mid.weight, before["mid.weight"])  # masked: untouched
+    for key, value in capt.state[model.mid.weight].items():
+        if value.is_floating_point():
+            assert torch.equal(value, moments[key]), key
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
+        if name != "mid.weight":
+            assert not torch.equal(p, before[name])  # the others were updated
+    assert capt.nonfinite_skips == skip.nonfinite_skips == 1
+    order = [id(p) for g in capt.param_groups for p in g["params"]]
+    saved = capt.state_dict()["state"][order.index(id(model.mid.weight))]
+    assert int(saved[SKIPS]) == 1
+
+
+def test_capturable_refuses_raise():
+    with pytest.raises(ValueError, match="capturable=True .* nonfinite='raise'"):
+        galore2.GaLoreAdamW(TinyNet().parameters(), capturable=True, nonfinite="raise")
+
+
+def test_pending_skips_survive_a_copy():
+    model = TinyNet()
+    opt = galore2.GaLoreAdamW(model.parameters(), capturable=True)
+    _grads(model, 0)
+    model.up.weight.grad.fill_(float("nan"))
+    opt.step()
+    assert copy.deepcopy(opt).nonfinite_skips == 1
