@@ -77,7 +77,7 @@ def test_masked_step_equals_skip(bad):
 
 
 def test_capturable_refuses_raise():
-    with pytest.raises(ValueError, match="capturable=True .* nonfinite='raise'"):
+    with pytest.raises(ValueError, match=r"capturable=True .* nonfinite='raise'"):
         galore2.GaLoreAdamW(TinyNet().parameters(), capturable=True, nonfinite="raise")
 
 
