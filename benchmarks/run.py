@@ -77,6 +77,8 @@ TASKS: dict[str, Task] = {
     "recipe_tiny": Task("tiny", "recipe_tiny", "Main job: tiny recipe, AdamW vs GaLoreAdamW"),
     "recipe_memory_7b": Task("llama_7b", "recipe_memory_7b",
                              "Llama-7B recipe: expected per-GPU memory"),
+    "throughput": Task("tiny", "throughput",
+                       "Main job: tokens/s of GaLoreAdamW vs AdamW, interleaved runs"),
     "ranger21": Task("tiny", "ranger21", "Ranger21 / GaLoreRanger21 vs AdamW and pytorch-optimizer"),
     "basis_quant": Task("basis_quant", "basis_quant",
                         "Quantized bases: bytes and reconstruction error"),
@@ -96,7 +98,7 @@ OPT_IN = ("scale_check",)  # hours on a CPU: run by name only, in no group
 GROUPS = {  # --tasks names that stand for several tasks
     "suite": DEFAULT,
     "core": ("refresh", "step_time", "step_counts", "memory_7b", "traffic_7b", "recipe_tiny",
-             "recipe_memory_7b", "ranger21", "basis_quant", "low_memory"),
+             "recipe_memory_7b", "throughput", "ranger21", "basis_quant", "low_memory"),
     "all": tuple(n for n in TASKS if n not in OPT_IN),
 }  # fmt: skip
 MEASURED = ("state_7b", "footprint", "convergence")  # targets follows any of them

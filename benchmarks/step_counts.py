@@ -274,20 +274,24 @@ def rows(quick: bool = False) -> list[tuple[str, Callable, bool]]:
         out.append((c.label, contender_maker(c.key), False))
         if c.package == "galore2":
             out.append((f"{c.label}, foreach=True", contender_maker(c.key, foreach=True), True))
+        if c.key in ("galore_adamw", "galore2_fira"):
+            out.append(
+                (f"{c.label}, capturable=True", contender_maker(c.key, capturable=True), False)
+            )
     return out
 
 
-def step_counts(quick: bool = False, breaks: bool = True) -> str:
+def step_counts(quick: bool = False) -> str:
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     body = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for label, make, _ in rows(quick):
             c = count_step(make)
-            gb = graph_breaks(make) if breaks else None
+            gb = graph_breaks(make)
             body.append(
                 [label, c.dispatched, c.launches, c.matmuls, c.syncs, c.counter_reads,
-                 "" if gb is None else gb]
+                 gb]
             )  # fmt: skip
     head = ["optimizer", "aten ops", "launches", "of them matmuls", "syncs", "counter reads",
             "graph breaks"]  # fmt: skip

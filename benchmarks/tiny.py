@@ -6,6 +6,8 @@ steps × 2,048 tokens, GaLore r = 32, T = 50, α = 0.25. ``--quick``: 60 steps, 
 
 * ``recipe_tiny`` — AdamW and GaLoreAdamW, two lrs each: final validation loss, mean
   tokens/s and state bytes, ratios against the best AdamW run.
+* ``throughput`` — tokens/s of GaLoreAdamW against AdamW, the runs alternating
+  (``--repeats`` each, 3): every run's rate, the medians, their spread and ratio.
 * ``ranger21`` — AdamW, Ranger21, GaLoreRanger21 and pytorch-optimizer's Ranger21 at the
   same lr sweep (best loss and state against AdamW's best), then GaLoreRanger21 at its best
   lr with one component switched off at a time.
@@ -18,6 +20,7 @@ steps × 2,048 tokens, GaLore r = 32, T = 50, α = 0.25. ``--quick``: 60 steps, 
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -77,6 +80,25 @@ def recipe_tiny(quick: bool) -> str:
     headers = ["optimizer", "lr", "final val loss", "÷ best AdamW", "tokens/s", "÷ AdamW",
                "state MB", "÷ AdamW"]  # fmt: skip
     return render("tiny", "recipe_tiny", steps=QUICK_STEPS if quick else 400,
+                  table=table(headers, rows))  # fmt: skip
+
+
+def throughput(quick: bool, repeats: int | None = None) -> str:
+    """tokens/s of ``galore_adamw`` against ``adamw`` on the tiny recipe: the two alternate
+    (adamw, galore_adamw, adamw, …), ``repeats`` runs each (3), so drift hits both alike."""
+    repeats = repeats or 3
+    names = {"adamw": "1e-3", "galore_adamw": "1e-2"}
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(repeats):
+        for name, lr in names.items():
+            rates[name].append(_run(name, lr, quick)["rate"])
+    med = {n: statistics.median(r) for n, r in rates.items()}
+    rows = [[n, ", ".join(f"{x:,.0f}" for x in r), f"{med[n]:,.0f}",
+             f"{(max(r) - min(r)) / med[n]:.1%}", f"{med[n] / med['adamw']:.3f}"]
+            for n, r in rates.items()]  # fmt: skip
+    headers = ["optimizer", "tokens/s of each run (in run order)", "median", "spread (max−min)/median",
+               "÷ AdamW"]  # fmt: skip
+    return render("tiny", "throughput", steps=QUICK_STEPS if quick else 400, repeats=repeats,
                   table=table(headers, rows))  # fmt: skip
 
 
