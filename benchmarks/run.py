@@ -16,6 +16,7 @@ Usage (repository root, venv with the ``bench`` extra, a quiet machine)::
     python -m benchmarks.run --tasks convergence --partial   # report it so far
     python -m benchmarks.run --tasks kernels [--repeats 50 --warmup 10 --json k.json]  # CUDA
     python -m benchmarks.run --tasks adafactor_step --no-write   # print, write nothing
+    python -m benchmarks.run --tasks compile_step --out /tmp/compile.md  # torch.compile, CPU
 
 Output goes to ``BENCHMARKS.md`` at the repository root; ``--quick`` (a smoke test: small
 sizes, numbers not meaningful) writes ``runs/BENCHMARKS-quick.md`` instead (``/runs/`` is
@@ -89,6 +90,8 @@ TASKS: dict[str, Task] = {
                      needs_cuda=True),
     "adafactor_step": Task("step_time", "adafactor_step",
                            "GaLoreAdafactor step vs galore-torch's, per weight shape"),
+    "compile_step": Task("compile_step", "compile_step",
+                         "torch.compile: compiled vs eager optimizer step (CPU)"),
     "scale_check": Task("scale_check", "scale_check",
                         "Side-by-side suite: scale check (~20M-parameter Llama, best tiny lrs)",
                         "suite_scale_check"),
@@ -196,7 +199,7 @@ def arg_parser() -> argparse.ArgumentParser:
     timing.add_argument("--repeats", type=int, default=None,
                         help="timed repeats (refresh: 5, 2 with --quick; kernels: 50)")  # fmt: skip
     timing.add_argument("--rounds", type=int, default=None,
-                        help="step_time: interleaved timing rounds (10)")  # fmt: skip
+                        help="step_time, compile_step: interleaved timing rounds (10)")  # fmt: skip
     timing.add_argument("--warmup", type=int, default=None,
                         help="kernels: untimed calls first (10)")  # fmt: skip
     timing.add_argument("--json", dest="json_path", metavar="PATH", default=None,

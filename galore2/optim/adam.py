@@ -24,11 +24,26 @@ first moment, bias-corrected square root in the denominator, ``eps`` added
 after the correction), so a plain group matches ``torch.optim.AdamW`` to
 rounding. The returned direction is ``m̂ / (√v̂ + eps)``; the optimizer scales it
 by ``-lr``.
+
+``compile=True`` (a group option) runs that dense math — both moment updates and the
+direction, per tensor (:func:`adam_math`) or for a whole batch (:func:`adam_math_many`,
+``foreach``) — through ``torch.compile(fullgraph=True, dynamic=True)``, compiled lazily
+once per process (:func:`compiled`). The step-dependent scalars (the folded bias
+corrections) are plain Python floats, which ``dynamic=True`` traces as symbols rather than
+constants: one compile per number of dimensions and dtype (per tensor; sizes 0 and 1 are
+specialized, as dynamo always does) or per batch layout (foreach), not one per step; past
+:data:`RECOMPILE_LIMIT` variants a function runs eagerly, with a warning
+(:func:`run_compiled`). The step counter and the scalars stay outside the graph.
+Inductor may round differently (fused multiply-adds), so compiled steps match eager ones
+to rounding, not bitwise; ``compile=False`` runs the eager code unchanged. Quantized
+(8-bit) moments always take the eager path.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any, ClassVar
@@ -36,7 +51,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ..core.options import Option, Pair, Real
+from ..core.options import Bool, Option, Pair, Real
 from ..core.state import counter
 from ..core.transform import Context, Group, State, Transform
 from ..kernels.dispatch import run_kernel
@@ -62,6 +77,101 @@ BETAS = Option(
 EPS = Option(
     "eps", 1e-8, Real(low=0.0, low_open=True), "added to the denominator √v̂ for numerical stability"
 )
+COMPILE = Option(
+    "compile",
+    False,
+    Bool(),
+    "True: Adam's dense math (moments, m̂/(√v̂+eps)) runs through torch.compile, compiled "
+    "once per process; 8-bit moments stay eager",
+)
+
+
+def adam_math(
+    u: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    weight1: float,
+    beta2: float,
+    weight2: float,
+    scale: float,
+    shift: float,
+) -> Tensor:
+    """Adam's dense math, the function ``compile=True`` compiles: ``exp_avg``, ``exp_avg_sq``
+    updated in place (``weight1`` = 1−β₁, ``weight2`` = 1−β₂), the direction
+    ``m / (√v·scale + shift)`` returned, where ``scale`` = bc₁/√bc₂ and ``shift`` = bc₁·eps
+    fold both bias corrections (it is m̂/(√v̂ + eps), as the eager path computes it)."""
+    exp_avg.lerp_(u, weight1)
+    exp_avg_sq.mul_(beta2).addcmul_(u, u, value=weight2)
+    return exp_avg / (exp_avg_sq.sqrt() * scale + shift)
+
+
+def adam_math_many(
+    us: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    weight1: float,
+    beta2: float,
+    weight2: float,
+    scales: list[float],
+    shifts: list[float],
+) -> list[Tensor]:
+    """:func:`adam_math` for a batch of tensors, one graph (the foreach path compiled).
+    Written as a loop, not ``torch._foreach_*`` ops: those take a list of scalars as
+    constants, which would recompile every step."""
+    return [
+        adam_math(u, m, v, weight1, beta2, weight2, scale, shift)
+        for u, m, v, scale, shift in zip(us, exp_avgs, exp_avg_sqs, scales, shifts, strict=True)
+    ]
+
+
+RECOMPILE_LIMIT = 64  # variants dynamo may compile per function (torch's default: 8)
+_COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
+_OVER_LIMIT: set[Callable[..., Any]] = set()  # functions run eagerly from now on
+
+
+def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` under ``torch.compile(fullgraph=True, dynamic=True)``, created on first use and
+    shared by every optimizer of the process (so its compiled graphs are too). A plain dict,
+    not ``functools.cache``: an outer ``torch.compile(opt.step)`` traces this lookup."""
+    out = _COMPILED.get(fn)
+    if out is None:
+        kwargs: dict[str, Any] = {"fullgraph": True, "dynamic": True}
+        if "recompile_limit" in inspect.signature(torch.compile).parameters:  # recent torch only
+            kwargs["recompile_limit"] = RECOMPILE_LIMIT
+        out = _COMPILED[fn] = torch.compile(fn, **kwargs)
+    return out
+
+
+def run_compiled(fn: Callable[..., Any], *args: Any) -> Any:
+    """``compiled(fn)(*args)``; once dynamo refuses another variant of ``fn`` (its recompile
+    limit, an error under ``fullgraph``: say, more distinct foreach batch layouts than the
+    limit), ``fn`` runs eagerly for the rest of the process, after one ``RuntimeWarning``.
+    The refusal comes before the graph runs, so nothing was updated twice. Under an outer
+    ``torch.compile`` (of ``opt.step``, say) ``fn`` is called as is: that compile traces it
+    into its own graph."""
+    if torch.compiler.is_compiling():
+        return fn(*args)
+    if fn not in _OVER_LIMIT:
+        try:
+            return compiled(fn)(*args)
+        except Exception as err:
+            if type(err).__name__ != "FailOnRecompileLimitHit":
+                raise
+            _OVER_LIMIT.add(fn)
+            warnings.warn(
+                f"galore2: torch.compile hit its recompile limit on {fn.__name__} ({err}); "
+                "compile=True runs it eagerly from now on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return fn(*args)
+
+
+def _corrections(beta1: float, beta2: float, eps: float, t: int) -> tuple[float, float]:
+    """(scale, shift) of step ``t``: the eager path's ``bias_correction1 /
+    bias_correction2_sqrt`` and ``bias_correction1 * eps``, the same float arithmetic."""
+    bias_correction1 = 1 - beta1**t
+    return bias_correction1 / math.sqrt(1 - beta2**t), bias_correction1 * eps
 
 
 AXIS = "adam.block_dim"  # the blocked axis of both 8-bit moments (same shape and layout)
@@ -72,7 +182,7 @@ class ScaleByAdam(Transform):
     see the module docstring)."""
 
     name = "adam"
-    options = (BETAS, EPS, STATE_DTYPE)
+    options = (BETAS, EPS, STATE_DTYPE, COMPILE)
     # ScaleByAdam8bit kept its moments under ``adam8.*`` before storage formats were shared
     renamed_keys: ClassVar[dict[str, str]] = {
         f"adam8.{k}": f"adam.{k}"
@@ -114,6 +224,8 @@ class ScaleByAdam(Transform):
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
         if not is_quantized(state, "adam.exp_avg"):
+            if group.get("compile"):
+                return self._compiled_step(u, state, group)
             return self._step(u, state["adam.exp_avg"], state["adam.exp_avg_sq"], state, group)
         m_fmt = stored_format(state, "adam.exp_avg", True)
         v_fmt = stored_format(state, "adam.exp_avg_sq", False)
@@ -189,6 +301,18 @@ class ScaleByAdam(Transform):
         denom.add_(bias_correction1 * group["eps"])
         return torch.div(exp_avg, denom, out=denom)
 
+    @staticmethod
+    def _compiled_step(u: Tensor, state: State, group: Group) -> Tensor:
+        """:meth:`_step`'s math through the compiled :func:`adam_math` (``compile=True``)."""
+        exp_avg, exp_avg_sq = state["adam.exp_avg"], state["adam.exp_avg_sq"]
+        if u.dtype != exp_avg.dtype:
+            u = u.to(exp_avg.dtype)
+        beta1, beta2 = group["betas"]
+        state["adam.step"] += 1
+        scale, shift = _corrections(beta1, beta2, group["eps"], int(state["adam.step"]))
+        return run_compiled(adam_math, u, exp_avg, exp_avg_sq, 1 - beta1, beta2, 1 - beta2,
+                            scale, shift)  # fmt: skip
+
     def update_many(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
     ) -> list[Tensor]:
@@ -202,7 +326,8 @@ class ScaleByAdam(Transform):
         plain = [i for i, s in enumerate(states) if not is_quantized(s, "adam.exp_avg")]
         out: list[Tensor | None] = [None] * len(us)
         if plain:
-            results = self._foreach([us[i] for i in plain], [states[i] for i in plain], group)
+            batch = self._compiled_foreach if group.get("compile") else self._foreach
+            results = batch([us[i] for i in plain], [states[i] for i in plain], group)
             for i, r in zip(plain, results, strict=True):
                 out[i] = r
         for i, (u, state, ctx) in enumerate(zip(us, states, ctxs, strict=True)):
@@ -230,6 +355,22 @@ class ScaleByAdam(Transform):
         torch._foreach_mul_(denoms, scale)
         torch._foreach_add_(denoms, shift)
         return list(torch._foreach_div(exp_avgs, denoms))
+
+    @staticmethod
+    def _compiled_foreach(us: list[Tensor], states: list[State], group: Group) -> list[Tensor]:
+        """:meth:`_foreach`'s math through the compiled :func:`adam_math_many` (one graph)."""
+        beta1, beta2 = group["betas"]
+        exp_avgs = [s["adam.exp_avg"] for s in states]
+        exp_avg_sqs = [s["adam.exp_avg_sq"] for s in states]
+        us = [u if u.dtype == m.dtype else u.to(m.dtype) for u, m in zip(us, exp_avgs, strict=True)]
+        scales, shifts = [], []
+        for s in states:  # steps may differ per tensor (reset, parameters added later)
+            s["adam.step"] += 1
+            scale, shift = _corrections(beta1, beta2, group["eps"], int(s["adam.step"]))
+            scales.append(scale)
+            shifts.append(shift)
+        return run_compiled(adam_math_many, us, exp_avgs, exp_avg_sqs, 1 - beta1, beta2,
+                            1 - beta2, scales, shifts)  # fmt: skip
 
     def bias_correction(self, state: State, group: Group) -> float:
         beta1, beta2 = group["betas"]
