@@ -111,6 +111,12 @@ MAKERS: dict[str, Callable] = {
     "galore2 GaLoreAdamW, foreach=False": lambda m, r, gap: galore2.GaLoreAdamW(
         _groups(m, r, gap), foreach=False
     ),
+    "galore2 GaLoreAdamW, capturable=True": lambda m, r, gap: galore2.GaLoreAdamW(
+        _groups(m, r, gap), capturable=True
+    ),
+    "galore2 GaLoreAdamW, compile=True": lambda m, r, gap: galore2.GaLoreAdamW(
+        _groups(m, r, gap), compile=True
+    ),
     "galore2 GaLoreAdamW8bit": lambda m, r, gap: galore2.GaLoreAdamW8bit(_groups(m, r, gap)),
     "galore2 Fira": lambda m, r, gap: galore2.Fira(_groups(m, r, gap)),
     "galore2 GaLoreAdafactor": lambda m, r, gap: galore2.GaLoreAdafactor(_groups(m, r, gap)),
