@@ -30,21 +30,22 @@ bitsandbytes is imported lazily (:func:`bnb_functional`); it only ever sees plai
 tensors. Its code maps are constants cached per device, not state.
 
 On the CPU, :func:`quantize_` and :func:`dequantize` run in torch (:func:`use_torch`),
-bit-identical to bitsandbytes' CPU kernels (same codes, absmax and dequantized floats) and
-several times faster than its quantizer. That quantizer (bitsandbytes ≥ 0.50,
-``csrc/cpu_ops.cpp``, ``quantize_cpu_impl``) is not the exact nearest code: per block
-``absmax = max |x|`` (0: codes 0), ``y = x · fl(1 / absmax)``, then a 65536-entry table
-indexed by ``trunc(fma((clamp(y, −1, 1) + 1) · 0.5, 65535, 0.5))`` whose entry ``i`` is the
-number of code midpoints below ``−1 + 2i / 65535``. As a function of the fp32 value ``y``
+bit-identical to bitsandbytes' CPU kernels (the same codes, absmax and dequantized
+floats) and several times faster than its quantizer. That quantizer (bitsandbytes ≥ 0.50,
+``csrc/cpu_ops.cpp``, ``quantize_cpu_impl``) does not pick the exact nearest code: per
+block ``absmax = max |x|`` (0: codes 0), ``y = x · fl(1 / absmax)``, then a 65536-entry
+table indexed by ``trunc(fma((clamp(y, −1, 1) + 1) · 0.5, 65535, 0.5))`` whose entry ``i``
+counts the code midpoints below ``−1 + 2i / 65535``. As a function of the fp32 value ``y``
 that is a monotone step function; :func:`_cpu_tables` reduces it, once per map, to one
-table entry per upper 16 bits of ``y`` (the code at the bin's low end, the code at its high
-end and the step between them, at most one per bin), so the torch path is a multiply, two
-gathers and a compare per element. Dequantizing is ``code[q] · absmax`` in fp32, as
-bitsandbytes computes it. The torch path is used only where it reproduces the installed
-bitsandbytes (checked once per process against it, :func:`_torch_matches_bnb`: another
-bitsandbytes version or an aarch64 build, whose table index is rounded differently, keep
-bitsandbytes), and a tensor whose blocks have a non-finite absmax or one whose reciprocal
-overflows (below ~2.9e-39) goes to bitsandbytes too (it ignores NaN in the absmax).
+entry per upper 16 bits of ``y`` (the codes at the bin's two ends and where it steps
+between them, at most once per bin), so the torch path is a multiply, two gathers, a
+subtraction and a few integer operations per element, in chunks of ~2^18 elements.
+Dequantizing is ``code[q] · absmax`` in fp32, as bitsandbytes computes it. The torch
+path is taken only where it reproduces the installed bitsandbytes (checked once per
+process against it, :func:`_torch_matches_bnb`; another bitsandbytes version or an
+aarch64 build, which rounds the table index differently, keeps bitsandbytes), and a
+tensor with a block whose absmax is not finite or whose reciprocal overflows (absmax
+below ~2.9e-39) goes to bitsandbytes too (it leaves NaN out of the absmax).
 """
 
 from __future__ import annotations
@@ -221,18 +222,21 @@ def _lut_index(y: Tensor) -> Tensor:
 
 
 def _cpu_tables(signed: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """The CPU path's tables for a code map: ``(thr, codes2, pairs)``.
+    """The CPU path's tables for a code map: ``(below, codes2, pairs)``.
 
     bitsandbytes' code of a normalized fp32 ``y`` is ``lut[_lut_index(y)]``, with ``lut[i]``
     the number of code midpoints ``fl((c[k] + c[k+1]) · 0.5)`` below
     ``fl(−1 + fl(2i / 65535))`` — a monotone step function of ``y``. Its steps (≤ 255
-    values ``Y``, found by bisection over the ordered fp32 values in [−1, 1]) fall at most
-    one per bin of fp32 values sharing their upper 16 bits, so per bin ``key``:
-    ``codes2[2·key]`` is the code at the bin's low end, ``codes2[2·key + 1]`` the code at its
-    high end and ``thr[key]`` the step between them (+inf if none); the code of ``y`` is
-    ``codes2[2·key + (y ≥ thr[key])]``. NaN bins (an all-zero block divides 0 by 0) give
-    code 0, as bitsandbytes' zero blocks. ``pairs`` (int64 bit patterns of two fp32 code
-    values) dequantizes two codes, read as one uint16, with one gather.
+    values, found by bisection over the ordered fp32 values in [−1, 1]) fall at most one
+    per bin of fp32 values sharing their upper 16 bits, ``key``: ``codes2[2·key]`` is the
+    code at the bin's low end, ``codes2[2·key + 1]`` the code at its high end and
+    ``below[2·key]`` (= ``below[2·key + 1]``) the last fp32 value before the step (+inf if
+    none), so the code of ``y`` is ``codes2[2·key + (y > below[2·key])]`` — and
+    ``y > below`` is the sign bit of ``fl(below − y)`` (exact for finite values: a nonzero
+    difference of two floats never rounds to 0, and ``b − b = +0``). NaN bins (an
+    all-zero block divides 0 by 0) give code 0, as bitsandbytes' zero blocks. ``pairs``
+    (int64 bit patterns of two fp32 code values) dequantizes two codes, read as one uint16,
+    with one gather.
     """
     tables = _TABLES.get(signed)
     if tables is not None:
@@ -262,14 +266,16 @@ def _cpu_tables(signed: bool) -> tuple[Tensor, Tensor, Tensor]:
     if int(inside[~nan].max()) > 1:  # cannot happen for bitsandbytes' maps
         raise RuntimeError("two code steps in one bin: the CPU tables do not apply")
     one = (inside == 1) & ~nan
-    thr = torch.full((_LUT,), math.inf)
-    thr[one] = steps[first[one]]
+    below = torch.full((_LUT,), math.inf)  # the last value before the step
+    below[one] = _unordered(_ordered(steps[first[one]]) - 1)
+    if bool((below[one] == 0).any()):  # cannot happen: y ≈ 0 all have fl(y + 1) = 1
+        raise RuntimeError("a code step at 0: the CPU tables do not apply")
     codes2 = torch.stack((lut[_lut_index(low)], lut[_lut_index(high)]), 1)
     codes2[nan] = 0
     codes2 = codes2.to(torch.uint8).flatten()
     k = torch.arange(1 << 16)
     pairs = torch.stack((code[k & 0xFF], code[k >> 8]), 1).contiguous().view(torch.int64)
-    tables = (thr, codes2, pairs.flatten())
+    tables = (below.repeat_interleave(2), codes2, pairs.flatten())
     _TABLES[signed] = tables
     return tables
 
@@ -305,7 +311,7 @@ def _quantize_cpu(x: Tensor, codes: Tensor, absmax: Tensor, dim: int, signed: bo
     """:func:`quantize_` on the CPU in torch; False (outputs partly written) where a block's
     absmax or its reciprocal is not finite (NaN / inf inputs, absmax below ~2.9e-39 but
     not 0): bitsandbytes then quantizes the tensor."""
-    thr, codes2, _ = _cpu_tables(signed)
+    below, codes2, _ = _cpu_tables(signed)
     rows = codes.shape[0]
     cols = codes.numel() // rows
     x2 = x.float().reshape(rows, cols).contiguous()
@@ -322,8 +328,11 @@ def _quantize_cpu(x: Tensor, codes: Tensor, absmax: Tensor, dim: int, signed: bo
     inv = torch.empty_like(a2)
     step = _row_step(rows, cols, dim)
     size = min(rows, step) * cols
-    y_buf, key_buf = torch.empty(size), torch.empty(size, dtype=torch.int32)
-    thr_buf, ge_buf = torch.empty(size), torch.empty(size, dtype=torch.bool)
+    y_buf, t_buf, key_buf = (
+        torch.empty(size),
+        torch.empty(size),
+        torch.empty(size, dtype=torch.int32),
+    )
     rd = _RDIM[dim]
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
@@ -339,11 +348,13 @@ def _quantize_cpu(x: Tensor, codes: Tensor, absmax: Tensor, dim: int, signed: bo
         torch.reciprocal(ac, out=ic)
         for (xp, ip), (yp, _) in zip(_parts(xc, ic, dim), _parts(y, ac, dim), strict=True):
             torch.mul(xp, ip, out=yp)
-        y, key, t, ge = y.view(-1), key_buf[:n], thr_buf[:n], ge_buf[:n]
-        key.copy_(_high_half(y))
-        torch.index_select(thr, 0, key, out=t)
-        torch.ge(y, t, out=ge)
-        torch.add(ge, key, alpha=2, out=key)
+        y, t, key = y.view(-1), t_buf[:n], key_buf[:n]
+        torch.bitwise_right_shift(y.view(torch.int32), 15, out=key)
+        torch.bitwise_and(key, 0x1FFFE, out=key)  # 2 · (the upper 16 bits of y)
+        torch.index_select(below, 0, key, out=t)
+        torch.sub(t, y, out=t)  # < 0 (sign bit set) where y is past the bin's step
+        torch.bitwise_right_shift(t.view(torch.int32), 31, out=t.view(torch.int32))
+        torch.sub(key, t.view(torch.int32), out=key)  # 2 · key + [y > below]
         torch.index_select(codes2, 0, key, out=q2[r0:r1].view(-1))
     if not bool(torch.isfinite(torch.where(a2 == 0, a2, inv + a2)).all()):
         return False
@@ -352,12 +363,6 @@ def _quantize_cpu(x: Tensor, codes: Tensor, absmax: Tensor, dim: int, signed: bo
     if a2 is not absmax:
         absmax.copy_(a2)
     return True
-
-
-def _high_half(y: Tensor) -> Tensor:
-    """The upper 16 bits of each fp32 of contiguous 1-D ``y`` as a uint16 view (little-endian:
-    the odd halves; :func:`_torch_matches_bnb` refuses other byte orders)."""
-    return y.view(torch.uint16)[1::2]
 
 
 def _dequantize_cpu(codes: Tensor, absmax: Tensor, dim: int, signed: bool) -> Tensor:
@@ -381,8 +386,9 @@ def _dequantize_cpu(codes: Tensor, absmax: Tensor, dim: int, signed: bool) -> Te
             torch.index_select(pairs, 0, key, out=o[:even].view(torch.int64))
         if even < q.numel():
             torch.index_select(code, 0, q[even:].to(torch.int32), out=o[even:])
-    for op, ap in _parts(out, absmax, dim):
-        op.mul_(ap)
+        blocks = slice(r0, r1) if dim == 1 else slice(r0 // BLOCK, -(-r1 // BLOCK))
+        for op, ap in _parts(out[r0:r1], absmax[blocks], dim):
+            op.mul_(ap)
     return out.view(codes.shape)
 
 
@@ -396,10 +402,10 @@ def _torch_matches_bnb() -> bool:
         return False
     bnb_f = bnb_functional()
     for signed in (True, False):
-        thr = _cpu_tables(signed)[0]
+        below = _cpu_tables(signed)[0][::2]
         code = dynamic_code(signed, torch.device("cpu"))
-        steps = _ordered(thr[torch.isfinite(thr)])
-        near = torch.cat([steps + d for d in range(-3, 4)])
+        steps = _ordered(below[torch.isfinite(below)])
+        near = torch.cat([steps + d for d in range(-3, 5)])
         key = torch.arange(_LUT, dtype=torch.int64)
         edges = torch.cat((key << 16, (key << 16) | 0xFFFF)).to(torch.int32).view(torch.float32)
         edges = edges[edges.abs() <= 1]
