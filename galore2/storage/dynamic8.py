@@ -39,7 +39,7 @@ counts the code midpoints below ``−1 + 2i / 65535``. As a function of the fp32
 that is a monotone step function; :func:`_cpu_tables` reduces it, once per map, to one
 entry per upper 16 bits of ``y`` (the codes at the bin's two ends and where it steps
 between them, at most once per bin), so the torch path is a multiply, two gathers, a
-subtraction and a few integer operations per element, in chunks of ~2^18 elements.
+subtraction and a few integer operations per element, in chunks of ~2^20 elements.
 Dequantizing is ``code[q] · absmax`` in fp32, as bitsandbytes computes it. The torch
 path is taken only where it reproduces the installed bitsandbytes (checked once per
 process against it, :func:`_torch_matches_bnb`; another bitsandbytes version or an
@@ -70,7 +70,7 @@ _CODES: dict[tuple[str, bool], Tensor] = {}
 _BOUNDS: dict[tuple[str, bool], Tensor] = {}
 _TABLES: dict[bool, tuple[Tensor, Tensor, Tensor]] = {}  # the CPU path's (see _cpu_tables)
 _LUT = 65536  # entries of bitsandbytes' CPU quantization table over [-1, 1]
-_CHUNK = 1 << 18  # elements per chunk of the CPU path (its temporaries stay cache-sized)
+_CHUNK = 1 << 20  # elements per chunk of the CPU path (bounded temporaries, few parallel ops)
 
 
 def bnb_functional() -> Any:

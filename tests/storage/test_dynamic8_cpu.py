@@ -226,3 +226,17 @@ def test_cpu_path_does_not_call_bitsandbytes_for_finite_input(monkeypatch):
     x[3, 5] = math.nan
     with pytest.raises(AssertionError, match="bitsandbytes called"):
         D.quantize_(x, codes, absmax, 0, False)
+
+
+@pytest.mark.parametrize("chunk", [1, 999, 70_000])
+def test_chunk_boundaries(chunk, monkeypatch):
+    """The CPU path works in chunks of whole rows (blocks along rows) or of 256 rows
+    (down columns): tiny and odd chunk sizes, odd row lengths (two codes per gather except
+    a chunk's odd last one) give the same bits."""
+    monkeypatch.setattr(D, "_CHUNK", chunk)
+    g = torch.Generator().manual_seed(chunk)
+    for shape in ((301, 257), (513, 99), (97, 1031)):
+        for dim in (0, 1):
+            x = torch.randn(shape, generator=g) * torch.exp(2 * torch.randn(shape, generator=g))
+            _assert_identical(x, dim, True, monkeypatch)
+            _assert_identical(x.abs(), dim, False, monkeypatch)
