@@ -299,12 +299,23 @@ def _parts(t: Tensor, a: Tensor, dim: int) -> list[tuple[Tensor, Tensor]]:
 _RDIM = (1, 2)  # the block axis of _parts' 3-D views, by blocked dim
 
 
-def _row_step(rows: int, cols: int, dim: int) -> int:
-    """Rows per chunk: about _CHUNK elements, whole blocks (dim 0: 256 rows), even count."""
+def row_chunks(rows: int, cols: int, dim: int) -> list[tuple[slice, slice]]:
+    """Chunks of ~2^20 elements of a ``rows × cols`` tensor blocked along ``dim``, as
+    ``(rows, blocks)`` slices of its codes and of its absmax: whole rows (``dim = 1``) or
+    runs of 256 rows (``dim = 0``), so :func:`quantize_` and :func:`dequantize` of a chunk
+    equal the whole tensor's there. Even element counts (but the last chunk's), for the
+    CPU path's two-codes gathers."""
     if dim == 0:
-        return BLOCK * max(1, _CHUNK // (BLOCK * cols))
-    step = max(1, _CHUNK // cols)
-    return min(rows, step + (step & 1 and cols & 1))
+        step = BLOCK * max(1, _CHUNK // (BLOCK * cols))
+    else:
+        step = max(1, _CHUNK // cols)
+        step += step & 1 and cols & 1
+    out = []
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        blocks = slice(r0, r1) if dim == 1 else slice(r0 // BLOCK, -(-r1 // BLOCK))
+        out.append((slice(r0, r1), blocks))
+    return out
 
 
 def _quantize_cpu(x: Tensor, codes: Tensor, absmax: Tensor, dim: int, signed: bool) -> bool:
@@ -326,19 +337,18 @@ def _quantize_cpu(x: Tensor, codes: Tensor, absmax: Tensor, dim: int, signed: bo
         else torch.empty_like(absmax, memory_format=torch.contiguous_format)
     )
     inv = torch.empty_like(a2)
-    step = _row_step(rows, cols, dim)
-    size = min(rows, step) * cols
+    chunks = row_chunks(rows, cols, dim)
+    size = (chunks[0][0].stop - chunks[0][0].start) * cols
     y_buf, t_buf, key_buf = (
         torch.empty(size),
         torch.empty(size),
         torch.empty(size, dtype=torch.int32),
     )
     rd = _RDIM[dim]
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        n = (r1 - r0) * cols
-        xc, y = x2[r0:r1], y_buf[:n].view(r1 - r0, cols)
-        blocks = slice(r0, r1) if dim == 1 else slice(r0 // BLOCK, -(-r1 // BLOCK))
+    for r, blocks in chunks:
+        xc = x2[r]
+        n = xc.numel()
+        y = y_buf[:n].view(xc.shape)
         ac, ic = a2[blocks], inv[blocks]
         torch.abs(xc, out=y)
         for yp, ap in _parts(y, ac, dim):
@@ -355,7 +365,7 @@ def _quantize_cpu(x: Tensor, codes: Tensor, absmax: Tensor, dim: int, signed: bo
         torch.sub(t, y, out=t)  # < 0 (sign bit set) where y is past the bin's step
         torch.bitwise_right_shift(t.view(torch.int32), 31, out=t.view(torch.int32))
         torch.sub(key, t.view(torch.int32), out=key)  # 2 · key + [y > below]
-        torch.index_select(codes2, 0, key, out=q2[r0:r1].view(-1))
+        torch.index_select(codes2, 0, key, out=q2[r].view(-1))
     if not bool(torch.isfinite(torch.where(a2 == 0, a2, inv + a2)).all()):
         return False
     if q2.data_ptr() != codes.data_ptr():
@@ -373,12 +383,11 @@ def _dequantize_cpu(codes: Tensor, absmax: Tensor, dim: int, signed: bool) -> Te
     cols = codes.numel() // rows
     q2 = codes.reshape(rows, cols)
     out = torch.empty(rows, cols)
-    step = _row_step(rows, cols, dim)
-    key_buf = torch.empty(min(rows, step) * cols // 2, dtype=torch.int32)
+    chunks = row_chunks(rows, cols, dim)
+    key_buf = torch.empty((chunks[0][0].stop - chunks[0][0].start) * cols // 2, dtype=torch.int32)
     paired = q2.is_contiguous() and q2.storage_offset() % 2 == 0
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        q, o = q2[r0:r1].reshape(-1), out[r0:r1].view(-1)
+    for r, blocks in chunks:
+        q, o = q2[r].reshape(-1), out[r].view(-1)
         even = q.numel() & ~1 if paired else 0
         if even:  # two codes per gather: uint16 key → the int64 bits of two fp32 values
             key = key_buf[: even // 2]
@@ -386,8 +395,7 @@ def _dequantize_cpu(codes: Tensor, absmax: Tensor, dim: int, signed: bool) -> Te
             torch.index_select(pairs, 0, key, out=o[:even].view(torch.int64))
         if even < q.numel():
             torch.index_select(code, 0, q[even:].to(torch.int32), out=o[even:])
-        blocks = slice(r0, r1) if dim == 1 else slice(r0 // BLOCK, -(-r1 // BLOCK))
-        for op, ap in _parts(out[r0:r1], absmax[blocks], dim):
+        for op, ap in _parts(out[r], absmax[blocks], dim):
             op.mul_(ap)
     return out.view(codes.shape)
 
@@ -515,5 +523,6 @@ __all__ = [
     "dequantize",
     "dynamic_code",
     "quantize_",
+    "row_chunks",
     "use_torch",
 ]
