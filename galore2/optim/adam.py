@@ -55,6 +55,7 @@ from ..core.options import Bool, Option, Pair, Real
 from ..core.state import counter
 from ..core.transform import Context, Group, State, Transform
 from ..kernels.dispatch import run_kernel
+from ..storage import dynamic8
 from ..storage.dtype import STATE_DTYPE, warn_float16
 from ..storage.dynamic8 import Dynamic8Format
 from ..storage.moments import (
@@ -251,6 +252,8 @@ class ScaleByAdam(Transform):
         if out is not None:  # the kernel updated codes and absmax in place
             state["adam.step"] += 1
             return out
+        if dynamic8.use_torch(m_codes):  # the CPU: chunk by chunk, see _update_chunks
+            return self._update_chunks(u, m_fmt, v_fmt, state, group)
         m = m_fmt.view(state, "adam.exp_avg", AXIS)
         v = v_fmt.view(state, "adam.exp_avg_sq", AXIS)
         out = self._step(u, m, v, state, group)  # the direction uses the fp32 moments
@@ -284,20 +287,56 @@ class ScaleByAdam(Transform):
         }
 
     @staticmethod
+    def _update_chunks(
+        u: Tensor, m_fmt: Dynamic8Format, v_fmt: Dynamic8Format, state: State, group: Group
+    ) -> Tensor:
+        """The 8-bit torch path on the CPU (where the storage layer quantizes in torch), in
+        chunks of ~2^20 elements of whole blocks (:func:`~galore2.storage.dynamic8.row_chunks`):
+        each chunk's moments are dequantized, stepped and requantized while in cache and its
+        direction written into the fp32 result — the same elementwise arithmetic as
+        :meth:`_step` on whole fp32 moments, with no full-size fp32 copy of either moment."""
+        m_codes, m_absmax, dim = m_fmt.local(state, "adam.exp_avg", AXIS)
+        v_codes, v_absmax, _ = v_fmt.local(state, "adam.exp_avg_sq", AXIS)
+        rows = m_codes.shape[0]
+        qm, qv, u2 = m_codes.view(rows, -1), v_codes.view(rows, -1), u.reshape(rows, -1)
+        out = torch.empty(u2.shape, dtype=torch.float32, device=u.device)
+        state["adam.step"] += 1
+        t = int(state["adam.step"])
+        for r, b in dynamic8.row_chunks(rows, qm.shape[1], dim):
+            m = dynamic8.dequantize(qm[r], m_absmax[b], dim, m_fmt.signed)
+            v = dynamic8.dequantize(qv[r], v_absmax[b], dim, v_fmt.signed)
+            ScaleByAdam._arith(u2[r], m, v, t, group, out=out[r])
+            dynamic8.quantize_(m, qm[r], m_absmax[b], dim, m_fmt.signed)
+            dynamic8.quantize_(v, qv[r], v_absmax[b], dim, v_fmt.signed)
+        return out.view(u.shape)
+
+    @staticmethod
     def _step(u: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, state: State, group: Group) -> Tensor:
         """One Adam step on the moments ``exp_avg``, ``exp_avg_sq`` (updated in place)."""
+        state["adam.step"] += 1
+        return ScaleByAdam._arith(u, exp_avg, exp_avg_sq, int(state["adam.step"]), group)
+
+    @staticmethod
+    def _arith(
+        u: Tensor,
+        exp_avg: Tensor,
+        exp_avg_sq: Tensor,
+        t: int,
+        group: Group,
+        out: Tensor | None = None,
+    ) -> Tensor:
+        """Step ``t`` of Adam's arithmetic on the moments (updated in place); the direction
+        goes to ``out`` when given."""
         if u.dtype != exp_avg.dtype:
             u = u.to(exp_avg.dtype)
         beta1, beta2 = group["betas"]
-        state["adam.step"] += 1
-        t = int(state["adam.step"])
         exp_avg.lerp_(u, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(u, u, value=1 - beta2)
         bias_correction1 = 1 - beta1**t
         bias_correction2_sqrt = math.sqrt(1 - beta2**t)
         # m̂/(√v̂ + eps) = m / (bc1·√v/√bc2 + bc1·eps): both corrections folded into one
         # denominator, computed in a single buffer that then receives the result.
-        denom = exp_avg_sq.sqrt().mul_(bias_correction1 / bias_correction2_sqrt)
+        denom = torch.sqrt(exp_avg_sq, out=out).mul_(bias_correction1 / bias_correction2_sqrt)
         denom.add_(bias_correction1 * group["eps"])
         return torch.div(exp_avg, denom, out=denom)
 

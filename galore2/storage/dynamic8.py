@@ -28,11 +28,31 @@ shape), 1-D tensors and tensors whose blocked axis has a single element are not 
 
 bitsandbytes is imported lazily (:func:`bnb_functional`); it only ever sees plain local
 tensors. Its code maps are constants cached per device, not state.
+
+On the CPU, :func:`quantize_` and :func:`dequantize` run in torch (:func:`use_torch`),
+bit-identical to bitsandbytes' CPU kernels (the same codes, absmax and dequantized
+floats) and several times faster than its quantizer. That quantizer (bitsandbytes ≥ 0.50,
+``csrc/cpu_ops.cpp``, ``quantize_cpu_impl``) does not pick the exact nearest code: per
+block ``absmax = max |x|`` (0: codes 0), ``y = x · fl(1 / absmax)``, then a 65536-entry
+table indexed by ``trunc(fma((clamp(y, −1, 1) + 1) · 0.5, 65535, 0.5))`` whose entry ``i``
+counts the code midpoints below ``−1 + 2i / 65535``. As a function of the fp32 value ``y``
+that is a monotone step function; :func:`_cpu_tables` reduces it, once per map, to one
+entry per upper 16 bits of ``y`` (the codes at the bin's two ends and where it steps
+between them, at most once per bin), so the torch path is a multiply, two gathers, a
+subtraction and a few integer operations per element, in chunks of ~2^20 elements.
+Dequantizing is ``code[q] · absmax`` in fp32, as bitsandbytes computes it. The torch
+path is taken only where it reproduces the installed bitsandbytes (checked once per
+process against it, :func:`_torch_matches_bnb`; another bitsandbytes version or an
+aarch64 build, which rounds the table index differently, keeps bitsandbytes), and a
+tensor with a block whose absmax is not finite or whose reciprocal overflows (absmax
+below ~2.9e-39) goes to bitsandbytes too (it leaves NaN out of the absmax).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 from typing import Any
 
 import torch
@@ -48,6 +68,9 @@ MIN_8BIT_SIZE = 4096  # smaller directions keep fp32 moments (bitsandbytes' min_
 
 _CODES: dict[tuple[str, bool], Tensor] = {}
 _BOUNDS: dict[tuple[str, bool], Tensor] = {}
+_TABLES: dict[bool, tuple[Tensor, Tensor, Tensor]] = {}  # the CPU path's (see _cpu_tables)
+_LUT = 65536  # entries of bitsandbytes' CPU quantization table over [-1, 1]
+_CHUNK = 1 << 20  # elements per chunk of the CPU path (bounded temporaries, few parallel ops)
 
 
 def bnb_functional() -> Any:
@@ -128,6 +151,8 @@ def dequantize(codes: Tensor, absmax: Tensor, dim: int, signed: bool) -> Tensor:
     codes, absmax = _local(codes), _local(absmax)
     if codes.numel() == 0:
         return torch.zeros(codes.shape, dtype=torch.float32, device=codes.device)
+    if use_torch(codes):
+        return _dequantize_cpu(codes, absmax, dim, signed)
     q = _blocked(codes, dim)
     scale = absmax.mT if dim == 0 else absmax
     length, size = q.shape[1], _bnb_blocksize(q.shape[1])
@@ -149,6 +174,8 @@ def quantize_(x: Tensor, codes: Tensor, absmax: Tensor, dim: int, signed: bool) 
     codes, absmax = _local(codes), _local(absmax)
     if codes.numel() == 0:
         return
+    if use_torch(codes) and _quantize_cpu(x, codes, absmax, dim, signed):
+        return
     v = _blocked(x.float(), dim)
     length, size = v.shape[1], _bnb_blocksize(v.shape[1])
     blocks = -(-length // size)
@@ -162,6 +189,252 @@ def quantize_(x: Tensor, codes: Tensor, absmax: Tensor, dim: int, signed: bool) 
         q, scale = q.mT, scale.mT
     codes.copy_(q.reshape(codes.shape))
     absmax.copy_(scale)
+
+
+def use_torch(t: Tensor) -> bool:
+    """Whether :func:`quantize_` and :func:`dequantize` take the torch path for the local
+    tensor ``t``: on the CPU, where it reproduces the installed bitsandbytes (see the
+    module docstring); elsewhere bitsandbytes (CUDA without the fused kernel)."""
+    return t.device.type == "cpu" and _torch_matches_bnb()
+
+
+# ---- the torch path (CPU) ----------------------------------------------------------------
+def _ordered(y: Tensor) -> Tensor:
+    """int64 keys of fp32 ``y`` in the order of the values (−0 and +0 share key 0)."""
+    b = y.view(torch.int32).long()
+    return torch.where(b >= 0, b, -(b & 0x7FFFFFFF))
+
+
+def _unordered(o: Tensor) -> Tensor:
+    """The fp32 values of :func:`_ordered` keys."""
+    b = torch.where(o >= 0, o, (-o) | -(1 << 31))
+    return b.to(torch.int32).view(torch.float32)
+
+
+def _lut_index(y: Tensor) -> Tensor:
+    """bitsandbytes' CPU table index of normalized fp32 values (int64):
+    ``trunc(fma((clamp(y, −1, 1) + 1) · 0.5, 65535, 0.5))``, 0 for NaN (x86's conversion of
+    NaN keeps 0 in the low 16 bits). The product and sum are exact in fp64, so rounding
+    them once to fp32 is the fma's single rounding."""
+    h = (y.clamp(-1.0, 1.0) + 1.0) * 0.5
+    r = (h.double() * (_LUT - 1) + 0.5).float()
+    return torch.where(torch.isnan(r), 0.0, r).long()
+
+
+def _cpu_tables(signed: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The CPU path's tables for a code map: ``(below, codes2, pairs)``.
+
+    bitsandbytes' code of a normalized fp32 ``y`` is ``lut[_lut_index(y)]``, with ``lut[i]``
+    the number of code midpoints ``fl((c[k] + c[k+1]) · 0.5)`` below
+    ``fl(−1 + fl(2i / 65535))`` — a monotone step function of ``y``. Its steps (≤ 255
+    values, found by bisection over the ordered fp32 values in [−1, 1]) fall at most one
+    per bin of fp32 values sharing their upper 16 bits, ``key``: ``codes2[2·key]`` is the
+    code at the bin's low end, ``codes2[2·key + 1]`` the code at its high end and
+    ``below[2·key]`` (= ``below[2·key + 1]``) the last fp32 value before the step (+inf if
+    none), so the code of ``y`` is ``codes2[2·key + (y > below[2·key])]`` — and
+    ``y > below`` is the sign bit of ``fl(below − y)`` (exact for finite values: a nonzero
+    difference of two floats never rounds to 0, and ``b − b = +0``). NaN bins (an
+    all-zero block divides 0 by 0) give code 0, as bitsandbytes' zero blocks. ``pairs``
+    (int64 bit patterns of two fp32 code values) dequantizes two codes, read as one uint16,
+    with one gather.
+    """
+    tables = _TABLES.get(signed)
+    if tables is not None:
+        return tables
+    cpu = torch.device("cpu")
+    code = dynamic_code(signed, cpu)
+    mid = (code[:-1] + code[1:]) * 0.5
+    i = torch.arange(_LUT, dtype=torch.float64)
+    val = (2 * i / (_LUT - 1)).float() + -1.0  # fp64 then one rounding: the fp32 division
+    lut = torch.searchsorted(mid, val)  # midpoints below each table value
+    jumps = torch.nonzero(lut[1:] != lut[:-1]).flatten() + 1
+    lo = _ordered(torch.full(jumps.shape, -1.0))
+    hi = _ordered(torch.full(jumps.shape, 1.0))
+    while bool((hi - lo > 1).any()):  # the first y whose index reaches each jump
+        m = (lo + hi) // 2
+        up = _lut_index(_unordered(m)) >= jumps
+        lo, hi = torch.where(up, lo, m), torch.where(up, m, hi)
+    steps = _unordered(hi).unique()  # ascending
+    key = torch.arange(_LUT, dtype=torch.int64)
+    bottom, top = (key << 16).to(torch.int32), ((key << 16) | 0xFFFF).to(torch.int32)
+    negative = key >= 0x8000  # sign bit: the bin's values descend as its bits ascend
+    low = torch.where(negative, top, bottom).view(torch.float32)
+    high = torch.where(negative, bottom, top).view(torch.float32)
+    nan = torch.isnan(low) | torch.isnan(high)
+    first = torch.searchsorted(steps, low, right=True)  # steps in (low, high]
+    inside = torch.searchsorted(steps, high, right=True) - first
+    if int(inside[~nan].max()) > 1:  # cannot happen for bitsandbytes' maps
+        raise RuntimeError("two code steps in one bin: the CPU tables do not apply")
+    one = (inside == 1) & ~nan
+    below = torch.full((_LUT,), math.inf)  # the last value before the step
+    below[one] = _unordered(_ordered(steps[first[one]]) - 1)
+    if bool((below[one] == 0).any()):  # cannot happen: y ≈ 0 all have fl(y + 1) = 1
+        raise RuntimeError("a code step at 0: the CPU tables do not apply")
+    codes2 = torch.stack((lut[_lut_index(low)], lut[_lut_index(high)]), 1)
+    codes2[nan] = 0
+    codes2 = codes2.to(torch.uint8).flatten()
+    k = torch.arange(1 << 16)
+    pairs = torch.stack((code[k & 0xFF], code[k >> 8]), 1).contiguous().view(torch.int64)
+    tables = (below.repeat_interleave(2), codes2, pairs.flatten())
+    _TABLES[signed] = tables
+    return tables
+
+
+def _parts(t: Tensor, a: Tensor, dim: int) -> list[tuple[Tensor, Tensor]]:
+    """3-D views of the whole blocks and of the short last block of 2-D ``t`` (rows × cols,
+    blocked along ``dim``) with the matching views of its absmax-shaped ``a``: reducing
+    a block view over ``_RDIM[dim]`` (keepdim) gives the shape of its ``a`` view."""
+    n = t.shape[dim]
+    full, rem = divmod(n, BLOCK)
+    cut = full * BLOCK
+    if dim == 1:
+        parts = [(t[:, :cut].view(t.shape[0], full, BLOCK), a[:, :full, None])]
+        parts.append((t[:, cut:].unsqueeze(1), a[:, full:, None]))
+    else:
+        parts = [(t[:cut].view(full, BLOCK, t.shape[1]), a[:full, None, :])]
+        parts.append((t[cut:].unsqueeze(0), a[full:, None, :]))
+    return [p for p in parts if p[0].numel()] if rem else parts[:1]
+
+
+_RDIM = (1, 2)  # the block axis of _parts' 3-D views, by blocked dim
+
+
+def row_chunks(rows: int, cols: int, dim: int) -> list[tuple[slice, slice]]:
+    """Chunks of ~2^20 elements of a ``rows × cols`` tensor blocked along ``dim``, as
+    ``(rows, blocks)`` slices of its codes and of its absmax: whole rows (``dim = 1``) or
+    runs of 256 rows (``dim = 0``), so :func:`quantize_` and :func:`dequantize` of a chunk
+    equal the whole tensor's there. Even element counts (but the last chunk's), for the
+    CPU path's two-codes gathers."""
+    if dim == 0:
+        step = BLOCK * max(1, _CHUNK // (BLOCK * cols))
+    else:
+        step = max(1, _CHUNK // cols)
+        step += step & 1 and cols & 1
+    out = []
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        blocks = slice(r0, r1) if dim == 1 else slice(r0 // BLOCK, -(-r1 // BLOCK))
+        out.append((slice(r0, r1), blocks))
+    return out
+
+
+def _quantize_cpu(x: Tensor, codes: Tensor, absmax: Tensor, dim: int, signed: bool) -> bool:
+    """:func:`quantize_` on the CPU in torch; False (outputs partly written) where a block's
+    absmax or its reciprocal is not finite (NaN / inf inputs, absmax below ~2.9e-39 but
+    not 0): bitsandbytes then quantizes the tensor."""
+    below, codes2, _ = _cpu_tables(signed)
+    rows = codes.shape[0]
+    cols = codes.numel() // rows
+    x2 = x.float().reshape(rows, cols).contiguous()
+    q2 = (
+        codes.view(rows, cols)
+        if codes.is_contiguous()
+        else torch.empty(rows, cols, dtype=torch.uint8)
+    )
+    a2 = (
+        absmax
+        if absmax.is_contiguous()
+        else torch.empty_like(absmax, memory_format=torch.contiguous_format)
+    )
+    inv = torch.empty_like(a2)
+    chunks = row_chunks(rows, cols, dim)
+    size = (chunks[0][0].stop - chunks[0][0].start) * cols
+    y_buf, t_buf, key_buf = (
+        torch.empty(size),
+        torch.empty(size),
+        torch.empty(size, dtype=torch.int32),
+    )
+    rd = _RDIM[dim]
+    for r, blocks in chunks:
+        xc = x2[r]
+        n = xc.numel()
+        y = y_buf[:n].view(xc.shape)
+        ac, ic = a2[blocks], inv[blocks]
+        torch.abs(xc, out=y)
+        for yp, ap in _parts(y, ac, dim):
+            torch.amax(yp, rd, keepdim=True, out=ap)
+        # fl(1 / absmax) (an exact division); inf for an all-zero block, whose y = 0 · inf
+        # are NaN: code 0, as bitsandbytes stores there
+        torch.reciprocal(ac, out=ic)
+        for (xp, ip), (yp, _) in zip(_parts(xc, ic, dim), _parts(y, ac, dim), strict=True):
+            torch.mul(xp, ip, out=yp)
+        y, t, key = y.view(-1), t_buf[:n], key_buf[:n]
+        torch.bitwise_right_shift(y.view(torch.int32), 15, out=key)
+        torch.bitwise_and(key, 0x1FFFE, out=key)  # 2 · (the upper 16 bits of y)
+        torch.index_select(below, 0, key, out=t)
+        torch.sub(t, y, out=t)  # < 0 (sign bit set) where y is past the bin's step
+        torch.bitwise_right_shift(t.view(torch.int32), 31, out=t.view(torch.int32))
+        torch.sub(key, t.view(torch.int32), out=key)  # 2 · key + [y > below]
+        torch.index_select(codes2, 0, key, out=q2[r].view(-1))
+    if not bool(torch.isfinite(torch.where(a2 == 0, a2, inv + a2)).all()):
+        return False
+    if q2.data_ptr() != codes.data_ptr():
+        codes.copy_(q2.view(codes.shape))
+    if a2 is not absmax:
+        absmax.copy_(a2)
+    return True
+
+
+def _dequantize_cpu(codes: Tensor, absmax: Tensor, dim: int, signed: bool) -> Tensor:
+    """:func:`dequantize` on the CPU in torch: ``code[q] · absmax`` in fp32."""
+    _, _, pairs = _cpu_tables(signed)
+    code = dynamic_code(signed, codes.device)
+    rows = codes.shape[0]
+    cols = codes.numel() // rows
+    q2 = codes.reshape(rows, cols)
+    out = torch.empty(rows, cols)
+    chunks = row_chunks(rows, cols, dim)
+    key_buf = torch.empty((chunks[0][0].stop - chunks[0][0].start) * cols // 2, dtype=torch.int32)
+    paired = q2.is_contiguous() and q2.storage_offset() % 2 == 0
+    for r, blocks in chunks:
+        q, o = q2[r].reshape(-1), out[r].view(-1)
+        even = q.numel() & ~1 if paired else 0
+        if even:  # two codes per gather: uint16 key → the int64 bits of two fp32 values
+            key = key_buf[: even // 2]
+            key.copy_(q[:even].view(torch.uint16))
+            torch.index_select(pairs, 0, key, out=o[:even].view(torch.int64))
+        if even < q.numel():
+            torch.index_select(code, 0, q[even:].to(torch.int32), out=o[even:])
+        for op, ap in _parts(out[r], absmax[blocks], dim):
+            op.mul_(ap)
+    return out.view(codes.shape)
+
+
+@functools.cache
+def _torch_matches_bnb() -> bool:
+    """Whether the torch path reproduces the installed bitsandbytes' CPU kernels, checked
+    once per process: both maps, every normalized value within 3 ulps of a code step of
+    :func:`_cpu_tables`, both ends of every table bin in [−1, 1], ±0, ±1, and
+    dequantization of every code at a few scales (little-endian machines only)."""
+    if sys.byteorder != "little":
+        return False
+    bnb_f = bnb_functional()
+    for signed in (True, False):
+        below = _cpu_tables(signed)[0][::2]
+        code = dynamic_code(signed, torch.device("cpu"))
+        steps = _ordered(below[torch.isfinite(below)])
+        near = torch.cat([steps + d for d in range(-3, 5)])
+        key = torch.arange(_LUT, dtype=torch.int64)
+        edges = torch.cat((key << 16, (key << 16) | 0xFFFF)).to(torch.int32).view(torch.float32)
+        edges = edges[edges.abs() <= 1]
+        y = torch.cat((_unordered(near), edges, torch.tensor([0.0, -0.0, 1.0, -1.0])))
+        y = y[y.abs() <= 1]
+        y = torch.cat((y, y.new_zeros(-y.numel() % (BLOCK - 1)))).view(-1, BLOCK - 1)
+        x = torch.cat((torch.ones(y.shape[0], 1), y), 1)  # absmax 1: y is the normalized value
+        want, state = bnb_f.quantize_blockwise(x.flatten(), code=code, blocksize=BLOCK)
+        got = torch.empty_like(x, dtype=torch.uint8)
+        absmax = torch.empty(x.shape[0], 1)
+        if not _quantize_cpu(x, got, absmax, 1, signed):
+            return False
+        if not (torch.equal(got.flatten(), want) and torch.equal(absmax.flatten(), state.absmax)):
+            return False
+        q = torch.arange(4 * BLOCK, dtype=torch.int64).remainder(256).to(torch.uint8)
+        scale = torch.tensor([0.0, 1.0, 3.0e-5, 7.0e21])
+        want = bnb_f.dequantize_blockwise(q, absmax=scale, code=code, blocksize=BLOCK)
+        got = _dequantize_cpu(q.view(4, BLOCK), scale.view(4, 1), 1, signed)
+        if not torch.equal(got.flatten().view(torch.int32), want.view(torch.int32)):
+            return False
+    return True
 
 
 def axis_key(key: str, params: Any = None) -> str:
@@ -250,4 +523,6 @@ __all__ = [
     "dequantize",
     "dynamic_code",
     "quantize_",
+    "row_chunks",
+    "use_torch",
 ]

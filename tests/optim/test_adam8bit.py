@@ -264,6 +264,73 @@ def test_state_dict_round_trip_resumes_bit_identical():
     assert n8 == 3
 
 
+def _cpu_run(steps: int = 7) -> tuple[list[nn.Parameter], galore2.GaLoreAdamW8bit]:
+    """GaLoreAdamW8bit on the CPU with LEFT (280×700 moments, blocks of 256 + 24 down each
+    column), RIGHT (700×280, along rows) and full-rank (96×520, rows of 256 + 256 + 8)
+    8-bit moments, weight decay, and refreshes at steps 0, 3 and 6 that rotate the
+    quantized moments."""
+    g = torch.Generator().manual_seed(3)
+    params = [
+        nn.Parameter(torch.randn(shape, generator=g) * 0.1)
+        for shape in ((300, 700), (700, 300), (96, 520))
+    ]
+    settings = {"rank": 280, "update_proj_gap": 3, "moments_on_refresh": "project"}
+    opt = galore2.GaLoreAdamW8bit(
+        [
+            {"params": params[:1], "proj_type": "left", **settings},
+            {"params": params[1:2], "proj_type": "right", **settings},
+            {"params": params[2:]},
+        ],
+        lr=1e-2,
+        weight_decay=0.1,
+    )
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) * 0.01
+        opt.step()
+    return params, opt
+
+
+def _assert_same_run(a, b) -> None:
+    (ours, o_ours), (theirs, o_theirs) = a, b
+    shapes = [tuple(o_ours.state[p]["adam.exp_avg"].shape) for p in ours]
+    assert shapes == [(280, 700), (700, 280), (96, 520)]
+    assert [int(o_ours.state[p]["adam.block_dim"]) for p in ours] == [0, 1, 1]
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.equal(p, q)
+        s, t = o_ours.state[p], o_theirs.state[q]
+        assert sorted(s) == sorted(t)
+        for key, value in s.items():
+            assert torch.equal(value, t[key]), key
+
+
+def test_cpu_quantizer_run_bitwise_equals_bitsandbytes(monkeypatch):
+    """On the CPU the 8-bit moments are quantized and dequantized in torch (the storage
+    layer's CPU path) and stepped chunk by chunk; with bitsandbytes quantizing instead
+    (use_torch patched to False: whole fp32 moments, bitsandbytes' kernels) the run is
+    bitwise the same — parameters and every state tensor after 7 steps (_cpu_run)."""
+    from galore2.storage import dynamic8
+
+    assert dynamic8.use_torch(torch.zeros(1))  # bitsandbytes 0.50.2 on x86-64 here
+    ours = _cpu_run()
+    with monkeypatch.context() as m:
+        m.setattr(dynamic8, "use_torch", lambda t: False)
+        theirs = _cpu_run()
+    _assert_same_run(ours, theirs)
+
+
+def test_cpu_chunks_equal_one_chunk(monkeypatch):
+    """The CPU path steps the 8-bit moments in chunks of whole blocks: chunks of 999
+    elements (a few rows, or 256 rows down columns) give bitwise the run of one chunk per
+    tensor — the arithmetic is elementwise."""
+    from galore2.storage import dynamic8
+
+    monkeypatch.setattr(dynamic8, "_CHUNK", 999)
+    small = _cpu_run(4)
+    monkeypatch.setattr(dynamic8, "_CHUNK", 1 << 40)
+    _assert_same_run(small, _cpu_run(4))
+
+
 def test_nonfinite_gradient_skips_and_leaves_state_unchanged():
     model = _resume_model()
     opt = _resume_opt(model)
