@@ -108,10 +108,18 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "orthonormalization",
         "galore2/projectors/_sketch.py",
-        "        Q, ok = cholesky_qr2(Y, placement)\n",
-        "        Q, ok = Y, torch.tensor(True)\n",
+        "        Q, R, ok = _cholesky_qr2(Y, placement)\n",
+        "        Q, R, ok = Y, torch.eye(Y.shape[1], dtype=torch.float64), torch.tensor(True)\n",
         ("tests/projectors/test_projectors.py",),
         "randomized / warm-started bases are not orthonormalized",
+    ),
+    Mutation(
+        "sketch_rotation",
+        "galore2/projectors/_sketch.py",
+        "T = torch.linalg.solve_triangular(Rz, Rx, upper=True, left=False)  # Rx·Rz⁻¹",
+        "T = Rx",
+        ("tests/projectors/test_projectors.py",),
+        "randomized basis rotated by the last iterate's R alone (Rz of the Nyström step dropped)",
     ),
     Mutation(
         "cholesky_qr_passes",
