@@ -46,12 +46,11 @@ for every later one), per projected weight:
 * ``randomized`` (and ``power``'s first refresh, a randomized cold start), with
   k = min(r + oversample, m, n) and q = ``power_iters``: left — CholeskyQR2 of G·Ω
   (two k×k Gram all-reduces, the first in fp64, as in every CholeskyQR2 below), q × (Gᵀ·Y:
-  n×k, then two k×k Grams), when k > r the rotation's WᵀX (k×k, before the last
-  iteration's Grams; q ≥ 1) or Yᵀ·G (k×n; q = 0), ``align_signs`` (r; at the first
+  n×k, then two k×k Grams), Yᵀ·G (k×n, only when k > r), ``align_signs`` (r; at the first
   refresh too, against the zero-initialized basis);
   right — Gᵀ·Ω (n×k), q × Gᵀ·(G·Y) (n×k), CᵀC (k×k,
-  only when k > r and q = 0); the right basis is replicated, so its orthonormalization,
-  rotation and sign alignment are local;
+  only when k > r); the right basis is replicated, so its orthonormalization and sign
+  alignment are local;
 * ``power`` (later refreshes): left — q × (Gᵀ·Y: n×r, two r×r Grams), ``align_signs``
   (r); right — q × Gᵀ·(G·Y) (n×r);
 * ``svd``: gather of G's rows onto an owner rank (p·⌈m/p⌉ × n fp32), broadcast of the
@@ -261,19 +260,17 @@ def _refresh(
     elif projector in ("randomized", "power"):  # power's first refresh: randomized cold start
         if left:
             grams(k, "left_basis: G·Ω")
-            for i in range(q):
+            for _ in range(q):
                 add("all_reduce", (n, k), _F32, "left_basis: GᵀY")
-                if i == q - 1 and k > r:  # the rotation's factors: ZᵀZ, then X's Grams
-                    add("all_reduce", (k, k), _F32, "left_basis: ZᵀZ = WᵀX")
                 grams(k, "left_basis: G·(GᵀY)")
-            if k > r and q == 0:
+            if k > r:
                 add("all_reduce", (k, n), _F32, "left_basis: B = YᵀG")
             add("all_reduce", (r,), _F32, "align_signs (left)")
         if right:
             add("all_reduce", (n, k), _F32, "right_basis: GᵀΩ")
             for _ in range(q):
                 add("all_reduce", (n, k), _F32, "right_basis: Gᵀ(GY)")
-            if k > r and q == 0:  # with q > 0 the rotation needs no collective
+            if k > r:
                 add("all_reduce", (k, k), _F32, "right_basis: CᵀC")
     if projector != "random":
         add("all_reduce", (1,), _I32, "Projector.refresh: any non-finite basis")

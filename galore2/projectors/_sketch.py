@@ -11,17 +11,12 @@ with a far from orthonormal Q — Householder QR replaces it. A basis search rea
 certificates of all its orthonormalizations together, once: one device→host
 synchronization per basis (one per orthonormalization under a distributed placement, see
 :func:`certified`).
-
-The rank-r rotation of a randomized basis (which r of the k = r + p sketched directions,
-in which order) comes from the last power iteration's k×k factors, without the final pass
-over G that Halko–Martinsson–Tropp's B = YᵀG costs (:func:`_rotation`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -33,22 +28,7 @@ from ..placement import LOCAL, Placement
 # κ(Q₁)² ≤ 3 and the second pass is as accurate as Householder QR.
 _CERTIFY = 0.5
 
-_T = TypeVar("_T")
-
-
-class Orthonormalizer:
-    """What :func:`certified` hands its ``run``. ``orth(Y)``: an orthonormal basis Q of Y's
-    columns. ``orth.factored(Y, also)``: (Q, R, fast) with Y = Q·R (R float64, upper
-    triangular); ``also``, a 0-d bool tensor, is one more certificate read with this
-    orthonormalization's; ``fast`` is False where Q, R come from the robust
-    orthonormalization (this certificate or ``also`` failed) — under a deferred read, True
-    until the read (a failure then reruns ``run`` with ``fast`` False throughout)."""
-
-    def __init__(self, factored: Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor, bool]]):
-        self.factored = factored
-
-    def __call__(self, Y: Tensor) -> Tensor:
-        return self.factored(Y, None)[0]
+Orth = Callable[[Tensor], Tensor]
 
 
 def cholesky_qr2(Y: Tensor, placement: Placement = LOCAL) -> tuple[Tensor, Tensor]:
@@ -64,36 +44,26 @@ def cholesky_qr2(Y: Tensor, placement: Placement = LOCAL) -> tuple[Tensor, Tenso
     both Cholesky factorizations succeeded and ‖Q₁ᵀQ₁ − I‖_F ≤ 1/2 (read off the second
     pass's Gram matrix); False for a rank-deficient or non-finite Y.
     """
-    Q, _, ok = _cholesky_qr2(Y, placement)
-    return Q, ok
-
-
-def _cholesky_qr2(Y: Tensor, placement: Placement = LOCAL) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`cholesky_qr2`'s Q and certificate, and R (float64, Y = Q·R: the two passes'
-    triangular factors multiplied, k³ flops)."""
     Y64 = Y.double()
     gram = placement.reduce(Y64.mT @ Y64)
     d = torch.diagonal(gram).sqrt()
     R, info1 = torch.linalg.cholesky_ex(gram / d[:, None] / d[None, :], upper=True)
-    R1 = R * d[None, :]
-    Q1 = torch.linalg.solve_triangular(R1.to(Y.dtype), Y, upper=True, left=False)
+    Q1 = torch.linalg.solve_triangular((R * d[None, :]).to(Y.dtype), Y, upper=True, left=False)
     gram = placement.reduce(Q1.mT @ Q1)
     R, info2 = torch.linalg.cholesky_ex(gram, upper=True)
     Q = torch.linalg.solve_triangular(R, Q1, upper=True, left=False)
     eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
     near = torch.linalg.matrix_norm(gram - eye) <= _CERTIFY
-    return Q, R.double() @ R1, (info1 == 0) & (info2 == 0) & near
+    return Q, (info1 == 0) & (info2 == 0) & near
 
 
-def householder(Y: Tensor) -> tuple[Tensor, Tensor]:
-    """Householder QR of Y (Q, and R in float64), signed so that R has a non-negative
-    diagonal (as CholeskyQR's)."""
+def householder(Y: Tensor) -> Tensor:
+    """Householder QR's Q of Y, signed so that R has a non-negative diagonal (as CholeskyQR's)."""
     Q, R = torch.linalg.qr(Y, mode="reduced")
-    signs = torch.where(torch.diagonal(R) < 0, -1.0, 1.0)
-    return Q * signs.to(Q.dtype), R.double() * signs.double()[:, None]
+    return Q * torch.where(torch.diagonal(R) < 0, -1.0, 1.0).to(Q.dtype)
 
 
-def certified(run: Callable[[Orthonormalizer], _T], placement: Placement, eager: bool) -> _T:
+def certified(run: Callable[[Orth], Tensor], placement: Placement, eager: bool) -> Tensor:
     """``run(orth)`` with every ``orth`` a certified CholeskyQR2 over ``placement``, and the
     robust orthonormalization (:func:`robust`) wherever a certificate fails.
 
@@ -105,51 +75,47 @@ def certified(run: Callable[[Orthonormalizer], _T], placement: Placement, eager:
     row-sharded retry's own Gram all-reduces are added), at one host read per
     orthonormalization. Every rank reads the same certificates (their Gram matrices are
     all-reduced or replicated), so every rank takes the same branch. ``run`` must be
-    deterministic apart from ``orth``. ``orth.factored``'s extra certificate is read with
-    its orthonormalization's: where it fails, that orthonormalization is the robust one.
+    deterministic apart from ``orth``.
     """
     oks: list[Tensor] = []
 
-    def fast(Y: Tensor, also: Tensor | None) -> tuple[Tensor, Tensor, bool]:
-        Q, R, ok = _cholesky_qr2(Y, placement)
-        if also is not None:
-            ok = ok & also
+    def fast(Y: Tensor) -> Tensor:
+        Q, ok = cholesky_qr2(Y, placement)
         if eager:
-            return (Q, R, True) if bool(ok) else (*robust(Y, placement), False)
+            return Q if bool(ok) else robust(Y, placement)
         oks.append(ok)
-        return Q, R, True
+        return Q
 
-    out = run(Orthonormalizer(fast))
+    out = run(fast)
     if eager or not oks or bool(torch.stack(oks).all()):  # the one host read
         return out
-    return run(Orthonormalizer(lambda Y, also: (*robust(Y, placement), False)))
+    return run(lambda Y: robust(Y, placement))
 
 
-def robust(Y: Tensor, placement: Placement) -> tuple[Tensor, Tensor]:
-    """What replaces an uncertified CholeskyQR2 (Q, and R in float64 with Y ≈ Q·R):
-    Householder QR, or, for row-sharded Y (no Householder QR across ranks),
-    :func:`_orthonormalize_sharded`."""
+def robust(Y: Tensor, placement: Placement) -> Tensor:
+    """What replaces an uncertified CholeskyQR2: Householder QR, or, for row-sharded Y (no
+    Householder QR across ranks), :func:`_orthonormalize_sharded`."""
     if placement.distributed:
         return _orthonormalize_sharded(Y, placement)
     return householder(Y)
 
 
-def _orthonormalize_sharded(Y: Tensor, placement: Placement) -> tuple[Tensor, Tensor]:
+def _orthonormalize_sharded(Y: Tensor, placement: Placement) -> Tensor:
     """Row-sharded Y that fp32 CholeskyQR2 could not certify: float64 CholeskyQR2; if Y is
     rank-deficient (a gradient of rank < k), Y completed with tiny random directions (they
-    carry none of G's energy: what Householder QR does in one process; R is then the
-    completed Y's); LinAlgError if that fails too (the refresh then keeps the basis)."""
+    carry none of G's energy: what Householder QR does in one process); LinAlgError if that
+    fails too (the refresh then keeps the basis)."""
     Y64 = Y.double()
-    Q, R, ok = _cholesky_qr2(Y64, placement)
+    Q, ok = cholesky_qr2(Y64, placement)
     if not bool(ok):
         total = placement.reduce(Y64.pow(2).sum().reshape(1))
         rms = math.sqrt(float(total) / max(1, Y.numel() * placement.world)) or 1.0
         gen = generator_for(Y.device, mix_seed(placement.rank, *Y.shape))
         noise = torch.randn(Y.shape, generator=gen, device=Y.device, dtype=torch.float64)
-        Q, R, ok = _cholesky_qr2(Y64 + 1e-6 * rms * noise, placement)
+        Q, ok = cholesky_qr2(Y64 + 1e-6 * rms * noise, placement)
         if not bool(ok):
             raise torch.linalg.LinAlgError("sharded CholeskyQR2 failed: basis kept")
-    return Q.to(Y.dtype), R
+    return Q.to(Y.dtype)
 
 
 def orthonormalize_rows(Y: Tensor, placement: Placement) -> Tensor:
@@ -176,39 +142,6 @@ def top_eigvecs(gram: Tensor, rank: int, dtype: torch.dtype) -> Tensor:
     return vecs[:, -rank:].flip(-1).to(dtype)
 
 
-def _gram_factor(S: Tensor) -> tuple[Tensor, Tensor]:
-    """Upper Cholesky factor (float64) of a k×k Gram matrix S given as a product that is
-    symmetric in exact arithmetic, and whether it could be factored (0-d bool tensor)."""
-    S = S.double()
-    S = (S + S.mT) / 2
-    d = torch.diagonal(S).clamp_min(0).sqrt()
-    R, info = torch.linalg.cholesky_ex(S / d[:, None] / d[None, :], upper=True)
-    R = R * d[None, :]
-    return R, (info == 0) & torch.isfinite(torch.diagonal(R)).all()
-
-
-def _rotation(Rx: Tensor, Rz: Tensor | None, rank: int, dtype: torch.dtype) -> Tensor:
-    """The k×rank rotation U of a sketched basis Y (basis = Y·U) from its last power
-    iteration's k×k factors, instead of Halko–Martinsson–Tropp's B = YᵀG (a pass over G).
-
-    Left basis (the right one is its transpose): W the previous, orthonormal iterate,
-    Z = GᵀW, X = G·Z = Y·Rx, ZᵀZ = Rzᵀ·Rz. G·Π_Z — G with its rows projected onto
-    range(Z) = range((GᵀG)^q·Ω′), i.e. the generalized Nyström approximation X·(ZᵀZ)⁻¹·Zᵀ —
-    has column space range(Y) and G·Π_Z·(G·Π_Z)ᵀ = Y·(T·Tᵀ)·Yᵀ with T = Rx·Rz⁻¹, so its
-    top-rank left singular vectors are Y·U with U the top eigenvectors of T·Tᵀ. Π_Z keeps
-    G's dominant row space, so they capture what the top-rank vectors of Π_Y·G (B = YᵀG)
-    do: the same range, selected by singular values perturbed by about u·σ₁²/σ_k.
-    Without Rz (the robust orthonormalization took over: Z's Gram matrix was not usable,
-    or X not certified) U comes from Rx alone: the top-rank left singular vectors of the
-    last iterate X — the same range, each direction weighted by its share of Ω as well as
-    by σᵢ^(2q+1) (measured: within 0.01% of B's energy on the refresh benchmark at q = 1).
-    """
-    if Rz is None:
-        return top_eigvecs(Rx @ Rx.mT, rank, dtype)
-    T = torch.linalg.solve_triangular(Rz, Rx, upper=True, left=False)  # Rx·Rz⁻¹
-    return top_eigvecs(T @ T.mT, rank, dtype)
-
-
 def _gaussian(rows: int, k: int, seed: int, like: Tensor) -> Tensor:
     gen = generator_for(like.device, seed)
     return torch.randn(rows, k, generator=gen, device=like.device, dtype=like.dtype)
@@ -221,32 +154,21 @@ def left_basis(
 
     G (m×n) may be row-sharded over ``pl`` (this rank holds some rows); the basis comes
     back sharded the same way. Ω (n×k, k = rank + oversample) is seeded, so every rank
-    draws the same. With ``iters`` ≥ 1 the rank-r rotation comes from the last iteration's
-    k×k factors (:func:`_rotation`): 1 + 2·iters passes over G; with ``iters`` = 0 from
-    B = YᵀG (a second pass). Collectives: k×k and n×k all-reduces. One host read
-    (:func:`certified`).
+    draws the same. Collectives: k×k and n×k all-reduces. One host read (:func:`certified`).
     """
     n = G.shape[1]
     k = min(rank + oversample, m, n)
     GO = G @ _gaussian(n, k, seed, G)
 
-    def run(orth: Orthonormalizer) -> tuple[Tensor, tuple[Tensor, Tensor | None] | None]:
+    def run(orth: Orth) -> Tensor:
         Y = orth(GO)
-        rotate = k > rank and iters > 0  # the last iteration also gives the rotation
-        for _ in range(iters - rotate):
+        for _ in range(iters):
             Y = orth(G @ pl.reduce(G.mT @ Y))
-        if not rotate:
-            return Y, None
-        X = G @ pl.reduce(G.mT @ Y)  # X = G·Z, Z = GᵀW (W = Y, the previous iterate)
-        Rz, ok = _gram_factor(pl.reduce(Y.mT @ X))  # ZᵀZ = WᵀGGᵀW = WᵀX
-        Y, Rx, fast = orth.factored(X, ok)
-        return Y, (Rx, Rz if fast else None)
+        return Y
 
-    Y, factors = certified(run, pl, eager=pl.distributed)
+    Y = certified(run, pl, eager=pl.distributed)
     if k == rank:
         return Y
-    if factors is not None:
-        return Y @ _rotation(*factors, rank, Y.dtype)
     B = pl.reduce(Y.mT @ G)  # k×n
     return Y @ top_eigvecs(B @ B.mT, rank, Y.dtype)
 
@@ -257,32 +179,22 @@ def right_basis(
     """Randomized top-``rank`` basis of Gᵀ's column space (n×rank), replicated on every rank.
 
     G (m×n) may be row-sharded: Gᵀ·X = Σ over ranks of G_iᵀ·X_i. Ω (m×k) is seeded and
-    each rank uses its own rows of it. The rank-r rotation as in :func:`left_basis` (here
-    Z = G·W, X = GᵀZ, ZᵀZ = WᵀX: replicated, no collective). Collectives: n×k all-reduces
-    (and a k×k one, CᵀC, with ``iters`` = 0). One host read.
+    each rank uses its own rows of it. Collectives: n×k and k×k all-reduces. One host read.
     """
     n = G.shape[1]
     k = min(rank + oversample, m, n)
     start, stop = pl.row_range(m)
     GO = pl.reduce(G.mT @ _gaussian(m, k, seed, G)[start:stop])
 
-    def run(orth: Orthonormalizer) -> tuple[Tensor, tuple[Tensor, Tensor | None] | None]:
+    def run(orth: Orth) -> Tensor:
         Y = orth(GO)
-        rotate = k > rank and iters > 0  # the last iteration also gives the rotation
-        for _ in range(iters - rotate):
+        for _ in range(iters):
             Y = orth(pl.reduce(G.mT @ (G @ Y)))
-        if not rotate:
-            return Y, None
-        X = pl.reduce(G.mT @ (G @ Y))  # X = GᵀZ, Z = G·W (W = Y, the previous iterate)
-        Rz, ok = _gram_factor(Y.mT @ X)  # ZᵀZ = WᵀGᵀGW = WᵀX
-        Y, Rx, fast = orth.factored(X, ok)
-        return Y, (Rx, Rz if fast else None)
+        return Y
 
-    Y, factors = certified(run, LOCAL, eager=pl.distributed)
+    Y = certified(run, LOCAL, eager=pl.distributed)
     if k == rank:
         return Y
-    if factors is not None:
-        return Y @ _rotation(*factors, rank, Y.dtype)
     C = G @ Y  # m×k (rows sharded)
     return Y @ top_eigvecs(pl.reduce(C.mT @ C), rank, Y.dtype)
 
@@ -291,7 +203,7 @@ def warm_left(G: Tensor, P: Tensor, iters: int, pl: Placement = LOCAL) -> Tensor
     """Subspace iteration from an orthonormal (row-sharded) basis P: Y ← orth(G·(Gᵀ·Y)).
     One host read."""
 
-    def run(orth: Orthonormalizer) -> Tensor:
+    def run(orth: Orth) -> Tensor:
         Y = P
         for _ in range(iters):
             Y = orth(G @ pl.reduce(G.mT @ Y))
@@ -304,7 +216,7 @@ def warm_right(G: Tensor, Q: Tensor, iters: int, pl: Placement = LOCAL) -> Tenso
     """Subspace iteration from an orthonormal (replicated) basis Q: Y ← orth(Gᵀ·(G·Y)).
     One host read."""
 
-    def run(orth: Orthonormalizer) -> Tensor:
+    def run(orth: Orth) -> Tensor:
         Y = Q
         for _ in range(iters):
             Y = orth(pl.reduce(G.mT @ (G @ Y)))

@@ -6,8 +6,7 @@ and ``power_iters`` subspace iterations. The sketch is seeded from the group
 seed, the parameter and the refresh count, so a resumed run redraws exactly the
 same Ω. Columns are sign-aligned with the previous basis so ``keep``-mode
 moments stay in consistent coordinates.
-Cost: O(m·n·(r+p)·(1+2q)) per refresh for q ≥ 1 (the rank-r rotation comes from the last
-iteration's k×k factors, no final pass over G), O(m·n·(r+p)·2) for q = 0.
+Cost: O(m·n·(r+p)·(2+2q)) per refresh.
 """
 
 from __future__ import annotations

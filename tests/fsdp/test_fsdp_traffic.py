@@ -278,7 +278,7 @@ def test_formula_by_hand():
     # wire at p = 2: ring all-reduce 2(p−1)/p·N = N; reduce-scatter / all-gather N/2.
     assert t.wire_bytes("step") == 24 + 4 * (60 + 51)
     # 13×20 left, randomized, k = 11, q = 1: any, norm, 2 Grams (the first fp64), GᵀY,
-    # the rotation's ZᵀZ = WᵀX (k×k), 2 Grams, align, any (no B = YᵀG).
+    # 2 Grams, B, align, any.
     left = [c.key() for c in t.refresh if c.param == "0.weight"]
     ar = [
         (1, 4),
@@ -286,18 +286,17 @@ def test_formula_by_hand():
         (121, 8),
         (121, 4),
         (220, 4),
-        (121, 4),
         (121, 8),
         (121, 4),
+        (220, 4),
         (3, 4),
         (1, 4),
     ]
     assert left == [("all_reduce", n, b) for n, b in ar]
     assert left == [c.key() for c in t.first_refresh if c.param == "0.weight"]
-    # 17×13 right (k = 11): any, norm, GᵀΩ, Gᵀ(GY), any — orthonormalization and rotation
-    # are local.
+    # 17×13 right (k = 11): any, norm, GᵀΩ, Gᵀ(GY), CᵀC, any — orthonormalization is local.
     right = [c.key() for c in t.refresh if c.param == "2.weight"]
-    ar = [(1, 4), (1, 8), (143, 4), (143, 4), (1, 4)]
+    ar = [(1, 4), (1, 8), (143, 4), (143, 4), (121, 4), (1, 4)]
     assert right == [("all_reduce", n, b) for n, b in ar]
     # power, later refresh, q = 1: left GᵀY (n×r) + 2 r×r Grams + align; right Gᵀ(GY) (n×r).
     power = collective_bytes(model, 2, rank=RANK, projector="power", moments_on_refresh="project")

@@ -274,13 +274,11 @@ class PassesOverG(TorchDispatchMode):
 
 @pytest.mark.parametrize("side", [LEFT, RIGHT])
 @pytest.mark.parametrize("iters", [0, 1, 2])
-def test_randomized_basis_skips_the_final_pass_over_g(side, iters):
-    """The rank-r rotation comes from the last power iteration's k×k factors, so a basis
-    takes 1 + 2q passes over G (Halko–Martinsson–Tropp's B = YᵀG would be one more; q = 0
-    still needs it) and one host read. A rank-deficient sketch (G of rank 20 < k = 24) fails
-    its certificates: the iterations are rerun robustly (1 + 4q passes), still one host
-    read, and the rotation from the robust R factor still captures G's top-r energy
-    (q ≥ 1)."""
+def test_randomized_basis_takes_2_plus_2q_passes_over_g_and_one_host_read(side, iters):
+    """Halko–Martinsson–Tropp: the sketch, q power iterations (two passes each) and
+    B = YᵀG — 2 + 2q passes over G — and one host read (the certificates, read together).
+    A rank-deficient sketch (G of rank 20 < k = 24) fails its certificates: the iterations
+    are rerun robustly (2 + 4q passes), still one host read, still G's top-r energy (q ≥ 1)."""
     m, n = (120, 300) if side == LEFT else (300, 120)
     basis = left_basis if side == LEFT else right_basis
     for G, rerun in (
@@ -289,8 +287,7 @@ def test_randomized_basis_skips_the_final_pass_over_g(side, iters):
     ):
         with PassesOverG(G) as count:
             B = basis(G, m, 16, 8, iters, 5)
-        passes = 2 if iters == 0 else 1 + (4 if rerun else 2) * iters
-        assert (count.passes, count.reads) == (passes, 1)
+        assert (count.passes, count.reads) == (2 + (4 if rerun else 2) * iters, 1)
         assert orthonormality_error(B) <= ORTHONORMAL
         if iters > 0:  # (q = 0 captures ~0.98 of it on the first G)
             assert energy(G, B, side) >= 0.99 * exact_energy(G, 16), rerun
@@ -298,12 +295,11 @@ def test_randomized_basis_skips_the_final_pass_over_g(side, iters):
 
 @pytest.mark.parametrize("side", [LEFT, RIGHT])
 def test_randomized_columns_are_the_top_singular_vectors(side):
-    """The rotation must pick and order directions as B = YᵀG would. With a separated top-16
-    spectrum above a flat tail, every column of the q = 1 basis is within |cos| ≥ 0.99 of
-    the matching exact singular vector (measured ≥ 0.998; with B = YᵀG ≥ 0.999). The
-    rotation read off the last iterate X = Y·Rx alone (no Rz: X's singular vectors, skewed
-    by the sketch) reaches only 0.895 on these inputs; the sketch's first 16 columns
-    unrotated, 0.02."""
+    """The rank-r rotation (top eigenvectors of B·Bᵀ, B = YᵀG) picks and orders the
+    directions: with a separated top-16 spectrum above a flat tail, every column of the
+    q = 1 basis is within |cos| ≥ 0.99 of the matching exact singular vector (measured
+    ≥ 0.999). Rotating by the last iterate's singular vectors instead (skewed by the
+    sketch) reaches only 0.895 on these inputs; the sketch's first 16 columns, 0.02."""
     m, n, r = (120, 300, 16) if side == LEFT else (300, 120, 16)
     s = torch.cat([torch.logspace(0, -1, r), torch.full((44,), 0.02)])
     plan = Plan(side, m, n, r, torch.device("cpu"))
