@@ -17,7 +17,7 @@ and computes the basis), and the gradients are fixed seeded random tensors
 assigned to ``.grad`` once. Timed steps are interleaved across optimizers
 (rounds of ``steps`` steps each) so background load hits all of them alike;
 each step is timed on its own and the median is reported. galore2 uses its
-default projector (randomized); non-refresh steps do not depend on it.
+default projector (power); non-refresh steps do not depend on it.
 On a machine with other load, OpenMP threads contend and single steps can
 take 100× longer; measure on a quiet machine (or pass ``--threads 1``).
 

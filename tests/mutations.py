@@ -114,6 +114,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "randomized / warm-started bases are not orthonormalized",
     ),
     Mutation(
+        "sketch_rotation",
+        "galore2/projectors/_sketch.py",
+        "return Y @ top_eigvecs(B @ B.mT, rank, Y.dtype)",
+        "return Y[:, :rank]",
+        ("tests/projectors/test_projectors.py",),
+        "randomized left basis: the sketch's first r directions, not B = YᵀG's top r",
+    ),
+    Mutation(
         "cholesky_qr_passes",
         "galore2/projectors/_sketch.py",
         "Q = torch.linalg.solve_triangular(R, Q1, upper=True, left=False)",

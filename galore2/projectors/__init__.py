@@ -24,7 +24,7 @@ KINDS: dict[str, str] = {
 
 PROJECTOR = Option(
     "projector",
-    "randomized",
+    "power",
     Choice(tuple(_BY_NAME)),
     "how a basis is found: exact SVD, randomized SVD, warm-started power iteration, random",
     resumable=False,

@@ -1,11 +1,14 @@
-"""Warm-started power (subspace) iteration projector.
+"""Warm-started power (subspace) iteration projector: the default.
 
 The first refresh of a parameter is a randomized-SVD cold start; later ones
 start from the stored basis and run ``power_iters`` rounds of
 Y ← orth(G·(Gᵀ·Y)). Between refreshes a gradient's dominant subspace moves
 slowly, so one round is usually enough: two thin matmuls and a thin QR, no SVD.
 QR keeps each column close to the previous one (columns are sign-aligned), so
-moment coordinates stay consistent across refreshes.
+moment coordinates stay consistent across refreshes. On the tiny recipe's gradients it
+captures a little less energy than a fresh randomized SVD (99.60% vs 99.91% of the exact
+top-r on average at q = 1) yet trains to a lower loss (issue 18: 4 of 4 seeds), which
+is why it is the default.
 Cost: O(m·n·r·2q) per refresh.
 """
 

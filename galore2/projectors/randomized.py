@@ -1,4 +1,5 @@
-"""Randomized-SVD projector (GaLore 2's default): a seeded sketch instead of a full SVD.
+"""Randomized-SVD projector: a seeded sketch instead of a full SVD (and the power projector's
+cold start).
 
 For each side in use, the basis spans the top-r range of G (left) or Gᵀ
 (right), found by :func:`left_basis` / :func:`right_basis` with ``oversample`` extra columns

@@ -31,15 +31,23 @@ UNITS = ["0", "2"]  # fully_shard'ed layers; layer 4 stays in the root (no backw
 
 CONFIGS: list[tuple[dict[str, Any], dict[str, Any]]] = [
     ({"projector": "randomized"}, {}),
-    ({"moments_on_refresh": "project", "power_iters": 2, "oversample": 0}, {}),
+    (
+        {
+            "projector": "randomized",
+            "moments_on_refresh": "project",
+            "power_iters": 2,
+            "oversample": 0,
+        },
+        {},
+    ),
     ({"projector": "power"}, {}),
     ({"projector": "power", "moments_on_refresh": "project", "power_iters": 2}, {}),
     ({"projector": "svd"}, {}),
     ({"projector": "svd", "moments_on_refresh": "project", "proj_type": "full"}, {}),
     ({"projector": "random", "moments_on_refresh": "project"}, {}),
-    ({"proj_type": "full", "moments_on_refresh": "project"}, {}),
+    ({"projector": "randomized", "proj_type": "full", "moments_on_refresh": "project"}, {}),
     ({"projector": "power", "proj_type": "full"}, {}),
-    ({"proj_type": "right", "oversample": 12}, {}),  # k clipped to min(m, n)
+    ({"projector": "randomized", "proj_type": "right", "oversample": 12}, {}),  # k clipped
     ({"nonfinite": "ignore", "state_dtype": "bfloat16"}, {}),
     ({"moments_on_refresh": "project"}, {"dtype": torch.bfloat16}),
     ({"projector": "svd"}, {"mp": (torch.bfloat16, torch.float32)}),
@@ -267,7 +275,7 @@ def test_formula_by_hand():
     """The 13×20 / 17×13 / 12×17 model, every entry written out."""
     with torch.device("meta"):
         model = make_model()
-    t = collective_bytes(model, 2, rank=RANK, fsdp_units=UNITS)
+    t = collective_bytes(model, 2, rank=RANK, projector="randomized", fsdp_units=UNITS)
     assert t.galore_params == ("0.weight", "2.weight", "4.weight")
     # step: 2 flag all-reduces (3 weights, 3 biases) + left 13×20 and 12×17: RS + AG of r×n.
     assert sorted(c.key() for c in t.step) == sorted(

@@ -106,7 +106,7 @@ def test_resume_applies_changed_settings_and_records_them(old_run, tmp_path, cap
 @pytest.mark.parametrize(
     "flags, named",
     [
-        (["--optim.projector", "svd"], "optim.projector: 'randomized' → 'svd'"),
+        (["--optim.projector", "svd"], "optim.projector: 'power' → 'svd'"),
         (["--optim.rank", "4", "--optim.seed", "3"], "optim.rank: 8 → 4; optim.seed: 0 → 3"),
         (["--model.dim", "64"], "model.dim: 32 → 64"),
         (["--data.seq_len", "32", "--model.max_seq_len", "32"], "data.seq_len: 64 → 32"),
