@@ -12,7 +12,9 @@ format (:mod:`galore2.storage.dynamic8`; ~1.016 bytes per element and moment for
 256) — 8-bit Adam (``ScaleByAdam8bit``, ``GaLoreAdamW8bit``). Each step then dequantizes the
 moments to fp32, runs the same arithmetic and quantizes them back; the returned direction
 is computed from the fp32 moments before requantization (as bitsandbytes' 8-bit Adam does).
-On CUDA with triton installed (see :mod:`galore2.kernels.dispatch`, ``GALORE2_KERNELS``)
+On the CPU, where the storage layer quantizes in torch, that happens chunk by chunk (~2^20
+elements of whole blocks), so no full-size fp32 moments are made; the results are the same
+bits. On CUDA with triton installed (see :mod:`galore2.kernels.dispatch`, ``GALORE2_KERNELS``)
 that step is one fused Triton kernel (:mod:`galore2.kernels.adam8bit`) with the same
 arithmetic and block layout; its quantizer picks the exact nearest code (bitsandbytes' CPU
 quantizer is off by a code or more on a few percent of elements). Quantized moments are
