@@ -377,18 +377,28 @@ class ScaleByAdam(Transform):
         return out  # type: ignore[return-value]
 
     @staticmethod
-    def _foreach(us: list[Tensor], states: list[State], group: Group) -> list[Tensor]:
+    def _batch(
+        us: list[Tensor], states: list[State], group: Group
+    ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[float], list[float]]:
+        """What both batched paths start from: the moments, the directions in their dtype,
+        and each tensor's (scale, shift) after counting its step (steps may differ per
+        tensor: reset, parameters added later)."""
         beta1, beta2 = group["betas"]
         exp_avgs = [s["adam.exp_avg"] for s in states]
         exp_avg_sqs = [s["adam.exp_avg_sq"] for s in states]
         us = [u if u.dtype == m.dtype else u.to(m.dtype) for u, m in zip(us, exp_avgs, strict=True)]
-        scale, shift = [], []
-        for s in states:  # steps may differ per tensor (reset, parameters added later)
+        scales, shifts = [], []
+        for s in states:
             s["adam.step"] += 1
-            t = int(s["adam.step"])
-            bias_correction1 = 1 - beta1**t
-            scale.append(bias_correction1 / math.sqrt(1 - beta2**t))
-            shift.append(bias_correction1 * group["eps"])
+            scale, shift = _corrections(beta1, beta2, group["eps"], int(s["adam.step"]))
+            scales.append(scale)
+            shifts.append(shift)
+        return exp_avgs, exp_avg_sqs, us, scales, shifts
+
+    @staticmethod
+    def _foreach(us: list[Tensor], states: list[State], group: Group) -> list[Tensor]:
+        beta1, beta2 = group["betas"]
+        exp_avgs, exp_avg_sqs, us, scale, shift = ScaleByAdam._batch(us, states, group)
         torch._foreach_lerp_(exp_avgs, us, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, us, us, value=1 - beta2)
@@ -401,15 +411,7 @@ class ScaleByAdam(Transform):
     def _compiled_foreach(us: list[Tensor], states: list[State], group: Group) -> list[Tensor]:
         """:meth:`_foreach`'s math through the compiled :func:`adam_math_many` (one graph)."""
         beta1, beta2 = group["betas"]
-        exp_avgs = [s["adam.exp_avg"] for s in states]
-        exp_avg_sqs = [s["adam.exp_avg_sq"] for s in states]
-        us = [u if u.dtype == m.dtype else u.to(m.dtype) for u, m in zip(us, exp_avgs, strict=True)]
-        scales, shifts = [], []
-        for s in states:  # steps may differ per tensor (reset, parameters added later)
-            s["adam.step"] += 1
-            scale, shift = _corrections(beta1, beta2, group["eps"], int(s["adam.step"]))
-            scales.append(scale)
-            shifts.append(shift)
+        exp_avgs, exp_avg_sqs, us, scales, shifts = ScaleByAdam._batch(us, states, group)
         return run_compiled(adam_math_many, us, exp_avgs, exp_avg_sqs, 1 - beta1, beta2,
                             1 - beta2, scales, shifts)  # fmt: skip
 
