@@ -18,7 +18,9 @@ from .presets import (
     Ranger21,
 )
 
-__version__ = "0.1.0"
+# The one version source: pyproject.toml reads this line without importing galore2
+# ([tool.setuptools.dynamic]), so it stays a plain string literal.
+__version__ = "0.2.0"
 
 __all__ = [
     "APOLLO",

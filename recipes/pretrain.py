@@ -7,7 +7,8 @@ Settings: recipes/config.py (``--help`` lists them all). Under torchrun the mode
 is FSDP2-sharded (gloo on CPU, nccl on GPU). The run resumes from the newest
 checkpoint in ``--out`` (recipes/resume.py: what may change on resume, damaged
 checkpoints, refusing to mix two runs in one folder) and writes ``metrics.jsonl``,
-``config.json`` and ``summary.json`` there.
+``config.json`` and ``summary.json`` there, and at the end (rank 0) the run's loss
+curves, ``loss.png`` (recipes/plot.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .cli import run_cli
 from .config import parse_args
 from .divergence import Diverged, SkipWatch, likely_causes
 from .metrics import Metrics, adamw_state_bytes, all_reduce_sum, optimizer_state_bytes
+from .plot import write_run_plot
 from .runtime import evaluate, setup, teardown, train_step
 from .summary import print_summary, write_config
 
@@ -96,7 +98,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "(use more --steps, or another --out)"
         )
     if rank == 0 and metrics.history:
-        print_summary(job, metrics.history, opt_bytes, adamw_state_bytes(model), halt)
+        png = write_run_plot(job, modeling.n_params(model), world)
+        print_summary(job, metrics.history, opt_bytes, adamw_state_bytes(model), halt, png)
     teardown(world)
     if halt is not None:
         raise Diverged(halt)

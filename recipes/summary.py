@@ -59,7 +59,10 @@ def print_summary(
     opt_bytes: int | None,
     adamw_bytes: int,
     stopped: str | None = None,
+    loss_plot: Path | None = None,
 ) -> dict:
+    """Print the run's summary (with ``loss_plot``, the PNG of its curves, where one was
+    written) and write it to ``OUT/summary.json``."""
     s = summarize(history, opt_bytes, adamw_bytes, stopped)
     val = f"{s['val_loss']:.4f}" if s["val_loss"] is not None else "n/a"
     lines = [
@@ -77,6 +80,8 @@ def print_summary(
         lines.append(f"skipped updates    {s['nonfinite_skips']:,} (non-finite gradients)")
     if stopped:
         lines.append(f"stopped early      {stopped}")
+    if loss_plot is not None:
+        lines.append(f"loss curves        {loss_plot}")
     print("\n".join(lines), flush=True)
     Path(job.train.out, "summary.json").write_text(json.dumps(s, indent=2) + "\n")
     return s

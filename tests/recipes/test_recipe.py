@@ -155,7 +155,16 @@ def test_schedule_hand_computed():
 # --- runs ---------------------------------------------------------------------------------------
 
 
-def test_tiny_run_writes_metrics_and_learns(tmp_path):
+def assert_png(path: Path) -> None:
+    """A whole PNG: signature, an image header with a size, the end chunk last."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", path
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width > 400 and height > 300, (width, height)
+    assert data[-8:-4] == b"IEND", path
+
+
+def test_tiny_run_writes_metrics_and_learns(tmp_path, capsys):
     hist = run(tmp_path, "--steps", "40", "--optim.lr", "0.01")
     recs = read_metrics(tmp_path)
     assert recs == hist and [r["step"] for r in recs] == list(range(2, 41, 2))
@@ -168,6 +177,8 @@ def test_tiny_run_writes_metrics_and_learns(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["opt_state_bytes"] < summary["adamw_state_bytes"]
     assert json.loads((tmp_path / "config.json").read_text())["optim"]["rank"] == 8
+    assert_png(tmp_path / "loss.png")  # the run's own curves, named in its summary
+    assert f"loss curves        {tmp_path / 'loss.png'}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("extra", [[], ["--optim.per_layer", "true"], ["--optimizer", "adamw"]])
@@ -199,6 +210,20 @@ def test_plot_writes_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     with pytest.raises(FileNotFoundError, match=r"no metrics\.jsonl"):
         plot_main([str(tmp_path / "missing"), "--out", str(tmp_path / "d.png")])
+    from recipes.plot import plot
+
+    with pytest.raises(ValueError, match="names must name each of the 1 runs, got 2"):
+        plot([tmp_path / "a"], tmp_path / "e.png", names=["x", "y"])
+
+
+def test_run_plot_without_matplotlib_says_so_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    from recipes.plot import write_run_plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # its import raises ImportError
+    job = parse_args([*SMALL, "--out", str(tmp_path)])
+    assert write_run_plot(job, 1000) is None and not (tmp_path / "loss.png").exists()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["loss.png not written: matplotlib is not installed (pip install matplotlib)"]
 
 
 def _torchrun(out: Path, steps: int, *extra: str, nproc: int = 2) -> subprocess.CompletedProcess:
@@ -213,6 +238,8 @@ def test_torchrun_fsdp2_resume_matches_uninterrupted(tmp_path):
     """Two ranks with FSDP2 under torchrun (gloo): stop at 4, resume to 8, same curve."""
     done = _torchrun(tmp_path / "whole", 8)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert_png(tmp_path / "whole" / "loss.png")
+    assert done.stdout.count("loss curves") == 1  # rank 0's summary only
     for stop in ("4", "0"):
         done = _torchrun(tmp_path / "split", 8, "--train.stop_after", stop)
         assert done.returncode == 0, done.stderr[-3000:]
