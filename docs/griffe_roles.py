@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import html
 import re
+from functools import partial
 from typing import Any
 
 import griffe
@@ -35,7 +36,7 @@ class SphinxRoles(griffe.Extension):
             if obj.is_attribute and obj.docstring is None:
                 _comment_docstring(obj)
             if obj.docstring is not None:
-                text = _ROLE.sub(lambda m: _link(m, obj, loader), obj.docstring.value)
+                text = _ROLE.sub(partial(_link, obj=obj, loader=loader), obj.docstring.value)
                 obj.docstring.value = _LITERAL.sub(r"\1:\2", text)
 
 
@@ -80,7 +81,7 @@ def _resolve(name: str, obj: griffe.Object, loader: griffe.GriffeLoader) -> str 
     return None
 
 
-def _link(match: re.Match[str], obj: griffe.Object, loader: griffe.GriffeLoader) -> str:
+def _link(match: re.Match[str], *, obj: griffe.Object, loader: griffe.GriffeLoader) -> str:
     _, tilde, target = match.groups()
     title = None
     if titled := _TITLED.match(target):

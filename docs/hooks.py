@@ -1,13 +1,20 @@
-"""mkdocs hooks: the benchmark figures, which live outside docs/, served with the site.
+"""mkdocs hooks for the benchmarks page: its figures, which live outside docs/, and its tables.
 
-``BENCHMARKS.md`` (included into docs/benchmarks.md with pymdownx.snippets) names each
-figure on a ``Plot: `benchmarks/figures/NAME.png`.`` line. :func:`on_files` adds every
+``BENCHMARKS.md`` (included into docs/benchmarks.md by pymdownx.snippets, which runs
+inside the Markdown conversion) names each figure in a paragraph with
+``Plot: `benchmarks/figures/NAME.png```. :func:`on_files` adds every
 ``benchmarks/figures/*.png`` to the site as a generated file (nothing is copied into
-docs/), and :func:`on_page_markdown` shows each figure below the line that names it.
+docs/), and :func:`on_page_content` shows each figure below the paragraph that names it.
+
+Its tables are wide (up to a dozen columns): material scrolls them horizontally, and
+:func:`on_page_content` marks short cells (numbers, names) ``nowrap`` so that a value is
+never broken over lines, and long ones ``wide`` so that prose cells keep a readable
+width (docs/stylesheets/extra.css).
 """
 
 from __future__ import annotations
 
+import html
 import re
 from pathlib import Path
 from typing import Any
@@ -16,7 +23,16 @@ from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = "benchmarks/figures"
-_PLOT = re.compile(r"^(.*Plot: `(" + re.escape(FIGURES) + r"/([\w.-]+)\.png)`.*)$", re.MULTILINE)
+PAGE = "benchmarks.md"
+#: cells of at most NOWRAP characters never wrap; longer ones get a minimum width
+NOWRAP = 24
+
+_PARAGRAPH = re.compile(
+    r"<p>(?:(?!</p>).)*?Plot: <code>(" + re.escape(FIGURES) + r"/([\w.-]+)\.png)</code>.*?</p>",
+    re.DOTALL,
+)
+_CELL = re.compile(r"<(td|th)((?: [^>]*)?)>(.*?)</\1>", re.DOTALL)
+_TAG = re.compile(r"<[^>]+>")
 
 
 def on_files(files: Files, config: Any) -> Files:
@@ -28,16 +44,27 @@ def on_files(files: Files, config: Any) -> Files:
     return files
 
 
-def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
-    """On the benchmarks page, show each figure below the paragraph that names it."""
-    if page.file.src_uri != "benchmarks.md":
-        return markdown
+def on_page_content(html_text: str, page: Any, config: Any, files: Files) -> str:
+    """On the benchmarks page: each figure below the paragraph naming it; table cell classes."""
+    if page.file.src_uri != PAGE:
+        return html_text
 
     def figure(match: re.Match[str]) -> str:
-        line, uri, name = match.groups()
-        if files.get_file_from_path(uri) is None:
-            return line
-        alt = name.replace("_", " ")
-        return f'{line}\n\n<figure markdown="span">\n  ![{alt}]({uri})\n</figure>'
+        uri, name = match.groups()
+        found = files.get_file_from_path(uri)
+        if found is None:
+            return match.group(0)
+        src = html.escape(found.url_relative_to(page.file))
+        alt = html.escape(name.replace("_", " "))
+        return f'{match.group(0)}\n<figure><img src="{src}" alt="{alt}" loading="lazy"></figure>'
 
-    return _PLOT.sub(figure, markdown)
+    return _CELL.sub(_cell, _PARAGRAPH.sub(figure, html_text))
+
+
+def _cell(match: re.Match[str]) -> str:
+    tag, attrs, content = match.groups()
+    text = html.unescape(_TAG.sub("", content)).strip()
+    kind = "nowrap" if len(text) <= NOWRAP else "wide"
+    if "class=" in attrs:
+        return match.group(0)
+    return f'<{tag}{attrs} class="{kind}">{content}</{tag}>'
