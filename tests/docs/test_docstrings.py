@@ -115,7 +115,8 @@ def test_every_public_object_has_a_docstring() -> None:
     )
 
 
-_DIRECTIVE = re.compile(r"^:::\s+(\S+)", re.MULTILINE)
+#: ``::: identifier`` and the indented option lines below it
+_DIRECTIVE = re.compile(r"^:::\s+(\S+)((?:\n[ \t]+\S.*)*)", re.MULTILINE)
 
 
 def _resolve(identifier: str) -> Any:
@@ -133,13 +134,13 @@ def _resolve(identifier: str) -> Any:
 
 def rendered_objects() -> dict[int, str]:
     """id → identifier of every object a ``::: identifier`` directive of docs/api renders
-    (a module directive renders its public names)."""
+    (a module directive renders its public names unless its options say ``members: false``)."""
     out: dict[int, str] = {}
     for page in sorted(API_DOCS.glob("*.md")):
-        for identifier in _DIRECTIVE.findall(page.read_text(encoding="utf-8")):
+        for identifier, options in _DIRECTIVE.findall(page.read_text(encoding="utf-8")):
             obj = _resolve(identifier)
             out[id(obj)] = identifier
-            if inspect.ismodule(obj):
+            if inspect.ismodule(obj) and not re.search(r"\bmembers:\s*false\b", options):
                 for attr in public_names(obj):
                     out.setdefault(id(getattr(obj, attr)), f"{identifier}.{attr}")
     return out
