@@ -37,6 +37,7 @@ class Placement:
 
     @property
     def distributed(self) -> bool:
+        """Whether the parameter is split over more than one rank (``world > 1``)."""
         return self.world > 1
 
     def zeros(
@@ -46,24 +47,34 @@ class Placement:
         device: torch.device,
         layout: str,
     ) -> Tensor:
+        """A zero state tensor of global ``shape``, laid out per ``layout`` (see :data:`LAYOUTS`).
+
+        Single process: a plain ``torch.zeros`` of ``shape``, whatever the layout.
+        """
         return torch.zeros(shape, dtype=dtype, device=device)
 
     def local(self, t: Tensor) -> Tensor:
+        """The local tensor of a stored state tensor (a view: in-place updates write through)."""
         return t
 
     def row_range(self, m: int) -> tuple[int, int]:
+        """This rank's rows ``[start, stop)`` of a dim-0-sharded tensor with ``m`` rows."""
         return 0, m
 
     def reduce(self, t: Tensor) -> Tensor:
+        """Σ of ``t`` over the ranks, in place (all-reduce); the identity here."""
         return t
 
     def reduce_scatter_cols(self, t: Tensor) -> Tensor:
+        """An r×n tensor of partial sums on every rank → this rank's column chunk of the sum."""
         return t
 
     def all_gather_cols(self, t: Tensor, n: int) -> Tensor:
+        """This rank's column chunk of an r×n tensor → the full r×n tensor on every rank."""
         return t
 
     def any(self, flags: list[bool]) -> list[bool]:
+        """Logical OR of each flag over the ranks (every rank gets the same list)."""
         return flags
 
     def any_global(self, flags: Tensor) -> Tensor:
@@ -82,6 +93,11 @@ class Placement:
         shape: tuple[int, ...],
         device: torch.device | None = None,
     ) -> Tensor:
+        """``t`` from rank ``owner`` on every rank.
+
+        Ranks other than ``owner`` may pass ``None``; they receive a tensor of ``shape`` on
+        ``device``. Single process: ``t`` itself.
+        """
         assert t is not None
         return t
 

@@ -353,6 +353,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         pending.clear()
 
     def state_dict(self) -> dict[str, Any]:
+        """torch's ``state_dict``, with the skips counted on the device added to the state first."""
         self._flush_skips()
         return super().state_dict()
 
@@ -426,6 +427,19 @@ class ChainOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Perform one optimization step over every parameter with a gradient.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (run with gradients enabled).
+
+        Returns:
+            The closure's loss, or ``None`` without a closure.
+
+        Raises:
+            RuntimeError: a parameter has a sparse gradient.
+            FloatingPointError: a gradient is not finite in a group with ``nonfinite="raise"``
+                (raised before any parameter changes).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -42,6 +42,28 @@ from .optimizer import ChainOptimizer
 
 
 class PerLayerUpdates:
+    """Step each parameter inside ``backward`` and free its gradient at once.
+
+    Registers a post-accumulate-grad hook on every trainable parameter of ``optimizer``;
+    :meth:`backward` replaces ``loss.backward()`` and :meth:`remove` unregisters the hooks.
+    Only one parameter's gradient is alive at a time. An exception inside ``backward``
+    abandons the optimizer step (gradients dropped, schedule not stepped); parameters
+    stepped before it in that backward pass keep their update.
+
+    Args:
+        model: the model whose parameters ``optimizer`` updates (refused when wrapped in
+            ``DistributedDataParallel``).
+        optimizer: a galore2 optimizer (it needs :meth:`ChainOptimizer.step_param`).
+        accumulation_steps: micro-batches per optimizer step.
+        scheduler: an LR scheduler stepped once per optimizer step, after the last micro-batch.
+        max_grad_norm: refused unless ``None``: global clipping needs every gradient first.
+
+    Raises:
+        TypeError: ``optimizer`` is not a galore2 optimizer.
+        ValueError: ``accumulation_steps`` is not an int >= 1, ``max_grad_norm`` is set, or the
+            model is wrapped in ``DistributedDataParallel``.
+    """
+
     def __init__(
         self,
         model: nn.Module,

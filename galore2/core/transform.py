@@ -72,6 +72,7 @@ class Context:
 
     @property
     def global_shape(self) -> torch.Size:
+        """The parameter's global shape (``shape`` when set, else the local parameter's)."""
         return self.shape if self.shape is not None else self.param.shape
 
     def zeros(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tensor:
@@ -107,6 +108,18 @@ class Transform:
         """Create this transform's state for directions of ``shape`` (``ref`` gives the device)."""
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
+        """The outgoing direction for incoming direction ``u`` (must not keep references to ``u``).
+
+        Args:
+            u: the incoming direction: a gradient, or a projected gradient inside GaLore.
+            state: the parameter's optimizer state (this transform's keys were created by
+                :meth:`init`).
+            group: the parameter group; hyperparameters are read from it at every step.
+            ctx: the parameter and bookkeeping.
+
+        Returns:
+            The new direction, at ``u``'s shape.
+        """
         raise NotImplementedError
 
     def update_many(

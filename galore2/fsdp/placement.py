@@ -33,6 +33,21 @@ def _chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
 
 
 class ShardedPlacement(Placement):
+    """galore2's view of an FSDP2 / HSDP DTensor parameter: state layout and collectives.
+
+    Built by :func:`placement_for` for every DTensor parameter; transforms and projectors reach
+    it through their context and see only local tensors. Collectives run on the shard
+    dimension's process group.
+
+    Args:
+        param: a DTensor parameter placed ``(Shard(0),)`` on a 1-D mesh (FSDP2) or
+            ``(Replicate(), Shard(0))`` on a 2-D mesh (HSDP).
+
+    Raises:
+        ValueError: any other placement (tensor or sequence parallel layouts, ``Partial``,
+            3-D meshes), naming the parameter's shape and placements.
+    """
+
     def __init__(self, param: DTensor) -> None:
         mesh, placements = param.device_mesh, tuple(param.placements)
         if mesh.ndim == 1 and placements == (Shard(0),):
@@ -68,6 +83,14 @@ class ShardedPlacement(Placement):
         device: torch.device,
         layout: str,
     ) -> Tensor:
+        """A zero state DTensor of global ``shape`` on the parameter's mesh, sharded per ``layout``.
+
+        ``"param"`` and ``"rows"`` shard dim 0 like the parameter (``torch.chunk`` bounds),
+        ``"cols"`` shards dim 1, ``"replicate"`` keeps a full copy on every rank.
+
+        Raises:
+            ValueError: ``layout`` is not one of :data:`galore2.placement.LAYOUTS`.
+        """
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         shape = tuple(shape)
@@ -92,13 +115,16 @@ class ShardedPlacement(Placement):
         )
 
     def local(self, t: Tensor) -> Tensor:
+        """The local shard of a DTensor state tensor (a plain tensor is returned as is)."""
         return t.to_local() if isinstance(t, DTensor) else t
 
     def row_range(self, m: int) -> tuple[int, int]:
+        """This rank's rows ``[start, stop)`` of ``m`` rows split like ``torch.chunk``."""
         return _chunk_bounds(m, self.world, self.rank)
 
     # ---- collectives (shard group only) ------------------------------------------
     def reduce(self, t: Tensor) -> Tensor:
+        """All-reduce (sum) ``t`` in place over the shard group; returns ``t``."""
         dist.all_reduce(t, group=self.group)
         return t
 
@@ -121,6 +147,7 @@ class ShardedPlacement(Placement):
         return sharded.redistribute(self.mesh, self._placements(Replicate())).to_local()
 
     def any(self, flags: list[bool]) -> list[bool]:
+        """Logical OR of each flag over the shard group (one all-reduce of the list)."""
         if not flags:
             return flags
         t = torch.tensor(flags, dtype=torch.int32)
@@ -128,6 +155,7 @@ class ShardedPlacement(Placement):
         return [bool(x) for x in t.tolist()]
 
     def any_global(self, flags: Tensor) -> Tensor:
+        """Elementwise OR of a bool tensor over every rank of the default process group."""
         if not flags.numel():
             return flags
         t = flags.to(torch.int32)
@@ -156,6 +184,10 @@ class ShardedPlacement(Placement):
         shape: tuple[int, ...],
         device: torch.device | None = None,
     ) -> Tensor:
+        """Broadcast ``t`` from shard-group rank ``owner``; other ranks may pass ``None``.
+
+        Ranks without ``t`` allocate an fp32 tensor of ``shape`` on ``device`` to receive it.
+        """
         if t is None:
             t = torch.empty(shape, device=device, dtype=torch.float32)  # bases are fp32
         t = t.contiguous()

@@ -289,6 +289,11 @@ class GaLoreTrainer(transformers.Trainer):
         super().__init__(*args, **kwargs)
 
     def create_optimizer(self, model: nn.Module | None = None) -> GaLoreAdamW:
+        """Build the galore2 optimizer for ``model`` (default: the Trainer's) unless one exists.
+
+        The Trainer calls it; the groups follow :func:`create_optimizer`, with the Trainer's
+        own decay parameter names. Returns the optimizer (``self.optimizer``).
+        """
         opt_model = self.model if model is None else model
         if self.optimizer is None:
             self.optimizer = _build(

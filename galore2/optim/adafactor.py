@@ -191,12 +191,17 @@ class ScaleByAdafactor(Transform):
         return f"ScaleByAdafactor(moments={self.moments!r})"
 
     def complex_problem(self, group: Group) -> str | None:
+        """Always refused: the factored second moment is not defined for complex parameters."""
         return "Adafactor's factored second moment is not defined for complex parameters"
 
     # ---- state -------------------------------------------------------------------
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
     ) -> None:
+        """Create the second moment (row and column factors for ≥2-D directions, else a full
+        variance), the momentum when ``beta1`` is set, and the counters.
+        """
+
         def zeros(s: tuple[int, ...], dtype: torch.dtype, layout: str) -> Tensor:
             return ctx.placement.zeros(s, dtype, ctx.param.device, layout)
 
@@ -224,6 +229,7 @@ class ScaleByAdafactor(Transform):
 
     # ---- update ------------------------------------------------------------------
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
+        """Update the moments with ``u`` and return Adafactor's update direction."""
         # each moment as a tensor to update in place: the stored one, or an fp32 copy of
         # 8-bit codes that is quantized back below
         formats = {
@@ -351,10 +357,14 @@ class ScaleByAdafactor(Transform):
 
     # ---- subspace changes (GaLore) -----------------------------------------------
     def reset(self, state: State, group: Group) -> None:
+        """Zero every moment and the moment step counter (the lr schedule's step is kept)."""
         reset_moments(state, (*self.linear_keys, *self.second_keys))
         state["adafactor.moment_step"].zero_()
 
     def rotate(self, state: State, rotate_fn: Callable[[Tensor, bool], Tensor]) -> None:
+        """Rotate the momentum into the new coordinates; the factored second moment cannot be
+        rotated and is reset instead.
+        """
         if "adafactor.exp_avg" in state:
             fmt = stored_format(state, "adafactor.exp_avg", True)
             exp_avg = fmt.view(state, "adafactor.exp_avg")

@@ -214,6 +214,8 @@ class ScaleByAdam(Transform):
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
     ) -> None:
+        """Create both moments (in the storage ``moments`` picks) and the step counter."""
+
         def zeros(s: tuple[int, ...], dtype: torch.dtype, layout: str) -> Tensor:
             return ctx.placement.zeros(s, dtype, ctx.param.device, layout)
 
@@ -226,6 +228,7 @@ class ScaleByAdam(Transform):
         state["adam.step"] = counter()
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
+        """Update both moments with ``u`` and return ``m̂ / (√v̂ + eps)``."""
         if not is_quantized(state, "adam.exp_avg"):
             if group.get("compile"):
                 return self._compiled_step(u, state, group)
@@ -416,11 +419,13 @@ class ScaleByAdam(Transform):
                             1 - beta2, scales, shifts)  # fmt: skip
 
     def bias_correction(self, state: State, group: Group) -> float:
+        """√(1 − β₂ᵗ) / (1 − β₁ᵗ) after ``t`` steps (1 before the first)."""
         beta1, beta2 = group["betas"]
         t = int(state["adam.step"])
         return math.sqrt(1 - beta2**t) / (1 - beta1**t) if t > 0 else 1.0
 
     def second_moment_sum(self, state: State, group: Group) -> Tensor | None:
+        """Σ v / (1 − β₂ᵗ) of ``adam.exp_avg_sq`` in float64 (0 before the first step)."""
         t = int(state["adam.step"])
         if t == 0:
             return torch.zeros((), dtype=torch.float64)
@@ -428,8 +433,10 @@ class ScaleByAdam(Transform):
         return v.sum(dtype=torch.float64) / (1 - group["betas"][1] ** t)
 
     def reset(self, state: State, group: Group) -> None:
+        """Zero both moments and the step counter."""
         reset_moments(state, (*self.linear_keys, *self.quadratic_keys))
         state["adam.step"].zero_()
 
     def rotate(self, state: State, rotate_fn: Callable[[Tensor, bool], Tensor]) -> None:
+        """Rotate the first moment linearly, the second with squared coefficients (clamped at 0)."""
         rotate_moments(state, self.linear_keys, self.quadratic_keys, rotate_fn, AXIS)

@@ -147,6 +147,26 @@ OPTIONS = (
 
 
 class GaLore(Transform):
+    """Wrapper transform: project the gradient, run ``inner`` in the subspace, project back.
+
+    In a group whose ``rank`` is set, a ≥2-D parameter's gradient G is projected onto a
+    rank-``rank`` basis (left PᵀG, right GQ, full PᵀGQ; a Tucker core for weights with more
+    than two dims) refreshed every ``update_proj_gap`` steps by the group's ``projector``;
+    the inner chain runs at that low-rank shape, and its result comes back to the full space
+    scaled by ``scale``, as a :class:`~galore2.core.transform.LowRankUpdate` the optimizer
+    applies in one fused ``addmm_``. For every other parameter (1-D, ``rank`` unset,
+    ``rank ≥ min(m, n)``) GaLore is transparent: the inner chain runs on the full gradient.
+    A refresh whose gradient is non-finite or all zero keeps the previous basis and is
+    retried at the next step; ``moments_on_refresh`` keeps, zeroes or rotates the inner
+    moments at a refresh.
+
+    Args:
+        *inner: the transforms run in the subspace, in order (e.g. ``ScaleByAdam()``).
+
+    Raises:
+        ValueError: no inner transform.
+    """
+
     name = "galore"
     options = OPTIONS
     kinds: ClassVar[dict[str, str]] = {
@@ -168,6 +188,9 @@ class GaLore(Transform):
         self.inner: list[Transform] = list(inner)
 
     def validate(self, group: Group) -> None:
+        """Check the options that involve several keys: projector, basis storage, residual and
+        ``max_update_proj_gap ≥ update_proj_gap``; ``ValueError`` naming them.
+        """
         validate_projector_options(group)
         validate_basis_options(group)
         residual.validate(group)
@@ -189,12 +212,14 @@ class GaLore(Transform):
     # ---- planning ----------------------------------------------------------------
     @staticmethod
     def matrix_shape(shape: torch.Size) -> tuple[int, int]:
+        """A weight's shape seen as a matrix: ``(shape[0], product of the rest)``."""
         n = 1
         for d in shape[1:]:
             n *= int(d)
         return int(shape[0]), n
 
     def plan(self, state: State, group: Group, ctx: Context) -> Plan:
+        """The :class:`~galore2.projectors.Plan` of a parameter (side chosen by :meth:`init`)."""
         m, n = self.matrix_shape(ctx.global_shape)
         side, rank = int(state["galore.side"]), int(group["rank"])
         hadamard = bool(group.get("basis_hadamard", False))
@@ -211,6 +236,11 @@ class GaLore(Transform):
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
     ) -> None:
+        """Choose the parameter's projection side from its global shape, then create the basis, the
+        refresh counters and the seed, and the inner chain's state at the low-rank shape (or at
+        the full shape when the parameter is not projected; a warning when ``rank`` is too large
+        to reduce it).
+        """
         rank = group.get("rank")
         tensors = group.get("tensor_projection", "tucker")  # absent from older checkpoints
         side = choose_side(tuple(shape), group["proj_type"], rank, tensors)
@@ -244,6 +274,9 @@ class GaLore(Transform):
         init_chain(self.inner, low, ref, group, state, replace(ctx, layout=layout))
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor | LowRankUpdate:
+        """Refresh the basis when due, project ``u``, run the inner chain and project its result
+        back (a :class:`~galore2.core.transform.LowRankUpdate`, or a dense tensor).
+        """
         if int(state["galore.side"]) == NONE:  # plain: full-rank inner update
             return run_chain(self.inner, [u], [state], group, [ctx])[0]
         plan, R = self._project(u, state, group, ctx)
@@ -253,6 +286,7 @@ class GaLore(Transform):
     def update_many(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
     ) -> list[Tensor | LowRankUpdate]:
+        """Batched :meth:`update`: one inner-chain run over plain and projected directions."""
         plans: dict[int, Plan] = {}
         inner_in: list[Tensor] = []  # the plain tensors as they are, projected ones as R
         # (the inner chain may not modify its input in place: R is still needed by _back)

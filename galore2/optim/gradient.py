@@ -77,6 +77,7 @@ class AdaptiveGradientClipping(GradientTransform):
     options = (AGC_CLIP, AGC_EPS)
 
     def apply_(self, grad: Tensor, group: Group, state: State, ctx: Context) -> None:
+        """Clip each unit of ``grad`` in place to ``agc_clip`` times its weight's norm."""
         clip = float(AGC_CLIP.of(group))
         if clip == 0.0:
             return
@@ -99,6 +100,7 @@ class CentralizeGradient(GradientTransform):
     name = "gc"
 
     def apply_(self, grad: Tensor, group: Group, state: State, ctx: Context) -> None:
+        """Subtract each row's mean from ``grad`` in place (≤1-D gradients unchanged)."""
         if grad.dim() < 2:
             return
         dims = tuple(range(1, grad.dim()))
@@ -123,6 +125,7 @@ class NormalizeGradient(GradientTransform):
     options = (GN_EPS,)
 
     def apply_(self, grad: Tensor, group: Group, state: State, ctx: Context) -> None:
+        """Divide ``grad`` in place by its population std plus ``gn_eps`` (global under FSDP)."""
         if ctx.global_shape.numel() <= 1:  # the same decision on every rank (no collective)
             return
         eps = float(GN_EPS.of(group))

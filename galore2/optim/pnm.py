@@ -141,6 +141,8 @@ class ScaleByPNM(Transform):
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
     ) -> None:
+        """Create both momenta, the second moment (+ its max: ``amsgrad``) and the step count."""
+
         def zeros(s: tuple[int, ...], dtype: torch.dtype, layout: str) -> Tensor:
             return ctx.placement.zeros(s, dtype, ctx.param.device, layout)
 
@@ -153,6 +155,7 @@ class ScaleByPNM(Transform):
         state["pnm.step"] = counter()
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
+        """Update the moments with ``u`` and return the positive-negative momentum direction."""
         # each moment as a tensor to update in place: the stored one, or an fp32 copy of
         # 8-bit codes that is quantized back below
         formats = {key: stored_format(state, key, signed) for key, signed in self._keys()}
@@ -200,10 +203,12 @@ class ScaleByPNM(Transform):
         return v.sum(dtype=torch.float64) / (1 - group["betas"][1] ** t)
 
     def reset(self, state: State, group: Group) -> None:
+        """Zero every moment and the step counter."""
         reset_moments(state, (*self.linear_keys, *self.quadratic_keys))
         state["pnm.step"].zero_()
 
     def rotate(self, state: State, rotate_fn: Callable[[Tensor, bool], Tensor]) -> None:
+        """Rotate both momenta linearly and the second moment(s) with squared coefficients."""
         rotate_moments(state, self.linear_keys, self.quadratic_keys, rotate_fn, AXIS)
 
 

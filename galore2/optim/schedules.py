@@ -220,6 +220,7 @@ class Ranger21Schedule(LRScheduler):
         super().__init__(optimizer, last_epoch)
 
     def lr_at(self, base_lr: float, step: int) -> float:
+        """The lr of a group with base lr ``base_lr`` after ``step`` steps, with these settings."""
         s = dict(self.settings)
         group = {
             "lr": base_lr,
@@ -229,6 +230,7 @@ class Ranger21Schedule(LRScheduler):
         return WarmupWarmdown(**s).lr(group, step)
 
     def get_lr(self) -> list[float]:
+        """Every group's lr for the current step (``last_epoch``), from its base lr."""
         return [self.lr_at(float(base), self.last_epoch) for base in self.base_lrs]
 
     _get_closed_form_lr = get_lr

@@ -65,6 +65,7 @@ class NormLoss(ParamTransform):
     options = (NORM_LOSS_FACTOR, NORM_LOSS_EPS)
 
     def apply_(self, group: Group, state: State, ctx: Context, stats: Stats | None) -> None:
+        """Pull each unit of the weight ``ctx.param`` toward norm 1, in place."""
         factor = float(NORM_LOSS_FACTOR.of(group))
         lr = float(group["lr"])
         if factor == 0.0 or lr == 0.0:
@@ -99,6 +100,11 @@ class StableWeightDecay(ParamTransform):
     owns_weight_decay = True
 
     def apply_(self, group: Group, state: State, ctx: Context, stats: Stats | None) -> None:
+        """Decay the weight ``ctx.param`` in place by ``1 − lr·λ/σ`` (σ from ``stats``).
+
+        Raises:
+            ValueError: ``stats`` is ``None`` (per-layer updates: σ needs every parameter).
+        """
         if stats is None:
             raise ValueError("stable weight decay needs the step's statistics (optimizer.step())")
         decay = float(group["lr"]) * float(group["weight_decay"])
@@ -168,6 +174,7 @@ class Lookahead(ParamTransform):
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
     ) -> None:
+        """Create the slow weights (a copy of the weights, in ``slow_dtype``) and the counters."""
         slow = ctx.zeros(shape, self.slow_dtype or ref.dtype)
         ctx.placement.local(slow).copy_(ref)
         state["lookahead.slow"] = slow
@@ -176,6 +183,7 @@ class Lookahead(ParamTransform):
             state["lookahead.seed"] = counter(mix_seed(SEED.of(group), ctx.index, _LOOKAHEAD_TAG))
 
     def apply_(self, group: Group, state: State, ctx: Context, stats: Stats | None) -> None:
+        """Count a step; every ``lookahead_k`` steps update the slow weights, copy them back."""
         state["lookahead.step"] += 1
         step = int(state["lookahead.step"])
         if step % int(LOOKAHEAD_K.of(group)):

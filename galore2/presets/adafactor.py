@@ -24,20 +24,24 @@ class GaLoreAdafactor(ChainOptimizer):
 
     Args:
         params: parameters or parameter groups (see :func:`galore2.param_groups`).
-        lr, beta2_decay, eps, d, weight_decay, maximize: as ``torch.optim.Adafactor``
-            (``lr`` caps the relative step size ρ_t = min(lr, 1/√t) and scales the
-            decoupled weight decay).
+        lr: as ``torch.optim.Adafactor``: caps the relative step size
+            ρ_t = min(lr, 1/√t) and scales the decoupled weight decay.
+        beta2_decay: as ``torch.optim.Adafactor`` (β̂₂ = 1 − t^beta2_decay).
+        eps: as ``torch.optim.Adafactor``: (eps1, eps2).
+        d: as ``torch.optim.Adafactor``: the clipping threshold of the update's RMS.
+        weight_decay: as ``torch.optim.Adafactor``.
         **options: every other option: ``beta1`` (optional momentum of the update),
             ``relative_step`` (cap the step size at 1/√t; False: ρ_t = lr, galore-torch's
             ``relative_step=False``), ``scale_parameter`` (multiply it by max(eps2, RMS(θ)))
             — GaLore pre-training usually sets both False and sweeps ``lr`` as for
-            GaLoreAdamW —, ``maximize``, ``state_dtype``, ``nonfinite`` and the GaLore
-            options of :class:`~galore2.GaLoreAdamW`; see :meth:`declared_options`.
-        moments_8bit: store the moments of tensors with ≥ 4096 elements 8-bit blockwise
-            (bitsandbytes' dynamic map, :mod:`galore2.storage.moments`): the ``beta1``
-            momentum of a large direction, long factors of batched directions; the factored
-            second moment of a matrix stays in ``state_dtype``. A constructor switch (it
-            fixes the state keys for the optimizer's lifetime), like Ranger21's.
+            GaLoreAdamW —, ``maximize`` (as ``torch.optim.Adafactor``), ``state_dtype``,
+            ``nonfinite`` and the GaLore options of :class:`~galore2.GaLoreAdamW`; see
+            :meth:`declared_options`. Also the constructor switch ``moments_8bit``: store
+            the moments of tensors with ≥ 4096 elements 8-bit blockwise (bitsandbytes'
+            dynamic map, :mod:`galore2.storage.moments`): the ``beta1`` momentum of a large
+            direction, long factors of batched directions; the factored second moment of a
+            matrix stays in ``state_dtype``. A switch fixes the state keys for the
+            optimizer's lifetime, like Ranger21's.
     """
 
     modules = (GaLore, ScaleByAdafactor)

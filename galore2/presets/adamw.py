@@ -25,7 +25,10 @@ class GaLoreAdamW(ChainOptimizer):
 
     Args:
         params: parameters or parameter groups (see :func:`galore2.param_groups`).
-        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        lr: as ``torch.optim.AdamW``.
+        betas: as ``torch.optim.AdamW``.
+        eps: as ``torch.optim.AdamW``.
+        weight_decay: as ``torch.optim.AdamW``.
         **options: defaults for every other option (``maximize``, ``state_dtype``,
             ``nonfinite``, and the GaLore options ``rank`` — default ``None``, plain AdamW —,
             ``update_proj_gap``, ``scale``, ``proj_type``, ``projector``…); the full list,

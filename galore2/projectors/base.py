@@ -124,6 +124,14 @@ def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def low_rank_shape(m: int, n: int, side: int, rank: int) -> tuple[int, int]:
+    """The projected gradient's shape for an m×n matrix: r×n (left), m×r (right), r×r (full).
+
+    Args:
+        m: rows of the matrix.
+        n: columns of the matrix.
+        side: ``LEFT``, ``RIGHT`` or ``FULL`` (any other side is treated as ``FULL``).
+        rank: the rank r.
+    """
     if side == LEFT:
         return (rank, n)
     if side == RIGHT:
@@ -186,6 +194,23 @@ class Projector:
     def refresh(
         self, G: Tensor, state: State, plan: Plan, group: dict, seed: int
     ) -> dict[str, Tensor] | None:
+        """New bases from ``G``, or ``None`` when ``G`` is unusable (non-finite, all zero) or the
+        result is not finite; the caller then keeps the previous basis.
+
+        Never raises a linear-algebra error for bad input: ``G`` is checked and rescaled by
+        :meth:`refresh_input`, :meth:`find` computes the bases, :meth:`checked` rejects
+        non-finite ones.
+
+        Args:
+            G: this rank's rows of the m×n gradient.
+            state: the parameter's optimizer state (holds the current basis).
+            plan: how the parameter is projected.
+            group: the parameter group (projector options).
+            seed: the seed of this refresh's random draws.
+
+        Returns:
+            ``{"left": P, "right": Q}`` for the sides in use, or ``None``.
+        """
         scaled = self.refresh_input(G, plan)
         if scaled is None:
             return None
@@ -223,6 +248,7 @@ class Projector:
 
     # ---- projection --------------------------------------------------------------
     def project(self, G: Tensor, state: State, plan: Plan) -> Tensor:
+        """The projected gradient R: PᵀG (left, r×n), GQ (right, m×r) or PᵀGQ (full, r×r)."""
         P, Q = self.bases(state, plan)
         side = plan.side
         if side == LEFT:
@@ -257,5 +283,6 @@ class Projector:
         return sum(values) / len(values)
 
     def project_back(self, N: Tensor, state: State, plan: Plan, dtype: torch.dtype) -> Tensor:
+        """The full-space update A·B of :meth:`back_factors`, materialized."""
         A, B = self.back_factors(N, state, plan, dtype)
         return A @ B

@@ -22,11 +22,19 @@ from .randomized import RandomizedProjector
 
 
 class PowerProjector(RandomizedProjector):
+    """Warm-started power (subspace) iteration: the default projector.
+
+    The first refresh is a randomized-SVD cold start (:class:`RandomizedProjector`); later
+    ones start from the stored basis and run ``power_iters`` rounds of Y ← orth(G·(Gᵀ·Y)):
+    two thin matmuls and a thin QR, no SVD. Cost: O(m·n·r·2q) per refresh.
+    """
+
     name = "power"
 
     def find(
         self, G: Tensor, state: State, plan: Plan, group: dict, seed: int
     ) -> dict[str, Tensor]:
+        """A randomized cold start first, then ``power_iters`` rounds from the stored basis."""
         side = plan.side
         if int(state["galore.refreshes"]) == 0:
             return super().find(G, state, plan, group, seed)

@@ -27,13 +27,23 @@ def gaussian_basis(rows: int, rank: int, seed: int, device: torch.device) -> Ten
 
 
 class RandomProjector(Projector):
+    """Seeded random projection (APOLLO's): only a seed is stored, the basis is regenerated.
+
+    The basis has Gaussian entries N(0, 1/r), regenerated from the stored seed whenever it
+    is used and redrawn (new seed) at each refresh; the gradient is never looked at, so a
+    refresh costs nothing and the projector's memory is one int64. The basis is not
+    orthonormal: PᵀP ≈ (m/r)·I.
+    """
+
     name = "random"
     kinds: ClassVar[dict[str, str]] = {"proj.seed": "basis"}
 
     def init_state(self, state: State, plan: Plan, group: dict) -> None:
+        """Store the seed (``proj.seed``), the only state of a random projection."""
         state["proj.seed"] = torch.tensor(0, dtype=torch.int64)
 
     def bases(self, state: State, plan: Plan) -> tuple[Tensor | None, Tensor | None]:
+        """The Gaussian (P, Q) regenerated from the stored seed (this rank's rows of P)."""
         seed = int(state["proj.seed"])
         P = Q = None
         if plan.side in (LEFT, FULL):  # every rank draws all m rows and keeps its own
@@ -46,6 +56,7 @@ class RandomProjector(Projector):
     def refresh(
         self, G: Tensor, state: State, plan: Plan, group: dict, seed: int
     ) -> dict[str, Tensor] | None:
+        """A new seed (``{'seed': ...}``) if ``G`` is usable, else ``None``; G is not used."""
         if (
             usable_norm(G, plan.placement) is None
         ):  # same contract as every projector: keep the basis
@@ -73,4 +84,5 @@ class RandomProjector(Projector):
         return sum(values) / len(values)
 
     def store(self, state: State, new: dict[str, Tensor], plan: Plan | None = None) -> None:
+        """Install the new seed."""
         state["proj.seed"].copy_(new["seed"])

@@ -20,11 +20,20 @@ from .base import FULL, LEFT, RIGHT, Plan, Projector, State, align_signs
 
 
 class RandomizedProjector(Projector):
+    """Randomized-SVD projector: a seeded Gaussian sketch with ``oversample`` extra columns
+    and ``power_iters`` subspace iterations instead of a full SVD.
+
+    The sketch is seeded from the group seed, the parameter and the refresh count, so a
+    resumed run redraws the same one; columns are sign-aligned with the previous basis.
+    Cost: O(m·n·(r+p)·(2+2q)) per refresh.
+    """
+
     name = "randomized"
 
     def find(
         self, G: Tensor, state: State, plan: Plan, group: dict, seed: int
     ) -> dict[str, Tensor]:
+        """The top-r range of G (left) and/or Gᵀ (right) from a seeded sketch, sign-aligned."""
         side, rank = plan.side, plan.rank
         out: dict[str, Tensor] = {}
         over, iters, pl = group["oversample"], group["power_iters"], plan.placement

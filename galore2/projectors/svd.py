@@ -15,11 +15,19 @@ from .base import FULL, LEFT, RIGHT, Plan, Projector, State
 
 
 class SVDProjector(Projector):
+    """Exact projector: the top-r singular vectors of one fp32 ``torch.linalg.svd`` of G.
+
+    The same vectors, with the same signs, as galore-torch 1.0. Under FSDP2, G is gathered
+    onto an owner rank (balanced by SVD cost, :func:`galore2.fsdp.assign_owners`), whose
+    bases are broadcast. Cost: O(m·n·min(m, n)) per refresh.
+    """
+
     name = "svd"
 
     def find(
         self, G: Tensor, state: State, plan: Plan, group: dict, seed: int
     ) -> dict[str, Tensor]:
+        """P = U[:, :r] and/or Q = V[:, :r] from the SVD of ``G`` (sharded: on its owner)."""
         side, rank = plan.side, plan.rank
         pl = plan.placement
         if not pl.distributed:
@@ -33,6 +41,7 @@ class SVDProjector(Projector):
 
     @staticmethod
     def owner(state: State, plan: Plan) -> int:
+        """The rank that factors this matrix: ``assign_owners``' choice, else from its seed."""
         owner = getattr(plan.placement, "owner", None)
         return int(state["galore.seed"]) % plan.placement.world if owner is None else owner
 

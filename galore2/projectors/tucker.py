@@ -123,12 +123,15 @@ class TuckerProjector(Projector):
 
     # ---- shapes ------------------------------------------------------------------
     def ranks(self, plan: Plan) -> tuple[int, ...]:
+        """The rank r_k = min(rank, d_k) of every mode."""
         return tucker_ranks(self.shape, plan.rank)
 
     def modes(self, plan: Plan) -> tuple[int, ...]:
+        """The modes that ``rank`` reduces (r_k < d_k); the others keep no factor."""
         return reduced_modes(self.shape, plan.rank)
 
     def core_shape(self, plan: Plan) -> torch.Size:
+        """The shape r_0 × r_1 × … of the core the inner chain sees."""
         return torch.Size(self.ranks(plan))
 
     def core_is_partial(self, plan: Plan) -> bool:
@@ -153,6 +156,7 @@ class TuckerProjector(Projector):
         return plan._replace(rank=self.ranks(plan)[k])
 
     def init_state(self, state: State, plan: Plan, group: dict) -> None:
+        """Allocate a factor ``proj.mode{k}`` per reduced mode (or the seed of a random base)."""
         if self._random:
             state["proj.seed"] = torch.tensor(0, dtype=torch.int64)
             return
@@ -181,6 +185,11 @@ class TuckerProjector(Projector):
         return tuple(out)
 
     def store(self, state: State, new: dict[str, Tensor], plan: Plan | None = None) -> None:
+        """Install new factors (``{"mode{k}": U_k}``) in the plan's basis format, or a new seed.
+
+        Raises:
+            ValueError: ``plan`` is ``None`` (factors are stored per mode through the plan).
+        """
         if self._random:
             state["proj.seed"].copy_(new["seed"])
             return
@@ -212,6 +221,7 @@ class TuckerProjector(Projector):
     def find(
         self, G: Tensor, state: State, plan: Plan, group: dict, seed: int
     ) -> dict[str, Tensor]:
+        """Every reduced mode's factor from its unfolding of ``G``, found by the base projector."""
         old = self.bases(state, plan)
         if isinstance(self.base, SVDProjector):
             return self._exact(G, old, state, plan)
@@ -313,6 +323,11 @@ class TuckerProjector(Projector):
     def back_factors(
         self, N: Tensor, state: State, plan: Plan, dtype: torch.dtype
     ) -> tuple[Tensor, Tensor]:
+        """Not available: a Tucker update is not a product of two matrices.
+
+        Raises:
+            NotImplementedError: always.
+        """
         raise NotImplementedError("a Tucker update is not a product of two matrices")
 
     # ---- moments -----------------------------------------------------------------
