@@ -1,11 +1,13 @@
-"""README's options tables, generated from the modules' option declarations.
+"""The options tables of the docs, generated from the modules' option declarations.
 
-    python -m tools.options_table           # rewrite the block in README.md
-    python -m tools.options_table --check   # exit 1 if README.md is out of date
+    python -m tools.options_table           # rewrite the block in every page that has one
+    python -m tools.options_table --check   # exit 1 if a page is out of date
 
-The block between ``<!-- BEGIN options -->`` and ``<!-- END options -->`` is replaced;
-``tests/core/test_options.py`` fails when it differs from what this renders, so the README
-cannot drift from the code.
+The pages are ``docs/guides/galore-options.md`` (always: it must hold the block) and
+README.md (while it still holds one). In each, the block between
+``<!-- BEGIN options -->`` and ``<!-- END options -->`` is replaced;
+``tests/core/test_options.py`` fails when it differs from what this renders, so the
+pages cannot drift from the code.
 """
 
 from __future__ import annotations
@@ -21,8 +23,15 @@ from galore2.core.options import Option
 from galore2.core.transform import walk
 from galore2.presets import PRESETS
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+GUIDE = ROOT / "docs" / "guides" / "galore-options.md"
 BEGIN, END = "<!-- BEGIN options -->", "<!-- END options -->"
+
+
+def pages() -> list[Path]:
+    """The pages holding the generated block: the options guide, and README.md if it has one."""
+    return [GUIDE, *([README] if BEGIN in README.read_text() else [])]
 
 
 def _owners() -> list[tuple[str, tuple[Option, ...]]]:
@@ -89,18 +98,22 @@ def current(text: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="fail if README.md is out of date")
+    ap.add_argument("--check", action="store_true", help="fail if a page is out of date")
     args = ap.parse_args()
-    text = README.read_text()
     new = render()
-    if args.check:
-        if current(text) != new:
-            print("README.md's options tables are out of date: python -m tools.options_table")
-            return 1
-        return 0
-    README.write_text(text.replace(current(text), new))
-    print(f"updated {README}")
-    return 0
+    stale = 0
+    for page in pages():
+        text = page.read_text()
+        if current(text) == new:
+            continue
+        if args.check:
+            print(f"{page.relative_to(ROOT)}'s options tables are out of date: "
+                  "python -m tools.options_table")
+            stale += 1
+        else:
+            page.write_text(text.replace(current(text), new))
+            print(f"updated {page}")
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":

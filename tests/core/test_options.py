@@ -73,11 +73,19 @@ def _value_in(opt: torch.optim.Optimizer, key: str) -> list[object]:
             or key not in {o.name for o in galore2.optim.GaLore.options}]  # fmt: skip
 
 
-def test_readme_options_tables_are_generated_from_the_declarations():
-    text = (ROOT / "README.md").read_text()
+@pytest.mark.parametrize("page", options_table.pages(), ids=lambda p: p.name)
+def test_options_tables_are_generated_from_the_declarations(page):
+    # docs/guides/galore-options.md always holds the block; README.md while it has one
+    text = page.read_text()
+    assert options_table.BEGIN in text, f"{page} lost its generated options tables"
     assert options_table.current(text) == options_table.render(), (
-        "README's options tables are stale: run python -m tools.options_table"
+        f"{page.relative_to(ROOT)}'s options tables are stale: run python -m tools.options_table"
     )
+
+
+def test_the_options_guide_holds_the_generated_tables():
+    assert options_table.pages()[0] == ROOT / "docs" / "guides" / "galore-options.md"
+    assert options_table.BEGIN in options_table.GUIDE.read_text()
 
 
 def test_every_group_key_read_in_the_package_is_declared():
