@@ -4,9 +4,10 @@ state, and the README's "which optimizer should I use" table, from the suite's s
 Runs nothing: it reads ``results/suite_convergence.json`` (best validation loss of the lr
 sweep), ``suite_state_7b.json`` (state at Llama-7B shapes, meta device) and
 ``suite_footprint.json`` (median step time, 116M-parameter Llama) — the latest run of each
-— and writes its BENCHMARKS.md section and README's block between the ``which-optimizer``
-markers (``python -m benchmarks.run --tasks per_byte``; ``tests/benchmarks`` checks that
-README's block is what the saved figures give).
+— and writes its BENCHMARKS.md section and the block between the ``which-optimizer``
+markers of every page holding one (:func:`pages`: docs/guides/choosing.md, and README.md
+while it has the block) (``python -m benchmarks.run --tasks per_byte``; ``tests/benchmarks``
+checks that each page's block is what the saved figures give).
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ BUDGETS = ((0.10, "≤ 10%: 8-bit Adam and below"), (0.35, "≤ 35%: GaLore's fp
            (1.0, "≤ AdamW's"))  # fmt: skip
 APOLLO = "apollo"  # apollo-torch's APOLLO: the peer to beat (issue 17)
 README_MARKERS = ("<!-- BEGIN which-optimizer -->", "<!-- END which-optimizer -->")
+#: the pages that hold the which-optimizer block, relative to the repository root; the guide
+#: always does, README.md only while it still has one (see :func:`pages`)
+PAGES = ("docs/guides/choosing.md", "README.md")
+
+
+def pages(root: Path) -> list[Path]:
+    """The pages to write: the choosing guide, and README.md if it still holds the block."""
+    guide, readme = (root / p for p in PAGES)
+    return [guide, *([readme] if README_MARKERS[0] in readme.read_text() else [])]
 
 
 def load(raw: Path) -> dict[str, dict[str, Any]]:
@@ -124,20 +134,20 @@ def readme_block(readme: str, block: str) -> str:
     begin, end = README_MARKERS
     pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
     if not pattern.search(readme):
-        raise ValueError(f"README has no {begin} … {end} block")
+        raise ValueError(f"the page has no {begin} … {end} block")
     return pattern.sub(lambda _: f"{begin}\n{block}\n{end}", readme)
 
 
 def per_byte(suite: Any) -> Section | None:
-    """The suite task: the section, and README's block rewritten (not with --quick)."""
+    """The suite task: the section, and the pages' blocks rewritten (not with --quick)."""
     items = rows(load(suite.raw))
     if not items:
         print("per_byte: no saved convergence figures; not written")
         return None
     if not suite.quick:
-        readme = suite.root / "README.md"
-        readme.write_text(readme_block(readme.read_text(), which_md(items)))
+        for page in pages(suite.root):
+            page.write_text(readme_block(page.read_text(), which_md(items)))
     return Section(per_byte_md(items))
 
 
-__all__ = ["per_byte", "per_byte_md", "readme_block", "rows", "which_md"]
+__all__ = ["pages", "per_byte", "per_byte_md", "readme_block", "rows", "which_md"]
