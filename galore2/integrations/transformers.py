@@ -299,7 +299,8 @@ class OptimizerFactory:
 
     The Trainer treats anything that is not a ``torch.optim.Optimizer`` subclass as a
     factory: in its ``create_optimizer`` it calls ``OptimizerFactory()(model, **kwargs)``
-    with its own model (under FSDP2, the sharded one), which runs :func:`create_optimizer`.
+    with its own model, which runs :func:`create_optimizer`. Under FSDP2 that is the
+    unsharded model; accelerate swaps the sharded parameters in before the first step.
     """
 
     def __call__(self, model: nn.Module, **kwargs: Any) -> ChainOptimizer:
