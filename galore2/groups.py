@@ -78,9 +78,10 @@ def param_groups(
     """Parameter groups for a galore2 optimizer.
 
     ``target_modules`` selects modules whose ≥2-D weights are projected:
-    ``"all-linear"`` (every ``nn.Linear`` except the output head, as Hugging
-    Face's ``optim_target_modules="all-linear"``), a regex searched in module
-    names, or a list of substrings of module names. Every trainable parameter
+    ``"all-linear"`` (every ``nn.Linear`` except the output head, as PEFT's
+    ``target_modules="all-linear"``; the Trainer's ``optim_target_modules="all-linear"``
+    includes the head), a regex searched in module names, or a list of substrings of
+    module names. Every trainable parameter
     lands in exactly one group: ``[galore_group, other_group]`` (empty groups are
     dropped). ``galore_settings`` (``rank`` required, plus ``update_proj_gap``,
     ``scale``, ``proj_type``, ``projector``…) go on the GaLore group;

@@ -1,16 +1,20 @@
 """Hugging Face ``Trainer`` integration: a :class:`~galore2.GaLoreAdamW` from ``TrainingArguments``.
 
-Two ways in::
+Three ways in, one builder (same groups, weight decay rule and hyperparameters)::
 
     opt = create_optimizer(model, args, rank=128)
     trainer = Trainer(model, args, optimizers=(opt, None), ...)
 
     trainer = GaLoreTrainer(model, args, galore_settings={"rank": 128}, ...)
 
-Use :class:`GaLoreTrainer` with FSDP: the Trainer refuses ``optimizers=`` there. FSDP2
-(``fsdp_version=2``) works: the optimizer is built on the unsharded model, accelerate swaps
-the sharded parameters in before the first step, and galore2 creates its state lazily on
-that step. FSDP1's flattened 1-D parameters cannot be projected.
+    pair = optimizer_cls_and_kwargs(model, args, rank=128)
+    trainer = Trainer(model, args, optimizer_cls_and_kwargs=pair, ...)
+
+Use :class:`GaLoreTrainer` or ``optimizer_cls_and_kwargs`` with FSDP: the Trainer refuses
+``optimizers=`` there. FSDP2 (``fsdp_version=2``) works: the optimizer is built on the
+unsharded model, accelerate swaps the sharded parameters in before the first step, and
+galore2 creates its state lazily on that step. FSDP1's flattened 1-D parameters cannot be
+projected.
 
 Importing this module imports ``transformers``; ``import galore2`` does not.
 """
@@ -99,28 +103,35 @@ def _check_keys(keys: Iterable[str], source: str, optimizer_cls: type = GaLoreAd
         )
 
 
-def target_module_names(model: nn.Module, target_modules: str | list[str]) -> list[str]:
-    """Names of the ``nn.Linear`` modules whose weights are projected, as the Trainer picks them.
+def target_module_names(model: nn.Module, target_modules: str | list[str] | None) -> list[str]:
+    """Names of the ``nn.Linear`` modules whose weights are projected.
 
-    ``target_modules`` follows ``TrainingArguments.optim_target_modules``: a string is
-    ``re.fullmatch``-ed against each module name; a list matches a name equal to an entry,
-    containing an entry, or fullmatching an entry as a regex (``check_target_module_exists``).
-    ``"all-linear"`` is every ``nn.Linear`` except the output head (``lm_head``), unlike the
-    Trainer's own GaLore path, which projects the head too. Matched modules that are not
-    ``nn.Linear`` are skipped, with a warning when matched by name rather than by regex.
+    ``target_modules`` follows ``TrainingArguments.optim_target_modules`` exactly as the
+    Trainer's own ``optim="galore_adamw"`` does: a string is ``re.fullmatch``-ed against each
+    module name; a list matches a name equal to an entry, containing an entry, or
+    fullmatching an entry as a regex (``check_target_module_exists``); ``"all-linear"`` is
+    every ``nn.Linear``, the output head included. Only ``nn.Linear`` modules are kept (one
+    matched by name rather than by regex is named in a warning), and only those whose
+    weight goes by their own name: a head tied to the input embedding is listed by
+    ``named_parameters`` as the embedding, so the Trainer does not project it, nor do we.
+
+    ``None`` (galore2's default; the Trainer has none) is every ``nn.Linear`` except the
+    output head, as :func:`galore2.param_groups`'s ``"all-linear"``.
     """
-    if isinstance(target_modules, str) and target_modules.replace("_", "-") == "all-linear":
+    if target_modules is None:
         heads = _output_head_names(model)
         names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in heads]
     elif isinstance(target_modules, (str, list, tuple)):
         targets = target_modules if isinstance(target_modules, str) else list(target_modules)
+        all_linear = isinstance(targets, str) and targets.replace("_", "-") == "all-linear"
         names, ignored = [], []
         for name, module in model.named_modules():
             found, is_regex = check_target_module_exists(targets, name, return_is_regex=True)
-            if found and isinstance(module, nn.Linear):
+            if not isinstance(module, nn.Linear):
+                if found and not is_regex:
+                    ignored.append(name)
+            elif found or all_linear:
                 names.append(name)
-            elif found and not is_regex:
-                ignored.append(name)
         if ignored:
             warnings.warn(
                 f"galore2: modules {ignored} match optim_target_modules but are not nn.Linear; "
@@ -132,11 +143,13 @@ def target_module_names(model: nn.Module, target_modules: str | list[str]) -> li
             "optim_target_modules must be a list of strings, a regex string or 'all-linear', "
             f"got {target_modules!r}"
         )
+    own = {n for n, _ in model.named_parameters()}  # a tied weight once, by its first name
+    names = [n for n in names if f"{n}.weight" in own]
     if not names:
         why = " (an empty list selects nothing; None or 'all-linear' means every linear layer)"
         raise ValueError(
             f"galore2: no nn.Linear module matches {target_modules!r}"
-            f"{why if not target_modules else ''}"
+            f"{why if not target_modules and target_modules is not None else ''}"
         )
     return names
 
@@ -148,17 +161,34 @@ def default_rank(optimizer_cls: type = GaLoreAdamW) -> int:
     return DEFAULT_RANK if rank is None else rank
 
 
-def _optimizer_class(optimizer_cls: type | None) -> type:
-    """``optimizer_cls`` if it is a galore2 optimizer (its options are known), else TypeError:
-    a torch optimizer would silently drop every GaLore setting."""
+def _optimizer_class(optimizer_cls: type | str | None) -> type:
+    """The galore2 optimizer class named by ``optimizer_cls`` (a class, or its name in
+    :data:`galore2.presets.PRESETS`: ``"galore_adamw"``…; ``None``: GaLoreAdamW), else
+    TypeError: a torch optimizer would silently drop every GaLore setting."""
     cls = GaLoreAdamW if optimizer_cls is None else optimizer_cls
+    if isinstance(cls, str):
+        cls = PRESETS.get(cls, cls)
     if not (isinstance(cls, type) and issubclass(cls, ChainOptimizer)):
-        projecting = [c.__name__ for c in PRESETS.values() if GaLore in walk(c.modules)]
+        projecting = {k: c for k, c in PRESETS.items() if GaLore in walk(c.modules)}
         raise TypeError(
-            f"optimizer_cls must be a galore2 optimizer class ({', '.join(projecting)}), "
-            f"got {cls!r}; for a torch optimizer use the Trainer's own `optim` argument"
+            "optimizer_cls must be a galore2 optimizer class "
+            f"({', '.join(c.__name__ for c in projecting.values())}) or its name "
+            f"({', '.join(projecting)}), got {optimizer_cls!r}; for a torch optimizer use "
+            "the Trainer's own `optim` argument"
         )
     return cls
+
+
+def _check_settings(settings: dict[str, Any], source: str, optimizer_cls: type) -> None:
+    """Keys and single values of ``settings`` (what can be checked without a model)."""
+    _check_keys(settings, source, optimizer_cls)
+    options = allowed_settings(optimizer_cls)
+    for key, value in settings.items():
+        if key != TARGET_MODULES:
+            try:
+                options[key].validate(value)
+            except ValueError as e:
+                raise ValueError(f"{source}: {e}") from None
 
 
 def _decay_parameter_names(model: nn.Module) -> list[str]:
@@ -172,7 +202,7 @@ def _build(
     args: transformers.TrainingArguments,
     galore_settings: dict[str, Any],
     decay_names: Iterable[str],
-    optimizer_cls: type | None = None,
+    optimizer_cls: type | str | None = None,
     optimizer_kwargs: dict[str, Any] | None = None,
 ) -> GaLoreAdamW:
     cls = _optimizer_class(optimizer_cls)
@@ -193,8 +223,6 @@ def _build(
     target = settings.pop(TARGET_MODULES, None)
     if target is None:
         target = args.optim_target_modules
-    if target is None:
-        target = "all-linear"
     # GaLore's own options go on the projected groups; every other option (the loop's, the
     # moment rule's, constructor switches) applies to the whole optimizer.
     projected_keys = {o.name for o in GaLore.options}
@@ -227,15 +255,15 @@ def create_optimizer(
     model: nn.Module,
     args: transformers.TrainingArguments,
     *,
-    optimizer_cls: type | None = None,
+    optimizer_cls: type | str | None = None,
     optimizer_kwargs: dict[str, Any] | None = None,
     **galore_settings: Any,
 ) -> GaLoreAdamW:
     """A :class:`~galore2.GaLoreAdamW` for ``Trainer(model, args, optimizers=(opt, None))``.
 
     From ``args``: ``learning_rate``, ``weight_decay``, ``adam_beta1``/``adam_beta2``,
-    ``adam_epsilon``, ``optim_target_modules`` (``None`` → ``"all-linear"``; see
-    :func:`target_module_names`) and ``optim_args`` (``"rank=128,update_proj_gap=200"``).
+    ``adam_epsilon``, ``optim_target_modules`` (HF's matching rules; ``None``: every
+    ``nn.Linear`` but the output head, see :func:`target_module_names`) and ``optim_args`` (``"rank=128,update_proj_gap=200"``).
     ``galore_settings`` override both. Any option of the optimizer is accepted (the list:
     :func:`allowed_settings`, from the optimizer's own declarations): GaLore's options
     (``rank`` — default 128, :func:`default_rank` —, ``update_proj_gap``, ``scale``,
@@ -248,7 +276,8 @@ def create_optimizer(
     decay (biases, norm weights; ``Trainer.get_decay_parameter_names``) get
     ``weight_decay=0``. Only trainable parameters are included.
 
-    ``optimizer_cls`` picks another galore2 optimizer taking GaLore param groups (e.g.
+    ``optimizer_cls`` picks another galore2 optimizer taking GaLore param groups, by class
+    or by its name in :data:`galore2.presets.PRESETS` (``"galore_adamw8bit"``…; e.g.
     :class:`~galore2.GaLoreAdamW8bit`, :class:`~galore2.GaLoreAdafactor` — which gets no
     Adam betas / eps —, :class:`~galore2.GaLoreRanger21`, whose ``num_iterations`` defaults
     to ``args.max_steps``, :class:`~galore2.Fira`, :class:`~galore2.APOLLO`,
@@ -265,6 +294,54 @@ def create_optimizer(
     )
 
 
+class OptimizerFactory:
+    """The factory half of :func:`optimizer_cls_and_kwargs`.
+
+    The Trainer treats anything that is not a ``torch.optim.Optimizer`` subclass as a
+    factory: in its ``create_optimizer`` it calls ``OptimizerFactory()(model, **kwargs)``
+    with its own model, which runs :func:`create_optimizer`. Under FSDP2 that is the
+    unsharded model; accelerate swaps the sharded parameters in before the first step.
+    """
+
+    def __call__(self, model: nn.Module, **kwargs: Any) -> ChainOptimizer:
+        """:func:`create_optimizer` on the Trainer's ``model`` with the helper's ``kwargs``."""
+        return create_optimizer(model, **kwargs)
+
+
+def optimizer_cls_and_kwargs(
+    model: nn.Module | None,
+    args: transformers.TrainingArguments,
+    *,
+    optimizer_cls: type | str | None = None,
+    optimizer_kwargs: dict[str, Any] | None = None,
+    **galore_settings: Any,
+) -> tuple[type, dict[str, Any]]:
+    """``(factory, kwargs)`` for ``Trainer(model, args, optimizer_cls_and_kwargs=...)``.
+
+    Arguments as :func:`create_optimizer`, which builds the optimizer when the Trainer asks
+    for it (:class:`OptimizerFactory`), from the Trainer's own model: the same groups, the
+    same weight decay rule and hyperparameters from ``args`` as the other two paths. Pass
+    the ``args`` you give the Trainer: the factory does not see the Trainer's.
+
+    Everything is checked now, before the Trainer exists: with a ``model``, by building
+    (and discarding) the optimizer on it; with ``model=None`` (a ``model_init`` Trainer),
+    the keys and values of ``galore_settings`` and ``optimizer_cls``. The returned
+    ``kwargs`` are plain (``args``, ``optimizer_cls``, ``optimizer_kwargs``, then the
+    settings) and are not consumed, so the pair may be given to several Trainers.
+    """
+    kwargs = {
+        "args": args,
+        "optimizer_cls": _optimizer_class(optimizer_cls),
+        "optimizer_kwargs": dict(optimizer_kwargs or {}),
+        **galore_settings,
+    }
+    if model is None:
+        _check_settings(galore_settings, "galore_settings", kwargs["optimizer_cls"])
+    else:
+        OptimizerFactory()(model, **kwargs)
+    return OptimizerFactory, kwargs
+
+
 class GaLoreTrainer(transformers.Trainer):
     """``transformers.Trainer`` whose optimizer is a :class:`~galore2.GaLoreAdamW`.
 
@@ -272,20 +349,27 @@ class GaLoreTrainer(transformers.Trainer):
     training). The optimizer is built in :meth:`create_optimizer`, so this also works where
     the Trainer refuses ``optimizers=`` (FSDP). An optimizer passed in ``optimizers=`` is
     kept as is; ``args.optim`` is not used. ``optimizer_cls`` / ``optimizer_kwargs`` as in
-    :func:`create_optimizer` (e.g. ``optimizer_cls=galore2.GaLoreRanger21``).
+    :func:`create_optimizer` (e.g. ``optimizer_cls=galore2.GaLoreRanger21``). Passing
+    ``optimizer_cls_and_kwargs`` too is a TypeError (it would be ignored).
     """
 
     def __init__(
         self,
         *args: Any,
         galore_settings: dict[str, Any] | None = None,
-        optimizer_cls: type | None = None,
+        optimizer_cls: type | str | None = None,
         optimizer_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ):
+        if kwargs.get("optimizer_cls_and_kwargs") is not None:
+            raise TypeError(
+                "GaLoreTrainer builds its own optimizer from galore_settings; pass "
+                "optimizer_cls_and_kwargs to transformers.Trainer instead"
+            )
+        cls = _optimizer_class(optimizer_cls)
         self.galore_settings = dict(galore_settings or {})
-        self.galore_optimizer = (optimizer_cls, dict(optimizer_kwargs or {}))
-        _check_keys(self.galore_settings, "galore_settings", optimizer_cls or GaLoreAdamW)
+        self.galore_optimizer = (cls, dict(optimizer_kwargs or {}))
+        _check_settings(self.galore_settings, "galore_settings", cls)
         super().__init__(*args, **kwargs)
 
     def create_optimizer(self, model: nn.Module | None = None) -> GaLoreAdamW:

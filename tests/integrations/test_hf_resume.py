@@ -1,14 +1,21 @@
 """Resuming a Hugging Face Trainer run: settings that cannot change are refused, the run
-continues exactly otherwise (issue 16 item 3, the Trainer's side)."""
+continues exactly otherwise, on each way in (issue 16 item 3, the Trainer's side)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import galore2
-
-from .test_hf_trainer import Motifs, tiny_llama, training_args
+from .hf_cases import (
+    PATHS,
+    SETTINGS,
+    STRAIGHT,
+    Motifs,
+    losses,
+    make_trainer,
+    tiny_llama,
+    training_args,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,25 +40,24 @@ def test_resume_with_another_rank_is_refused_naming_it(tmp_path):
         trainer(tmp_path, 8, rank=2).train(resume_from_checkpoint=True)
 
 
-def test_resume_continues_the_same_run(tmp_path):
-    """8 steps straight == 4 steps, save, resume for 4 more (losses of steps 5-8 identical)."""
-    straight = trainer(tmp_path / "a", 8)
-    straight.train()
-    first = trainer(tmp_path / "b", 8)
-    first.args.max_steps = 4  # stop after step 4 (the checkpoint), as a killed job would
-    first.train()
-    resumed = trainer(tmp_path / "b", 8)
-    resumed.train(resume_from_checkpoint=True)
-
-    def losses(t):
-        return {h["step"]: h["loss"] for h in t.state.log_history if "loss" in h}
-
-    a, b = losses(straight), losses(resumed)
-    assert [s for s in b if s > 4] == [5, 6, 7, 8]
-    assert [a[s] for s in (5, 6, 7, 8)] == pytest.approx([b[s] for s in (5, 6, 7, 8)], rel=1e-5)
-    opt = resumed.optimizer.optimizer
-    assert isinstance(opt, galore2.GaLoreAdamW)
-    assert all(g["rank"] in (4, None) for g in opt.param_groups)
-    assert torch.isfinite(
-        torch.stack([p.detach().norm() for p in resumed.model.parameters()])
-    ).all()
+@pytest.mark.parametrize("path", PATHS)
+def test_resume_continues_the_same_run(straight_runs, tmp_path, path):
+    """30 steps straight == a new Trainer resumed from the straight run's step-20 checkpoint
+    (as a job killed after it would leave it) for 10 more: bitwise the same losses of steps
+    21-30, weights and optimizer state (gradient accumulation 2, refreshes at 0, 10, 20)."""
+    straight = straight_runs[path]
+    resumed = make_trainer(path, tiny_llama(), training_args(tmp_path, **STRAIGHT), **SETTINGS)
+    resumed.train(resume_from_checkpoint=straight.checkpoint)
+    a, b = losses(straight.trainer), losses(resumed)
+    assert sorted(b) == list(range(1, 31))  # 1-20 from the checkpoint's trainer state
+    assert [b[s] for s in range(21, 31)] == [a[s] for s in range(21, 31)]
+    for (n, p), (_, q) in zip(
+        resumed.model.named_parameters(), straight.trainer.model.named_parameters(), strict=True
+    ):
+        assert torch.equal(p, q), n
+    state = resumed.optimizer.state_dict()["state"]
+    ref = straight.trainer.optimizer.state_dict()["state"]
+    assert state.keys() == ref.keys()
+    for i, s in state.items():
+        assert s.keys() == ref[i].keys() and all(torch.equal(s[k], ref[i][k]) for k in s), i
+    assert resumed.state.global_step == 30

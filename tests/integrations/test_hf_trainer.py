@@ -1,4 +1,5 @@
-"""Hugging Face Trainer integration: ``create_optimizer`` and ``GaLoreTrainer`` (CPU, tiny Llama)."""
+"""Hugging Face Trainer integration: ``create_optimizer``, ``GaLoreTrainer`` and
+``optimizer_cls_and_kwargs`` (CPU, tiny Llama)."""
 
 from __future__ import annotations
 
@@ -16,60 +17,23 @@ transformers = pytest.importorskip("transformers")
 
 from galore2.integrations.transformers import (  # noqa: E402
     GaLoreTrainer,
+    OptimizerFactory,
     create_optimizer,
     default_rank,
+    optimizer_cls_and_kwargs,
     parse_optim_args,
 )
 
-RANK, VOCAB, SEQ = 8, 128, 32
+from .hf_cases import (  # noqa: E402
+    PATHS,
+    RANK,
+    Motifs,
+    losses,
+    tiny_llama,
+    training_args,
+)
+
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def tiny_llama(bias: bool = False) -> nn.Module:
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=SEQ,
-        attention_bias=bias,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
-
-
-class Motifs(torch.utils.data.Dataset):
-    """Sequences that repeat a random motif of 3–7 tokens: learnable by copying from context."""
-
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(i)
-        period = 3 + i % 5
-        ids = torch.randint(0, VOCAB, (period,), generator=g).repeat(SEQ // period + 1)[:SEQ]
-        return {"input_ids": ids, "labels": ids.clone()}
-
-
-def training_args(tmp_path, **overrides) -> transformers.TrainingArguments:
-    kwargs = {
-        "output_dir": str(tmp_path),
-        "max_steps": 30,
-        "per_device_train_batch_size": 8,
-        "learning_rate": 3e-3,
-        "weight_decay": 0.1,
-        "lr_scheduler_type": "constant",
-        "logging_steps": 1,
-        "report_to": [],
-        "save_strategy": "no",
-        "use_cpu": True,
-        "disable_tqdm": True,
-        **overrides,
-    }
-    return transformers.TrainingArguments(**kwargs)
 
 
 def linear_weights(model: nn.Module, names: tuple[str, ...] = LINEARS) -> set[int]:
@@ -84,10 +48,22 @@ def projected(opt: torch.optim.Optimizer) -> set[int]:
     return {id(p) for g in opt.param_groups if g["rank"] is not None for p in g["params"]}
 
 
+def group_table(opt: torch.optim.Optimizer, model: nn.Module) -> dict[str, dict]:
+    """Each parameter's name → its group's settings (every key but ``params``)."""
+    name = {id(p): n for n, p in model.named_parameters()}
+    table = {
+        name[id(p)]: {k: v for k, v in g.items() if k != "params"}
+        for g in opt.param_groups
+        for p in g["params"]
+    }
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(table)  # each once
+    return table
+
+
 def assert_trained_low_rank(trainer: transformers.Trainer, opt: galore2.GaLoreAdamW) -> None:
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert len(losses) == 30
-    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    steps = losses(trainer)
+    assert sorted(steps) == list(range(1, 31))
+    first, last = sum(steps[s] for s in range(1, 6)) / 5, sum(steps[s] for s in range(26, 31)) / 5
     assert last < first - 0.5, (first, last)
     model = trainer.model
     targets = linear_weights(model)
@@ -101,28 +77,96 @@ def assert_trained_low_rank(trainer: transformers.Trainer, opt: galore2.GaLoreAd
             assert moment.shape == p.shape
 
 
-def test_trainer_with_create_optimizer(tmp_path):
-    model = tiny_llama()
-    args = training_args(tmp_path)
-    opt = create_optimizer(model, args, rank=RANK, update_proj_gap=10)
-    trainer = transformers.Trainer(model, args, train_dataset=Motifs(), optimizers=(opt, None))
-    trainer.train()
-    assert trainer.optimizer.optimizer is opt  # wrapped by accelerate, not replaced
-    assert_trained_low_rank(trainer, opt)
-
-
-def test_galore_trainer(tmp_path):
-    trainer = GaLoreTrainer(
-        tiny_llama(),
-        training_args(tmp_path),
-        train_dataset=Motifs(),
-        galore_settings={"rank": RANK, "update_proj_gap": 10},
-    )
-    trainer.train()
-    opt = trainer.optimizer.optimizer
-    assert isinstance(opt, galore2.GaLoreAdamW)
-    assert_trained_low_rank(trainer, opt)
+@pytest.mark.parametrize("path", PATHS)
+def test_each_path_trains_low_rank(straight_runs, path):
+    """30 steps (gradient accumulation 2) through each way in: the loss falls, the linear
+    layers are projected at rank 8 and refreshed every 10 steps, the rest is plain AdamW."""
+    run = straight_runs[path]
+    opt = run.trainer.optimizer.optimizer  # accelerate's wrapper around ours
+    assert type(opt) is galore2.GaLoreAdamW
+    if path == "optimizers":
+        assert opt is run.given  # wrapped by accelerate, not replaced
+    assert_trained_low_rank(run.trainer, opt)
     assert opt.state_bytes()["basis"] > 0
+
+
+def test_the_three_paths_are_one_optimizer(straight_runs):
+    """Same settings, same groups (per parameter, every key: rank, weight decay by the
+    Trainer's rule, lr from args...), bitwise the same losses, weights and optimizer state."""
+    ref = straight_runs[PATHS[0]].trainer
+    decayed = set(transformers.Trainer.get_decay_parameter_names(None, ref.model))
+
+    def groups(trainer):
+        return group_table(trainer.optimizer, trainer.model)
+
+    ref_groups = groups(ref)
+    assert set(ref_groups) == {n for n, _ in ref.model.named_parameters()}
+    assert any(n not in decayed for n in ref_groups)  # the norm weights
+    for name, g in ref_groups.items():
+        assert g["weight_decay"] == (0.1 if name in decayed else 0.0), name
+        assert g["initial_lr"] == ref.args.learning_rate == 3e-3
+        assert g["rank"] == (RANK if name.endswith("_proj.weight") else None), name
+    ref_state = ref.optimizer.state_dict()["state"]
+    for path in PATHS[1:]:
+        trainer = straight_runs[path].trainer
+        assert groups(trainer) == ref_groups, path
+        assert losses(trainer) == losses(ref), path
+        for (n, p), (_, q) in zip(
+            trainer.model.named_parameters(), ref.model.named_parameters(), strict=True
+        ):
+            assert torch.equal(p, q), (path, n)
+        state = trainer.optimizer.state_dict()["state"]
+        assert state.keys() == ref_state.keys()
+        for i, s in state.items():
+            assert s.keys() == ref_state[i].keys()
+            assert all(torch.equal(s[k], ref_state[i][k]) for k in s), (path, i)
+
+
+def test_optimizer_cls_and_kwargs_pair(tmp_path):
+    """A factory and plain kwargs (no ``params``: nothing for the Trainer to pop), built when
+    the Trainer asks, on its model; the pair serves several Trainers, and ``model_init``."""
+    args = training_args(tmp_path, weight_decay=0.05, learning_rate=2e-3)
+    model = tiny_llama(bias=True)
+    factory, kwargs = optimizer_cls_and_kwargs(
+        model, args, optimizer_cls="galore_adamw8bit", rank=4
+    )
+    assert factory is OptimizerFactory and "params" not in kwargs
+    assert kwargs["args"] is args and kwargs["optimizer_cls"] is galore2.GaLoreAdamW8bit
+    assert kwargs["rank"] == 4
+    before = dict(kwargs)
+    reference = create_optimizer(model, args, optimizer_cls=galore2.GaLoreAdamW8bit, rank=4)
+    for m in (model, tiny_llama(bias=True)):
+        trainer = transformers.Trainer(m, args, optimizer_cls_and_kwargs=(factory, kwargs))
+        opt = trainer.create_optimizer()
+        assert type(opt) is galore2.GaLoreAdamW8bit
+        assert group_table(opt, m) == group_table(reference, model)
+    assert kwargs == before  # not consumed
+    # model_init: no model yet; the settings are checked now, the optimizer built later.
+    pair = optimizer_cls_and_kwargs(None, args, rank=4)
+    trainer = transformers.Trainer(
+        model_init=lambda: tiny_llama(), args=args, optimizer_cls_and_kwargs=pair
+    )
+    opt = trainer.create_optimizer()
+    assert projected(opt) == linear_weights(trainer.model) and len(projected(opt)) == 14
+
+
+def test_optimizer_cls_and_kwargs_checks_before_the_trainer(tmp_path):
+    model, args = tiny_llama(), training_args(tmp_path)
+    with pytest.raises(ValueError, match=r"galore_settings: unknown .*\['rnak'\]"):
+        optimizer_cls_and_kwargs(model, args, rnak=4)
+    with pytest.raises(ValueError, match=r"galore_settings: unknown .*\['rnak'\]"):
+        optimizer_cls_and_kwargs(None, args, rnak=4)
+    with pytest.raises(ValueError, match=r"galore_settings: rank must be .*got 0"):
+        optimizer_cls_and_kwargs(None, args, rank=0)
+    with pytest.raises(ValueError, match=r"rank must be .*got 0"):
+        optimizer_cls_and_kwargs(model, args, rank=0)
+    with pytest.raises(ValueError, match=r"no nn\.Linear module matches \['nothing'\]"):
+        optimizer_cls_and_kwargs(model, args, rank=4, target_modules=["nothing"])
+    with pytest.raises(TypeError, match="optimizer_cls must be a galore2 optimizer"):
+        optimizer_cls_and_kwargs(None, args, optimizer_cls="adamw_torch")
+    pair = optimizer_cls_and_kwargs(model, args, rank=4)
+    with pytest.raises(TypeError, match=r"pass optimizer_cls_and_kwargs to transformers\.Trainer"):
+        GaLoreTrainer(model, args, optimizer_cls_and_kwargs=pair)
 
 
 def test_galore_trainer_keeps_a_given_optimizer(tmp_path):
@@ -190,9 +234,9 @@ def test_four_groups_and_empty_groups_dropped(tmp_path):
 @pytest.mark.parametrize(
     ("target", "expected"),
     [
-        (None, LINEARS),  # all-linear, without the head
-        ("all-linear", LINEARS),
-        ("all_linear", LINEARS),
+        (None, LINEARS),  # galore2's default: every Linear but the head
+        ("all-linear", (*LINEARS, "lm_head")),  # HF's: the head too
+        ("all_linear", (*LINEARS, "lm_head")),
         (r".*\.self_attn\.[qv]_proj", ("q_proj", "v_proj")),  # a str is fullmatched
         (["q_proj", r"model\.layers\.\d+\.mlp\.down_proj"], ("q_proj", "down_proj")),
         (["lm_head"], ("lm_head",)),  # the head, when named
