@@ -338,6 +338,6 @@ def usage() -> str:
                 lines.append(f"  --{f.name}.{g.name} = {getattr(section, g.name)!r}")
     from .optimizers import option_lines
 
-    lines += ["", "options of galore2 optimizers (--optim.KEY VALUE; see README's options tables):"]
+    lines += ["", "options of galore2 optimizers (--optim.KEY VALUE; see docs/guides/galore-options.md):"]
     lines += option_lines()
     return "\n".join(lines)

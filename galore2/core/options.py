@@ -5,7 +5,7 @@ An :class:`Option` is a name, a default, a :class:`Check` and a one-line doc. A 
 its ``options`` class attribute; :class:`~galore2.core.optimizer.ChainOptimizer` collects
 them from its modules to build its defaults and to validate every parameter group (an
 unknown key is an error naming it). ``param_groups``, the Hugging Face integration
-(``optim_args`` strings), the recipe's ``--optim.KEY`` flags and the README's options
+(``optim_args`` strings), the recipe's ``--optim.KEY`` flags and the docs' options
 table read the same declarations (:func:`describe` renders one row per option).
 
 A check normalizes a value or raises ``ValueError``; ``parse`` turns the string form
@@ -320,7 +320,7 @@ def describe(options: Mapping[str, Option]) -> list[tuple[str, str, str, str]]:
 
 
 def markdown_table(options: Mapping[str, Option]) -> str:
-    """The options as a markdown table (the README's tables are generated from this)."""
+    """The options as a markdown table (the GaLore options guide's tables are generated from this)."""
     rows = ["| option | default | allowed | what it does |", "|---|---|---|---|"]
     for name, default, allowed, doc in describe(options):
         rows.append(f"| `{name}` | `{default}` | {allowed} | {doc} |")

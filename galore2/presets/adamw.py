@@ -32,8 +32,8 @@ class GaLoreAdamW(ChainOptimizer):
         **options: defaults for every other option (``maximize``, ``state_dtype``,
             ``nonfinite``, and the GaLore options ``rank`` — default ``None``, plain AdamW —,
             ``update_proj_gap``, ``scale``, ``proj_type``, ``projector``…); the full list,
-            with defaults and allowed values, is :meth:`declared_options` (and the README's
-            options table, generated from it). Unknown names raise ``TypeError``.
+            with defaults and allowed values, is :meth:`declared_options` (and the options
+            table of the GaLore options guide, generated from it). Unknown names raise ``TypeError``.
     """
 
     modules = (GaLore, ScaleByAdam)
