@@ -16,31 +16,37 @@ from typing import Any
 
 from .container import galore_config
 
-#: GaLore's published Llama-7B pre-training settings (GaLore paper, Table/ scripts for
-#: LLaMA-7B on C4): rank 1024, subspace refresh every 500 steps, scale α = 0.25, lr 0.005,
-#: no weight decay.
+#: GaLore's published LLaMA-7B pre-training settings (its C4 script for 7B on 8 nodes):
+#: rank 1024, subspace refresh every 500 steps, scale α = 0.25, lr 0.005, AdamW's default
+#: betas, no weight decay. (Its schedule: 150k steps, 15k warmup, cosine to 0.1·lr, gradient
+#: clipping 1.0; set with torchtitan's flags, see docs/guides/torchtitan.md.)
 GALORE_7B: dict[str, Any] = {
     "lr": 5e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 0.0,
     "rank": 1024,
     "update_proj_gap": 500,
     "scale": 0.25,
-    "weight_decay": 0.0,
 }
-#: A small-model setting for the debug config (dim 256): rank 64, refresh every 200 steps.
+#: The debug model (dim 256) at rank 64 with torchtitan's debug AdamW settings.
 GALORE_DEBUG: dict[str, Any] = {
     "lr": 8e-4,
+    "betas": (0.9, 0.95),
+    "eps": 1e-8,
+    "weight_decay": 0.1,
     "rank": 64,
     "update_proj_gap": 200,
     "scale": 0.25,
-    "weight_decay": 0.0,
 }
 
 
 def _llama3(name: str, settings: dict[str, Any], optimizer: str = "galore_adamw"):
+    """torchtitan's Llama-3 trainer config ``name`` with a galore2 optimizer."""
     from torchtitan.models.llama3 import config_registry
 
     config = getattr(config_registry, name)()
-    config.optimizer = galore_config(optimizer, betas=(0.9, 0.95), eps=1e-8, **settings)
+    config.optimizer = galore_config(optimizer, **settings)
     return config
 
 

@@ -232,11 +232,12 @@ def galore_config(
 
     Two parameter groups of preset ``optimizer``: parameters whose name matches
     ``projected`` (default :data:`PROJECTED`: attention and MLP weights), with every option
-    in ``options``; then every other parameter (``".*"``: embeddings, output head, norms)
-    with the options that are not GaLore's (``rank``, ``update_proj_gap``, ``scale``… go on
-    the projected group only), updated without projection, updated by ``plain`` (e.g.
-    ``{"weight_decay": 0.0}``). ``rank`` is required unless the preset fixes it
+    in ``options``; then every other parameter (``".*"``: embeddings, output head, norms),
+    trained without projection, with the options that are not GaLore's (``rank``,
+    ``update_proj_gap``, ``scale``… go on the projected group only), updated by ``plain``
+    (e.g. ``{"weight_decay": 0.0}``). ``rank`` is required unless the preset fixes it
     (APOLLO-Mini: 1). A preset without GaLore (``ranger21``) gets one group, ``".*"``.
+    The config is checked when made (:func:`check_config`).
 
     Args:
         optimizer: a name in ``galore2.presets.PRESETS``.
