@@ -324,8 +324,9 @@ def test_galore_config_needs_a_rank_and_a_preset():
 
 
 def test_fsdp2_two_ranks_match_one_process():
-    """On 2 gloo ranks with ``fully_shard`` per layer (gradients ``Shard(0)`` DTensors), the
-    container trains as in one process, and its flat state dict round-trips."""
+    """On 2 gloo ranks, sharded by torchtitan's own ``parallelize_llama`` (FSDP2: parameters
+    and gradients ``Shard(0)`` DTensors), the container trains as in one process, and its
+    flat state dict round-trips."""
     spawn(cases.fsdp_matches_single, 2, timeout=240)
 
 

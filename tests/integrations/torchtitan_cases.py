@@ -87,22 +87,45 @@ def assert_same_state(a: dict, b: dict, what: str) -> None:
 STEPS = 4  # refreshes at 0 and 2
 
 
+def parallelize(model: nn.Module, world: int) -> nn.Module:
+    """torchtitan's own ``parallelize_llama`` (FSDP2 over all ranks, ``partial_dtensor``
+    backend: ``Shard(0)`` DTensor parameters on a 1-D mesh) on gloo CPU ranks. torchtitan
+    builds its meshes on its accelerator type, read once at import: set to ``cpu`` here."""
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.models.llama3 import parallelize_llama
+
+    parallel_dims_module.device_type = "cpu"
+    parallelism = ParallelismConfig(spmd_backend="partial_dtensor")
+    dims = ParallelDims.from_config(parallelism, world_size=world)
+    dims.build_mesh()
+    return parallelize_llama(
+        model,
+        parallel_dims=dims,
+        training=TrainingConfig(mixed_precision_param="float32"),
+        parallelism=parallelism,
+        compile_config=CompileConfig(),
+        ac_config=None,
+        dump_folder="",
+    )
+
+
 def fsdp_matches_single(rank: int, world: int) -> None:
-    """The container on an FSDP2 model (built the trainer's way, after sharding) trains as
-    in one process; its flat state dict holds the same values; loading it into a fresh
-    sharded container continues identically."""
-    mesh = shared.cpu_mesh(world)
+    """The container on a model sharded by torchtitan's ``parallelize_llama`` (built the
+    trainer's way, after sharding) trains as in one process; its flat state dict holds the
+    same values; loading it into a fresh sharded container continues identically."""
     reference = tiny_llama()
     ref_opt = config().build(model_parts=[reference])
     train(reference, ref_opt, range(STEPS))
 
     def build() -> tuple[nn.Module, torch.optim.Optimizer]:
-        model = tiny_llama()
-        shared.shard(model, mesh, units=list(model.layers.values()))
+        model = parallelize(tiny_llama(), world)
         return model, config().build(model_parts=[model])
 
     model, opt = build()
-    assert all(is_dtensor(p) for p in model.parameters())
+    for p in model.parameters():
+        assert is_dtensor(p) and p.device_mesh.ndim == 1 and p.placements[0].is_shard(0)
     train(model, opt, range(STEPS))
     shared.assert_params_match(model, reference, atol=1e-6, what="FSDP2 vs one process")
     assert shared.refresh_counts(opt.optimizers[0]) == [2] * 5
