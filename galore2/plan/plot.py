@@ -45,42 +45,50 @@ def plot(report: Report, path: str | Path) -> Path:
     options = list(dict.fromkeys((r.per_layer, r.checkpointing) for r in report.rows))
     width = 0.8 / len(options)
     fig, axes = plt.subplots(
-        len(worlds), 1, figsize=(max(8.0, 1.9 * len(names)), 4.6 * len(worlds)), squeeze=False
+        len(worlds), 1, figsize=(max(8.0, 1.9 * len(names)), 1.0 + 4.6 * len(worlds)), squeeze=False
     )
-    top = max(max(r.total for r in report.rows), report.gpu_memory) / scale * 1.15
+    budget = report.gpu_memory / scale
     for ax, w in zip(axes[:, 0], worlds, strict=True):
         rows = {(r.optimizer, r.per_layer, r.checkpointing): r
                 for r in report.rows if r.world_size == w}  # fmt: skip
+        top = max(max(r.total for r in rows.values()) / scale, budget)
+        minor, minor_labels = [], []
         for j, opt in enumerate(options):
             xs = [i - 0.4 + width * (j + 0.5) for i in range(len(names))]
+            minor += xs
+            minor_labels += [_OPTIONS[opt]] * len(xs)
             bottom = [0.0] * len(names)
             for attr, label, color in _PARTS:
                 h = [getattr(rows[(n, *opt)], attr) / scale for n in names]
-                ax.bar(xs, h, width * 0.92, bottom=bottom, color=color,
-                       label=label if j == 0 else None, edgecolor="white", linewidth=0.4)  # fmt: skip
+                ax.bar(xs, h, width * 0.92, bottom=bottom, color=color, zorder=2,
+                       label=label if j == 0 and ax is axes[0, 0] else None)  # fmt: skip
                 bottom = [b + x for b, x in zip(bottom, h, strict=True)]
             for x, total, n in zip(xs, bottom, names, strict=True):
                 fits = rows[(n, *opt)].fits(report.gpu_memory)
-                ax.text(x, total + top * 0.01, f"{_OPTIONS[opt]}  {total:.1f}", rotation=90,
-                        ha="center", va="bottom", fontsize=7.5,
-                        color="black" if fits else "#8B0000")  # fmt: skip
-        budget = report.gpu_memory / scale
-        ax.axhline(budget, color="black", linestyle="--", linewidth=1.2,
-                   label=f"GPU memory {budget:g} {unit}")  # fmt: skip
-        ax.set_xticks(range(len(names)))
-        ax.set_xticklabels([OPTIMIZERS[n].label.replace(", ", ",\n") for n in names], fontsize=9)
-        ax.set_ylim(0, top * 1.12)
+                ax.text(x, total + top * 0.015, f"{total:.1f}", rotation=90, ha="center",
+                        va="bottom", fontsize=8, zorder=4, fontweight="bold" if fits else None,
+                        color="#1B5E20" if fits else "#B71C1C",
+                        bbox={"boxstyle": "square,pad=0.05", "fc": "white", "ec": "none"})  # fmt: skip
+        ax.axhline(budget, color="black", linestyle="--", linewidth=1.2, zorder=3,
+                   label=f"GPU memory ({budget:g} {unit})" if ax is axes[0, 0] else None)  # fmt: skip
+        ax.set_xticks(minor, minor_labels, minor=True, fontsize=7, rotation=90)
+        ax.set_xticks(range(len(names)),
+                      [OPTIMIZERS[n].label.replace(", ", ",\n") for n in names], fontsize=9)  # fmt: skip
+        ax.tick_params(axis="x", which="major", pad=34, length=0)
+        ax.tick_params(axis="x", which="minor", length=2)
+        ax.set_ylim(0, top * 1.18)
         ax.set_ylabel(f"{unit} per GPU")
         ax.set_title(f"FSDP world size {w}", fontsize=10)
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend(loc="upper right", fontsize=8, ncol=5, framealpha=0.9)
+        ax.grid(axis="y", alpha=0.3, zorder=0)
+    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 1 - 0.55 / fig.get_figheight()), ncol=5, fontsize=9,
+               frameon=False)  # fmt: skip
     fig.suptitle(
         f"{report.label}: {report.n_params / 1e9:.2f}B params, batch {report.batch_size} × "
-        f"seq {report.seq_len}, rank {report.rank}  (PL: per-layer updates, "
-        "AC: activation checkpointing; red label: does not fit)",
+        f"seq {report.seq_len}, GaLore rank {report.rank}, {report.dtype}\n"
+        "PL: per-layer updates, AC: activation checkpointing; totals in green fit, in red do not",
         fontsize=10,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.8 / fig.get_figheight()))
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return path
