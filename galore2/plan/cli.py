@@ -105,7 +105,9 @@ def _check(ns: argparse.Namespace) -> _Args:
         if out.suffix.lower() != ".png":
             raise ValueError(f"--plot must name a .png file, got {ns.plot!r}")
         if not out.parent.is_dir():
-            raise FileNotFoundError(f"--plot {ns.plot!r}: folder {str(out.parent)!r} does not exist")
+            raise FileNotFoundError(
+                f"--plot {ns.plot!r}: folder {str(out.parent)!r} does not exist"
+            )
     return _Args(ns, gpu, unit, worlds, list(dict.fromkeys(names)))
 
 

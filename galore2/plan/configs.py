@@ -107,7 +107,7 @@ def _hf(path: Path) -> Source:
         raise ValueError(f"CONFIG {str(path)!r}: not valid JSON ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         raise ValueError(
-            f"CONFIG {str(path)!r}: a Hugging Face config.json needs a \"model_type\" key"
+            f'CONFIG {str(path)!r}: a Hugging Face config.json needs a "model_type" key'
         )
     transformers = _transformers(str(path))
     model_type = data.pop("model_type")

@@ -43,10 +43,18 @@ OPTIMIZERS: dict[str, Optimizer] = {
         Optimizer("adamw", "AdamW", rule="adamw"),
         Optimizer("adamw8bit", "AdamW 8-bit (bnb)", rule="adamw8bit"),
         Optimizer("galore_adamw", "GaLoreAdamW", preset="galore_adamw"),
-        Optimizer("galore_adamw8bit_int8", "GaLoreAdamW8bit, INT8 basis",
-                  preset="galore_adamw8bit", group={"basis_dtype": "int8"}),  # fmt: skip
-        Optimizer("galore_adamw8bit_int4", "GaLoreAdamW8bit, INT4 basis",
-                  preset="galore_adamw8bit", group={"basis_dtype": "int4"}),  # fmt: skip
+        Optimizer(
+            "galore_adamw8bit_int8",
+            "GaLoreAdamW8bit, INT8 basis",
+            preset="galore_adamw8bit",
+            group={"basis_dtype": "int8"},
+        ),
+        Optimizer(
+            "galore_adamw8bit_int4",
+            "GaLoreAdamW8bit, INT4 basis",
+            preset="galore_adamw8bit",
+            group={"basis_dtype": "int4"},
+        ),
         Optimizer("galore_adafactor", "GaLoreAdafactor", preset="galore_adafactor"),
     )
 }
@@ -154,4 +162,3 @@ def plan(
                     acts = fp.activations(batch_size, seq_len, ac)
                     rows.append(Row(name, pl, ac, w, fp.weights(w), grads, state, acts))
     return rows
-
