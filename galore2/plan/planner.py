@@ -98,7 +98,12 @@ def state_pieces(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. rank >= min dim of a small weight
         groups = param_groups(model, target_modules, **galore, **optimizer.group)
-        opt = PRESETS[optimizer.preset](groups)
+        try:
+            opt = PRESETS[optimizer.preset](groups)
+        except ImportError as e:  # GaLoreAdamW8bit without bitsandbytes
+            others = ",".join(n for n in OPTIMIZERS if n != optimizer.name)
+            msg = f"{optimizer.name}: {e} (or leave it out: --optimizers {others})"
+            raise ImportError(msg) from e
         opt.init_state()
     return measured(opt)
 

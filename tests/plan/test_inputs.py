@@ -10,6 +10,7 @@ import pytest
 from galore2.plan import cli, configs
 from galore2.plan.units import parse_size
 
+from ..helpers import run_python
 from .conftest import write
 
 
@@ -146,3 +147,20 @@ def test_a_config_folder_works_like_its_config_json(small, capsys):
         outs.append(json.loads(capsys.readouterr().out))
     assert outs[0]["rows"] == outs[1]["rows"]
     assert len(outs[0]["rows"]) == 6 * 2 * 2  # optimizers × per-layer × checkpointing
+
+
+def test_the_planner_imports_without_optional_packages_and_names_what_is_missing():
+    code = (
+        "import sys\n"
+        "for name in ('transformers', 'matplotlib', 'bitsandbytes'):\n"
+        "    sys.modules[name] = None\n"
+        "import galore2.plan, galore2.plan.cli, galore2.plan.plot\n"
+        "from galore2.plan import OPTIMIZERS, state_pieces\n"
+        "from tests.helpers import TinyNet\n"
+        "try:\n"
+        "    state_pieces(OPTIMIZERS['galore_adamw8bit_int4'], TinyNet(), 'all-linear', {'rank': 2})\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    out = run_python(code)
+    assert "need bitsandbytes" in out and "--optimizers adamw,adamw8bit,galore_adamw," in out
