@@ -116,7 +116,7 @@ def _targets(target_modules: Any) -> str:
         return "every linear layer but the output head"
     if isinstance(target_modules, str):
         return f"modules matching {target_modules!r}"
-    return "modules named *" + "*, *".join(target_modules) + "*"
+    return "modules whose name contains " + " or ".join(repr(t) for t in target_modules)
 
 
 def build(args: _Args, source: Source) -> Report:

@@ -7,7 +7,8 @@ A state tensor is a :class:`Piece` (shape, bytes per element, how FSDP2 shards i
   ``init_state()`` creates every state tensor at its final shape, and :func:`measured`
   lists them with the layout :mod:`galore2.fsdp` shards them by (the parameter's rows; a
   left-projected matrix's low-rank moments by columns; right bases ``Q`` and full-side
-  moments replicated; 0-d counters on the CPU). At world size 1 the sum is
+  moments replicated, Tucker-projected weights' state too, an upper bound; 0-d counters
+  on the CPU). At world size 1 the sum is
   ``opt.state_bytes()["total"]``.
 * ``torch.optim.AdamW`` and bitsandbytes' ``AdamW8bit`` are **counted** by their storage
   rules (:func:`counted`), per trainable parameter of n elements:
@@ -102,7 +103,8 @@ def measured(opt: torch.optim.Optimizer) -> list[Piece]:
     galore2.fsdp shards it."""
     out: list[Piece] = []
     for state in opt.state.values():
-        inner = _INNER[int(state["galore.side"])] if "galore.side" in state else "rows"
+        side = int(state["galore.side"]) if "galore.side" in state else NONE
+        inner = _INNER.get(side, "replicate")  # Tucker cores: counted whole on every rank
         for key, v in state.items():
             if isinstance(v, torch.Tensor):
                 layout = _BASES.get(key, inner) if v.dim() else "cpu"
