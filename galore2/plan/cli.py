@@ -15,7 +15,7 @@ from .formulas import Footprint
 from .planner import OPTIMIZERS, plan
 from .plot import plot
 from .report import Report
-from .units import parse_size
+from .units import parse_size, size_unit
 
 __all__ = ["main", "parser", "run"]
 
@@ -90,7 +90,7 @@ class _Args:
 
 def _check(ns: argparse.Namespace) -> _Args:
     gpu = parse_size(ns.gpu_memory)
-    unit = "GiB" if "i" in ns.gpu_memory.lower() else "GB"
+    unit = size_unit(ns.gpu_memory)  # sizes print in the unit the budget is written in
     worlds = _world_sizes(ns.world_size)
     for name in ("batch_size", "seq_len", "rank", "grad_accum"):
         _positive(name.replace("_", "-"), getattr(ns, name))

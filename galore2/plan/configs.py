@@ -129,7 +129,8 @@ def _recipes(path: Path) -> Any:
     except ModuleNotFoundError as e:
         if e.name not in ("recipes", "recipes.config"):
             raise
-        root = path.resolve().parents[2]
+        parents = path.resolve().parents
+        root = parents[2] if len(parents) > 2 else parents[-1]
         if not (root / "recipes" / "config.py").is_file():
             raise ImportError(
                 f"CONFIG {str(path)!r}: a recipe config is read by galore2's recipe package "

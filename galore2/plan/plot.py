@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .planner import OPTIMIZERS
-from .report import Report
+from .report import Report, count
 from .units import UNITS
 
 __all__ = ["plot"]
@@ -45,7 +45,8 @@ def plot(report: Report, path: str | Path) -> Path:
     options = list(dict.fromkeys((r.per_layer, r.checkpointing) for r in report.rows))
     width = 0.8 / len(options)
     fig, axes = plt.subplots(
-        len(worlds), 1, figsize=(max(8.0, 1.9 * len(names)), 1.0 + 4.6 * len(worlds)), squeeze=False
+        len(worlds), 1, figsize=(max(8.0, 1.9 * len(names)), 1.0 + 4.6 * len(worlds)),
+        squeeze=False, layout="constrained",
     )
     budget = report.gpu_memory / scale
     for ax, w in zip(axes[:, 0], worlds, strict=True):
@@ -80,15 +81,13 @@ def plot(report: Report, path: str | Path) -> Path:
         ax.set_ylabel(f"{unit} per GPU")
         ax.set_title(f"FSDP world size {w}", fontsize=10)
         ax.grid(axis="y", alpha=0.3, zorder=0)
-    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 1 - 0.55 / fig.get_figheight()), ncol=5, fontsize=9,
-               frameon=False)  # fmt: skip
+    fig.legend(loc="outside lower center", ncol=5, fontsize=9, frameon=False)
     fig.suptitle(
-        f"{report.label}: {report.n_params / 1e9:.2f}B params, batch {report.batch_size} × "
+        f"{report.label}: {count(report.n_params)} parameters, batch {report.batch_size} × "
         f"seq {report.seq_len}, GaLore rank {report.rank}, {report.dtype}\n"
         "PL: per-layer updates, AC: activation checkpointing; totals in green fit, in red do not",
         fontsize=10,
     )
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.8 / fig.get_figheight()))
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return path

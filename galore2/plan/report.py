@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .planner import OPTIMIZERS, Row
-from .units import format_size
+from .units import UNITS, format_size
 
 __all__ = ["Report"]
 
@@ -27,6 +27,19 @@ _NOTES = (
 )
 
 
+def count(n: int) -> str:
+    """A parameter count as ``6.74B`` or ``0.9M``."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _unit(unit: str) -> str:
+    """``GB (1e9 bytes)``, ``GiB (2^30 bytes)``, ``B``."""
+    n = UNITS[unit.lower()]
+    if n == 1:
+        return unit
+    return f"{unit} ({f'2^{n.bit_length() - 1}' if 'i' in unit else f'1e{len(str(n)) - 1}'} bytes)"
+
+
 @dataclass(frozen=True)
 class Report:
     """Rows of :func:`~galore2.plan.planner.plan` and the setup they were computed for."""
@@ -42,17 +55,16 @@ class Report:
     rank: int
     targets: str  # the projected modules, described
     gpu_memory: int  # bytes
-    unit: str = "GB"  # display unit: GB or GiB
+    unit: str = "GB"  # display unit, a key of UNITS in any case (the budget's)
 
     def header(self) -> str:
         """One paragraph: the model and the settings."""
         u = self.unit
         return (
-            f"Memory plan for {self.label}: {self.model}, {self.n_params / 1e9:.2f}B "
+            f"Memory plan for {self.label}: {self.model}, {count(self.n_params)} "
             f"parameters in {self.dtype}; batch {self.batch_size} × seq {self.seq_len} per "
             f"GPU, gradient accumulation {self.grad_accum}; GaLore rank {self.rank} on "
-            f"{self.targets}. Sizes in {u} per GPU ({u} = "
-            f"{'2^30' if u == 'GiB' else '1e9'} bytes); GPU memory "
+            f"{self.targets}. Sizes in {_unit(u)} per GPU; GPU memory "
             f"{format_size(self.gpu_memory, u, 1)} {u}."
         )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["UNITS", "format_size", "parse_size"]
+__all__ = ["UNITS", "format_size", "parse_size", "size_unit"]
 
 #: bytes per unit, by its lower-case name
 UNITS = {
@@ -39,6 +39,15 @@ def parse_size(text: str, name: str = "--gpu-memory") -> int:
     if not math.isfinite(size) or size < 1:
         raise ValueError(f"{name} must be at least 1 byte, got {text!r}")
     return int(size)
+
+
+def size_unit(text: str) -> str:
+    """The unit ``text`` is written in, spelled canonically (``24gib`` → ``GiB``); call it
+    on a size :func:`parse_size` accepted."""
+    match = _SIZE.fullmatch(text)
+    if match is None or match.group(2).lower() not in UNITS:
+        raise ValueError(f"not a size with a unit: {text!r}")
+    return _SPELLING[match.group(2).lower()]
 
 
 def format_size(n: int, unit: str = "GB", digits: int = 2) -> str:

@@ -164,3 +164,11 @@ def test_the_planner_imports_without_optional_packages_and_names_what_is_missing
     )
     out = run_python(code)
     assert "need bitsandbytes" in out and "--optimizers adamw,adamw8bit,galore_adamw," in out
+
+
+def test_a_recipe_toml_outside_a_checkout_names_what_it_needs(monkeypatch, tmp_path):
+    (tmp_path / "lonely.toml").write_text("[model]\ndim = 64\n")
+    monkeypatch.setitem(sys.modules, "recipes", None)  # not importable from here
+    monkeypatch.setitem(sys.modules, "recipes.config", None)
+    with pytest.raises(ImportError, match=r"recipe package.*not importable here"):
+        configs.load(tmp_path / "lonely.toml")

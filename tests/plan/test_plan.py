@@ -148,9 +148,15 @@ def test_text_tables_count_what_fits(capsys, small):
         assert f"**FSDP world size {w}** ({n} of 24 fit)" in text
     assert text.count("| yes |") == sum(r.fits(budget) for r in report.rows) > 0
     assert text.count("| no (+") == sum(not r.fits(budget) for r in report.rows) > 0
-    assert "GPU memory 0.0 GB" not in text and "Sizes in GB per GPU" in text
+    assert f"Sizes in B per GPU; GPU memory {budget}.0 B." in text  # the budget's unit
     cli.main([str(small), "--gpu-memory", "1GiB", "--optimizers", "adamw"])
-    assert "Sizes in GiB per GPU (GiB = 2^30 bytes); GPU memory 1.0 GiB" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "Sizes in GiB (2^30 bytes) per GPU; GPU memory 1.0 GiB." in text
+    assert "| fits 1 GiB |" in text
+    cli.main([str(small), "--gpu-memory", "300mb", "--optimizers", "adamw"])
+    text = capsys.readouterr().out
+    assert "Sizes in MB (1e6 bytes) per GPU; GPU memory 300.0 MB." in text
+    assert "| fits 300 MB |" in text
 
 
 def test_plot_writes_a_png(tmp_path, small, capsys):
