@@ -45,8 +45,11 @@ def plot(report: Report, path: str | Path) -> Path:
     options = list(dict.fromkeys((r.per_layer, r.checkpointing) for r in report.rows))
     width = 0.8 / len(options)
     fig, axes = plt.subplots(
-        len(worlds), 1, figsize=(max(8.0, 1.9 * len(names)), 1.0 + 4.6 * len(worlds)),
-        squeeze=False, layout="constrained",
+        len(worlds),
+        1,
+        figsize=(max(8.0, 1.9 * len(names)), 1.0 + 4.6 * len(worlds)),
+        squeeze=False,
+        layout="constrained",
     )
     budget = report.gpu_memory / scale
     for ax, w in zip(axes[:, 0], worlds, strict=True):
