@@ -2,30 +2,14 @@
 
     python -m recipes.memory --config llama_7b [--batch-size 1] [--seq-len 2048] [--world-size 1]
 
-Per GPU, in bytes; p = parameter bytes (dtype ``auto`` → bf16, as on a GPU), W = FSDP world
-size, sharded tensors split along dim 0 like ``torch.chunk`` (the largest shard counts):
-
-* weights = Σ numel·p / W; gradients the same, or with per-layer updates (``grad_accum`` 1)
-  the largest parameter's gradient (W = 1) / the largest FSDP unit's flat sharded gradient.
-* W > 1 adds FSDP2's unsharded copies: weights + (root unit [embeddings, final norm, head:
-  the root is not resharded after forward] + one decoder layer)·p; gradients + the larger
-  unit's unsharded gradient·p, + its fp32 reduce-scatter input when p < 4.
-* optimizer state: measured (``init_state()`` on the meta device) or counted; the notes
-  printed under the table give each row's convention.
-* activations, t = batch·seq tokens, a = p, d = dim, f = ffn, k = kv dim, h = heads,
-  V = vocab, L = layers (``layer`` equals the bytes autograd saves, checked on CPU by
-  tests/recipes/test_memory_estimate.py)::
-
-      norm  = (4 + 2a)·t·d + 4t        fp32 input copy, normalized x, norm output, rsqrt
-      layer = 2·norm + a·t·(2d + 2k) + 4·h·t + 4a·t·f
-              q, k, v after RoPE, attention output (o_proj input), fp32 log-sum-exp of
-              flash / SDPA (no seq² matrix); MLP gate, silu(gate), up, silu·up
-      bwd   = a·t·(2d + 3f)            gradient temporaries of one layer's backward
-      loss  = t·V·(a + 3·4)            logits, saved fp32 log-softmax, its gradient in and out
-      kept  = L·a·t·d with activation checkpointing (each layer's input), else L·layer
-      activations = kept + norm + max(loss, a·t·V + bwd + (layer if checkpointing else 0))
-
-  i.e. the peak is at the loss backward or in the last layer's (recomputed) backward.
+Per GPU, in bytes. Weights, gradients (ordinary step or per-layer updates, FSDP2's
+unsharded copies at world size > 1) and activations (with the config's activation
+checkpointing) are those of the memory planner, whose formulas live in one place:
+:mod:`galore2.plan.formulas` (``python -m galore2.plan llama_7b`` gives the same figures
+for AdamW, 8-bit AdamW and galore2's main optimizers, and their fit on a GPU). This
+module adds the recipe's view: every recipe optimizer, its state measured
+(``init_state()`` on the meta device) or counted (:mod:`recipes.state`); the notes
+printed under the table give each row's convention.
 """
 
 from __future__ import annotations
@@ -39,12 +23,14 @@ import torch
 from torch import nn
 
 import galore2
+from galore2.plan import Footprint, Shapes
+from galore2.plan import formulas as plan
 from galore2.storage.dtype import normalize_state_dtype
 
 from . import state
 from .cli import DEBUG_HELP, run_cli
 from .config import JobConfig, ModelConfig, parse_args
-from .model import build_model, param_dtype
+from .model import build_model, llama_config, param_dtype
 from .optimizers import NAMES, build_optimizer, galore_settings
 from .peers import PEERS
 
@@ -70,24 +56,20 @@ class Row:
         return self.weights + self.grads + self.state + self.activations
 
 
-def _norm(cfg: ModelConfig, t: int, a: int) -> int:
-    return (4 + 2 * a) * t * cfg.dim + 4 * t
+def shapes(cfg: ModelConfig) -> Shapes:
+    """The planner's :class:`~galore2.plan.Shapes` of the recipe's Llama."""
+    return Shapes.from_config(llama_config(cfg))
 
 
 def layer_bytes(cfg: ModelConfig, batch: int, seq: int, a: int) -> int:
-    """Bytes one decoder layer saves for backward (``layer`` in the module docstring)."""
-    t, d, h, f = batch * seq, cfg.dim, cfg.n_heads, cfg.ffn_dim
-    k = d // h * (cfg.n_kv_heads or h)
-    return 2 * _norm(cfg, t, a) + a * t * (2 * d + 2 * k) + 4 * h * t + 4 * a * t * f
+    """Bytes one decoder layer saves for backward (:func:`galore2.plan.layer_bytes`)."""
+    return plan.layer_bytes(shapes(cfg), batch, seq, a)
 
 
 def activation_bytes(cfg: ModelConfig, batch: int, seq: int, a: int) -> int:
-    """Peak activation bytes of one forward + backward (formula in the module docstring)."""
-    t, layer, ac = batch * seq, layer_bytes(cfg, batch, seq, a), cfg.activation_checkpointing
-    kept = cfg.n_layers * (a * t * cfg.dim if ac else layer) + _norm(cfg, t, a)
-    bwd = a * t * (2 * cfg.dim + 3 * cfg.ffn_dim)
-    loss = t * cfg.vocab_size * (a + 12)
-    return kept + max(loss, a * t * cfg.vocab_size + bwd + (layer if ac else 0))
+    """Peak activation bytes of one forward + backward with the config's activation
+    checkpointing (:func:`galore2.plan.activation_bytes`)."""
+    return plan.activation_bytes(shapes(cfg), batch, seq, a, cfg.activation_checkpointing)
 
 
 def galore_optimizer(model: nn.Module, job: JobConfig, state_dtype: str = "float32"):
@@ -126,23 +108,14 @@ def estimate(
     unknown = sorted(set(optimizers) - set(OPTIMIZERS))
     if unknown:
         raise ValueError(f"unknown optimizers {unknown}; known: {', '.join(OPTIMIZERS)}")
+    normalize_state_dtype(state_dtype)  # a clear error for an unknown dtype
     dtype = param_dtype(job.model, torch.device("cuda"))  # the recipe's dtype on a GPU
     model = build_model(job.model, "meta").to(dtype)
-    pb, W = dtype.itemsize, world_size
-    normalize_state_dtype(state_dtype)  # a clear error for an unknown dtype
-    in_layers = {id(p) for layer in model.model.layers for p in layer.parameters()}
-    params = [state.Piece(tuple(p.shape), pb) for p in model.parameters()]
-    root = [state.Piece(tuple(p.shape), pb) for p in model.parameters() if id(p) not in in_layers]
-    layer = [state.Piece(tuple(p.shape), pb) for p in model.model.layers[0].parameters()]
-    weights = grads = state.nbytes(params, W)
-    if per_layer and job.train.grad_accum == 1:
-        grads = max(state.nbytes([x], 1) for x in params)
-        grads = grads if W == 1 else max(state.nbytes(root, W), state.nbytes(layer, W))
-    if W > 1:  # FSDP2's unsharded (all-gathered) parameters and gradients
-        unit = max(state.nbytes(root, 1), state.nbytes(layer, 1))
-        weights += state.nbytes(root, 1) + state.nbytes(layer, 1)
-        grads += unit + (unit * 4 // pb if pb < 4 else 0)
-    acts = activation_bytes(job.model, batch_size, seq_len, pb)
+    W = world_size
+    fp = Footprint.of(model, shapes(job.model))
+    weights = fp.weights(W)
+    grads = fp.gradients(W, per_layer, job.train.grad_accum)
+    acts = fp.activations(batch_size, seq_len, job.model.activation_checkpointing)
     opt = (
         galore_optimizer(model, job, state_dtype)
         if set(optimizers) - {"adamw", "adamw8bit"}

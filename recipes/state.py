@@ -6,7 +6,8 @@ count through here, on a model built on the meta device (nothing allocated).
 
 * galore2 optimizers are measured: built, ``init_state()`` (every state tensor at its
   final shape, meta works), then ``state_bytes()`` (:func:`galore2_state`) or each state
-  tensor with the layout galore2.fsdp shards it by (:func:`measured`).
+  tensor with the layout galore2.fsdp shards it by (:func:`measured`, from
+  :mod:`galore2.plan.state`).
 * Everything else is counted from its package's storage rules (:func:`counted`), each
   checked against the package's real state after a step on a small model
   (``tests/benchmarks/test_bench_suite.py``, ``tests/recipes/test_memory_estimate.py``: exact equality).
@@ -14,10 +15,8 @@ count through here, on a model built on the meta device (nothing allocated).
 Rules, per parameter of n elements (m × n₂ for a matrix; ``big``/``small`` = the larger /
 smaller side; r = rank; fp32 weights for the peers):
 
-* torch AdamW: two moments in the parameter dtype + an fp32 ``step`` tensor (CPU).
-* bitsandbytes AdamW8bit (0.50.2): tensors under 4096 elements two fp32 moments;
-  larger ones two uint8 moments + one fp32 absmax per 256 elements each; plus its two
-  256-entry fp32 code maps, shared by all parameters.
+* torch AdamW and bitsandbytes AdamW8bit (0.50.2): the rules of
+  :mod:`galore2.plan.state` (the memory planner's, used here as they are).
 * galore-torch GaLoreAdamW, pytorch-optimizer GaLore, apollo-torch APOLLO, fira
   FiraAdamW: a projected matrix keeps fp32 moments at the projected shape (big × r) and
   an fp32 basis (r × small); APOLLO and Fira also a 0-d fp32 norm of their last scaled
@@ -35,73 +34,36 @@ smaller side; r = rank; fp32 weights for the peers):
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Iterable
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from galore2.projectors import FULL, LEFT, NONE, RIGHT
+from galore2.plan import state as plan_state
+from galore2.plan.state import BNB_BLOCK, BNB_MIN_8BIT, Piece, measured, nbytes
 
 from .config import OptimConfig
 from .optimizers import NAMES, build_optimizer, param_groups, projects
 from .peers import PEERS
 
-BNB_BLOCK, BNB_MIN_8BIT = 256, 4096  # bitsandbytes 0.50.2 8-bit optimizers
+__all__ = ["BNB_BLOCK", "BNB_MIN_8BIT", "RULES", "Piece", "breakdown", "counted", "galore2_state",
+           "measured", "nbytes", "optimizer_state", "projected_params"]  # fmt: skip
+
 RANGER21_TENSORS = 5
-RULES = ("adamw", "adamw8bit", "gt_galore_adamw", "gt_galore_adafactor", "at_apollo",
+RULES = (*plan_state.RULES, "gt_galore_adamw", "gt_galore_adafactor", "at_apollo",
          "at_apollo_mini", "fira_adamw", "pto_galore", "pto_ranger21")  # fmt: skip
-GALORE2 = tuple(n for n in NAMES if n not in PEERS and n not in ("adamw", "adamw8bit"))
+GALORE2 = tuple(n for n in NAMES if n not in PEERS and n not in plan_state.RULES)
 #: peers whose basis is a view of the whole SVD factor (small × small with fp32 weights)
 _FULL_FACTOR = ("gt_galore_adamw", "gt_galore_adafactor", "fira_adamw")
 #: peers that keep a 0-d norm of the last scaled gradient per projected matrix
 _LAST_NORM = ("at_apollo", "at_apollo_mini", "fira_adamw")
-
-_INNER = {NONE: "rows", RIGHT: "rows", LEFT: "cols", FULL: "replicate"}  # galore2.fsdp layouts
-_BASES = {
-    f"proj.{side}{suffix}": layout
-    for side, layout in (("left", "rows"), ("right", "replicate"))
-    for suffix in ("", ".q", ".scale")
-}  # fp32/bf16 bases, or quantized codes + scales
-
-
-class Piece(NamedTuple):
-    """One state tensor: its shape, bytes per element, how FSDP shards it (``rows``,
-    ``cols``, ``replicate``, or ``cpu``: never sharded) and which ``state_bytes()`` column
-    it counts in (``moments``, ``basis``, ``other``)."""
-
-    shape: tuple[int, ...]
-    itemsize: int
-    layout: str = "rows"
-    kind: str = "moments"
-
-
-def nbytes(pieces: Iterable[Piece], world: int = 1) -> int:
-    """Bytes of ``pieces`` on one of ``world`` FSDP ranks (a sharded dim split like
-    ``torch.chunk``: the largest shard counts)."""
-    total = 0
-    for p in pieces:
-        dims = list(p.shape)
-        i = {"rows": 0, "cols": min(1, len(dims) - 1)}.get(p.layout)
-        if i is not None and dims and world > 1:
-            dims[i] = -(-dims[i] // world)
-        total += p.itemsize * math.prod(dims)
-    return total
 
 
 def breakdown(pieces: list[Piece]) -> dict[str, int]:
     """``state_bytes()``-style columns of counted pieces."""
     out = {k: nbytes(p for p in pieces if p.kind == k) for k in ("moments", "basis", "other")}
     return {**out, "total": sum(out.values())}
-
-
-def _eight_bit(shape: tuple[int, ...]) -> list[Piece]:
-    n = math.prod(shape)
-    if n < BNB_MIN_8BIT:
-        return [Piece(shape, 4)] * 2
-    return [Piece(shape, 1)] * 2 + [Piece((-(-n // BNB_BLOCK),), 4)] * 2
 
 
 def _projected(name: str, p: nn.Parameter, rank: int) -> list[Piece]:
@@ -122,15 +84,13 @@ def counted(
     package's rules; ``projected``: the parameters of its projected group, at ``rank``."""
     if name not in RULES:
         raise ValueError(f"no storage rule for {name!r}; rules: {', '.join(RULES)}")
+    if name in plan_state.RULES:  # torch AdamW, bitsandbytes AdamW8bit: galore2.plan's rules
+        return plan_state.counted(name, model)
     ids = {id(p) for p in projected}
     out: list[Piece] = []
     for p in (p for p in model.parameters() if p.requires_grad):
         shape = tuple(p.shape)
-        if name == "adamw":
-            out += [Piece(shape, p.element_size())] * 2 + [Piece((), 4, "cpu", "other")]
-        elif name == "adamw8bit":
-            out += _eight_bit(shape)
-        elif name == "pto_ranger21":
+        if name == "pto_ranger21":
             out += [Piece(shape, 4)] * RANGER21_TENSORS
         elif id(p) in ids:
             out += _projected(name, p, rank)
@@ -139,21 +99,6 @@ def counted(
             out.append(Piece((), 4, kind="other"))
         else:
             out += [Piece(shape, 4)] * 2
-    if name == "adamw8bit":  # the two shared quantization maps
-        out += [Piece((256,), 4, "replicate", "other")] * 2
-    return out
-
-
-def measured(opt: torch.optim.Optimizer) -> list[Piece]:
-    """Every state tensor of a galore2 optimizer (after ``init_state()``), laid out as
-    galore2.fsdp shards it."""
-    out: list[Piece] = []
-    for state in opt.state.values():
-        inner = _INNER[int(state["galore.side"])] if "galore.side" in state else "rows"
-        for key, v in state.items():
-            if isinstance(v, torch.Tensor):
-                layout = _BASES.get(key, inner) if v.dim() else "cpu"
-                out.append(Piece(tuple(v.shape), v.element_size(), layout))
     return out
 
 

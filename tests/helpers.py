@@ -64,3 +64,20 @@ def run_python(code: str, timeout: float = 120) -> str:
     )
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+def saved_bytes(model: nn.Module, ids: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one forward of a causal
+    LM on ``ids`` (labels = ids), parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids)
+    return sum(storages.values())

@@ -12,6 +12,8 @@ from recipes.config import JobConfig, ModelConfig, OptimConfig, TrainConfig
 from recipes.memory import OPTIMIZERS, activation_bytes, estimate, layer_bytes, main
 from recipes.model import build_model
 
+from ..helpers import saved_bytes
+
 
 def small_job(**model) -> JobConfig:
     cfg = dict(vocab_size=1000, dim=256, n_layers=4, n_heads=4, ffn_dim=688, max_seq_len=128)
@@ -136,20 +138,8 @@ def test_layer_formula_matches_the_tensors_autograd_saves(kv):
 
     def saved(n_layers: int, b: int = 2, s: int = 64) -> int:
         job = small_job(n_layers=n_layers, n_kv_heads=kv, activation_checkpointing=False)
-        model = real_model(job)
         ids = torch.randint(0, job.model.vocab_size, (b, s))
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        storages: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            st = t.untyped_storage()
-            if st.data_ptr() not in params:
-                storages[st.data_ptr()] = st.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(input_ids=ids, labels=ids)
-        return sum(storages.values())
+        return saved_bytes(real_model(job), ids)
 
     per_layer = (saved(3) - saved(1)) // 2
     assert per_layer == layer_bytes(small_job(n_kv_heads=kv).model, 2, 64, 2)

@@ -1,0 +1,48 @@
+"""Will it fit? Per-GPU memory of training any causal LM with AdamW or galore2's optimizers.
+
+    python -m galore2.plan CONFIG [--gpu-memory 24GB] [--world-size 1,8] [--batch-size 1]
+        [--seq-len 2048] [--rank 1024] [--per-layer both] [--checkpointing both]
+        [--json] [--plot out.png]
+
+CONFIG is a Hugging Face ``config.json`` (or its folder), a recipe TOML file or a recipe
+config name (:mod:`galore2.plan.configs`). The model is built on the meta device: nothing
+is allocated and nothing is downloaded. Per optimizer — AdamW, 8-bit AdamW
+(bitsandbytes), GaLoreAdamW, GaLoreAdamW8bit with an INT8 and an INT4 basis,
+GaLoreAdafactor — and per option set — per-layer updates, activation checkpointing, FSDP
+world size — the plan lists weights, gradients, optimizer state, activations and the total
+per GPU, and whether it fits ``--gpu-memory``.
+
+* optimizer state is **measured**: each galore2 optimizer is built over the meta model and
+  ``init_state()`` creates every state tensor at its final shape
+  (:mod:`galore2.plan.state`); AdamW and 8-bit AdamW are counted by their storage rules;
+* weights, gradients and activations come from the formulas of
+  :mod:`galore2.plan.formulas` (its docstring writes them out), the one place they live:
+  the recipe's ``python -m recipes.memory`` calls the same functions.
+
+The Python API: :func:`plan` (rows for a model), :class:`Footprint` / :class:`Shapes` (the
+formulas' inputs), :func:`activation_bytes`, :func:`parse_size`, :class:`Report`.
+"""
+
+from .formulas import Footprint, Shapes, activation_bytes, decoder_layers, layer_bytes
+from .planner import OPTIMIZERS, Row, plan, state_pieces
+from .report import Report
+from .state import Piece, counted, measured, nbytes
+from .units import parse_size
+
+__all__ = [
+    "OPTIMIZERS",
+    "Footprint",
+    "Piece",
+    "Report",
+    "Row",
+    "Shapes",
+    "activation_bytes",
+    "counted",
+    "decoder_layers",
+    "layer_bytes",
+    "measured",
+    "nbytes",
+    "parse_size",
+    "plan",
+    "state_pieces",
+]

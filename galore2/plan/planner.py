@@ -1,0 +1,169 @@
+"""The plan: per optimizer and option set, the bytes per GPU and whether they fit.
+
+Every row combines one optimizer (:data:`OPTIMIZERS`) with one option set (per-layer
+updates on/off, activation checkpointing on/off, an FSDP world size). Weights, gradients
+and activations come from :mod:`galore2.plan.formulas`; optimizer state from
+:mod:`galore2.plan.state` (measured for galore2's optimizers: ``init_state()`` on the
+meta device; counted for ``torch.optim.AdamW`` and bitsandbytes' ``AdamW8bit``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from torch import nn
+
+from ..groups import param_groups
+from ..presets import PRESETS
+from .formulas import Footprint
+from .state import Piece, counted, measured, nbytes
+
+__all__ = ["OPTIMIZERS", "Optimizer", "Row", "plan", "state_pieces"]
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """An optimizer the planner sizes: a counted rule (``rule``) or a galore2 preset
+    (``preset``, a key of ``galore2.presets.PRESETS``) with extra GaLore group keys."""
+
+    name: str
+    label: str
+    rule: str | None = None
+    preset: str | None = None
+    group: dict[str, Any] = field(default_factory=dict)
+
+
+#: the optimizers a plan compares, by name
+OPTIMIZERS: dict[str, Optimizer] = {
+    o.name: o
+    for o in (
+        Optimizer("adamw", "AdamW", rule="adamw"),
+        Optimizer("adamw8bit", "AdamW 8-bit (bnb)", rule="adamw8bit"),
+        Optimizer("galore_adamw", "GaLoreAdamW", preset="galore_adamw"),
+        Optimizer(
+            "galore_adamw8bit_int8",
+            "GaLoreAdamW8bit, INT8 basis",
+            preset="galore_adamw8bit",
+            group={"basis_dtype": "int8"},
+        ),
+        Optimizer(
+            "galore_adamw8bit_int4",
+            "GaLoreAdamW8bit, INT4 basis",
+            preset="galore_adamw8bit",
+            group={"basis_dtype": "int4"},
+        ),
+        Optimizer("galore_adafactor", "GaLoreAdafactor", preset="galore_adafactor"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """Bytes per GPU of one optimizer under one option set."""
+
+    optimizer: str
+    per_layer: bool
+    checkpointing: bool
+    world_size: int
+    weights: int
+    gradients: int
+    state: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        """weights + gradients + state + activations."""
+        return self.weights + self.gradients + self.state + self.activations
+
+    def fits(self, budget: int) -> bool:
+        """Whether the total is at most ``budget`` bytes."""
+        return self.total <= budget
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields and the total (for ``--json``)."""
+        return {**asdict(self), "total": self.total}
+
+
+def state_pieces(
+    optimizer: Optimizer, model: nn.Module, target_modules: Any, galore: dict[str, Any]
+) -> list[Piece]:
+    """The state ``optimizer`` holds for ``model``: counted by rule, or measured from a
+    galore2 optimizer built over it (``init_state()``; a meta model allocates nothing) with
+    ``galore`` (rank, …) on the ``target_modules`` group."""
+    if optimizer.rule is not None:
+        return counted(optimizer.rule, model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. rank >= min dim of a small weight
+        groups = param_groups(model, target_modules, **galore, **optimizer.group)
+        try:
+            opt = PRESETS[optimizer.preset](groups)
+        except ImportError as e:  # GaLoreAdamW8bit without bitsandbytes
+            others = ",".join(n for n in OPTIMIZERS if n != optimizer.name)
+            msg = f"{optimizer.name}: {e} (or leave it out: --optimizers {others})"
+            raise ImportError(msg) from e
+        opt.init_state()
+    return measured(opt)
+
+
+def _choices(name: str, values: Sequence[Any], check) -> list[Any]:
+    values = list(values)
+    if not values or not all(check(v) for v in values):
+        raise ValueError(f"{name} must be a non-empty list of valid values, got {values!r}")
+    return list(dict.fromkeys(values))
+
+
+def plan(
+    model: nn.Module,
+    *,
+    batch_size: int,
+    seq_len: int,
+    rank: int,
+    world_sizes: Sequence[int] = (1,),
+    per_layer: Sequence[bool] = (False, True),
+    checkpointing: Sequence[bool] = (False, True),
+    optimizers: Sequence[str] = tuple(OPTIMIZERS),
+    target_modules: Any = "all-linear",
+    galore: dict[str, Any] | None = None,
+    grad_accum: int = 1,
+    footprint: Footprint | None = None,
+) -> list[Row]:
+    """One :class:`Row` per optimizer × world size × per-layer × checkpointing.
+
+    Args:
+        model: the model (build it on the meta device: nothing is allocated), in the
+            parameter dtype of training.
+        batch_size, seq_len: sequences per GPU per micro-batch, tokens per sequence.
+        rank: GaLore's rank (overrides ``galore["rank"]``).
+        world_sizes: FSDP world sizes. per_layer, checkpointing: the options to try.
+        optimizers: names in :data:`OPTIMIZERS`.
+        target_modules: the projected modules (``galore2.param_groups``' argument).
+        galore: other GaLore group settings (``proj_type``, ``projector``, …).
+        grad_accum: micro-batches per step (> 1 keeps every gradient alive).
+        footprint: the model's :class:`Footprint` (default: from ``model.config``).
+    """
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("rank", rank),
+                        ("grad_accum", grad_accum)):  # fmt: skip
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    unknown = [o for o in optimizers if o not in OPTIMIZERS]
+    if unknown or not optimizers:
+        raise ValueError(f"optimizers {unknown or '[]'}: choose from {', '.join(OPTIMIZERS)}")
+    worlds = _choices("world_sizes", world_sizes, lambda w: isinstance(w, int) and w >= 1)
+    layered = _choices("per_layer", per_layer, lambda v: isinstance(v, bool))
+    ckpt = _choices("checkpointing", checkpointing, lambda v: isinstance(v, bool))
+    fp = footprint or Footprint.of(model)
+    settings = {**(galore or {}), "rank": rank}
+    rows = []
+    for name in dict.fromkeys(optimizers):
+        pieces = state_pieces(OPTIMIZERS[name], model, target_modules, settings)
+        for w in worlds:
+            state = nbytes(pieces, w)
+            for pl in layered:
+                grads = fp.gradients(w, pl, grad_accum)
+                for ac in ckpt:
+                    acts = fp.activations(batch_size, seq_len, ac)
+                    rows.append(Row(name, pl, ac, w, fp.weights(w), grads, state, acts))
+    return rows
