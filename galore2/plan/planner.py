@@ -135,9 +135,12 @@ def plan(
     Args:
         model: the model (build it on the meta device: nothing is allocated), in the
             parameter dtype of training.
-        batch_size, seq_len: sequences per GPU per micro-batch, tokens per sequence.
+        batch_size: sequences per GPU per micro-batch.
+        seq_len: tokens per sequence.
         rank: GaLore's rank (overrides ``galore["rank"]``).
-        world_sizes: FSDP world sizes. per_layer, checkpointing: the options to try.
+        world_sizes: FSDP world sizes.
+        per_layer: per-layer updates off and/or on: the values to try.
+        checkpointing: activation checkpointing off and/or on: the values to try.
         optimizers: names in :data:`OPTIMIZERS`.
         target_modules: the projected modules (``galore2.param_groups``' argument).
         galore: other GaLore group settings (``proj_type``, ``projector``, …).

@@ -28,6 +28,7 @@ MODULES = (
     "galore2.fsdp",
     "galore2.checkpoint",
     "galore2.integrations",
+    "galore2.plan",
 )
 
 
