@@ -349,3 +349,26 @@ def test_config_registry_through_torchtitans_config_manager():
     assert config.optimizer.param_groups[0].optimizer_kwargs["rank"] == 32
     with pytest.raises(SystemExit):  # tyro reports the ValueError and exits
         ConfigManager().parse_args([*args, rank, "0"])
+
+
+def test_documented_llama3_8b_command_line_parses():
+    """The Llama-3 8B command line of docs/guides/torchtitan.md, parsed by torchtitan's own
+    ConfigManager: every flag exists and the optimizer carries GaLore's 7B settings."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from torchtitan.config import ConfigManager
+
+    guide = Path(__file__).resolve().parents[2] / "docs" / "guides" / "torchtitan.md"
+    found = re.search(r"(torchrun [^\n]*-m torchtitan\.train.*?)\n```", guide.read_text(), re.S)
+    assert found, "the guide has no torchrun ... -m torchtitan.train command"
+    argv = shlex.split(found.group(1).replace("\\\n", " "))
+    config = ConfigManager().parse_args(argv[argv.index("torchtitan.train") + 1 :])
+    assert isinstance(config.optimizer, GaLoreOptimizersContainer.Config)
+    projected = config.optimizer.param_groups[0]
+    assert projected.optimizer_name == "galore_adamw"
+    assert {k: projected.optimizer_kwargs[k] for k in ("rank", "update_proj_gap", "scale")} == {
+        "rank": 1024, "update_proj_gap": 500, "scale": 0.25
+    }  # fmt: skip
+    assert (config.training.steps, config.lr_scheduler.warmup_steps) == (150000, 15000)
