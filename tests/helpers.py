@@ -81,3 +81,13 @@ def saved_bytes(model: nn.Module, ids: torch.Tensor) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(input_ids=ids, labels=ids)
     return sum(storages.values())
+
+
+def step_on_weight_dependent_grads(opt: torch.optim.Optimizer, params, steps: int) -> None:
+    """``steps`` optimizer steps; gradients are seeded noise + 0.5·p, so they depend on the
+    weights and a wrong update changes every later gradient too."""
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 + step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) + 0.5 * p.detach()
+        opt.step()

@@ -16,7 +16,7 @@ import galore2
 from galore2.core.optimizer import _chunks
 from galore2.optim import ScaleByAdam
 
-from ..helpers import TinyNet, max_diff, train
+from ..helpers import TinyNet, max_diff, step_on_weight_dependent_grads, train
 
 SETTINGS = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 
@@ -97,12 +97,7 @@ def _run_galore(foreach: bool, steps: int = 8) -> tuple[list[torch.Tensor], galo
         foreach=foreach,
         **SETTINGS,
     )
-    for step in range(steps):
-        g = torch.Generator().manual_seed(100 + step)
-        for p in params:
-            # depends on p, so that a wrong update changes every later gradient too
-            p.grad = torch.randn(p.shape, generator=g) + 0.5 * p.detach()
-        opt.step()
+    step_on_weight_dependent_grads(opt, params, steps)
     return params, opt
 
 

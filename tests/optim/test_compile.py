@@ -21,6 +21,8 @@ from galore2.optim.adam import COMPILE, ScaleByAdam, adam_math, adam_math_many
 from galore2.storage.moments import is_quantized
 from tools import options_table
 
+from ..helpers import step_on_weight_dependent_grads
+
 SETTINGS = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 SHAPES = [(24, 16), (16, 24), (20, 20), (30,), (16,)]  # 3 projected matrices, 2 vectors
 
@@ -42,11 +44,7 @@ def _run(
         compile=compile_,
         **SETTINGS,
     )
-    for step in range(steps):
-        g = torch.Generator().manual_seed(100 + step)
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=g) + 0.5 * p.detach()
-        opt.step()
+    step_on_weight_dependent_grads(opt, params, steps)
     return params, opt
 
 
