@@ -1,7 +1,9 @@
 """The recipe's model: ``transformers.LlamaForCausalLM`` from a ModelConfig, optionally FSDP2-sharded.
 
-No hub access: the model is built from a ``LlamaConfig`` and initialized locally.
-Under ``torchrun`` every decoder layer is ``fully_shard``-ed, then the root; on GPU
+No hub access: the model is built from a ``LlamaConfig`` on the meta device and
+materialized in its training dtype where it trains (``build_model``; recipes/init.py
+fills the values). Under ``torchrun`` every decoder layer is ``fully_shard``-ed, then the
+root, before any memory exists; on GPU
 parameters are stored and computed in bf16 (``model.dtype``) and gradients are
 reduced in fp32 (``MixedPrecisionPolicy(reduce_dtype=float32)``).
 Activation checkpointing wraps each decoder layer; ``torch.compile`` compiles each
@@ -54,13 +56,38 @@ def param_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
     return choices[cfg.dtype]
 
 
-def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> nn.Module:
-    """A freshly initialized LlamaForCausalLM (fp32 master weights unless FSDP mixed precision)."""
+def build_model(
+    cfg: ModelConfig,
+    device: torch.device | str = "cpu",
+    *,
+    dtype: torch.dtype = torch.float32,
+    world_size: int = 1,
+) -> nn.Module:
+    """A freshly initialized LlamaForCausalLM in ``dtype`` on ``device``, never held in fp32.
+
+    Built on the meta device, given its structure there (``prepare``: activation
+    checkpointing, compile, FSDP2 sharding per decoder layer when ``world_size > 1``), then
+    materialized in ``dtype`` where it trains (``to_empty``) and initialized one parameter at
+    a time (``recipes.init.initialize``): the values are those of
+    ``LlamaForCausalLM(config)`` built under the same seed in fp32 and cast, bit for bit,
+    for every world size. ``device="meta"``: the bare meta model (no init, no wrapping).
+    """
     from transformers import LlamaForCausalLM
 
+    from .init import InitOrder, initialize
+
     config = llama_config(cfg)
-    with torch.device(device):
+    with torch.device("meta"):
         model = LlamaForCausalLM(config)
+    device = torch.device(device)
+    if device.type == "meta":
+        return model.to(dtype)
+    order = InitOrder.of(model)  # read before wrapping renames the modules
+    model = prepare(model, cfg, dtype, world_size)
+    model.to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty gave the head a tensor of its own
+        model.tie_weights()
+    initialize(model, order, config, device)
     return model
 
 
@@ -76,8 +103,9 @@ def flops_per_token(cfg: ModelConfig, n_non_embedding: int, seq_len: int) -> flo
     return 6.0 * n_non_embedding + 12.0 * cfg.n_layers * cfg.dim * seq_len
 
 
-def prepare(model: nn.Module, cfg: ModelConfig, device: torch.device, world_size: int) -> nn.Module:
-    """Activation checkpointing, FSDP2 sharding (world_size > 1) and compile, in that order."""
+def prepare(model: nn.Module, cfg: ModelConfig, dtype: torch.dtype, world_size: int) -> nn.Module:
+    """Activation checkpointing, compile, cast to ``dtype`` and FSDP2 sharding (world_size > 1),
+    in that order; ``build_model`` applies it on the meta device, before any memory exists."""
     layers = model.model.layers
     if cfg.activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -87,7 +115,6 @@ def prepare(model: nn.Module, cfg: ModelConfig, device: torch.device, world_size
     if cfg.compile:
         for layer in layers:
             layer.compile()
-    dtype = param_dtype(cfg, device)
     if dtype != torch.float32:
         model.to(dtype)
     if world_size > 1:

@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         msg = f"tokenizer has {tokenizer.vocab_size} ids; model.vocab_size={job.model.vocab_size}"
         warnings.warn(msg, stacklevel=1)
     train_loader, val_loader = data.build_loaders(job.data, tokenizer, t.batch_size, rank, world)
-    model = modeling.prepare(modeling.build_model(job.model, device), job.model, device, world)
+    dtype = modeling.param_dtype(job.model, device)  # built in it: never held in fp32
+    model = modeling.build_model(job.model, device, dtype=dtype, world_size=world)
     opt = optimizers.build_optimizer(model, o, t.steps)
     sched = optimizers.build_scheduler(opt, o, t.steps)
     updates = None
