@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 RMSNORM = "RMSNorm"
 
@@ -55,6 +56,8 @@ class InitOrder:
         ctor, post = [], []
         for _, m in _weighted(base):
             if isinstance(m, nn.Embedding):
+                if m.padding_idx is not None:  # transformers zeroes that row: not replayed
+                    raise ValueError("cannot initialize an embedding with a padding_idx")
                 ctor.append((m, "embedding"))
                 post.append((m, "normal"))
             elif isinstance(m, nn.Linear):
@@ -118,8 +121,6 @@ def _draw(kind: str, shape: torch.Size, std: float, device: torch.device) -> tor
 def _write(param: torch.Tensor, full: torch.Tensor) -> None:
     """``full`` (the whole fp32 tensor, on every rank) into ``param`` or its local shard, cast
     to the parameter's dtype by ``copy_``."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     if isinstance(param, DTensor):
         part = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         param.to_local().copy_(part.to_local())
