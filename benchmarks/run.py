@@ -17,6 +17,8 @@ Usage (repository root, venv with the ``bench`` extra, a quiet machine)::
     python -m benchmarks.run --tasks kernels [--repeats 50 --warmup 10 --json k.json]  # CUDA
     python -m benchmarks.run --tasks adafactor_step --no-write   # print, write nothing
     python -m benchmarks.run --tasks compile_step --out /tmp/compile.md  # torch.compile, CPU
+    python -m benchmarks.run --tasks fit_24gb [--card-gib 23.5]  # opt-in: llama_7b, GPU
+    python -m benchmarks.run --tasks fit_24gb --config tiny --steps 2 --no-write  # CPU smoke
 
 Output goes to ``BENCHMARKS.md`` at the repository root; ``--quick`` (a smoke test: small
 sizes, numbers not meaningful) writes ``runs/BENCHMARKS-quick.md`` instead (``/runs/`` is
@@ -92,12 +94,18 @@ TASKS: dict[str, Task] = {
                            "GaLoreAdafactor step vs galore-torch's, per weight shape"),
     "compile_step": Task("compile_step", "compile_step",
                          "torch.compile: compiled vs eager optimizer step (CPU)"),
+    "build_memory": Task("build_memory", "build_memory",
+                         "Building the recipe's model: peak memory over the weights (CPU)"),
+    "fit_24gb": Task("fit_24gb", "fit_24gb",
+                     "Llama-7B on one 24 GB GPU: build peak, training peak, planner, tokens/s"),
     "scale_check": Task("scale_check", "scale_check",
                         "Side-by-side suite: scale check (~20M-parameter Llama, best tiny lrs)",
                         "suite_scale_check"),
 }  # fmt: skip
 DEFAULT = ("peers", "state_7b", "footprint", "convergence")
-OPT_IN = ("scale_check",)  # hours on a CPU: run by name only, in no group
+# by name only, in no group: hours on a CPU (scale_check); a GPU session's job (fit_24gb:
+# llama_7b under a capped allocator; --config tiny runs it on a CPU)
+OPT_IN = ("scale_check", "fit_24gb")
 GROUPS = {  # --tasks names that stand for several tasks
     "suite": DEFAULT,
     "core": ("refresh", "step_time", "step_counts", "memory_7b", "traffic_7b", "recipe_tiny",
@@ -127,7 +135,7 @@ def listing() -> str:
     lines = []
     for name, t in TASKS.items():
         notes = [x for x in ("default" if name in DEFAULT else "",
-                             "opt-in: by name only, hours on CPU" if name in OPT_IN else "",
+                             "opt-in: by name only" if name in OPT_IN else "",
                              "needs CUDA" if t.needs_cuda else "") if x]  # fmt: skip
         extra = f" [{', '.join(notes)}]" if notes else ""
         lines.append(f"{name:17} benchmarks/{t.module}.py: {t.title}{extra}")
@@ -194,7 +202,14 @@ def arg_parser() -> argparse.ArgumentParser:
                        "convergence: and targets) from a cut-off run's saved results, "
                        "running nothing")  # fmt: skip
     suite.add_argument("--steps", type=int, default=None,
-                       help="scale_check: training steps per run (1500; --quick: 6)")  # fmt: skip
+                       help="scale_check: training steps per run (1500; --quick: 6); "
+                       "fit_24gb: steps per setting (4; --quick: 2)")  # fmt: skip
+    fit = p.add_argument_group("fit_24gb (a GPU session's task)")
+    fit.add_argument("--config", default=None,
+                     help="fit_24gb: recipe config (llama_7b; --quick: tiny, which runs on "
+                     "a CPU)")  # fmt: skip
+    fit.add_argument("--card-gib", type=float, default=23.5,
+                     help="fit_24gb: the CUDA allocator's cap in GiB (23.5: a 24 GB card)")
     timing = p.add_argument_group("timing tasks")
     timing.add_argument("--repeats", type=int, default=None,
                         help="timed repeats (refresh: 5, 2 with --quick; kernels: 50)")  # fmt: skip

@@ -178,11 +178,12 @@ def test_registry_lists_every_task_and_resolves_each():
                 "step_time", "step_counts", "memory_7b", "traffic_7b", "recipe_tiny",
                 "recipe_memory_7b", "throughput", "ranger21", "basis_quant", "low_memory", "kernels",
                 "gpu_step",
-                "adafactor_step", "compile_step", "scale_check"}  # fmt: skip
+                "adafactor_step", "compile_step", "scale_check", "build_memory", "fit_24gb"}  # fmt: skip
     assert set(run.TASKS) == expected
     assert set(run.DEFAULT) == {"peers", "state_7b", "footprint", "convergence"}
-    assert run.parse_tasks("all") == [n for n in run.TASKS if n != "scale_check"]  # opt-in
-    assert all("scale_check" not in tasks for tasks in run.GROUPS.values())
+    opt_in = ("scale_check", "fit_24gb")
+    assert run.parse_tasks("all") == [n for n in run.TASKS if n not in opt_in]
+    assert all(n not in tasks for tasks in run.GROUPS.values() for n in opt_in)
     assert run.parse_tasks("scale_check") == ["scale_check"]
     assert run.parse_tasks("step_time,refresh") == ["refresh", "step_time"]  # registry order
     with pytest.raises(ValueError, match="unknown tasks 'a', 'b'"):
@@ -192,10 +193,11 @@ def test_registry_lists_every_task_and_resolves_each():
         fn = getattr(importlib.import_module(f"benchmarks.{task.module}"), task.function)
         params = set(inspect.signature(fn).parameters)
         assert params <= {"quick", "suite", "repeats", "rounds", "warmup", "json_path",
-                          "steps"}, name  # fmt: skip
+                          "steps", "config", "card_gib"}, name  # fmt: skip
         assert name in listing and task.title in listing
     assert "needs CUDA" in listing.splitlines()[list(run.TASKS).index("kernels")]
-    assert "opt-in" in listing.splitlines()[list(run.TASKS).index("scale_check")]
+    for name in opt_in:
+        assert "opt-in" in listing.splitlines()[list(run.TASKS).index(name)]
 
 
 def test_gpu_task_without_cuda_says_it_needs_cuda(capsys, tmp_path):
