@@ -21,7 +21,9 @@ On CUDA the allocator is capped first (``torch.cuda.set_per_process_memory_fract
 
 Settings: seq 2048 (the llama_7b config: batch 1) and GaLore's own (seq 256, batch 16); on
 a CPU (``--config tiny``) the same runs at 1/16 of the sequence lengths, with no cap and no
-CUDA peaks (the table says "not measured"): a structural check only.
+CUDA peaks (the table says "not measured"): a structural check only. Each setting's process
+is stopped after ``GALORE2_FIT_TIMEOUT`` seconds (600; benchmarks/gpu_session.sh sets less)
+and its row says so.
 """
 
 from __future__ import annotations
@@ -170,7 +172,8 @@ def fit_24gb(quick: bool, config: str | None, steps: int | None, card_gib: float
     for label, seq, batch in settings(config):
         planned = planner_bytes(config, seq, batch, card_gib)
         r = run_child("--config", config, "--seq-len", str(seq), "--batch-size", str(batch),
-                      "--steps", str(steps), "--card-gib", str(card_gib))  # fmt: skip
+                      "--steps", str(steps), "--card-gib", str(card_gib),
+                      timeout=float(os.environ.get("GALORE2_FIT_TIMEOUT", "600")))  # fmt: skip
         if "error" in r:
             failures.append(f"{label}: {r['error']}")
             rows.append([label, "failed", "failed", _gb(planned["total"]), "", ""])
