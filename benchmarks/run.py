@@ -209,7 +209,7 @@ def arg_parser() -> argparse.ArgumentParser:
                      help="fit_24gb: recipe config (llama_7b; --quick: tiny, which runs on "
                      "a CPU)")  # fmt: skip
     fit.add_argument("--card-gib", type=float, default=23.5,
-                     help="fit_24gb: the CUDA allocator's cap in GiB (23.5: a 24 GB card)")
+                     help="fit_24gb: the CUDA allocator's cap in GiB (23.5: a 24 GB card)")  # fmt: skip
     timing = p.add_argument_group("timing tasks")
     timing.add_argument("--repeats", type=int, default=None,
                         help="timed repeats (refresh: 5, 2 with --quick; kernels: 50)")  # fmt: skip

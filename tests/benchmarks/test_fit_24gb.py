@@ -51,7 +51,7 @@ def test_section_reports_peaks_planner_and_failures(monkeypatch):
 
 
 def test_tiny_setting_runs_on_cpu_with_the_planner_beside_it():
-    label, seq, batch = fit_24gb.settings("tiny")[1]
+    _, seq, batch = fit_24gb.settings("tiny")[1]
     r = fit_24gb.run_child("--config", "tiny", "--seq-len", str(seq), "--batch-size",
                            str(batch), "--steps", "2")  # fmt: skip
     assert "error" not in r, r.get("stderr", r)

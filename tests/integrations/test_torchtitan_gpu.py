@@ -33,9 +33,8 @@ def test_assets_are_what_the_debug_config_reads(tmp_path, monkeypatch):
     tok = HuggingFaceTokenizer(tokenizer_path=config.hf_assets_path)
     assert tok.get_vocab_size() == tg.VOCAB <= 2048  # fits the debug model's embedding
     ids = tok.encode("def f(x): return x", add_bos=True, add_eos=True)
-    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and tok.decode(ids[1:-1]) == (
-        "def f(x): return x"
-    )
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert tok.decode(ids[1:-1]) == "def f(x): return x"
     dataset = HuggingFaceTextDataset(config.dataloader.dataset, None, tok, seq_len=64)
     sample, label = next(iter(dataset))
     assert sample["input"].shape == label.shape == (64,)
