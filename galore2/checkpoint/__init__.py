@@ -266,12 +266,11 @@ def _optimizer_state(
     state = get_optimizer_state_dict(model, optimizer, options=_options(flatten))
     if metadata is not None:
         all_options = getattr(type(optimizer), "all_options", None)
+        options = all_options() if callable(all_options) else None
         try:
             layout.check(folder, metadata, state, "optim", exact=False)
             with _quiet_single_process():
-                layout.check_options(
-                    folder, state, all_options() if callable(all_options) else None
-                )
+                layout.check_options(folder, state, options)
         except CheckpointError:
             if fresh:
                 optimizer.state.clear()
