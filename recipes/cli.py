@@ -18,7 +18,16 @@ from typing import Any
 
 from .divergence import Diverged
 
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
+#: a bad setting, a missing file, data that cannot be read, an out dir that is a file or
+#: holds another run, a folder we may not write into (UnicodeDecodeError is a ValueError)
+USER_ERRORS = (
+    ValueError,
+    TypeError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    PermissionError,
+)
 DEBUG_FLAG, DEBUG_ENV = "--debug", "GALORE2_DEBUG"
 DEBUG_HELP = "errors print one line; --debug (or GALORE2_DEBUG=1) shows the full traceback"
 

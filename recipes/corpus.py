@@ -21,6 +21,7 @@ whose rows carry ``data.text_field``.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import hashlib
 import importlib
@@ -194,6 +195,29 @@ def local_files(path: str | Path) -> tuple[str, list[str]]:
     return builders.pop(), [str(f) for f in files]
 
 
+def check_utf8(files: list[str], where: str) -> None:
+    """``ValueError`` naming the first of ``files`` that is not UTF-8 text, with the byte
+    offset of the first undecodable byte."""
+    for path in files:
+        decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+        with open(path, "rb") as f:
+            while True:
+                chunk = f.read(1 << 20)
+                pending = decoder.getstate()[0]  # an incomplete sequence from the last chunk
+                try:
+                    decoder.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as e:
+                    bad = e.object[e.start : e.start + 1].hex()
+                    raise ValueError(
+                        f"{where}: {path} is not UTF-8 text (byte 0x{bad} at offset "
+                        f"{offset - len(pending) + e.start}); convert it to UTF-8 "
+                        "(e.g. iconv -f latin1 -t utf-8)"
+                    ) from None
+                if not chunk:
+                    break
+                offset += len(chunk)
+
+
 def _text_only(ds: Any, text_field: str, where: str) -> Any:
     """Keep only ``text_field`` of a map-style dataset, renamed to ``"text"``."""
     if text_field not in ds.column_names:
@@ -216,10 +240,12 @@ def load_local(path: str, text_field: str, cache_dir: str | None = None) -> Any:
         ds = datasets.load_dataset(
             builder, data_files=files, split="train", cache_dir=cache_dir, **kwargs
         )
-    except datasets.exceptions.DatasetGenerationError:
-        if builder == "json":  # name the file and line, then fall back to datasets' error
+    except datasets.exceptions.DatasetGenerationError as e:
+        check_utf8(files, where)  # name the file and the place, else datasets' own cause
+        if builder == "json":
             check_records(files, text_field, where)
-        raise
+        cause = e.__cause__ or e
+        raise ValueError(f"{where}: cannot be read: {type(cause).__name__}: {cause}") from e
     if builder == "text":  # paragraphs split at "\n\n" keep stray newlines at their ends
         return ds.map(_strip_newlines, batched=True, desc="paragraphs")
     ds = _text_only(ds, text_field, where)

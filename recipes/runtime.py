@@ -20,6 +20,12 @@ def setup(job: JobConfig) -> tuple[int, int, torch.device]:
     )
     if job.train.device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"train.device must be auto, cpu or cuda; got {job.train.device!r}")
+    if job.train.device == "cuda" and not torch.cuda.is_available():
+        why = "is built without CUDA" if torch.version.cuda is None else "sees no CUDA device"
+        raise ValueError(
+            f"train.device cuda: this torch ({torch.__version__}) {why}; "
+            "use --train.device cpu, or auto (CUDA when there is one)"
+        )
     cuda = job.train.device == "cuda" or (job.train.device == "auto" and torch.cuda.is_available())
     if cuda:
         local = int(os.environ.get("LOCAL_RANK", "0"))

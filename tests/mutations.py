@@ -92,10 +92,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "batched_decay",
         "galore2/core/optimizer.py",
-        "apply_update(params[i], u, lr, decay)",
-        "apply_update(params[i], u, lr, decay if len(chunk) == 1 else 1.0)",
+        "            torch._foreach_mul_(ps, decay)\n",
+        "            pass\n",
         ("tests/core/test_foreach.py",),
-        "the batched (foreach) step drops weight decay",
+        "the batched (foreach) step drops the weight decay of dense updates",
     ),
     Mutation(
         "moments_rotation",
@@ -156,8 +156,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "stable_wd_sigma",
         "galore2/optim/weights.py",
-        "sigma = math.sqrt(max(float(stats.second_moment_mean), 0.0))",
-        "sigma = max(float(stats.second_moment_mean), 0.0)",
+        "sigma = stats.second_moment_mean.clamp(min=0.0).sqrt()",
+        "sigma = stats.second_moment_mean.clamp(min=0.0)",
         (
             "tests/optim/test_ranger_modules.py::"
             "test_stable_weight_decay_reaches_every_parameter_with_sigma_from_adam_states",
@@ -257,6 +257,132 @@ MUTATIONS: tuple[Mutation, ...] = (
         "slow.lerp_(w, 1.0 - alpha)",
         ("tests/optim/test_ranger_modules.py", "tests/optim/test_ranger21.py"),
         "lookahead moves the slow weights by 1 − α",
+    ),
+    # ---- issue 30: behaviours no test pinned, and the checkpoint folder's one run ----------
+    Mutation(
+        "older_step_vs_oldest",
+        "galore2/checkpoint/runs.py",
+        "if existing and existing[-1][0] > step:",
+        "if existing and existing[0][0] > step:",
+        (
+            "tests/fsdp/test_checkpoint_runs.py::"
+            "test_older_step_is_compared_with_the_newest_checkpoint",
+        ),
+        "a save is compared with the oldest checkpoint in the folder, not the newest",
+    ),
+    Mutation(
+        "checkpoint_takeover",
+        "galore2/checkpoint/runs.py",
+        "run_id = _implicit(root, step, optimizer, existing, by_step)",
+        "run_id = (by_step[existing[-1][0]] if existing else None) or new_run_id()",
+        ("tests/fsdp/test_checkpoint_runs.py::test_another_model_cannot_take_over_a_folder",),
+        "a save without run_id takes the id of the folder's newest checkpoint, whoever saves",
+    ),
+    Mutation(
+        "recordless_options_unchecked",
+        "galore2/checkpoint/__init__.py",
+        "layout.check_options(folder, state, options)",
+        "layout.check_options(folder, state, None)",
+        ("tests/fsdp/test_checkpoint_runs.py::test_refused_load_without_record_changes_nothing",),
+        "a checkpoint without galore2.json is loaded before its group options are compared",
+    ),
+    Mutation(
+        "shard_size_one_way",
+        "galore2/checkpoint/files.py",
+        "elif size != files[n][0]:",
+        "elif size < files[n][0]:",
+        (
+            "tests/fsdp/test_checkpoint_records.py::"
+            "test_a_shard_that_grew_is_refused_without_checksums",
+        ),
+        "a shard that grew passes the size check (verify=False loads it)",
+    ),
+    Mutation(
+        "skip_streak_total",
+        "recipes/divergence.py",
+        "self.streak = self.streak + 1 if new else 0",
+        "self.streak = self.streak + 1 if new else self.streak",
+        ("tests/recipes/test_divergence_streak.py",),
+        "the divergence stop counts every skipping step, not consecutive ones",
+    ),
+    Mutation(
+        "resume_seed_free",
+        "recipes/resume.py",
+        '"train.grad_accum", "train.seed"))',
+        '"train.grad_accum"))',
+        ("tests/recipes/test_resume.py::test_resume_with_another_train_seed_is_refused",),
+        "a resume with another train.seed is accepted (the epoch shuffle changes)",
+    ),
+    Mutation(
+        "hf_weight_decay_setting",
+        "galore2/integrations/transformers.py",
+        '(optimizer_wide.get("weight_decay", args.weight_decay), True),',
+        "(args.weight_decay, True),",
+        (
+            "tests/integrations/test_hf_trainer.py::"
+            "test_weight_decay_setting_reaches_the_decayed_groups_only",
+        ),
+        "HF: weight_decay from optim_args / create_optimizer never reaches the decayed groups",
+    ),
+    Mutation(
+        "hf_no_decay_groups",
+        "galore2/integrations/transformers.py",
+        "            (0.0, False),\n",
+        '            (optimizer_wide.get("weight_decay", args.weight_decay), False),\n',
+        (
+            "tests/integrations/test_hf_trainer.py::"
+            "test_weight_decay_setting_reaches_the_decayed_groups_only",
+        ),
+        "HF: biases and norm weights are decayed by the galore2 weight_decay setting",
+    ),
+    Mutation(
+        "polar_cutoff",
+        "galore2/optim/muon.py",
+        "keep = lam > lam.amax().clamp(min=0) * POLAR_RTOL",
+        "keep = lam > 0",
+        (
+            "tests/optim/test_muon.py::"
+            "test_polar_of_a_rank_deficient_product_drops_the_null_directions",
+        ),
+        "Muon's exact polar factor inverts rounding-level eigenvalues (no relative cutoff)",
+    ),
+    Mutation(
+        "plan_recompute",
+        "galore2/plan/formulas.py",
+        "a * t * shapes.vocab_size + bwd + (layer if checkpointing else 0)",
+        "a * t * shapes.vocab_size + bwd",
+        ("tests/plan/test_formulas_pinned.py",),
+        "the planner's checkpointed peak leaves out the recomputed layer",
+    ),
+    Mutation(
+        "plan_fp32_reduce_scatter",
+        "galore2/plan/formulas.py",
+        "out += unit + (unit * 4 // p if p < 4 else 0)",
+        "out += unit",
+        ("tests/plan/test_formulas_pinned.py",),
+        "the planner leaves out FSDP's fp32 reduce-scatter input of a bf16 unit's gradient",
+    ),
+    Mutation(
+        "alias_options_refused",
+        "galore2/core/resume.py",
+        "old, new = _normalized(option, saved[name]), group[name]",
+        "old, new = saved[name], group[name]",
+        (
+            "tests/core/test_load_state_dict.py::"
+            "test_alias_option_values_of_an_older_release_load_silently",
+        ),
+        "an older release's alias option values (state_dtype 'bf16') are refused on load",
+    ),
+    Mutation(
+        "subnormal_scale",
+        "galore2/storage/basis.py",
+        "ok = amax >= _TINY * self.qmax",
+        "ok = amax > 0",
+        (
+            "tests/storage/test_basis_quant.py::"
+            "test_a_group_with_subnormal_absmax_stores_scale_zero",
+        ),
+        "a quantized-basis group with subnormal absmax stores a subnormal scale",
     ),
 )
 

@@ -7,15 +7,20 @@ wrote in ``galore2.json`` (:mod:`.record`: run id, optimizer, groups, shapes, fi
 checksums, your ``meta``), and rank 0 renames the folder only after every rank finished,
 so a writer killed mid-save leaves the previous checkpoint intact. The newest ``keep``
 checkpoints are kept. A root holds one run: saving a step older than the newest one
-there, or into a root holding another run's checkpoints (``run_id``), is an error.
+there, into a root holding another run's checkpoints (``run_id``), or — without a
+``run_id`` — by an optimizer that neither saved into nor loaded from that root
+(:mod:`.runs`) is an error, as is a second process saving into the root at the same time
+(:class:`CheckpointBusy`); all are refused before anything is written or pruned.
 
 ``load_checkpoint(root, model, optimizer)`` loads the newest complete
 checkpoint into the current model/optimizer — at any world size, FSDP2 or
 not: DTensor state (moments sharded by rows or columns, bases, replicated
-pieces) is resharded by DCP. It returns the ``extra`` dict saved with it (or
-``None`` when there is no checkpoint). Before DCP reads anything it checks the record:
-damaged files raise :class:`CheckpointCorrupt`, a checkpoint of another optimizer,
-rank, projector or model raises :class:`CheckpointMismatch`; both name the folder.
+pieces) is resharded by DCP. It returns the ``extra`` dict saved with it (``None`` for a
+folder without checkpoints; a missing root or a file is a ``FileNotFoundError``). Before
+anything changes it checks the record: damaged files raise :class:`CheckpointCorrupt`, a
+checkpoint of another optimizer, rank, projector or model raises
+:class:`CheckpointMismatch`; both name the folder. A checkpoint without a record (older
+releases) is compared with DCP's metadata (names, shapes) instead.
 
 Optimizer state goes through ``get_optimizer_state_dict`` /
 ``set_optimizer_state_dict``; galore2's optimizers create every state key at
@@ -45,11 +50,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from . import _dist, files, record
-from .errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, from_dcp
+from . import _dist, files, layout, record, runs
+from .errors import CheckpointBusy, CheckpointCorrupt, CheckpointError, CheckpointMismatch, from_dcp
 from .record import new_run_id, read
+from .runs import run_of
 
 __all__ = [
+    "CheckpointBusy",
     "CheckpointCorrupt",
     "CheckpointError",
     "CheckpointMismatch",
@@ -57,6 +64,7 @@ __all__ = [
     "load_checkpoint",
     "new_run_id",
     "read_record",
+    "run_of",
     "save_checkpoint",
     "set_aside",
 ]
@@ -113,39 +121,6 @@ def _int(name: str, value: Any, low: int) -> None:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
-def _owner(root: Path, step: int, run_id: str | None) -> str:
-    """The run id this save writes under; ``ValueError`` if ``root`` holds a newer step or
-    another run's checkpoints (one root, one run: pruning goes by step number)."""
-    existing = list_checkpoints(root)
-    if existing and existing[-1][0] > step:
-        raise ValueError(
-            f"cannot save step {step} into {root}: it holds {existing[-1][1].name}, a newer "
-            "step, and keeping the newest checkpoints would delete this one or mix two runs. "
-            "Save into another folder, or move the newer checkpoints away first (set_aside "
-            "does that for a damaged one)"
-        )
-    owners: dict[str, list[int]] = {}
-    for s, path in existing:
-        try:
-            found = read(path)
-        except CheckpointError:
-            continue  # a damaged record: its run is unknown
-        if found is not None:
-            owners.setdefault(found["run_id"], []).append(s)
-    if run_id is None:  # continue the run of the newest checkpoint, else a new one
-        newest = [r for r, steps in owners.items() if existing and existing[-1][0] in steps]
-        run_id = newest[0] if newest else new_run_id()
-    others = {r: steps for r, steps in owners.items() if r != run_id}
-    if others:
-        other, steps = next(iter(others.items()))
-        raise ValueError(
-            f"cannot save run {run_id} into {root}: it holds checkpoints of run {other} "
-            f"(steps {steps}); a checkpoint folder holds one run. Save into another folder, "
-            "or remove those checkpoints first"
-        )
-    return run_id
-
-
 def save_checkpoint(
     root: str | os.PathLike,
     step: int,
@@ -160,16 +135,30 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint ``step`` atomically and keep the newest ``keep``; returns its path.
 
-    ``run_id`` names the run (default: the run of the newest checkpoint in ``root``, or a
-    new id); ``meta`` is any JSON object stored in the record (``read_record``). Saving the
-    same step again replaces it; a step older than the newest in ``root``, or another run's
-    id, raises ``ValueError`` before anything is written.
+    A folder holds one run. ``run_id`` names the run explicitly; without it, a save into a
+    folder holding checkpoints continues the run of the newest one only if this
+    ``optimizer`` belongs to it — it saved into that folder, or ``load_checkpoint`` loaded
+    it from there, in this process (:func:`run_of`) — and an empty folder starts a new run
+    (or continues the optimizer's). ``meta`` is any JSON object stored in the record
+    (``read_record``). Saving the same step again replaces it. A step older than the
+    newest in ``root``, another run's id, or a save by an optimizer that did not save into
+    or load from the folder raises ``ValueError``; another process saving into ``root`` at
+    the same time raises :class:`CheckpointBusy`; all before anything is written or pruned.
     """
     _int("step", step, 0)
     _int("keep", keep, 1)
     meta = record.check_meta(meta)
     root = Path(root)
-    run_id = _owner(root, step, run_id)
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(f"cannot save a checkpoint into {root}: it is a file")
+    with runs.writer_lock(root):
+        run_id = runs.choose(root, step, run_id, optimizer, list_checkpoints(root))
+        final = _write(root, step, model, optimizer, extra, flatten, run_id, meta, keep)
+    runs.remember(optimizer, run_id, root)
+    return final
+
+
+def _write(root, step, model, optimizer, extra, flatten, run_id, meta, keep) -> Path:
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}"
     if _dist.rank() == 0:
@@ -218,21 +207,75 @@ def _check(
     optimizer: torch.optim.Optimizer,
     model_state: dict[str, Any],
     verify: bool,
-) -> bool:
-    """Check ``folder`` before DCP reads it; whether its files were verified intact."""
+) -> tuple[bool, Any]:
+    """Check ``folder`` before DCP reads it (a checkpoint without a record: its model part
+    against DCP's metadata); (whether its files were verified intact, DCP's metadata when
+    there is no record)."""
     if saved is None:
         _warn_once(
             f"checkpoint {folder} has no {record.FILE} (written by an older galore2): "
-            "loading it without checking that it fits this model and optimizer"
+            "checking it against DCP's metadata only (names and shapes)"
         )
         if not (folder / ".metadata").is_file():
             raise CheckpointCorrupt(f"checkpoint {folder} is damaged: .metadata is missing", folder)
-        return False
+        metadata = layout.stored(folder)
+        layout.check(folder, metadata, model_state, "model", exact=True)
+        return False, metadata
     all_options = getattr(type(optimizer), "all_options", None)
     now = record.describe(model, optimizer, model_state)
     record.check_fits(saved, now, folder, all_options() if callable(all_options) else None)
     files.verify(folder, saved["files"], checksums=verify)
-    return verify
+    return verify, None
+
+
+def _folder(root: str | os.PathLike, step: int | None) -> Path | None:
+    """The checkpoint folder to load (``None``: ``root`` is a folder with no checkpoint);
+    ``FileNotFoundError`` naming ``root`` when it is missing, a file, or a checkpoint."""
+    root = Path(root)
+    if not root.exists():
+        raise FileNotFoundError(f"no checkpoint folder {root}: it does not exist")
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"{root} is a file; load_checkpoint takes the folder save_checkpoint wrote into"
+        )
+    found = dict(list_checkpoints(root))
+    if not found and _DONE.match(root.name) and (root / ".metadata").exists():
+        raise FileNotFoundError(
+            f"{root} is a checkpoint, not a folder of checkpoints: pass {root.parent} "
+            f"(and step={int(root.name[5:])} for this one)"
+        )
+    if not found:
+        return None
+    step = max(found) if step is None else step
+    if step not in found:
+        raise FileNotFoundError(f"no complete checkpoint for step {step} under {root}")
+    return found[step]
+
+
+def _optimizer_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    flatten: bool,
+    folder: Path,
+    metadata: Any,
+) -> dict[str, Any]:
+    """The optimizer's state dict to load into. DCP's helper creates the state of an
+    optimizer that has none (a zero-gradient step); a checkpoint without a record is then
+    compared with it, and a refusal removes that state again."""
+    fresh = not optimizer.state
+    state = get_optimizer_state_dict(model, optimizer, options=_options(flatten))
+    if metadata is not None:
+        all_options = getattr(type(optimizer), "all_options", None)
+        options = all_options() if callable(all_options) else None
+        try:
+            layout.check(folder, metadata, state, "optim", exact=False)
+            with _quiet_single_process():
+                layout.check_options(folder, state, options)
+        except CheckpointError:
+            if fresh:
+                optimizer.state.clear()
+            raise
+    return state
 
 
 def load_checkpoint(
@@ -247,26 +290,26 @@ def load_checkpoint(
 ) -> dict[str, Any] | None:
     """Load checkpoint ``step`` (default: the newest complete one); returns its ``extra``.
 
+    ``root`` is the folder ``save_checkpoint`` wrote into: ``FileNotFoundError`` naming it
+    when it does not exist or is a file (a mistyped resume path never restarts a run from
+    scratch); ``None`` when it is a folder without checkpoints (nothing to resume).
     ``extra`` is a template of what was saved (DCP loads into existing objects): pass
     the same keys with placeholder values of the same kinds (tensors, ints...).
     Raises :class:`CheckpointMismatch` (a ``ValueError``) when the checkpoint holds another
     optimizer / rank / projector / model, :class:`CheckpointCorrupt` when its files are
-    damaged (``verify``: check every file's CRC-32 first; sizes are always checked).
+    damaged (``verify``: check every file's CRC-32 first; sizes are always checked). Every
+    check runs before any weight or state changes. A loaded ``optimizer`` belongs to the
+    checkpoint's run (:func:`run_of`): ``save_checkpoint`` into ``root`` continues it.
     """
-    found = dict(list_checkpoints(root))
-    if not found:
+    folder = _folder(root, step)
+    if folder is None:
         return None
-    if step is None:
-        step = max(found)
-    if step not in found:
-        raise FileNotFoundError(f"no complete checkpoint for step {step} under {root}")
-    folder = found[step]
     saved = read(folder)
     model_state = get_model_state_dict(model)
-    intact = _check(folder, saved, model, optimizer, model_state, verify)
+    intact, metadata = _check(folder, saved, model, optimizer, model_state, verify)
     state = {
         "model": model_state,
-        "optim": get_optimizer_state_dict(model, optimizer, options=_options(flatten)),
+        "optim": _optimizer_state(model, optimizer, flatten, folder, metadata),
         "extra": dict(extra or {}),
     }
     try:
@@ -281,4 +324,5 @@ def load_checkpoint(
         raise
     except (KeyError, RuntimeError, ValueError) as e:
         raise CheckpointMismatch(f"checkpoint {folder} does not fit: {e}", folder) from e
+    runs.remember(optimizer, saved["run_id"] if saved is not None else new_run_id(), Path(root))
     return state["extra"]

@@ -1,6 +1,7 @@
-"""Why a checkpoint folder cannot be loaded: damaged files, or a state that does not fit.
+"""Why a checkpoint folder cannot be loaded — damaged files, or a state that does not fit —
+or saved into (another process is saving there).
 
-Both are ``Exception`` subclasses naming the folder (``path``). DCP reports its own load
+All are ``Exception`` subclasses naming the folder (``path``). DCP reports its own load
 failures as ``CheckpointException``, a ``BaseException`` that ``except Exception`` misses
 and whose message names neither the folder nor the cause: :func:`from_dcp` turns it into
 one of these.
@@ -17,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 
 class CheckpointError(Exception):
-    """A checkpoint folder that cannot be loaded into this model / optimizer."""
+    """A checkpoint folder that cannot be loaded into this model / optimizer, or saved into."""
 
     def __init__(self, message: str, path: str | os.PathLike | None = None) -> None:
         super().__init__(message)
@@ -32,6 +33,11 @@ class CheckpointCorrupt(CheckpointError):
 class CheckpointMismatch(CheckpointError, ValueError):
     """The files are intact but hold another state: another optimizer, other non-resumable
     settings (rank, projector...), other parameter shapes or parameter groups."""
+
+
+class CheckpointBusy(CheckpointError, RuntimeError):
+    """Another process is saving into the same checkpoint folder (it holds the folder's
+    ``.lock``): a folder holds one run, written by one writer at a time."""
 
 
 #: read errors that mean damaged or incomplete files, not a state that does not fit

@@ -46,7 +46,7 @@ from ..kernels.dispatch import run_kernel
 from ..placement import LOCAL, Placement
 from .modules import GradientTransform, LRSchedule, ParamTransform, run_param_transforms
 from .nonfinite import SKIPS, NonFinitePolicy, read_flags
-from .options import Bool, LearningRate, Option, Optional, Real, closest, collect, resolve
+from .options import Bool, LearningRate, Option, Optional, Real, closest, collect, hints, resolve
 from .resume import SCHEDULED, compare_groups, compare_state, known_prefixes, refusal
 from .state import counter
 from .transform import Context, LowRankUpdate, Transform, init_chain, run_chain, state_kind, walk
@@ -163,7 +163,7 @@ class ChainOptimizer(torch.optim.Optimizer):
             self._derive()
 
     def _hints(self, keys: Sequence[str]) -> str:
-        return "".join(f". {self.option_hints[k]}" for k in keys if k in self.option_hints)
+        return hints(self.option_hints, keys)
 
     @classmethod
     def declared_options(cls, chain: Sequence[Any] = ()) -> dict[str, Option]:

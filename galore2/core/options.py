@@ -327,6 +327,14 @@ def markdown_table(options: Mapping[str, Option]) -> str:
     return "\n".join(rows)
 
 
+def hints(option_hints: Mapping[str, str], unknown: Iterable[str]) -> str:
+    """``". HINT"`` for the unknown keys that have a hint (a preset's ``option_hints``), each
+    distinct hint once (Ranger21 says "GaLore options ... need GaLoreRanger21" once for
+    ``rank`` and ``update_proj_gap``)."""
+    found = dict.fromkeys(option_hints[k] for k in unknown if k in option_hints)
+    return "".join(f". {hint}" for hint in found)
+
+
 def closest(unknown: Iterable[str], known: Iterable[str]) -> str:
     """The hint \", did you mean 'rank' (for 'rnak')?\" for unknown keys with a close match."""
     known = list(known)

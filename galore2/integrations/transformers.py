@@ -32,7 +32,7 @@ from torch import nn
 from transformers.trainer_utils import check_target_module_exists
 
 from ..core.optimizer import ChainOptimizer
-from ..core.options import Option
+from ..core.options import Option, closest, hints
 from ..core.transform import walk
 from ..groups import _output_head_names, param_groups
 from ..optim.adam import BETAS
@@ -59,25 +59,40 @@ def parse_optim_args(optim_args: str | None, optimizer_cls: type = GaLoreAdamW) 
     """Parse ``TrainingArguments.optim_args`` (``"rank=128,update_proj_gap=200,scale=0.25"``).
 
     Each value is parsed by the option it sets (ints, floats, bools ``true``/``false``,
-    ``none``, pairs ``a,b`` in parentheses: ``betas=(0.9,0.95)``) and validated; unknown
-    keys and malformed entries raise ``ValueError`` naming them.
+    ``none``, pairs ``a,b`` in parentheses: ``betas=(0.9,0.95)``) and validated. Entries
+    are separated by commas (spaces around them are ignored); a malformed entry (a missing
+    comma: ``"rank=8 scale=0.25"``), a key set twice and unknown keys raise ``ValueError``
+    quoting the text as given.
     """
     out: dict[str, Any] = {}
     if not optim_args:
         return out
     options = allowed_settings(optimizer_cls)
-    for item in _split_items(optim_args.replace(" ", "")):
-        key, sep, value = item.partition("=")
+    where = f"optim_args={optim_args!r}"
+    entries: dict[str, str] = {}
+    for item in _split_items(optim_args):
+        key, sep, value = (part.strip() for part in item.partition("="))
         if not sep or not key:
-            raise ValueError(f"optim_args entries must look like key=value, got {item!r}")
-        _check_keys([key], "optim_args", optimizer_cls)
+            raise ValueError(f"{where}: entries must look like key=value, got {item.strip()!r}")
+        if value.startswith("("):  # a pair: betas=(0.9, 0.95)
+            value = "".join(value.split())
+        elif any(ch.isspace() for ch in value + key):
+            raise ValueError(
+                f"{where}: {item.strip()!r} is not one key=value; entries are separated by "
+                "commas (rank=8,scale=0.25)"
+            )
+        if key in entries:
+            raise ValueError(f"{where}: {key!r} is set twice; set each key once")
+        entries[key] = value
+    _check_keys(entries, where, optimizer_cls)  # every unknown key at once, each hint once
+    for key, value in entries.items():
         if key == TARGET_MODULES:
             out[key] = value
             continue
         try:
             out[key] = options[key].parse(value)
         except ValueError as e:
-            raise ValueError(f"optim_args: {e}") from None
+            raise ValueError(f"{where}: {e}") from None
     return out
 
 
@@ -90,7 +105,7 @@ def _split_items(text: str) -> list[str]:
             items.append(text[start:i])
             start = i + 1
     items.append(text[start:])
-    return [item for item in items if item]
+    return [item for item in items if item.strip()]
 
 
 def _check_keys(keys: Iterable[str], source: str, optimizer_cls: type = GaLoreAdamW) -> None:
@@ -98,7 +113,8 @@ def _check_keys(keys: Iterable[str], source: str, optimizer_cls: type = GaLoreAd
     unknown = sorted(set(keys) - allowed)
     if unknown:
         raise ValueError(
-            f"{source}: unknown setting(s) {unknown} for {optimizer_cls.__name__}; "
+            f"{source}: unknown setting(s) {unknown} for {optimizer_cls.__name__}"
+            f"{closest(unknown, allowed)}{hints(optimizer_cls.option_hints, unknown)}; "
             f"allowed: {sorted(allowed)}"
         )
 

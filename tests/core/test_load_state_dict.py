@@ -203,3 +203,19 @@ def test_loading_into_an_optimizer_that_already_has_state_replaces_it():
     for p in model.parameters():
         for key, value in opt.state[p].items():
             assert torch.equal(resumed.state[p][key], value)
+
+
+@pytest.mark.parametrize("alias", ["bf16", torch.bfloat16])
+def test_alias_option_values_of_an_older_release_load_silently(alias):
+    """An older release stored ``state_dtype`` as given (``"bf16"``, a torch dtype); today's
+    optimizer holds ``"bfloat16"``: the same setting, so no refusal and no warning."""
+    model, opt = _trained(rank=4, update_proj_gap=2, state_dtype="bfloat16")
+    saved = opt.state_dict()
+    assert saved["param_groups"][0]["state_dtype"] == "bfloat16"
+    saved["param_groups"][0]["state_dtype"] = alias
+    groups = galore_groups(model, rank=4, update_proj_gap=2, state_dtype="bfloat16")
+    resumed = galore2.GaLoreAdamW(groups, lr=1e-2, weight_decay=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed.load_state_dict(saved)
+    assert resumed.state and resumed.param_groups[0]["state_dtype"] == "bfloat16"

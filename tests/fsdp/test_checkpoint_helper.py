@@ -86,7 +86,8 @@ def test_keeps_last_k(tmp_path):
         save_checkpoint(tmp_path, 6, model, opt, keep=0)
     with pytest.raises(FileNotFoundError):
         load_checkpoint(tmp_path, model, opt, step=1)
-    assert load_checkpoint(tmp_path / "missing", model, opt) is None
+    with pytest.raises(FileNotFoundError, match="missing: it does not exist"):
+        load_checkpoint(tmp_path / "missing", model, opt)
 
 
 def test_dcp_init_step_creates_every_key_at_final_shape():

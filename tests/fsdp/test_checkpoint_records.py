@@ -187,8 +187,24 @@ def test_checkpoint_without_record_loads_and_dcp_errors_are_wrapped(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once only
         assert int(_load(tmp_path)["step"]) == 4
-    with pytest.raises(CheckpointMismatch, match=r"step-00000004 does not fit.*Size mismatch"):
+    with pytest.raises(
+        CheckpointMismatch, match=r"step-00000004 does not fit.*proj\.right \[24, 4\] → \[24, 8\]"
+    ):
         _load(tmp_path, rank=8)
     (tmp_path / "step-00000004" / ".metadata").unlink()
     with pytest.raises(CheckpointCorrupt, match=r"step-00000004 is damaged: \.metadata"):
         _load(tmp_path)
+
+
+def test_a_shard_that_grew_is_refused_without_checksums(tmp_path):
+    """Sizes are checked even under verify=False: bytes appended to a shard (DCP reads by
+    offset and would not notice) are a damaged checkpoint."""
+    _trained(tmp_path)
+    shard = next((tmp_path / "step-00000004").glob("*.distcp"))
+    size = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(b"\0" * 64)
+    model, opt = _model_opt()
+    with pytest.raises(CheckpointCorrupt, match=rf"__0_0\.distcp has {size + 64} bytes, {size}"):
+        load_checkpoint(tmp_path, model, opt, verify=False)
+    assert not opt.state

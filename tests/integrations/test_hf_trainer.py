@@ -284,7 +284,7 @@ def test_unknown_settings_raise(tmp_path):
         create_optimizer(model, args, rnak=4)
     with pytest.raises(ValueError, match=r"\['lrr'\]"):
         GaLoreTrainer(model, args, galore_settings={"rank": 4, "lrr": 1e-3})
-    with pytest.raises(ValueError, match=r"optim_args: unknown .*\['foo'\]"):
+    with pytest.raises(ValueError, match=r"optim_args='rank=4,foo=1': unknown .*\['foo'\]"):
         create_optimizer(model, training_args(tmp_path, optim_args="rank=4,foo=1"))
     with pytest.raises(ValueError, match=r"rank must be .*an int >= 1"):  # checked by galore2
         create_optimizer(model, args, rank=0)
@@ -452,3 +452,51 @@ def test_galore_trainer_with_low_rank_presets(tmp_path, cls):
         if id(p) in targets:
             shape = opt.state[p][key].shape
             assert shape in {(rank, p.shape[1]), (p.shape[0], rank)}, (p.shape, shape)
+
+
+# ---- issue 30: optim_args errors quote what was typed; weight decay settings reach groups ----
+
+
+def test_optim_args_errors_quote_the_text_as_given():
+    with pytest.raises(
+        ValueError,
+        match=r"optim_args='rank=8 scale=0\.25': 'rank=8 scale=0\.25' is not one key=value; "
+        r"entries are separated by commas",
+    ):
+        parse_optim_args("rank=8 scale=0.25")
+    with pytest.raises(ValueError, match=r"optim_args='rank=8,rank=16': 'rank' is set twice"):
+        parse_optim_args("rank=8,rank=16")
+    spaced = parse_optim_args(" rank = 8 , betas=(0.9, 0.95) ")  # spaces around entries are fine
+    assert spaced == {"rank": 8, "betas": (0.9, 0.95)}
+
+
+def test_ranger21_gives_its_galore_hint_once(tmp_path):
+    with pytest.raises(ValueError, match=r"\['rank', 'update_proj_gap'\] for Ranger21") as e:
+        parse_optim_args("rank=8,update_proj_gap=5", galore2.Ranger21)
+    assert str(e.value).count("need GaLoreRanger21") == 1
+    with pytest.raises(ValueError, match=r"galore_settings: unknown") as e:
+        create_optimizer(
+            tiny_llama(), training_args(tmp_path), optimizer_cls=galore2.Ranger21,
+            rank=8, update_proj_gap=5,
+        )  # fmt: skip
+    assert str(e.value).count("need GaLoreRanger21") == 1
+
+
+@pytest.mark.parametrize("how", ["keyword", "optim_args"])
+def test_weight_decay_setting_reaches_the_decayed_groups_only(tmp_path, how):
+    """TrainingArguments.weight_decay is 0; the galore2 setting 0.1 decays the decayed groups
+    and bias / norm weights stay at 0."""
+    model = NormGated()
+    if how == "keyword":
+        args = training_args(tmp_path, weight_decay=0.0)
+        opt = create_optimizer(model, args, rank=2, weight_decay=0.1)
+    else:
+        args = training_args(tmp_path, weight_decay=0.0, optim_args="rank=2,weight_decay=0.1")
+        opt = create_optimizer(model, args)
+    groups = {(g["rank"] is not None, g["weight_decay"]): g["params"] for g in opt.param_groups}
+    assert groups == {
+        (True, 0.1): [model.proj.weight],
+        (True, 0.0): [model.gate_norm.weight],
+        (False, 0.1): [model.embed.weight, model.lm_head.weight],
+        (False, 0.0): [model.proj.bias, model.lm_head.bias],
+    }

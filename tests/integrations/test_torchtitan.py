@@ -320,6 +320,17 @@ def test_galore_config_needs_a_rank_and_a_preset():
     assert mini.optimizer_kwargs["rank"] == 1
 
 
+def test_galore_config_names_a_misspelled_key():
+    """Issue 30 item 7: ``rnak`` was reported as a missing rank, never named."""
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['rnak'\].*did you mean 'rank'"):
+        galore_config(rnak=16)
+    with pytest.raises(ValueError, match=r"\['lrr'\].*did you mean 'lr'"):
+        galore_config(rank=8, plain={"lrr": 0.0})
+    with pytest.raises(ValueError, match=r"\['rank', 'update_proj_gap'\]") as e:  # hint once
+        galore_config("ranger21", num_iterations=9, rank=8, update_proj_gap=5)
+    assert str(e.value).count("need GaLoreRanger21") == 1
+
+
 # ---- FSDP2 -------------------------------------------------------------------------------------
 
 

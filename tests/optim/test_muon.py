@@ -128,3 +128,14 @@ def test_polar_and_newton_schulz_are_different_updates():
         train(model, opt, range(3))
         results.append(model)
     assert max_diff(*results) > 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_polar_of_a_rank_deficient_product_drops_the_null_directions(dtype):
+    """(4 × 2) @ (2 × 10) has rank 2, but rounding leaves σ₃, σ₄ tiny rather than zero (rows
+    set to zero, above, are exactly zero): the relative eigenvalue cutoff must drop them."""
+    g = torch.Generator().manual_seed(7)
+    X = torch.randn(4, 2, generator=g, dtype=dtype) @ torch.randn(2, 10, generator=g, dtype=dtype)
+    sigma = torch.linalg.svdvals(polar(X).double())
+    expected = torch.tensor([1.0, 1.0, 0.0, 0.0], dtype=torch.float64)
+    assert torch.allclose(sigma, expected, atol=1e-5 if dtype == torch.float32 else 1e-10)

@@ -166,3 +166,15 @@ def test_gradient_modules_act_on_the_full_gradient_before_projection():
             opt.step()
     assert max_diff(a, b) < 1e-6
     assert int(opt_a.state[a.up.weight]["galore.refreshes"]) == 3  # projected throughout
+
+
+def test_galore_keys_give_the_hint_once():
+    """Issue 30 item 7: one hint for all the GaLore keys, not one per key."""
+    p = torch.nn.Parameter(torch.zeros(4, 4))
+    with pytest.raises(TypeError, match=r"\['rank', 'update_proj_gap'\]") as e:
+        galore2.Ranger21([p], num_iterations=10, rank=8, update_proj_gap=5)
+    assert str(e.value).count("need GaLoreRanger21") == 1
+    opt = galore2.Ranger21([p], num_iterations=10)
+    with pytest.raises(ValueError) as e:
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "rank": 2, "scale": 1})
+    assert str(e.value).count("need GaLoreRanger21") == 1

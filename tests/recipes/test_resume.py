@@ -208,3 +208,16 @@ def test_compare_goes_by_global_batch_and_option_declarations():
     changes, refused = compare(old, parse_args([*base, "--optim.basis_dtype", "int8",
                                                 "--optim.moments_on_refresh", "reset"]))  # fmt: skip
     assert refused == {} and changes == {"optim.moments_on_refresh": ("keep", "reset")}
+
+
+def test_resume_with_another_train_seed_is_refused():
+    """The per-epoch shuffle derives from train.seed: under a restored loader position another
+    seed would silently change which sequences the rest of the epoch sees."""
+    from recipes.config import parse_args
+    from recipes.resume import compare
+
+    base = ["--config", "tiny", "--train.seed", "1"]
+    old = json.loads(json.dumps(parse_args(base).to_dict()))
+    changes, refused = compare(old, parse_args([*base[:-1], "2"]))
+    assert refused == {"train.seed": (1, 2)} and "train.seed" not in changes
+    assert compare(old, parse_args(base)) == ({}, {})

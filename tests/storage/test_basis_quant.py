@@ -367,3 +367,18 @@ def test_project_mode_rotates_moments_with_the_dequantized_bases(side):
 
 def test_fsdp_int4_hadamard_matches_single_process():
     spawn(fsdp_cases.int4_hadamard_matches_single_process, 2)
+
+
+@pytest.mark.parametrize("basis", ["int8", "int4"])
+def test_a_group_with_subnormal_absmax_stores_scale_zero(basis):
+    """absmax below fp32's smallest normal × q_max: scale 0 and codes 0 (a subnormal scale
+    would make codes of x / s overflow or lose all precision)."""
+    plan = plan_for(basis, rows=2, r=8, group_size=4)
+    x = torch.zeros(2, 8)
+    x[0, :4] = torch.tensor([1e-39, -5e-40, 0.0, 2e-40])  # subnormal group
+    x[0, 4:] = 0.25  # a normal group beside it
+    x[1] = torch.linspace(-1, 1, 8)
+    state, back = round_trip(basis, x, plan)
+    scales = state["proj.left.scale"]
+    assert scales[0, 0] == 0 and scales[0, 1] > 0 and (scales[1] > 0).all()
+    assert torch.equal(back[0, :4], torch.zeros(4)) and torch.isfinite(back).all()

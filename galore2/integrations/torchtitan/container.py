@@ -44,7 +44,7 @@ from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 
 from ...core.optimizer import ChainOptimizer
-from ...core.options import closest
+from ...core.options import closest, hints
 from ...core.transform import walk
 from ...optim.galore import GaLore
 from ...presets import PRESETS
@@ -71,7 +71,8 @@ def _check_keys(cls: type[ChainOptimizer], keys: Iterable[str], where: str) -> N
     if unknown:
         raise ValueError(
             f"{where}: unknown option(s) {unknown} for {cls.__name__}"
-            f"{closest(unknown, options)}; its options are {sorted(options)}"
+            f"{closest(unknown, options)}{hints(cls.option_hints, unknown)}; "
+            f"its options are {sorted(options)}"
         )
 
 
@@ -252,6 +253,7 @@ def galore_config(
     if cls is None:
         raise ValueError(f"optimizer must be one of {sorted(PRESETS)}, got {optimizer!r}")
     plain = dict(plain or {})
+    _check_keys(cls, [*options, *plain], f"galore_config({optimizer!r})")
     if not _projects(cls):
         groups = [ParamGroupConfig(pattern=".*", optimizer_name=optimizer,
                                    optimizer_kwargs={**options, **plain})]  # fmt: skip
