@@ -12,7 +12,7 @@ import torch
 
 from .configs import Source, build_model, load
 from .formulas import Footprint
-from .planner import OPTIMIZERS, plan
+from .planner import OPTIMIZERS, plan, projected
 from .plot import plot
 from .report import Report
 from .units import parse_size, size_unit
@@ -139,7 +139,8 @@ def build(args: _Args, source: Source) -> Report:
     return Report(rows, label=source.label, model=type(model).__name__, n_params=fp.n_params,
                   dtype=str(dtype).removeprefix("torch."), batch_size=batch, seq_len=seq,
                   grad_accum=accum, rank=rank, targets=_targets(targets),
-                  gpu_memory=args.gpu_memory, unit=args.unit)  # fmt: skip
+                  gpu_memory=args.gpu_memory, unit=args.unit,
+                  projected=projected(model, targets))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> Report:

@@ -21,7 +21,7 @@ from ..presets import PRESETS
 from .formulas import Footprint
 from .state import Piece, counted, measured, nbytes
 
-__all__ = ["OPTIMIZERS", "Optimizer", "Row", "plan", "state_pieces"]
+__all__ = ["OPTIMIZERS", "Optimizer", "Row", "plan", "projected", "state_pieces"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,17 @@ def state_pieces(
             raise ImportError(msg) from e
         opt.init_state()
     return measured(opt)
+
+
+def projected(model: nn.Module, target_modules: Any) -> int:
+    """How many weights of ``model`` GaLore projects for ``target_modules``
+    (``galore2.param_groups``' choice: with ``"all-linear"``, the weights of ``nn.Linear``
+    and ``transformers``' ``Conv1D`` layers but the output head's); 0 means every GaLore row
+    is its optimizer at full rank."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no parameter was selected": the count says it
+        groups = param_groups(model, target_modules, rank=1)
+    return sum(len(g["params"]) for g in groups if "rank" in g)
 
 
 def _choices(name: str, values: Sequence[Any], check) -> list[Any]:

@@ -56,6 +56,7 @@ class Report:
     targets: str  # the projected modules, described
     gpu_memory: int  # bytes
     unit: str = "GB"  # display unit, a key of UNITS in any case (the budget's)
+    projected: int | None = None  # weights GaLore projects (None: not counted)
 
     def header(self) -> str:
         """One paragraph: the model and the settings."""
@@ -63,10 +64,19 @@ class Report:
         return (
             f"Memory plan for {self.label}: {self.model}, {count(self.n_params)} "
             f"parameters in {self.dtype}; batch {self.batch_size} × seq {self.seq_len} per "
-            f"GPU, gradient accumulation {self.grad_accum}; GaLore rank {self.rank} on "
-            f"{self.targets}. Sizes in {_unit(u)} per GPU; GPU memory "
+            f"GPU, gradient accumulation {self.grad_accum}; {self.galore()}. Sizes in "
+            f"{_unit(u)} per GPU; GPU memory "
             f"{format_size(self.gpu_memory, u, 1)} {u}."
         )
+
+    def galore(self) -> str:
+        """What GaLore projects: ``GaLore rank 1024 on … (224 matrices)``, or plainly that
+        nothing is projected."""
+        if self.projected == 0:
+            return (f"GaLore projects nothing: {self.targets} selects no weight, so every "
+                    "GaLore row is its optimizer at full rank")  # fmt: skip
+        count = "" if self.projected is None else f" ({self.projected} matrices)"
+        return f"GaLore rank {self.rank} on {self.targets}{count}"
 
     def table(self, world: int) -> str:
         """The Markdown table of world size ``world``."""
