@@ -154,7 +154,7 @@ def build(args: _Args, source: Source) -> Report:
 def main(
     argv: list[str] | None = None,
     *,
-    loader: Callable[[str], Source] = load,
+    loader: Callable[[str], Source] | None = None,
     prog: str = "python -m galore2.plan",
     config_help: str = CONFIG_HELP,
 ) -> Report:
@@ -166,7 +166,7 @@ def main(
     Hugging Face config, :func:`~galore2.plan.configs.load`); the recipe passes its own
     (``recipes.plan``) with its ``prog`` and ``config_help``."""
     args = _check(parser(prog, config_help).parse_args(argv))
-    report = build(args, loader(args.ns.config))
+    report = build(args, (loader or load)(args.ns.config))
     if args.ns.plot:
         plot(report, args.ns.plot)
     print(report.to_json() if args.ns.json else report.text())
