@@ -51,9 +51,7 @@ def _output_head_names(model: nn.Module) -> set[str]:
     heads.update(
         name
         for name, mod in model.named_modules()
-        if is_linear(mod)
-        and name not in in_blocks
-        and name.split(".")[-1] in _OUTPUT_HEADS
+        if is_linear(mod) and name not in in_blocks and name.split(".")[-1] in _OUTPUT_HEADS
     )
     return heads
 

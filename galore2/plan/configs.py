@@ -75,8 +75,10 @@ def _resolve(spec: str) -> Path:
                 f"holding one, got a {path.suffix or 'suffix-less'} file"
             )
         return path
-    hint = "" if path.suffix or len(path.parts) > 1 else (
-        f" (a recipe config name? {RECIPE_PLANNER} {spec}, from a galore2 source checkout)"
+    hint = (
+        ""
+        if path.suffix or len(path.parts) > 1
+        else (f" (a recipe config name? {RECIPE_PLANNER} {spec}, from a galore2 source checkout)")
     )
     raise FileNotFoundError(f"CONFIG {spec!r}: no such file or folder{hint}")
 
@@ -100,7 +102,9 @@ def _hf(path: Path) -> Source:
     try:
         config = transformers.AutoConfig.for_model(model_type, **data)
     except Exception as e:  # transformers' own checks: ValueError, TypeError, its own kinds
-        raise ValueError(f"CONFIG {str(path)!r}: not a valid {model_type} config: {_why(e)}") from None
+        raise ValueError(
+            f"CONFIG {str(path)!r}: not a valid {model_type} config: {_why(e)}"
+        ) from None
     return Source(label=str(path), kind="hf", config=config)
 
 

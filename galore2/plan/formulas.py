@@ -121,7 +121,7 @@ class Shapes:
         }
         fields = {k: v for k, (_, v) in named.items()}
         dim = fields["dim"]
-        for key, (name, value) in named.items():  # a config's own name for a bad value
+        for name, value in named.values():  # a config's own name for a bad value
             bad = not isinstance(value, int) or isinstance(value, bool) or value < 1
             if value is not None and bad:
                 raise ValueError(

@@ -45,7 +45,6 @@ class Optimizer:
         return self.preset is not None and GaLore in walk(PRESETS[self.preset].modules)
 
 
-
 #: the optimizers a plan compares, by name
 OPTIMIZERS: dict[str, Optimizer] = {
     o.name: o
@@ -71,10 +70,15 @@ OPTIMIZERS: dict[str, Optimizer] = {
         Optimizer("apollo_mini", "APOLLO-Mini (rank 1)", preset="apollo_mini"),
         Optimizer("galore_muon", "GaLoreMuon", preset="galore_muon"),
         # num_iterations sets Ranger21's schedule length only: no state depends on it
-        Optimizer("ranger21", "Ranger21 (full rank)", preset="ranger21",
-                  kwargs={"num_iterations": 1}),  # fmt: skip
-        Optimizer("galore_ranger21", "GaLoreRanger21", preset="galore_ranger21",
-                  kwargs={"num_iterations": 1}),  # fmt: skip
+        Optimizer(
+            "ranger21", "Ranger21 (full rank)", preset="ranger21", kwargs={"num_iterations": 1}
+        ),
+        Optimizer(
+            "galore_ranger21",
+            "GaLoreRanger21",
+            preset="galore_ranger21",
+            kwargs={"num_iterations": 1},
+        ),
     )
 }
 

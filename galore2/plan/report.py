@@ -17,7 +17,8 @@ _NOTES = (
     "INT8/INT4 codes + scales); AdamW counted (two moments in the parameter dtype + a CPU "
     "step per tensor); AdamW 8-bit counted by bitsandbytes 0.50.2's rules (uint8 moments "
     "+ fp32 absmax per 256 elements, fp32 below 4096 elements). Embeddings and the output "
-    "head stay full rank in every GaLore optimizer.",
+    "head stay full rank in every GaLore optimizer; APOLLO-Mini projects at rank 1 (its "
+    "definition), Ranger21 at full rank.",
     "Weights, gradients, activations: the formulas of galore2.plan.formulas. Per-layer "
     "updates keep one gradient alive (torch optimizers need a per-parameter optimizer "
     "in a post-accumulate-grad hook for that; galore2 has galore2.per_layer).",

@@ -83,9 +83,12 @@ def test_a_conv1d_is_projected_exactly_as_its_nn_linear_twin(n_in, n_out):
         linear.bias.copy_(conv.bias)
     models = [_Twin(conv), _Twin(copy.deepcopy(linear))]
     opts = [
-        galore2.GaLoreAdamW(galore2.param_groups(m, rank=3, update_proj_gap=2, projector="svd",
-                                                  moments_on_refresh="project"),
-                            lr=1e-2)  # fmt: skip
+        galore2.GaLoreAdamW(
+            galore2.param_groups(
+                m, rank=3, update_proj_gap=2, projector="svd", moments_on_refresh="project"
+            ),
+            lr=1e-2,
+        )
         for m in models
     ]
     assert all(len(o.param_groups[0]["params"]) == 1 and o.param_groups[0]["rank"] for o in opts)
@@ -116,7 +119,10 @@ def test_the_planner_counts_what_it_projects_on_gpt2(tmp_path, capsys):
     report = cli.main([str(tmp_path), "--rank", "8", "--optimizers", "adamw,galore_adamw",
                        "--per-layer", "off", "--checkpointing", "off"])  # fmt: skip
     out = capsys.readouterr().out
-    assert f"GaLore rank 8 on every linear layer but the output head ({len(PROJECTED)} matrices)" in out
+    assert (
+        f"GaLore rank 8 on every linear layer but the output head ({len(PROJECTED)} matrices)"
+        in out
+    )
     with torch.device("meta"):
         twin = transformers.GPT2LMHeadModel(config).to(torch.bfloat16)
     for name, module in list(twin.named_modules()):

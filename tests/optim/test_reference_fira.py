@@ -150,4 +150,6 @@ def test_fira_reference_matches_the_package_at_alpha_a_quarter(proj_type, wd):
 
 def test_fira_reference_needs_an_orthonormal_basis():
     with pytest.raises(ValueError, match="residual='fira_reference' needs an orthonormal basis"):
-        galore2.Fira(galore_groups(TinyNet(), rank=4, projector="random", residual="fira_reference"))
+        galore2.Fira(
+            galore_groups(TinyNet(), rank=4, projector="random", residual="fira_reference")
+        )
