@@ -85,6 +85,8 @@ CONTENDERS: tuple[Contender, ...] = (
     _c("ranger21", "galore2 Ranger21", "ranger21", "galore2", family="adam", projected=False),
     _c("galore_ranger21", "galore2 GaLoreRanger21", "galore_ranger21", "galore2"),
     _c("galore2_fira", "galore2 Fira", "fira", "galore2"),
+    _c("galore2_fira_reference", "galore2 Fira (fira 1.0.2's residual)", "fira", "galore2",
+       "--optim.residual", "fira_reference"),
     _c("galore2_fira_power", "galore2 Fira (warm power)", "fira", "galore2",
        "--optim.projector", "power"),
     _c("galore2_fira_8bit_int8", "galore2 Fira 8-bit + INT8 basis", "galore_adamw8bit",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -11,11 +12,25 @@ from torch import nn
 
 from .presets import PRESETS
 
+__all__ = ["is_linear", "param_groups"]
+
 _OUTPUT_HEADS = ("lm_head", "output", "classifier", "score", "head")
 
 
+def is_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is a linear layer: an ``nn.Linear`` (weight out×in) or a
+    ``transformers`` ``Conv1D`` (GPT-2's linear layers, weight stored transposed, in×out).
+
+    GaLore's side rule works on any matrix, so both are projected alike. ``transformers``
+    is not imported here: a ``Conv1D`` can only exist once it has been."""
+    if isinstance(module, nn.Linear):
+        return True
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    return conv1d is not None and isinstance(module, conv1d)
+
+
 def _output_head_names(model: nn.Module) -> set[str]:
-    """Names of Linear modules that are the model's output head (skipped by ``all-linear``)."""
+    """Names of linear modules that are the model's output head (skipped by ``all-linear``)."""
     heads: set[str] = set()
     get_out = getattr(model, "get_output_embeddings", None)
     if callable(get_out):
@@ -36,9 +51,7 @@ def _output_head_names(model: nn.Module) -> set[str]:
     heads.update(
         name
         for name, mod in model.named_modules()
-        if isinstance(mod, nn.Linear)
-        and name not in in_blocks
-        and name.split(".")[-1] in _OUTPUT_HEADS
+        if is_linear(mod) and name not in in_blocks and name.split(".")[-1] in _OUTPUT_HEADS
     )
     return heads
 
@@ -68,6 +81,22 @@ def _matcher(target_modules: str | Sequence[str]) -> tuple[list[str], Any]:
     return targets, lambda name, t: t in name
 
 
+def _warn_unprojected(model: nn.Module, galore_ids: set[int], heads: set[str]) -> None:
+    """Name the ≥2-D trainable weights ``"all-linear"`` leaves unprojected that are not an
+    embedding's or an output head's (a convolution, a raw ``nn.Parameter``)."""
+    skipped = {id(p) for n, m in model.named_modules() if isinstance(m, nn.Embedding) or n in heads
+               for p in m.parameters(recurse=False)}  # fmt: skip
+    left = [n for n, p in model.named_parameters()
+            if p.requires_grad and p.dim() >= 2 and id(p) not in galore_ids | skipped]  # fmt: skip
+    if left:
+        warnings.warn(
+            f"galore2.param_groups: target_modules='all-linear' projects linear layers only; "
+            f"these ≥2-D weights stay full rank: {left[:8]}{' …' if len(left) > 8 else ''} "
+            "(name their modules in target_modules to project them)",
+            stacklevel=3,
+        )
+
+
 def param_groups(
     model: nn.Module,
     target_modules: str | Sequence[str] = "all-linear",
@@ -78,10 +107,13 @@ def param_groups(
     """Parameter groups for a galore2 optimizer.
 
     ``target_modules`` selects modules whose ≥2-D weights are projected:
-    ``"all-linear"`` (every ``nn.Linear`` except the output head, as PEFT's
+    ``"all-linear"`` (every linear layer except the output head, as PEFT's
     ``target_modules="all-linear"``; the Trainer's ``optim_target_modules="all-linear"``
-    includes the head), a regex searched in module names, or a list of substrings of
-    module names. Every trainable parameter
+    includes the head; linear layers are ``nn.Linear`` and ``transformers``' ``Conv1D``,
+    GPT-2's, :func:`is_linear`), a regex searched in module names, or a list of substrings
+    of module names. With ``"all-linear"``, a ≥2-D weight of any other module but an
+    ``nn.Embedding`` (a convolution, a raw ``nn.Parameter``) stays unprojected and is named
+    in a warning. Every trainable parameter
     lands in exactly one group: ``[galore_group, other_group]`` (empty groups are
     dropped). ``galore_settings`` (``rank`` required, plus ``update_proj_gap``,
     ``scale``, ``proj_type``, ``projector``…) go on the GaLore group;
@@ -104,7 +136,7 @@ def param_groups(
     hits = dict.fromkeys(targets, 0)
     for mod_name, module in model.named_modules():
         if match is None:
-            chosen = isinstance(module, nn.Linear) and mod_name not in heads
+            chosen = is_linear(module) and mod_name not in heads
         else:
             matched = [t for t in targets if match(mod_name, t)]
             for t in matched:
@@ -115,6 +147,8 @@ def param_groups(
         for _, p in module.named_parameters(recurse=False):
             if p.requires_grad and p.dim() >= 2:
                 galore_ids.add(id(p))
+    if match is None:
+        _warn_unprojected(model, galore_ids, heads)
     missing = [t for t, n in hits.items() if n == 0]
     if missing:
         warnings.warn(

@@ -5,7 +5,7 @@
 Per GPU, in bytes. Weights, gradients (ordinary step or per-layer updates, FSDP2's
 unsharded copies at world size > 1) and activations (with the config's activation
 checkpointing) are those of the memory planner, whose formulas live in one place:
-:mod:`galore2.plan.formulas` (``python -m galore2.plan llama_7b`` gives the same figures
+:mod:`galore2.plan.formulas` (``python -m recipes.plan llama_7b`` gives the same figures
 for AdamW, 8-bit AdamW and galore2's main optimizers, and their fit on a GPU). This
 module adds the recipe's view: every recipe optimizer, its state measured
 (``init_state()`` on the meta device) or counted (:mod:`recipes.state`); the notes

@@ -4,8 +4,8 @@ The build runs without isolation and without network, with ``import torch`` made
 (the version is read from ``galore2/__init__.py`` without importing it). The wheel holds
 ``galore2/`` and its metadata only; installed (not editable, ``--no-deps``) into a fresh venv
 that finds torch through a ``.pth`` file, it imports galore2 from that venv's site-packages
-and every public optimizer takes two steps there (tests/wheel_smoke.py, run from outside the
-repository).
+and every public optimizer takes two steps there, and the memory planner plans a config.json
+in a temporary folder (tests/wheel_smoke.py, run from outside the repository).
 """
 
 from __future__ import annotations
@@ -120,3 +120,7 @@ def test_installed_wheel_runs_every_optimizer_in_a_fresh_venv(dists, tmp_path):
     for name, result in report["optimizers"].items():
         assert result["finite"] and result["moved"], (name, result)
     assert "torch.uint8" in report["optimizers"]["GaLoreAdamW8bit"]["state_dtypes"]
+    # python -m galore2.plan config.json with the wheel alone: every preset's row, no recipe
+    from galore2.plan import OPTIMIZERS
+
+    assert report["planner"] == {"optimizers": list(OPTIMIZERS), "recipes_imported": []}

@@ -1,10 +1,12 @@
 """Smoke steps of every public galore2 optimizer, run by tests/test_wheel.py in a fresh venv.
 
-Imports only torch and galore2 (the installed wheel, never this repository): a tiny
+Imports only torch and galore2 (the installed wheel, never this repository; the planner
+also transformers, to build a Hugging Face config on the meta device): a tiny
 language model (embedding, two linear layers) takes two steps with each optimizer class in
 ``galore2.__all__``; its matrices in a GaLore group where the optimizer has one. Prints one
 JSON object: where galore2 and its metadata were found, and per optimizer the two losses,
-whether the parameters moved, and the dtypes of its state.
+whether the parameters moved, and the dtypes of its state; and the memory planner's
+optimizers on a config.json written in a temporary folder.
 """
 
 from __future__ import annotations
@@ -66,6 +68,36 @@ def smoke(name: str) -> dict:
     }
 
 
+def planner() -> dict:
+    """``python -m galore2.plan config.json`` in a temporary folder (the planner never
+    imports the recipe of a checkout): its rows, and whether ``recipes`` was imported."""
+    import contextlib
+    import io
+    import os
+    import sys
+    import tempfile
+
+    from galore2.plan import cli
+
+    config = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}  # fmt: skip
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)
+        try:
+            with open("config.json", "w") as f:
+                json.dump(config, f)
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                cli.main(["config.json", "--json"])
+        finally:
+            os.chdir(here)
+    rows = json.loads(out.getvalue())["rows"]
+    return {
+        "optimizers": list(dict.fromkeys(r["optimizer"] for r in rows)),
+        "recipes_imported": sorted(m for m in sys.modules if m.split(".")[0] == "recipes"),
+    }
+
+
 def main() -> None:
     """Print the JSON report on one line."""
     torch.set_num_threads(1)
@@ -76,6 +108,7 @@ def main() -> None:
         "metadata_version": dist.version,
         "metadata_init": str(dist.locate_file("galore2/__init__.py")),
         "optimizers": {name: smoke(name) for name in public_optimizers()},
+        "planner": planner(),
     }
     print(json.dumps(report))
 

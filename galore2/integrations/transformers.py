@@ -34,7 +34,7 @@ from transformers.trainer_utils import check_target_module_exists
 from ..core.optimizer import ChainOptimizer
 from ..core.options import Option, closest, hints
 from ..core.transform import walk
-from ..groups import _output_head_names, param_groups
+from ..groups import _output_head_names, is_linear, param_groups
 from ..optim.adam import BETAS
 from ..optim.galore import GaLore
 from ..presets import PRESETS
@@ -120,37 +120,40 @@ def _check_keys(keys: Iterable[str], source: str, optimizer_cls: type = GaLoreAd
 
 
 def target_module_names(model: nn.Module, target_modules: str | list[str] | None) -> list[str]:
-    """Names of the ``nn.Linear`` modules whose weights are projected.
+    """Names of the linear modules whose weights are projected: ``nn.Linear`` and
+    ``transformers``' ``Conv1D`` (GPT-2's linear layers, weight stored in×out; the Trainer's
+    own ``optim="galore_adamw"`` skips those, so on GPT-2 it projects nothing).
 
     ``target_modules`` follows ``TrainingArguments.optim_target_modules`` exactly as the
     Trainer's own ``optim="galore_adamw"`` does: a string is ``re.fullmatch``-ed against each
     module name; a list matches a name equal to an entry, containing an entry, or
     fullmatching an entry as a regex (``check_target_module_exists``); ``"all-linear"`` is
-    every ``nn.Linear``, the output head included. Only ``nn.Linear`` modules are kept (one
-    matched by name rather than by regex is named in a warning), and only those whose
+    every linear layer, the output head included. Only linear modules are kept (another
+    module matched by name rather than by regex is named in a warning), and only those whose
     weight goes by their own name: a head tied to the input embedding is listed by
     ``named_parameters`` as the embedding, so the Trainer does not project it, nor do we.
 
-    ``None`` (galore2's default; the Trainer has none) is every ``nn.Linear`` except the
+    ``None`` (galore2's default; the Trainer has none) is every linear layer except the
     output head, as :func:`galore2.param_groups`'s ``"all-linear"``.
     """
     if target_modules is None:
         heads = _output_head_names(model)
-        names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in heads]
+        names = [n for n, m in model.named_modules() if is_linear(m) and n not in heads]
     elif isinstance(target_modules, (str, list, tuple)):
         targets = target_modules if isinstance(target_modules, str) else list(target_modules)
         all_linear = isinstance(targets, str) and targets.replace("_", "-") == "all-linear"
         names, ignored = [], []
         for name, module in model.named_modules():
             found, is_regex = check_target_module_exists(targets, name, return_is_regex=True)
-            if not isinstance(module, nn.Linear):
+            if not is_linear(module):
                 if found and not is_regex:
                     ignored.append(name)
             elif found or all_linear:
                 names.append(name)
         if ignored:
             warnings.warn(
-                f"galore2: modules {ignored} match optim_target_modules but are not nn.Linear; "
+                f"galore2: modules {ignored} match optim_target_modules but are not linear "
+                "(nn.Linear or transformers' Conv1D); "
                 "they are trained without projection",
                 stacklevel=3,
             )
@@ -164,7 +167,8 @@ def target_module_names(model: nn.Module, target_modules: str | list[str] | None
     if not names:
         why = " (an empty list selects nothing; None or 'all-linear' means every linear layer)"
         raise ValueError(
-            f"galore2: no nn.Linear module matches {target_modules!r}"
+            f"galore2: no linear module (nn.Linear or transformers' Conv1D) matches "
+            f"{target_modules!r}"
             f"{why if not target_modules and target_modules is not None else ''}"
         )
     return names

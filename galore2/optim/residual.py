@@ -12,12 +12,18 @@ rows for a right one; ‖·‖ over the projected dimension, ε = 1e-8 in the de
 
     update = α·P·N + φ ⊙ (G − P·R)
 
-The residual is G − P·R, the part of G outside the subspace. The ``fira`` 1.0.2 package
-subtracts α·P·R instead (its ``project_back`` multiplies by α), which for α ≠ 1 leaves
-(1 − α)·φ ⊙ P·R — an unnormalized, gradient-descent-like step inside the subspace that
-Adam's update already covers — in the "residual"; we follow the paper's G − P·R. At
-α = 1 both agree (``tests/optim/test_reference_fira.py`` compares both cases).
-``residual="fira"`` needs an orthonormal basis (every projector but ``random``).
+The residual is G − P·R, the part of G outside the subspace. The ``fira`` 1.0.2 package,
+whose code produced the paper's tables, subtracts α·P·R instead (its ``project_back``
+multiplies by α), which for α ≠ 1 leaves (1 − α)·φ ⊙ P·R — an unnormalized,
+gradient-descent-like step inside the subspace that Adam's update already covers — in the
+"residual". ``residual="fira"`` follows the paper's G − P·R; ``residual="fira_reference"``
+is the package's behaviour::
+
+    update = α·P·N + φ ⊙ (G − α·P·R)
+
+(the same at α = 1; ``tests/optim/test_reference_fira.py`` checks ``"fira"`` against the
+package at α = 1, the exact difference at α = 0.25, and ``"fira_reference"`` against the
+package at α = 0.25). Both need an orthonormal basis (every projector but ``random``).
 
 ``scale_type="channel"`` or ``"tensor"`` (APOLLO, arXiv 2412.05270) replaces the
 back-projection: the update is the raw full gradient scaled by the same ratio, per
@@ -59,8 +65,10 @@ from ..projectors import LEFT, RIGHT, Plan
 RESIDUAL = Option(
     "residual",
     "none",
-    Choice(("none", "fira")),
-    "Fira: add the gradient's residual outside the subspace, scaled per channel by ‖N‖/‖R‖",
+    Choice(("none", "fira", "fira_reference")),
+    "Fira: add the gradient's residual outside the subspace, scaled per channel by ‖N‖/‖R‖ "
+    "('fira_reference': fira 1.0.2's residual G − α·P·R, which keeps (1 − α) of the "
+    "in-subspace gradient)",
     resumable=False,
 )
 SCALE_TYPE = Option(
@@ -104,9 +112,9 @@ def validate(group: dict[str, Any]) -> None:
             f"{what} needs a one-sided projection (its channels are the kept dimension); "
             "proj_type='full' projects both; use 'std', 'reverse_std', 'left' or 'right'"
         )
-    if residual == "fira" and group["projector"] == "random":
+    if residual != "none" and group["projector"] == "random":
         raise ValueError(
-            "residual='fira' needs an orthonormal basis (G − P·PᵀG is the residual only then); "
+            f"residual={residual!r} needs an orthonormal basis (G − P·PᵀG is the residual only then); "
             "projector='random' draws a Gaussian one. Use 'randomized', 'power' or 'svd', or "
             "APOLLO's scale_type with projector='random'"
         )
@@ -162,10 +170,12 @@ def combine(
             phi = phi.unsqueeze(1)
     if scale_type is not None:  # APOLLO: the raw gradient, scaled
         S = G.float() * phi
-    elif plan.side == LEFT:  # Fira: the residual, scaled
-        S = torch.addmm(G.float(), P.float(), R, alpha=-1.0).mul_(phi)  # type: ignore[union-attr]
-    else:
-        S = torch.addmm(G.float(), R, Q.float().mT, alpha=-1.0).mul_(phi)  # type: ignore[union-attr]
+    else:  # Fira: the residual G − P·R, scaled ("fira_reference": fira 1.0.2's G − α·P·R)
+        c = -alpha if group["residual"] == "fira_reference" else -1.0
+        if plan.side == LEFT:
+            S = torch.addmm(G.float(), P.float(), R, alpha=c).mul_(phi)  # type: ignore[union-attr]
+        else:
+            S = torch.addmm(G.float(), R, Q.float().mT, alpha=c).mul_(phi)  # type: ignore[union-attr]
     S = _limit(S, state, group, plan, bias)
     if scale_type is not None:
         return S.mul_(alpha) if alpha != 1.0 else S

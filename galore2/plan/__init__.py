@@ -4,13 +4,19 @@
         [--seq-len 2048] [--rank 1024] [--per-layer both] [--checkpointing both]
         [--json] [--plot out.png]
 
-CONFIG is a Hugging Face ``config.json`` (or its folder), a recipe TOML file or a recipe
-config name (:mod:`galore2.plan.configs`). The model is built on the meta device: nothing
-is allocated and nothing is downloaded. Per optimizer — AdamW, 8-bit AdamW
-(bitsandbytes), GaLoreAdamW, GaLoreAdamW8bit with an INT8 and an INT4 basis,
-GaLoreAdafactor — and per option set — per-layer updates, activation checkpointing, FSDP
-world size — the plan lists weights, gradients, optimizer state, activations and the total
-per GPU, and whether it fits ``--gpu-memory``.
+CONFIG is a Hugging Face ``config.json`` or its folder (:mod:`galore2.plan.configs`). The
+model is built on the meta device: nothing is allocated and nothing is downloaded. The
+planner is self-contained (it never imports the recipe of a source checkout): a recipe
+config is planned by the recipe, which passes its resolved settings down,
+``python -m recipes.plan llama_7b`` with the same options. Per optimizer — AdamW, 8-bit
+AdamW (bitsandbytes) and every galore2 preset: GaLoreAdamW, GaLoreAdamW8bit with an INT8
+and an INT4 basis, GaLoreAdafactor, Fira, APOLLO, APOLLO-Mini (rank 1), GaLoreMuon,
+Ranger21 (full rank), GaLoreRanger21 (:data:`OPTIMIZERS`) — and per option set —
+per-layer updates, activation checkpointing, FSDP world size — the plan lists weights,
+gradients, optimizer state, activations and the total per GPU, and whether it fits
+``--gpu-memory``. Its header counts the matrices GaLore projects (:func:`projected`: the
+weights of ``nn.Linear`` and ``transformers``' ``Conv1D`` layers but the output head, or
+the recipe's ``target_modules``), or says plainly that nothing is.
 
 * optimizer state is **measured**: each galore2 optimizer is built over the meta model and
   ``init_state()`` creates every state tensor at its final shape
@@ -24,7 +30,7 @@ formulas' inputs), :func:`activation_bytes`, :func:`parse_size`, :class:`Report`
 """
 
 from .formulas import Footprint, Shapes, activation_bytes, decoder_layers, layer_bytes
-from .planner import OPTIMIZERS, Row, plan, state_pieces
+from .planner import OPTIMIZERS, Row, plan, projected, state_pieces
 from .report import Report
 from .state import Piece, counted, measured, nbytes
 from .units import parse_size
@@ -44,5 +50,6 @@ __all__ = [
     "nbytes",
     "parse_size",
     "plan",
+    "projected",
     "state_pieces",
 ]

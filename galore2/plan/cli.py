@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,8 @@ from typing import Any
 import torch
 
 from .configs import Source, build_model, load
-from .formulas import Footprint
-from .planner import OPTIMIZERS, plan
+from .formulas import Footprint, Shapes
+from .planner import OPTIMIZERS, plan, projected
 from .plot import plot
 from .report import Report
 from .units import parse_size, size_unit
@@ -25,18 +26,24 @@ SWITCH = {"both": (False, True), "off": (False,), "on": (True,)}
 HF_BATCH, HF_SEQ, HF_DTYPE = 1, 2048, "bf16"
 
 
-def parser() -> argparse.ArgumentParser:
-    """The argument parser (every option declared here, once)."""
+#: CONFIG of ``python -m galore2.plan`` (``recipes.plan`` passes its own description)
+CONFIG_HELP = "a Hugging Face config.json, or the folder holding one"
+#: what :func:`main` raises for bad input and :func:`run` prints as one line
+ERRORS = (ValueError, TypeError, FileNotFoundError, ImportError)
+
+
+def parser(prog: str = "python -m galore2.plan", config_help: str = CONFIG_HELP
+           ) -> argparse.ArgumentParser:  # fmt: skip
+    """The argument parser (every option declared here, once; ``recipes.plan`` reuses it
+    with its own ``prog`` and CONFIG)."""
     ap = argparse.ArgumentParser(
-        prog="python -m galore2.plan",
+        prog=prog,
         description="Will it fit? Per-GPU memory (weights, gradients, optimizer state, "
         "activations) of AdamW, 8-bit AdamW and galore2's optimizers for any causal LM, "
         "and which configurations fit a GPU. Nothing is allocated (meta device).",
         epilog="Formulas: the docstring of galore2.plan.formulas (docs/guides/memory-planner.md).",
     )
-    ap.add_argument("config", metavar="CONFIG",
-                    help="a Hugging Face config.json (or its folder), a recipe .toml, or a "
-                    "recipe config name (recipes/configs/NAME.toml of a source checkout)")  # fmt: skip
+    ap.add_argument("config", metavar="CONFIG", help=config_help)
     ap.add_argument("--gpu-memory", default="24GB",
                     help="memory per GPU, with a unit: GB, GiB, MB, ... (default 24GB)")  # fmt: skip
     ap.add_argument("--world-size", nargs="+", default=["1"], metavar="N",
@@ -123,8 +130,9 @@ def build(args: _Args, source: Source) -> Report:
     """The report for checked arguments and a loaded CONFIG."""
     ns = args.ns
     dtype = DTYPES[ns.dtype] if ns.dtype else source.dtype or DTYPES[HF_DTYPE]
+    shapes = Shapes.from_config(source.config)  # checked before anything is built
     model = build_model(source.config, dtype)
-    fp = Footprint.of(model)
+    fp = Footprint.of(model, shapes)
     galore = dict(source.galore)
     recipe_rank = galore.pop("rank", None)
     rank = ns.rank or recipe_rank or max(1, fp.shapes.dim // 4)
@@ -139,25 +147,37 @@ def build(args: _Args, source: Source) -> Report:
     return Report(rows, label=source.label, model=type(model).__name__, n_params=fp.n_params,
                   dtype=str(dtype).removeprefix("torch."), batch_size=batch, seq_len=seq,
                   grad_accum=accum, rank=rank, targets=_targets(targets),
-                  gpu_memory=args.gpu_memory, unit=args.unit)  # fmt: skip
+                  gpu_memory=args.gpu_memory, unit=args.unit,
+                  projected=projected(model, targets))  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> Report:
+def main(
+    argv: list[str] | None = None,
+    *,
+    loader: Callable[[str], Source] | None = None,
+    prog: str = "python -m galore2.plan",
+    config_help: str = CONFIG_HELP,
+) -> Report:
     """Parse ``argv``, print the plan (tables or ``--json``), write ``--plot``; returns the
     :class:`~galore2.plan.report.Report`. Bad input raises ``ValueError`` /
-    ``FileNotFoundError`` / ``ImportError`` naming the argument, before any model is built."""
-    args = _check(parser().parse_args(argv))
-    report = build(args, load(args.ns.config))
+    ``FileNotFoundError`` / ``ImportError`` naming the argument, before any model is built.
+
+    ``loader`` turns CONFIG into a :class:`~galore2.plan.configs.Source` (default: a
+    Hugging Face config, :func:`~galore2.plan.configs.load`); the recipe passes its own
+    (``recipes.plan``) with its ``prog`` and ``config_help``."""
+    args = _check(parser(prog, config_help).parse_args(argv))
+    report = build(args, (loader or load)(args.ns.config))
     if args.ns.plot:
         plot(report, args.ns.plot)
     print(report.to_json() if args.ns.json else report.text())
     return report
 
 
-def run(argv: list[str] | None = None) -> None:
-    """:func:`main` for the command line: an error prints one line and exits with status 2."""
+def run(argv: list[str] | None = None, **kwargs: Any) -> None:
+    """:func:`main` (``kwargs`` too) for the command line: an error prints one line and exits
+    with status 2."""
     try:
-        main(argv)
-    except (ValueError, FileNotFoundError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        main(argv, **kwargs)
+    except ERRORS as e:
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
         sys.exit(2)

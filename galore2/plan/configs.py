@@ -1,26 +1,21 @@
-"""What ``python -m galore2.plan CONFIG`` plans for: a Hugging Face config or a recipe config.
+"""What ``python -m galore2.plan CONFIG`` plans for: a Hugging Face ``config.json``.
 
-CONFIG is, in this order:
+CONFIG is a Hugging Face ``config.json``, or a folder holding one: the model is
+``AutoModelForCausalLM.from_config`` of it, on the meta device (offline; needs
+``transformers``, imported only here). Invalid values (a negative ``hidden_size``, a
+field of the wrong type, heads that do not divide the hidden size) are a ``ValueError``
+naming the file, before any model is built.
 
-* a Hugging Face ``config.json``, or a folder holding one: the model is
-  ``AutoModelForCausalLM.from_config`` of it, on the meta device (offline; needs
-  ``transformers``, imported only here);
-* a recipe TOML file (``recipes/configs/*.toml`` of a galore2 source checkout): the
-  recipe's own Llama, dtype, batch, sequence length, GaLore settings and gradient
-  accumulation, read by the recipe's config parser (``recipes.config``);
-* a recipe config name (``llama_7b``): ``recipes/configs/NAME.toml`` under the current
-  folder, else under the source checkout this galore2 was imported from. ``recipes`` is
-  not part of the installed package: a name resolves only where a checkout is.
-
-galore2 never imports ``recipes`` at module level; a recipe config imports it when read
-(from the checkout the file is in, when ``recipes`` is not importable already).
+The planner is self-contained: it never imports the recipe (``recipes/`` of a source
+checkout, not part of the wheel) nor edits ``sys.path``. A recipe config is planned by the
+recipe, which resolves it with its own parser and passes the result down as a
+:class:`Source`: ``python -m recipes.plan llama_7b`` (``recipes/plan.py``).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,12 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
-#: where recipe config names are looked up: the current folder's checkout, then the one
-#: this galore2 lives in (an editable install or a source tree on PYTHONPATH)
-_CHECKOUTS = (Path("."), Path(__file__).resolve().parents[2])
-_CONFIGS = Path("recipes") / "configs"
+__all__ = ["Source", "build_model", "load"]
 
-__all__ = ["Source", "build_model", "config_dirs", "load"]
+#: how a recipe config is planned (the recipe passes its resolved config down)
+RECIPE_PLANNER = "python -m recipes.plan"
 
 
 @dataclass
@@ -44,7 +37,7 @@ class Source:
     settings; a recipe config brings all of them)."""
 
     label: str  # how the output names it
-    kind: str  # "hf" or "recipe"
+    kind: str  # "hf", or "recipe" (recipes.plan builds it)
     config: Any  # a transformers PretrainedConfig
     dtype: torch.dtype | None = None  # parameter dtype (recipe: its dtype on a GPU)
     batch_size: int | None = None
@@ -64,40 +57,30 @@ def _transformers(what: str) -> Any:
         ) from e
 
 
-def config_dirs() -> list[Path]:
-    """The folders recipe config names are looked up in (existing ones, in order)."""
-    dirs = [(root / _CONFIGS).resolve() for root in _CHECKOUTS]
-    return [d for i, d in enumerate(dirs) if d.is_dir() and d not in dirs[:i]]
-
-
 def _resolve(spec: str) -> Path:
     path = Path(spec)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"CONFIG {spec!r}: the folder has no config.json")
         return path / "config.json"
+    if path.suffix == ".toml":
+        raise ValueError(
+            f"CONFIG {spec!r}: a recipe config; the recipe plans it with its own parser: "
+            f"{RECIPE_PLANNER} {spec} (from a galore2 source checkout)"
+        )
     if path.is_file():
-        if path.suffix not in (".json", ".toml"):
+        if path.suffix != ".json":
             raise ValueError(
-                f"CONFIG {spec!r}: expected a Hugging Face config.json (.json) or a recipe "
-                f"config (.toml), got a {path.suffix or 'suffix-less'} file"
+                f"CONFIG {spec!r}: expected a Hugging Face config.json (.json) or the folder "
+                f"holding one, got a {path.suffix or 'suffix-less'} file"
             )
         return path
-    if path.suffix or len(path.parts) > 1:
-        raise FileNotFoundError(f"CONFIG {spec!r}: no such file or folder")
-    dirs = config_dirs()
-    for d in dirs:
-        if (d / f"{spec}.toml").is_file():
-            return d / f"{spec}.toml"
-    known = sorted({p.stem for d in dirs for p in d.glob("*.toml")})
-    where = ", ".join(str(d) for d in dirs) or (
-        "none found: recipe names need a galore2 source checkout (run from its root), "
-        "or pass a config.json / .toml path"
+    hint = (
+        ""
+        if path.suffix or len(path.parts) > 1
+        else (f" (a recipe config name? {RECIPE_PLANNER} {spec}, from a galore2 source checkout)")
     )
-    raise FileNotFoundError(
-        f"CONFIG {spec!r}: not a file, folder or recipe config name. Recipe configs "
-        f"searched: {where}" + (f"; names: {', '.join(known)}" if known else "")
-    )
+    raise FileNotFoundError(f"CONFIG {spec!r}: no such file or folder{hint}")
 
 
 def _hf(path: Path) -> Source:
@@ -111,64 +94,44 @@ def _hf(path: Path) -> Source:
         )
     transformers = _transformers(str(path))
     model_type = data.pop("model_type")
-    try:
-        config = transformers.AutoConfig.for_model(model_type, **data)
-    except ValueError:
+    if model_type not in transformers.CONFIG_MAPPING:
         raise ValueError(
             f"CONFIG {str(path)!r}: model_type {model_type!r} is unknown to transformers "
             f"{transformers.__version__}"
+        )
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **data)
+    except Exception as e:  # transformers' own checks: ValueError, TypeError, its own kinds
+        raise ValueError(
+            f"CONFIG {str(path)!r}: not a valid {model_type} config: {_why(e)}"
         ) from None
     return Source(label=str(path), kind="hf", config=config)
 
 
-def _recipes(path: Path) -> Any:
-    """The recipe's packages (config, model, optimizers), imported from the checkout the
-    TOML file is in when ``recipes`` is not importable already."""
-    try:
-        importlib.import_module("recipes.config")
-    except ModuleNotFoundError as e:
-        if e.name not in ("recipes", "recipes.config"):
-            raise
-        parents = path.resolve().parents
-        root = parents[2] if len(parents) > 2 else parents[-1]
-        if not (root / "recipes" / "config.py").is_file():
-            raise ImportError(
-                f"CONFIG {str(path)!r}: a recipe config is read by galore2's recipe package "
-                "(recipes/ of a source checkout), which is not importable here and not "
-                f"next to the file; run from the checkout's root or pass a config.json"
-            ) from None
-        sys.path.insert(0, str(root))
-    _transformers(str(path))  # the recipe's Llama is a transformers LlamaConfig
-    return tuple(importlib.import_module(f"recipes.{m}") for m in ("config", "model", "optimizers"))
-
-
-def _recipe(path: Path) -> Source:
-    config, model, optimizers = _recipes(path)
-    job = config.parse_args(["--config", str(path)])
-    return Source(
-        label=f"recipe {path.stem}",
-        kind="recipe",
-        config=model.llama_config(job.model),
-        dtype=model.param_dtype(job.model, torch.device("cuda")),
-        batch_size=job.train.batch_size,
-        seq_len=job.data.seq_len,
-        grad_accum=job.train.grad_accum,
-        target_modules=job.optim.target_modules,
-        galore=optimizers.galore_settings(job.optim),
-    )
+def _why(e: BaseException) -> str:
+    """An exception's message on one line, with its cause's (transformers wraps them)."""
+    text = " ".join(str(e).split())
+    cause = e.__cause__
+    if cause is not None and str(cause) and str(cause) not in text:
+        text += f": {' '.join(str(cause).split())}"
+    return text
 
 
 def load(spec: str | Path) -> Source:
-    """The :class:`Source` CONFIG ``spec`` names (see the module docstring); a clear
-    ``FileNotFoundError`` / ``ValueError`` / ``ImportError`` otherwise."""
-    path = _resolve(str(spec))
-    return _recipe(path) if path.suffix == ".toml" else _hf(path)
+    """The :class:`Source` of the Hugging Face config CONFIG ``spec`` names (see the module
+    docstring); a clear ``FileNotFoundError`` / ``ValueError`` / ``ImportError`` otherwise."""
+    return _hf(_resolve(str(spec)))
 
 
 def build_model(config: Any, dtype: torch.dtype) -> nn.Module:
     """``AutoModelForCausalLM.from_config(config)`` on the meta device, in ``dtype``
     (nothing is allocated)."""
     transformers = _transformers(type(config).__name__)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except (ValueError, TypeError, RuntimeError) as e:  # e.g. a negative size
+        raise ValueError(
+            f"the model config ({type(config).__name__}) does not build a causal LM: {_why(e)}"
+        ) from None
     return model.to(dtype)

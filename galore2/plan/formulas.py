@@ -53,11 +53,16 @@ __all__ = ["Footprint", "Shapes", "activation_bytes", "decoder_layers", "layer_b
 
 
 def _field(config: Any, *names: str) -> Any:
+    return _named(config, *names)[1]
+
+
+def _named(config: Any, *names: str) -> tuple[str, Any]:
+    """The first of ``names`` that ``config`` sets, and its value (``names[0]``, None)."""
     for name in names:
         value = getattr(config, name, None)
         if value is not None:
-            return value
-    return None
+            return name, value
+    return names[0], None
 
 
 @dataclass(frozen=True)
@@ -105,16 +110,24 @@ class Shapes:
         multimodal one); ``n_inner=None`` (GPT-2) means 4 × hidden size."""
         if callable(getattr(config, "get_text_config", None)):
             config = config.get_text_config()
-        dim = _field(config, "hidden_size", "n_embd", "d_model")
-        fields = {
-            "vocab_size": _field(config, "vocab_size"),
-            "dim": dim,
-            "n_layers": _field(config, "num_hidden_layers", "n_layer", "num_layers"),
-            "n_heads": _field(config, "num_attention_heads", "n_head", "num_heads"),
-            "ffn_dim": _field(config, "intermediate_size", "n_inner", "ffn_dim"),
-            "n_kv_heads": _field(config, "num_key_value_heads"),
-            "head_dim": _field(config, "head_dim"),
+        named = {
+            "vocab_size": _named(config, "vocab_size"),
+            "dim": _named(config, "hidden_size", "n_embd", "d_model"),
+            "n_layers": _named(config, "num_hidden_layers", "n_layer", "num_layers"),
+            "n_heads": _named(config, "num_attention_heads", "n_head", "num_heads"),
+            "ffn_dim": _named(config, "intermediate_size", "n_inner", "ffn_dim"),
+            "n_kv_heads": _named(config, "num_key_value_heads"),
+            "head_dim": _named(config, "head_dim"),
         }
+        fields = {k: v for k, (_, v) in named.items()}
+        dim = fields["dim"]
+        for name, value in named.values():  # a config's own name for a bad value
+            bad = not isinstance(value, int) or isinstance(value, bool) or value < 1
+            if value is not None and bad:
+                raise ValueError(
+                    f"the model config ({type(config).__name__}) has {name}={value!r}; it "
+                    "must be an int >= 1"
+                )
         if fields["ffn_dim"] is None and hasattr(config, "n_inner") and isinstance(dim, int):
             fields["ffn_dim"] = 4 * dim
         missing = [k for k in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim")

@@ -16,24 +16,33 @@ from typing import Any
 
 from torch import nn
 
+from ..core.transform import walk
 from ..groups import param_groups
+from ..optim.galore import GaLore
 from ..presets import PRESETS
 from .formulas import Footprint
 from .state import Piece, counted, measured, nbytes
 
-__all__ = ["OPTIMIZERS", "Optimizer", "Row", "plan", "state_pieces"]
+__all__ = ["OPTIMIZERS", "Optimizer", "Row", "plan", "projected", "state_pieces"]
 
 
 @dataclass(frozen=True)
 class Optimizer:
     """An optimizer the planner sizes: a counted rule (``rule``) or a galore2 preset
-    (``preset``, a key of ``galore2.presets.PRESETS``) with extra GaLore group keys."""
+    (``preset``, a key of ``galore2.presets.PRESETS``) with extra GaLore group keys
+    (``group``) and constructor arguments that change no state (``kwargs``)."""
 
     name: str
     label: str
     rule: str | None = None
     preset: str | None = None
     group: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def projects(self) -> bool:
+        """Whether the preset has GaLore in its chain (every one but Ranger21)."""
+        return self.preset is not None and GaLore in walk(PRESETS[self.preset].modules)
 
 
 #: the optimizers a plan compares, by name
@@ -56,6 +65,20 @@ OPTIMIZERS: dict[str, Optimizer] = {
             group={"basis_dtype": "int4"},
         ),
         Optimizer("galore_adafactor", "GaLoreAdafactor", preset="galore_adafactor"),
+        Optimizer("fira", "Fira", preset="fira"),
+        Optimizer("apollo", "APOLLO", preset="apollo"),
+        Optimizer("apollo_mini", "APOLLO-Mini (rank 1)", preset="apollo_mini"),
+        Optimizer("galore_muon", "GaLoreMuon", preset="galore_muon"),
+        # num_iterations sets Ranger21's schedule length only: no state depends on it
+        Optimizer(
+            "ranger21", "Ranger21 (full rank)", preset="ranger21", kwargs={"num_iterations": 1}
+        ),
+        Optimizer(
+            "galore_ranger21",
+            "GaLoreRanger21",
+            preset="galore_ranger21",
+            kwargs={"num_iterations": 1},
+        ),
     )
 }
 
@@ -92,20 +115,43 @@ def state_pieces(
 ) -> list[Piece]:
     """The state ``optimizer`` holds for ``model``: counted by rule, or measured from a
     galore2 optimizer built over it (``init_state()``; a meta model allocates nothing) with
-    ``galore`` (rank, …) on the ``target_modules`` group."""
+    ``galore`` (rank, …) on the ``target_modules`` group. A preset's own definition wins
+    over ``galore``: its ``preset_defaults`` (APOLLO's projector, scaling and α) and its
+    ``projected_rank`` (APOLLO-Mini: 1); a preset without GaLore (Ranger21) gets one group
+    of every trainable parameter."""
     if optimizer.rule is not None:
         return counted(optimizer.rule, model)
+    cls = PRESETS[optimizer.preset]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. rank >= min dim of a small weight
-        groups = param_groups(model, target_modules, **galore, **optimizer.group)
+        if optimizer.projects:
+            settings = {k: v for k, v in galore.items() if k not in cls.preset_defaults}
+            rank = getattr(cls, "projected_rank", None)
+            settings |= {"rank": rank} if rank is not None else {}
+            groups = param_groups(model, target_modules, **settings, **optimizer.group)
+        else:
+            groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
         try:
-            opt = PRESETS[optimizer.preset](groups)
+            opt = cls(groups, **optimizer.kwargs)
         except ImportError as e:  # GaLoreAdamW8bit without bitsandbytes
             others = ",".join(n for n in OPTIMIZERS if n != optimizer.name)
             msg = f"{optimizer.name}: {e} (or leave it out: --optimizers {others})"
             raise ImportError(msg) from e
+        except ValueError as e:  # the settings given do not suit this preset
+            raise ValueError(f"optimizer {optimizer.name!r} ({cls.__name__}): {e}") from None
         opt.init_state()
     return measured(opt)
+
+
+def projected(model: nn.Module, target_modules: Any) -> int:
+    """How many weights of ``model`` GaLore projects for ``target_modules``
+    (``galore2.param_groups``' choice: with ``"all-linear"``, the weights of ``nn.Linear``
+    and ``transformers``' ``Conv1D`` layers but the output head's); 0 means every GaLore row
+    is its optimizer at full rank."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no parameter was selected": the count says it
+        groups = param_groups(model, target_modules, rank=1)
+    return sum(len(g["params"]) for g in groups if "rank" in g)
 
 
 def _choices(name: str, values: Sequence[Any], check) -> list[Any]:

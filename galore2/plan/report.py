@@ -17,7 +17,8 @@ _NOTES = (
     "INT8/INT4 codes + scales); AdamW counted (two moments in the parameter dtype + a CPU "
     "step per tensor); AdamW 8-bit counted by bitsandbytes 0.50.2's rules (uint8 moments "
     "+ fp32 absmax per 256 elements, fp32 below 4096 elements). Embeddings and the output "
-    "head stay full rank in every GaLore optimizer.",
+    "head stay full rank in every GaLore optimizer; APOLLO-Mini projects at rank 1 (its "
+    "definition), Ranger21 at full rank.",
     "Weights, gradients, activations: the formulas of galore2.plan.formulas. Per-layer "
     "updates keep one gradient alive (torch optimizers need a per-parameter optimizer "
     "in a post-accumulate-grad hook for that; galore2 has galore2.per_layer).",
@@ -56,6 +57,7 @@ class Report:
     targets: str  # the projected modules, described
     gpu_memory: int  # bytes
     unit: str = "GB"  # display unit, a key of UNITS in any case (the budget's)
+    projected: int | None = None  # weights GaLore projects (None: not counted)
 
     def header(self) -> str:
         """One paragraph: the model and the settings."""
@@ -63,10 +65,19 @@ class Report:
         return (
             f"Memory plan for {self.label}: {self.model}, {count(self.n_params)} "
             f"parameters in {self.dtype}; batch {self.batch_size} × seq {self.seq_len} per "
-            f"GPU, gradient accumulation {self.grad_accum}; GaLore rank {self.rank} on "
-            f"{self.targets}. Sizes in {_unit(u)} per GPU; GPU memory "
+            f"GPU, gradient accumulation {self.grad_accum}; {self.galore()}. Sizes in "
+            f"{_unit(u)} per GPU; GPU memory "
             f"{format_size(self.gpu_memory, u, 1)} {u}."
         )
+
+    def galore(self) -> str:
+        """What GaLore projects: ``GaLore rank 1024 on … (224 matrices)``, or plainly that
+        nothing is projected."""
+        if self.projected == 0:
+            return (f"GaLore projects nothing: {self.targets} selects no weight, so every "
+                    "GaLore row is its optimizer at full rank")  # fmt: skip
+        count = "" if self.projected is None else f" ({self.projected} matrices)"
+        return f"GaLore rank {self.rank} on {self.targets}{count}"
 
     def table(self, world: int) -> str:
         """The Markdown table of world size ``world``."""

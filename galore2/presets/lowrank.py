@@ -31,7 +31,8 @@ class Fira(GaLoreAdamW):
     Adam update plus the gradient's residual outside the subspace, scaled per channel by
     φ = ‖N‖/‖PᵀG‖ and held to at most ``norm_growth_limit`` (γ = 1.01) growth per step.
     Defaults as GaLoreAdamW (``residual="fira"``); see :mod:`galore2.optim.residual`
-    for the definition and how it differs from the ``fira`` package at α ≠ 1.
+    for the definition and how it differs from the ``fira`` package at α ≠ 1
+    (``residual="fira_reference"`` is the package's behaviour).
     """
 
     preset_defaults: ClassVar[dict[str, Any]] = {"residual": "fira"}

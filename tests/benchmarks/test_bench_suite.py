@@ -265,6 +265,7 @@ PUBLISHED_7B = {
     # contenders added after that publication (fira; galore2's Fira, APOLLO, GaLoreMuon):
     # fira keeps galore-torch's whole-SVD-factor basis plus one norm per projected matrix
     "fira_adamw": 30083679104, "galore2_fira": 18809405000, "galore2_fira_power": 18809405000,
+    "galore2_fira_reference": 18809405000,
     "galore2_fira_8bit_int8": 4777428312, "galore2_apollo": 15051310408,
     "galore2_apollo_mini": 2111948104, "galore2_apollo_8bit": 3823225944,
     "galore2_apollo_mini_8bit": 547276120, "galore2_muon": 12333397832,

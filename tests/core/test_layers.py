@@ -78,6 +78,18 @@ def test_an_upward_import_breaks_the_contract(tmp_path):
     assert "galore2.kernels is not allowed to import galore2.presets" in out.stdout, out.stdout
 
 
+def test_an_import_of_the_recipe_breaks_the_contract(tmp_path):
+    """The installed package never reaches into a checkout's recipes/ (the wheel has none):
+    even a lazy import inside a function fails lint-imports."""
+    shutil.copytree(ROOT / PACKAGE, tmp_path / PACKAGE, ignore=shutil.ignore_patterns("*.pyc"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    report = tmp_path / PACKAGE / "plan" / "report.py"
+    report.write_text(report.read_text() + "\n\ndef _f():\n    import recipes.config  # noqa\n")
+    out = _lint_imports(tmp_path)
+    assert out.returncode != 0
+    assert "galore2 is not allowed to import recipes" in out.stdout, out.stdout
+
+
 def test_fsdp_placements_are_imported_only_when_needed():
     """galore2 detects DTensors (galore2.fsdp.detect) without importing the FSDP placements
     (galore2.fsdp.placement, which imports torch.distributed): a plain run never loads them;

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
 
-from galore2.plan import cli, configs
+from galore2.plan import OPTIMIZERS, cli, configs
 from galore2.plan.units import parse_size
+from recipes import plan as recipe_plan
 
 from ..helpers import run_python
-from .conftest import write
+from .conftest import SMALL, write
 
 
 @pytest.mark.parametrize(
@@ -96,9 +98,9 @@ def test_run_prints_one_error_line_and_exits_2(capsys):
     assert err.startswith("error: --gpu-memory must be a size") and err.count("\n") == 1
 
 
-def test_config_names_resolve_to_recipe_configs_from_any_folder(monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)  # not the checkout: found next to this galore2
-    source = configs.load("tiny")
+def test_recipe_config_names_resolve_from_any_folder(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # not the checkout: the recipe finds its own configs
+    source = recipe_plan.load("tiny")
     assert source.kind == "recipe" and source.label == "recipe tiny"
     assert (source.batch_size, source.seq_len, source.galore["rank"]) == (16, 128, 32)
     assert source.config.hidden_size == 128 and source.config.vocab_size == 257
@@ -108,7 +110,10 @@ def test_config_names_resolve_to_recipe_configs_from_any_folder(monkeypatch, tmp
     ("make", "error", "message"),
     [
         (lambda d: d / "nope" / "config.json", FileNotFoundError, "no such file or folder"),
-        (lambda d: "llama_9000", FileNotFoundError, r"recipe config name.*names: .*llama_7b"),
+        (lambda d: "llama_9000", FileNotFoundError,
+         r"no such file or folder \(a recipe config name\? python -m recipes.plan llama_9000"),
+        (lambda d: _file(d / "c.toml", "[model]"), ValueError,
+         r"a recipe config; the recipe plans it .*: python -m recipes.plan .*c.toml"),
         (lambda d: d, FileNotFoundError, "the folder has no config.json"),
         (lambda d: _file(d / "c.yaml", "a: 1"), ValueError, "got a .yaml file"),
         (lambda d: _file(d / "c.json", "{"), ValueError, "not valid JSON"),
@@ -127,11 +132,34 @@ def _file(path, text):
     return path
 
 
-def test_a_name_without_a_checkout_says_so(monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(configs, "_CHECKOUTS", (tmp_path,))
-    with pytest.raises(FileNotFoundError, match="recipe names need a galore2 source checkout"):
-        configs.load("llama_7b")
+def test_a_recipe_name_is_the_recipes_to_resolve(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no recipe config of that name"):
+        recipe_plan.main(["llama_9000"])
+    with pytest.raises(FileNotFoundError, match="no such file or folder"):
+        configs.load("llama_7b")  # the planner knows no recipe names
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"hidden_size": -64}, r"\(LlamaConfig\) has hidden_size=-64; it must be an int >= 1"),
+        ({"num_hidden_layers": 0}, r"has num_hidden_layers=0; it must be an int >= 1"),
+        ({"vocab_size": -5}, r"has vocab_size=-5; it must be an int >= 1"),
+        ({"intermediate_size": -1}, r"has intermediate_size=-1; it must be an int >= 1"),
+        ({"hidden_size": 64.5}, "not a valid llama config: .*hidden_size"),
+        ({"num_attention_heads": 5}, "not a valid llama config: .*multiple of the number of"),
+        ({"vocab_size": "many"}, "not a valid llama config: .*vocab_size"),
+    ],
+)
+def test_invalid_config_values_are_one_error_line_and_status_2(tmp_path, capsys, change, message):
+    """Issue 30 item 6: a negative hidden_size (or another invalid value) printed a traceback."""
+    path = write(tmp_path / "bad", {**SMALL, **change})
+    with pytest.raises(SystemExit) as e:
+        cli.run([str(path)])
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("error: ") and re.search(message, captured.err), captured.err
 
 
 def test_missing_transformers_is_a_clear_error(monkeypatch, small):
@@ -146,7 +174,7 @@ def test_a_config_folder_works_like_its_config_json(small, capsys):
         cli.main([str(spec), "--json"])
         outs.append(json.loads(capsys.readouterr().out))
     assert outs[0]["rows"] == outs[1]["rows"]
-    assert len(outs[0]["rows"]) == 6 * 2 * 2  # optimizers × per-layer × checkpointing
+    assert len(outs[0]["rows"]) == len(OPTIMIZERS) * 2 * 2  # × per-layer × checkpointing
 
 
 def test_the_planner_imports_without_optional_packages_and_names_what_is_missing():
@@ -164,11 +192,3 @@ def test_the_planner_imports_without_optional_packages_and_names_what_is_missing
     )
     out = run_python(code)
     assert "need bitsandbytes" in out and "--optimizers adamw,adamw8bit,galore_adamw," in out
-
-
-def test_a_recipe_toml_outside_a_checkout_names_what_it_needs(monkeypatch, tmp_path):
-    (tmp_path / "lonely.toml").write_text("[model]\ndim = 64\n")
-    monkeypatch.setitem(sys.modules, "recipes", None)  # not importable from here
-    monkeypatch.setitem(sys.modules, "recipes.config", None)
-    with pytest.raises(ImportError, match=r"recipe package.*not importable here"):
-        configs.load(tmp_path / "lonely.toml")
