@@ -8,20 +8,25 @@ convergence sweep for each of the three optimizers).
 * ``refresh_schedule`` — GaLoreAdamW, Fira and APOLLO with ``refresh_schedule`` =
   ``together`` and ``staggered``: final validation loss, refreshes in all, the most
   refreshes on one step after the first (counted: the optimizer's ``step`` argument of
-  every ``GaLore.refresh`` call), and the optimizer step's time — median, and the worst
-  step after the first against it (timed around ``ChainOptimizer.step``; on a busy CPU
-  the ratio is noisy, the counts are not).
+  every ``GaLore.refresh`` call) and, on CUDA, the optimizer step's time — median, and
+  the worst step after the first against it (timed around ``ChainOptimizer.step``).
 * ``proj_precision`` — the same three optimizers with ``proj_precision`` = fp32 / bf16
   (and tf32 where CUDA runs it; on a CPU TF32 does not exist and equals fp32), with
   fp32 parameters (``--model.dtype fp32``: with bf16 parameters the gradient, so the
   projection, is bf16 whatever the option): final validation loss and, on CUDA, the
   median optimizer step time. Runs on a GPU as it is (the recipe picks CUDA when there
   is one).
+
+Both tasks need the same runs; the first of them to run does all of them, on a CPU in
+parallel worker processes (one torch thread each: only losses and counts are reported
+there), on CUDA one after the other (the step times are reported). ``--quick``: 60 steps
+with T = 20, so that both schedules refresh a few times.
 """
 
 from __future__ import annotations
 
 import math
+import multiprocessing
 import statistics
 import time
 from collections import Counter
@@ -40,7 +45,8 @@ QUICK_STEPS = 60
 LR = "1e-2"
 OPTIMIZERS = {"galore_adamw": "GaLoreAdamW", "fira": "Fira", "apollo": "APOLLO"}
 MATRICES = 28  # the tiny model's projected matrices (4 layers × 7)
-GAP = 50
+GAP, QUICK_GAP = 50, 20
+SCHEDULES = ("together", "staggered")
 
 
 @contextmanager
@@ -76,6 +82,18 @@ def _probe() -> Iterator[dict[str, Any]]:
 _DONE: dict[tuple[str, tuple[str, ...], bool], dict[str, Any]] = {}
 
 
+def _precisions() -> tuple[str, ...]:
+    return ("fp32", "tf32", "bf16") if torch.cuda.is_available() else ("fp32", "bf16")
+
+
+def _runs() -> list[tuple[str, list[str]]]:
+    """Every (optimizer, flags) the two tasks report."""
+    out = [(n, ["--optim.refresh_schedule", s]) for n in OPTIMIZERS for s in SCHEDULES]
+    out += [(n, ["--optim.proj_precision", p, "--model.dtype", "fp32"])
+            for n in OPTIMIZERS for p in _precisions()]  # fmt: skip
+    return out
+
+
 def _key(name: str, flags: list[str], quick: bool) -> tuple[str, tuple[str, ...], bool]:
     defaults = {("--optim.refresh_schedule", "together"), ("--optim.proj_precision", "fp32")}
     if not torch.cuda.is_available():  # the recipe's dtype "auto" is fp32 on a CPU
@@ -85,13 +103,29 @@ def _key(name: str, flags: list[str], quick: bool) -> tuple[str, tuple[str, ...]
 
 
 def _run(name: str, flags: list[str], quick: bool) -> dict[str, Any]:
-    key = _key(name, flags, quick)
-    if key not in _DONE:
-        _DONE[key] = _measure(name, flags, quick)
-    return _DONE[key]
+    """One run's figures; the first call does every run of :func:`_runs` (CPU: in
+    parallel worker processes)."""
+    todo = {}
+    for n, f in [(name, flags), *_runs()]:
+        todo.setdefault(_key(n, f, quick), (n, f, quick))
+    todo = {k: v for k, v in todo.items() if k not in _DONE}
+    if len(todo) > 1 and not torch.cuda.is_available():
+        with multiprocessing.get_context("spawn").Pool(len(todo)) as pool:
+            _DONE.update(zip(todo, pool.starmap(_worker, todo.values()), strict=True))
+    for k, args in todo.items():
+        if k not in _DONE:
+            _DONE[k] = _measure(*args)
+    return _DONE[_key(name, flags, quick)]
+
+
+def _worker(name: str, flags: list[str], quick: bool) -> dict[str, Any]:
+    torch.set_num_threads(1)  # several runs share the CPU
+    return _measure(name, flags, quick)
 
 
 def _measure(name: str, flags: list[str], quick: bool) -> dict[str, Any]:
+    if quick:
+        flags = [*flags, "--optim.update_proj_gap", str(QUICK_GAP)]
     with _probe() as seen:
         hist = tiny_run(name, LR, flags, QUICK_STEPS if quick else None)
     per_step: Counter = seen["refreshes"]
@@ -108,29 +142,33 @@ def _measure(name: str, flags: list[str], quick: bool) -> dict[str, Any]:
 
 
 def refresh_schedule(quick: bool) -> str:
+    cuda = torch.cuda.is_available()
     rows = []
     for name, label in OPTIMIZERS.items():
-        results = {s: _run(name, ["--optim.refresh_schedule", s], quick)
-                   for s in ("together", "staggered")}  # fmt: skip
+        results = {s: _run(name, ["--optim.refresh_schedule", s], quick) for s in SCHEDULES}
         for schedule, r in results.items():
-            rows.append([label, schedule, f"{r['val']:.4f}",
-                         f"{r['val'] / results['together']['val']:.4f}", str(r["refreshes"]),
-                         str(r["first"]), str(r["most"]), f"{r['median_ms']:.1f}",
-                         f"{r['worst']:.2f}"])  # fmt: skip
+            row = [label, schedule, f"{r['val']:.4f}",
+                   f"{r['val'] / results['together']['val']:.4f}", str(r["refreshes"]),
+                   str(r["first"]), str(r["most"])]  # fmt: skip
+            if cuda:
+                row += [f"{r['median_ms']:.1f}", f"{r['worst']:.2f}"]
+            rows.append(row)
     headers = ["optimizer", "refresh_schedule", "final val loss", "÷ together", "refreshes",
-               "on step 1", "most on a later step", "median step ms",
-               "worst later step ÷ median"]  # fmt: skip
+               "on step 1", "most on a later step"]  # fmt: skip
+    if cuda:
+        headers += ["median step ms", "worst later step ÷ median"]
+    gap = QUICK_GAP if quick else GAP
     return render("schedule", "refresh_schedule", steps=QUICK_STEPS if quick else 400,
-                  bound=math.ceil(MATRICES / GAP), table=table(headers, rows))  # fmt: skip
+                  gap=gap, bound=math.ceil(MATRICES / gap), device=_device(),
+                  table=table(headers, rows))  # fmt: skip
 
 
 def proj_precision(quick: bool) -> str:
     cuda = torch.cuda.is_available()
-    precisions = ("fp32", "tf32", "bf16") if cuda else ("fp32", "bf16")
     rows = []
     for name, label in OPTIMIZERS.items():
         results = {p: _run(name, ["--optim.proj_precision", p, "--model.dtype", "fp32"], quick)
-                   for p in precisions}  # fmt: skip
+                   for p in _precisions()}  # fmt: skip
         base = results["fp32"]
         for precision, r in results.items():
             row = [label, precision, f"{r['val']:.4f}", f"{r['val'] / base['val']:.4f}"]
@@ -140,6 +178,12 @@ def proj_precision(quick: bool) -> str:
     headers = ["optimizer", "proj_precision", "final val loss", "÷ fp32"]
     if cuda:
         headers += ["median step ms", "÷ fp32"]
-    device = torch.cuda.get_device_name() if cuda else "CPU (no TF32: tf32 = fp32, not run)"
     return render("schedule", "proj_precision", steps=QUICK_STEPS if quick else 400,
-                  device=device, table=table(headers, rows))  # fmt: skip
+                  gap=QUICK_GAP if quick else GAP, device=_device(),
+                  table=table(headers, rows))  # fmt: skip
+
+
+def _device() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return "CPU (losses and counts only: the runs share it; no TF32 there, so no tf32 rows)"
