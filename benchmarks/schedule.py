@@ -186,4 +186,7 @@ def proj_precision(quick: bool) -> str:
 def _device() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    return "CPU (losses and counts only: the runs share it; no TF32 there, so no tf32 rows)"
+    return (
+        "CPU, the runs in parallel processes with one torch thread each (losses and counts "
+        "only; no TF32 on a CPU, so no tf32 rows)"
+    )
