@@ -110,12 +110,17 @@ def _run(name: str, flags: list[str], quick: bool) -> dict[str, Any]:
         todo.setdefault(_key(n, f, quick), (n, f, quick))
     todo = {k: v for k, v in todo.items() if k not in _DONE}
     if len(todo) > 1 and not torch.cuda.is_available():
-        with multiprocessing.get_context("spawn").Pool(len(todo)) as pool:
-            _DONE.update(zip(todo, pool.starmap(_worker, todo.values()), strict=True))
+        _DONE.update(zip(todo, _parallel(list(todo.values())), strict=True))
     for k, args in todo.items():
         if k not in _DONE:
             _DONE[k] = _measure(*args)
     return _DONE[_key(name, flags, quick)]
+
+
+def _parallel(runs: list[tuple[str, list[str], bool]]) -> list[dict[str, Any]]:
+    """:func:`_measure` of every run, each in its own worker process."""
+    with multiprocessing.get_context("spawn").Pool(len(runs)) as pool:
+        return pool.starmap(_worker, runs)
 
 
 def _worker(name: str, flags: list[str], quick: bool) -> dict[str, Any]:
