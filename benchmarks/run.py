@@ -87,6 +87,10 @@ TASKS: dict[str, Task] = {
                         "Quantized bases: bytes and reconstruction error"),
     "low_memory": Task("tiny", "low_memory",
                        "Memory below every GaLore: 8-bit moments, quantized bases"),
+    "refresh_schedule": Task("schedule", "refresh_schedule",
+                             "Refresh schedule: together vs staggered (tiny recipe)"),
+    "proj_precision": Task("schedule", "proj_precision",
+                           "Projection precision: fp32 / TF32 / bf16 (tiny recipe)"),
     "kernels": Task("kernels", "kernels", "Triton kernels (GPU)", needs_cuda=True),
     "gpu_step": Task("gpu_step", "gpu_step", "Optimizer step on a GPU, Llama-7B layer shapes",
                      needs_cuda=True),
@@ -109,7 +113,8 @@ OPT_IN = ("scale_check", "fit_24gb")
 GROUPS = {  # --tasks names that stand for several tasks
     "suite": DEFAULT,
     "core": ("refresh", "step_time", "step_counts", "memory_7b", "traffic_7b", "recipe_tiny",
-             "recipe_memory_7b", "throughput", "ranger21", "basis_quant", "low_memory"),
+             "recipe_memory_7b", "throughput", "ranger21", "basis_quant", "low_memory",
+             "refresh_schedule", "proj_precision"),
     "all": tuple(n for n in TASKS if n not in OPT_IN),
 }  # fmt: skip
 MEASURED = ("state_7b", "footprint", "convergence")  # targets follows any of them

@@ -384,6 +384,38 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         "a quantized-basis group with subnormal absmax stores a subnormal scale",
     ),
+    Mutation(
+        "gap_change_ignored",
+        "galore2/core/resume.py",
+        "if keys & diff:",
+        "if keys & diff and False:",
+        ("tests/optim/test_refresh_schedule.py",),
+        "a changed update_proj_gap keeps the old schedule's next refresh (issue 30 item 4)",
+    ),
+    Mutation(
+        "frozen_edit_ignored",
+        "galore2/core/resume.py",
+        "bad = [k for k in self.frozen if k in diff]",
+        "bad = []",
+        ("tests/optim/test_refresh_schedule.py",),
+        "a rank edited in param_groups mid-run is silently ignored",
+    ),
+    Mutation(
+        "staggered_phase",
+        "galore2/optim/galore.py",
+        "return _at_phase(step + (gap + 1) // 2, gap, index)",
+        "return step + gap",
+        ("tests/optim/test_refresh_schedule.py",),
+        "refresh_schedule='staggered' refreshes every matrix together",
+    ),
+    Mutation(
+        "bf16_projection_ignored",
+        "galore2/projectors/base.py",
+        'if precision == "bf16" and G.dtype == torch.float32:',
+        'if precision == "bf16" and G.dtype == torch.float64:',
+        ("tests/projectors/test_precision.py",),
+        "proj_precision='bf16' projects in fp32",
+    ),
 )
 
 

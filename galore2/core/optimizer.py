@@ -31,7 +31,7 @@ is refused unless every module is defined for it (``complex_problem``).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import chain as iter_chain
@@ -47,7 +47,14 @@ from ..placement import LOCAL, Placement
 from .modules import GradientTransform, LRSchedule, ParamTransform, run_param_transforms
 from .nonfinite import SKIPS, NonFinitePolicy, read_flags
 from .options import Bool, LearningRate, Option, Optional, Real, closest, collect, hints, resolve
-from .resume import SCHEDULED, compare_groups, compare_state, known_prefixes, refusal
+from .resume import (
+    SCHEDULED,
+    Settings,
+    compare_groups,
+    compare_state,
+    known_prefixes,
+    refusal,
+)
 from .state import counter
 from .transform import Context, LowRankUpdate, Transform, init_chain, run_chain, state_kind, walk
 
@@ -140,6 +147,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         self._placements: dict[int, Placement] = {}
         self._pending_skips: dict[Tensor, Tensor] = {}  # capturable: counted on the device
         self._where: tuple[int, dict[int, tuple[dict[str, Any], int]]] | None = None
+        self._settings = Settings(self.declared, walk(self._all_modules))
 
     # ---- copy.deepcopy, pickle ---------------------------------------------------
     #: instance attributes that travel with a copy besides torch's (defaults, state,
@@ -298,9 +306,22 @@ class ChainOptimizer(torch.optim.Optimizer):
         Useful to size state without training (works on the meta device) and
         before loading a checkpoint.
         """
+        self._check_settings(self.param_groups)
         for index, group, p in self._indexed_params():
             if not self.state[p]:
                 self._init_param_state(p, group, index)
+
+    def _check_settings(self, groups: Sequence[dict[str, Any]]) -> None:
+        """Options changed in ``groups`` since the state was made: a state-shaping one is
+        refused, a cached one re-planned (:class:`~galore2.core.resume.Settings`)."""
+        self._settings.check(type(self).__name__, groups, self._states_of)
+
+    def _states_of(self, group: Mapping[str, Any]) -> list[tuple[int, dict[str, Tensor]]]:
+        return [
+            (i, self.state[p])
+            for i, g, p in self._indexed_params()
+            if g is group and self.state.get(p)
+        ]
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of optimizer state by kind: ``moments``, ``basis``, ``other`` and ``total``."""
@@ -355,6 +376,7 @@ class ChainOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's ``state_dict``, with the skips counted on the device added to the state first."""
         self._flush_skips()
+        self._check_settings(self.param_groups)  # an edited gap re-planned before it is saved
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -413,6 +435,10 @@ class ChainOptimizer(torch.optim.Optimizer):
                     self.state[p][key] = value.detach().to(device=device, copy=True)
             if self.state.get(p):
                 self.state[p].setdefault(SKIPS, counter())  # older checkpoints lack it
+        self._settings.reset()  # the state was made with the checkpoint's values: re-plan
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            self._settings.loaded(group, saved)
+        self._check_settings(self.param_groups)
 
     # ---- step --------------------------------------------------------------------
     def _check_sparse(self) -> None:
@@ -444,6 +470,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_settings(self.param_groups)
         self._check_sparse()
         NonFinitePolicy.raise_if_any(self.param_groups, self._to_check)
         batches = [
@@ -476,6 +503,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         if found is None:
             raise ValueError(f"parameter of shape {tuple(p.shape)} is not in this optimizer")
         group, index = found
+        self._check_settings([group])
         grad = p.grad
         if grad.is_sparse:
             self._check_sparse()

@@ -162,3 +162,93 @@ def refusal(owner: str, lines: list[str]) -> ValueError:
         f"{owner}.load_state_dict: the checkpoint does not fit this optimizer (nothing was "
         "loaded):\n  " + "\n  ".join(shown)
     )
+
+
+class Settings:
+    """The option values each parameter group's state was made with, checked between steps.
+
+    torch lets a user edit ``param_groups`` between steps; most options are read afresh at
+    every step and simply apply from the next one. Two kinds cannot: an option declared
+    ``resumable=False`` (``rank``, ``proj_type``…) shapes the stored state, so a change is
+    refused — ``ValueError`` naming the group, the key and both values, raised by
+    :meth:`check` before anything changes — exactly as :func:`compare_groups` refuses it on
+    resume; and an option a module caches in its state (GaLore's ``update_proj_gap``, which
+    sets ``galore.next_refresh``) is listed in the module's ``watched`` set, and the module's
+    ``options_changed(old, group, states)`` re-plans that state. After ``load_state_dict``
+    the checkpoint's values are recorded (:meth:`loaded`), so a resume that changes the gap
+    goes through the same path.
+
+    Args:
+        declared: the optimizer's options.
+        modules: its modules (wrappers' inner modules included, see ``walk``).
+    """
+
+    def __init__(self, declared: Mapping[str, Option], modules: Iterable[Any]) -> None:
+        self.declared = declared
+        self.frozen = tuple(n for n, o in declared.items() if not o.resumable)
+        self.watchers = [
+            (m, frozenset(m.watched) & set(declared))
+            for m in modules
+            if getattr(m, "watched", None)
+        ]
+        watched = set().union(*(keys for _, keys in self.watchers)) if self.watchers else set()
+        self.keys = (*self.frozen, *sorted(watched - set(self.frozen)))
+        self._seen: dict[int, tuple[Mapping[str, Any], dict[str, Any]]] = {}
+
+    def _values(self, group: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: group[k] for k in self.keys if k in group}
+
+    def loaded(self, group: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+        """Record that ``group``'s state was made with the checkpoint group ``saved``'s
+        values (normalized; this group's own where the checkpoint lacks a key)."""
+        values = self._values(group)
+        for k in values:
+            if k in saved:
+                values[k] = _normalized(self.declared[k], saved[k])
+        self._seen[id(group)] = (group, values)
+
+    def reset(self) -> None:
+        """Forget every group (before :meth:`loaded` records a checkpoint's)."""
+        self._seen.clear()
+
+    def check(
+        self,
+        owner: str,
+        groups: Sequence[Mapping[str, Any]],
+        states_of: Callable[[Mapping[str, Any]], list[tuple[int, Any]]],
+    ) -> None:
+        """Refuse a changed ``resumable=False`` option (nothing changes), then tell the
+        watching modules of changed watched options; record ``groups``' values as seen.
+        A group seen for the first time is recorded (its state is made with these values)."""
+        pending = []
+        for i, group in enumerate(groups):
+            seen = self._seen.get(id(group))
+            now = self._values(group)
+            if seen is None or seen[0] is not group:
+                self._seen[id(group)] = (group, now)
+                continue
+            old = seen[1]
+            diff = {k for k in self.keys if not _same(old.get(k), now.get(k))}
+            for k in sorted(diff):  # an edited value is checked as the constructor checks it
+                try:
+                    self.declared[k].validate(now.get(k))
+                except ValueError as e:
+                    raise ValueError(f"{owner}: param_groups[{i}]: {e}") from None
+            bad = [k for k in self.frozen if k in diff]
+            if bad:
+                k = bad[0]
+                raise ValueError(
+                    f"{owner}: param_groups[{i}][{k!r}] changed from {old.get(k)!r} to "
+                    f"{now.get(k)!r} after the optimizer state was made; {k} shapes that "
+                    f"state and cannot change mid-run (it is refused on resume too): put "
+                    f"{old.get(k)!r} back, or build a new optimizer"
+                )
+            if diff:
+                pending.append((group, old, now, diff))
+        for group, old, now, diff in pending:
+            states = None
+            for module, keys in self.watchers:
+                if keys & diff:
+                    states = states_of(group) if states is None else states
+                    module.options_changed({k: old[k] for k in keys if k in old}, group, states)
+            self._seen[id(group)] = (group, now)

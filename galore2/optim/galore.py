@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -122,6 +122,12 @@ REFRESH_THRESHOLD = Option(
 REFRESH_PATIENCE = Option(
     "refresh_patience", 3, Int(low=1), "stable refreshes in a row before the gap doubles"
 )
+REFRESH_SCHEDULE = Option(
+    "refresh_schedule",
+    "together",
+    Choice(("together", "staggered")),
+    "refresh every matrix at the same steps, or each at its own phase of the gap (no stall)",
+)
 MAX_UPDATE_PROJ_GAP = Option(
     "max_update_proj_gap",
     None,
@@ -131,6 +137,7 @@ MAX_UPDATE_PROJ_GAP = Option(
 OPTIONS = (
     RANK,
     UPDATE_PROJ_GAP,
+    REFRESH_SCHEDULE,
     SCALE,
     PROJ_TYPE,
     *PROJECTOR_OPTIONS,
@@ -230,6 +237,7 @@ class GaLore(Transform):
             group_size=int(group.get("basis_group_size", 256)),
             hadamard=hadamard,
             basis_seed=0 if seed is None else int(seed),
+            precision=group.get("proj_precision", "fp32"),
         )  # fmt: skip
 
     # ---- transform protocol ------------------------------------------------------
@@ -311,7 +319,7 @@ class GaLore(Transform):
         G = u if plan.side == TUCKER else u.reshape(-1, plan.n)
         step = int(state["galore.step"])
         if step >= int(state["galore.next_refresh"]) and not ctx.refreshed:
-            self.refresh(G, state, group, plan, step)
+            self.refresh(G, state, group, plan, step, index=ctx.index)
         projector = _projector(group, plan, ctx.global_shape)
         R = projector.project(G, state, plan)
         # Sharded rows: PᵀG is a sum over ranks. Left: reduce-scatter it so Adam runs on a
@@ -387,13 +395,13 @@ class GaLore(Transform):
             ctx.refreshed = True  # this step's refresh is decided here, done or not
             if scaled is not None:
                 owner = projector.owner(state, plan)
-                due.append((state, plan, owner, plan.placement.gather_rows(scaled, owner), u))
-        computed = [projector.compute(full, plan) for _, plan, _, full, _ in due]
-        for (state, plan, owner, _, u), bases in zip(due, computed, strict=True):
+                full = plan.placement.gather_rows(scaled, owner)
+                due.append((state, plan, owner, full, u, ctx.index))
+        computed = [projector.compute(full, plan) for _, plan, _, full, _, _ in due]
+        for (state, plan, owner, _, u, index), bases in zip(due, computed, strict=True):
             new = projector.distribute(bases, owner, plan, u.device)
-            self.refresh(
-                None, state, group, plan, int(state["galore.step"]), projector.checked(new, plan)
-            )
+            step = int(state["galore.step"])
+            self.refresh(None, state, group, plan, step, projector.checked(new, plan), index=index)
 
     def refresh(
         self,
@@ -403,10 +411,13 @@ class GaLore(Transform):
         plan: Plan,
         step: int,
         precomputed: dict[str, Tensor] | None = None,
+        *,
+        index: int = 0,
     ) -> bool:
         """Refresh the basis from ``G`` (or install ``precomputed`` bases when G is None);
         returns False (basis kept, retried next step) when there is no usable result.
-        A Tucker weight's G is this rank's N-d gradient (it never comes precomputed)."""
+        A Tucker weight's G is this rank's N-d gradient (it never comes precomputed);
+        ``index``: the parameter's index (its phase under ``refresh_schedule="staggered"``)."""
         projector = _projector(group, plan, () if G is None else (plan.m, *G.shape[1:]))
         done = int(state["galore.refreshes"])
         if G is None:
@@ -433,8 +444,93 @@ class GaLore(Transform):
             for t in self.inner:
                 t.rotate(state, rotate)
         state["galore.refreshes"] += 1
-        state["galore.next_refresh"].fill_(step + _next_gap(state, group, similarity))
+        gap = _next_gap(state, group, similarity)
+        state["galore.next_refresh"].fill_(
+            next_refresh(step, gap, group["refresh_schedule"], index)
+        )
         return True
+
+    # ---- changed settings ----------------------------------------------------------
+    #: the options whose change :meth:`options_changed` must see (the schedule caches them
+    #: in ``galore.next_refresh``; every other option is read afresh at each step)
+    watched: ClassVar[frozenset[str]] = frozenset(
+        {"update_proj_gap", "refresh_schedule", "adaptive_refresh", "max_update_proj_gap"}
+    )
+
+    def options_changed(
+        self,
+        old: dict[str, Any],
+        group: Group,
+        states: list[tuple[int, State]],
+    ) -> None:
+        """Re-plan each projected parameter's next refresh after ``update_proj_gap`` (or the
+        schedule) changed — on resume, or by an edit of ``param_groups`` between steps —
+        so the new gap governs from the next step: the last refresh is placed where the old
+        schedule put it (``next_refresh − old gap``), and the next one comes one new gap
+        after it (at the parameter's phase when staggered); if that step has passed, the
+        refresh is due at the next step (staggered: at the parameter's next phase, within
+        one gap, so the change does not make every matrix refresh at once).
+
+        Args:
+            old: the watched options' values the state was scheduled with.
+            group: the parameter group, with the new values.
+            states: (parameter index, state) of the group's parameters that have state.
+        """
+        old_group = {**group, **old}
+        for index, state in states:
+            if "galore.next_refresh" not in state or int(state["galore.refreshes"]) == 0:
+                continue  # not projected, or never refreshed: due at its next step anyway
+            step, due = int(state["galore.step"]), int(state["galore.next_refresh"])
+            if due <= step:  # a refresh is pending (retried): it stays due
+                continue
+            last = due - _current_gap(state, old_group)
+            if group["adaptive_refresh"] and "galore.gap" in state:  # keep it in the new range
+                cap = group["max_update_proj_gap"] or 8 * group["update_proj_gap"]
+                gap = min(max(int(state["galore.gap"]), group["update_proj_gap"]), cap)
+                state["galore.gap"].fill_(gap)
+            gap = _current_gap(state, group)
+            schedule = group["refresh_schedule"]
+            due = next_refresh(last, gap, schedule, index)
+            if due < step:  # overdue under the new gap
+                due = step if schedule == "together" else _at_phase(step, gap, index)
+            state["galore.next_refresh"].fill_(due)
+
+
+#: 2**64 / golden ratio: consecutive indices land far apart in every window (Fibonacci hashing)
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def phase(index: int, gap: int) -> int:
+    """The step within each ``gap``-step window at which parameter ``index`` refreshes under
+    ``refresh_schedule="staggered"``: ⌊frac(index·φ⁻¹)·gap⌋ in exact integer arithmetic
+    (Fibonacci hashing), so any set of n parameters — consecutive, or every k-th — puts
+    about ⌈n/gap⌉ refreshes on each step. A pure function of the index: the same after a
+    resume, on every rank."""
+    return (((index * _GOLDEN) % 2**64) * gap) >> 64
+
+
+def _at_phase(start: int, gap: int, index: int) -> int:
+    """The first step ≥ ``start`` at parameter ``index``'s phase."""
+    return start + (phase(index, gap) - start) % gap
+
+
+def next_refresh(step: int, gap: int, schedule: str, index: int) -> int:
+    """The step of the next refresh after one at ``step``. ``together``: ``step + gap``
+    (every parameter refreshed at its first step then every gap: steps 0, T, 2T…).
+    ``staggered``: the first step at the parameter's :func:`phase` at least half a gap
+    later — exactly ``step + gap`` once on its phase; after the first refresh (step 0),
+    a retried one or a changed gap, within [gap/2, 3·gap/2), which brings it back on
+    its phase."""
+    if schedule == "together":
+        return step + gap
+    return _at_phase(step + (gap + 1) // 2, gap, index)
+
+
+def _current_gap(state: State, group: Group) -> int:
+    """The gap the parameter's schedule runs on (the adaptive one where it has one)."""
+    if group["adaptive_refresh"] and "galore.gap" in state:
+        return max(int(state["galore.gap"]), group["update_proj_gap"])
+    return group["update_proj_gap"]
 
 
 def _init_adaptive(state: State, group: Group) -> None:

@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 from ..core.options import Choice, Int, Option
-from .base import FULL, LEFT, NONE, RIGHT, TUCKER, Plan, Projector, choose_side, low_rank_shape
+from .base import (
+    FULL,
+    LEFT,
+    NONE,
+    PRECISIONS,
+    RIGHT,
+    TUCKER,
+    Plan,
+    Projector,
+    choose_side,
+    low_rank_shape,
+)
 from .power import PowerProjector
 from .random import RandomProjector
 from .randomized import RandomizedProjector
@@ -38,7 +49,13 @@ POWER_ITERS = Option(
     Int(low=0),
     "subspace iterations (randomized: after the sketch; power: per refresh, >= 1)",
 )
-OPTIONS = (PROJECTOR, OVERSAMPLE, POWER_ITERS)
+PROJ_PRECISION = Option(
+    "proj_precision",
+    "fp32",
+    Choice(PRECISIONS),
+    "precision of the projection matmuls (PᵀG, GQ, Tucker cores): fp32, TF32 on CUDA, bf16",
+)
+OPTIONS = (PROJECTOR, OVERSAMPLE, POWER_ITERS, PROJ_PRECISION)
 
 
 def validate_projector_options(group: dict) -> None:

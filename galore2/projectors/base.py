@@ -27,6 +27,8 @@ through :meth:`bases`, which returns them dense.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -56,6 +58,7 @@ class Plan(NamedTuple):
     group_size: int = 256  # basis_group_size: quantization group (and Hadamard block)
     hadamard: bool = False  # basis_hadamard: rotate rows before quantizing
     basis_seed: int = 0  # the parameter's galore.seed: the Hadamard signs derive from it
+    precision: str = "fp32"  # proj_precision: the projection matmuls' precision (PRECISIONS)
 
 
 def choose_side(
@@ -121,6 +124,43 @@ def usable_norm(G: Tensor, placement: Placement = LOCAL) -> float | None:
 
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
+
+
+#: ``proj_precision`` values: fp32 (TF32 off, whatever the global setting), tf32 (TF32
+#: matmuls on CUDA; the same as fp32 elsewhere), bf16 (fp32 operands rounded to bf16,
+#: the product returned in the gradient's dtype)
+PRECISIONS = ("fp32", "tf32", "bf16")
+
+
+@contextmanager
+def _tf32(allow: bool) -> Iterator[None]:
+    flags = torch.backends.cuda.matmul
+    before = flags.allow_tf32
+    flags.allow_tf32 = allow
+    try:
+        yield
+    finally:
+        flags.allow_tf32 = before
+
+
+def projection_precision(G: Tensor, precision: str) -> tuple[torch.dtype, Any]:
+    """The operand dtype and the context for a projection matmul of ``G`` at ``precision``
+    (one of :data:`PRECISIONS`): bf16 rounds fp32 operands to bf16; fp32 and tf32 keep the
+    operands and, on CUDA, switch TF32 off / on around the matmul when the global setting
+    differs. A gradient already in a 16-bit dtype is projected in its own dtype.
+
+    Raises:
+        ValueError: an unknown ``precision``.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"proj_precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "bf16" and G.dtype == torch.float32:
+        return torch.bfloat16, nullcontext()
+    if G.device.type == "cuda" and G.dtype == torch.float32:
+        allow = precision == "tf32"
+        if torch.backends.cuda.matmul.allow_tf32 != allow:
+            return G.dtype, _tf32(allow)
+    return G.dtype, nullcontext()
 
 
 def low_rank_shape(m: int, n: int, side: int, rank: int) -> tuple[int, int]:
@@ -251,11 +291,16 @@ class Projector:
         """The projected gradient R: PᵀG (left, r×n), GQ (right, m×r) or PᵀGQ (full, r×r)."""
         P, Q = self.bases(state, plan)
         side = plan.side
-        if side == LEFT:
-            return _as(P, G.dtype).mT @ G
-        if side == RIGHT:
-            return G @ _as(Q, G.dtype)
-        return _as(P, G.dtype).mT @ G @ _as(Q, G.dtype)
+        dtype, context = projection_precision(G, plan.precision)
+        X = _as(G, dtype)
+        with context:
+            if side == LEFT:
+                R = _as(P, dtype).mT @ X
+            elif side == RIGHT:
+                R = X @ _as(Q, dtype)
+            else:
+                R = _as(P, dtype).mT @ X @ _as(Q, dtype)
+        return _as(R, G.dtype)
 
     def back_factors(
         self, N: Tensor, state: State, plan: Plan, dtype: torch.dtype

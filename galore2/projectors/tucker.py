@@ -41,7 +41,17 @@ from .._numerics import mix_seed
 from ..placement import LOCAL, Placement
 from ..storage.basis import KEY_SUFFIXES, basis_format, basis_zeros
 from ._sketch import orthonormalize_rows
-from .base import LEFT, RIGHT, Plan, Projector, State, _as, align_signs, usable_norm
+from .base import (
+    LEFT,
+    RIGHT,
+    Plan,
+    Projector,
+    State,
+    _as,
+    align_signs,
+    projection_precision,
+    usable_norm,
+)
 from .random import RandomProjector, gaussian_basis
 from .svd import SVDProjector
 
@@ -307,10 +317,12 @@ class TuckerProjector(Projector):
     def project(self, G: Tensor, state: State, plan: Plan) -> Tensor:
         """This rank's core ``G ×_k U_kᵀ`` (a partial sum when :meth:`core_is_partial`)."""
         factors = self.bases(state, plan)
-        x = G
-        for k in self._order(plan):
-            x = contract(x, _as(factors[k], G.dtype), k)
-        return x.contiguous()
+        dtype, context = projection_precision(G, plan.precision)
+        x = _as(G, dtype)
+        with context:
+            for k in self._order(plan):
+                x = contract(x, _as(factors[k], dtype), k)
+        return _as(x, G.dtype).contiguous()
 
     def project_back(self, N: Tensor, state: State, plan: Plan, dtype: torch.dtype) -> Tensor:
         """The dense full-space ``N ×_k U_k`` (this rank's rows under FSDP2), in ``dtype``."""

@@ -177,7 +177,7 @@ def test_registry_lists_every_task_and_resolves_each():
     expected = {"peers", "state_7b", "footprint", "convergence", "targets", "per_byte", "refresh",
                 "step_time", "step_counts", "memory_7b", "traffic_7b", "recipe_tiny",
                 "recipe_memory_7b", "throughput", "ranger21", "basis_quant", "low_memory", "kernels",
-                "gpu_step",
+                "gpu_step", "refresh_schedule", "proj_precision",
                 "adafactor_step", "compile_step", "scale_check", "build_memory", "fit_24gb"}  # fmt: skip
     assert set(run.TASKS) == expected
     assert set(run.DEFAULT) == {"peers", "state_7b", "footprint", "convergence"}
@@ -403,3 +403,30 @@ def test_scale_check_quick_runs_and_writes_its_section(monkeypatch, tmp_path):
     again = json.loads((tmp_path / "results" / "suite_scale_check.json").read_text())
     assert again["adamw"][0]["wall_s"] == kept and len(again["galore_adamw"]) == 2
     assert "Partial" not in out.read_text() and not partial.exists()
+
+
+def test_schedule_tasks_share_their_runs_and_report_every_row(monkeypatch):
+    """refresh_schedule and proj_precision: 9 distinct runs on a CPU (the fp32 rows are the
+    together rows), done once; every optimizer × schedule / precision has its row."""
+    from benchmarks import schedule
+
+    done: list[tuple[str, list[str], bool]] = []
+
+    def fake(name, flags, quick):
+        done.append((name, flags, quick))
+        bf16 = "bf16" in flags
+        return {"val": 2.0 + 0.01 * bf16, "refreshes": 98 if "staggered" in flags else 84,
+                "first": 28, "most": 2 if "staggered" in flags else 28, "median_ms": 1.0,
+                "worst": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(schedule, "_DONE", {})
+    monkeypatch.setattr(schedule, "_measure", fake)
+    monkeypatch.setattr(schedule, "_parallel", lambda runs: [fake(*r) for r in runs])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    text = schedule.refresh_schedule(quick=True)
+    more = schedule.proj_precision(quick=True)
+    assert len(done) == 9 and len({schedule._key(*r) for r in done}) == 9
+    assert "| GaLoreAdamW | staggered | 2.0000 | 1.0000 | 98 | 28 | 2 |" in text
+    assert "| APOLLO | together | 2.0000 | 1.0000 | 84 | 28 | 28 |" in text
+    assert "| Fira | bf16 | 2.0100 | 1.0050 |" in more and "tf32" not in more.split("\n\n")[-1]
+    assert "T = 20" in text and "60 steps" in text

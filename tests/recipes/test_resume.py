@@ -103,6 +103,27 @@ def test_resume_applies_changed_settings_and_records_them(old_run, tmp_path, cap
     assert _record(out, 16)["meta"]["changes"] == config["changes"]
 
 
+def test_resumed_run_refreshes_on_the_changed_gap(old_run, tmp_path, monkeypatch):
+    """Issue 30 item 4: "optim.update_proj_gap: 5 → 2" on resume at step 12 (the old
+    schedule's next refresh: step 15) refreshes every projected matrix at steps 12 and 14
+    (0-based optimizer steps: one new gap after the last refresh at 10), not at 15."""
+    from galore2.optim import GaLore
+
+    calls: list[int] = []
+    original = GaLore.refresh
+
+    def counted(self, G, state, group, plan, step, *args, **kwargs):
+        done = original(self, G, state, group, plan, step, *args, **kwargs)
+        if done:  # (the state-creating zero-gradient step of a DCP load refreshes nothing)
+            calls.append(step)
+        return done
+
+    monkeypatch.setattr(GaLore, "refresh", counted)
+    run(_copy(old_run, tmp_path / "run"), "--steps", "16", "--optim.update_proj_gap", "2")
+    assert sorted(set(calls)) == [12, 14]
+    assert len(calls) == 2 * 14  # 2 layers × 7 projected matrices, twice
+
+
 @pytest.mark.parametrize(
     "flags, named",
     [
