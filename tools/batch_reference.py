@@ -20,7 +20,6 @@ import argparse
 import math
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
