@@ -343,7 +343,7 @@ class ScaleByAdafactor(Transform):
             if "adafactor.row_var" in sts[0]:
                 R = torch.stack([s["adafactor.row_var"] for s in sts])
                 C = torch.stack([s["adafactor.col_var"] for s in sts])
-                v = R @ C
+                v = torch.bmm(R, C) if R.dim() == 3 else R @ C  # (matmul reshapes a 3-D stack)
                 var.append(v.div_(R.mean(dim=-2, keepdim=True).clamp_(min=eps1)))
             else:
                 var.append(torch.stack([s["adafactor.variance"] for s in sts]))
