@@ -219,9 +219,8 @@ def combine_many(
     Ns = [torch.stack([N[i] for i in idx]).float() for idx in idxs]
     left = [sides[idx[0]] == LEFT for idx in idxs]
     if scale_type == "tensor":  # ‖N‖_F / (‖R‖_F + ε) per matrix
-        num = [n.square().sum(dim=(1, 2), keepdim=True) for n in Ns]
-        den = [r.square().sum(dim=(1, 2), keepdim=True) for r in Rs]
-        torch._foreach_sqrt_(num + den)
+        num = [torch.linalg.vector_norm(n, dim=(1, 2), keepdim=True) for n in Ns]
+        den = [torch.linalg.vector_norm(r, dim=(1, 2), keepdim=True) for r in Rs]
     else:  # per channel: columns of a left basis's r×n, rows of a right basis's m×r
         num = [torch.linalg.vector_norm(n, dim=1 if lf else 2, keepdim=True)
                for n, lf in zip(Ns, left, strict=True)]  # fmt: skip
@@ -282,7 +281,7 @@ def _limit_many(
     prevs = [states[i][LIMIT_KEY] for i in order]
     prev = torch.stack(prevs)
     ratio = torch.clamp(norm / (prev + _EPS), min=gamma).div_(gamma)
-    limiter = torch.where(prev > 0, ratio, 1.0)
+    limiter = ratio.masked_fill_(prev <= 0, 1.0)  # no previous norm: no limit
     torch._foreach_copy_(prevs, list(norm.div_(limiter).unbind()))
     limiter = limiter.float()
     start = 0
