@@ -330,7 +330,7 @@ class GaLore(Transform):
             for t in self.inner:
                 bias *= t.bias_correction(states[i], group)
             biases.append(bias)
-        decay = 1.0 - float(group["lr"]) * group["weight_decay"]
+        decay = _decay(group)
         out = residual.combine_many(
             [us[i].reshape(-1, plans[i].n) for i in idx], [R[i] for i in idx],
             [dense(N[i]) for i in idx], bases, [states[i] for i in idx], group,
@@ -370,7 +370,7 @@ class GaLore(Transform):
         # (W − lr·u)(1 − lr·λ) = W(1 − lr·λ) − lr·(1 − lr·λ)·u, so fold (1 − lr·λ) in here,
         # as a scalar of the low-rank update (applied inside the optimizer's addmm_).
         shape = u.shape
-        decay = 1.0 - float(group["lr"]) * group["weight_decay"]
+        decay = _decay(group)
         factor = group["scale"] * decay
         projector = _projector(group, plan, (plan.m, *shape[1:]))
         if isinstance(projector, TuckerProjector):  # dense N ×_k U_k: this rank's rows
@@ -471,6 +471,11 @@ class GaLore(Transform):
         state["galore.refreshes"] += 1
         state["galore.next_refresh"].fill_(step + _next_gap(state, group, similarity))
         return True
+
+
+def _decay(group: Group) -> float:
+    """1 − lr·λ, the decay factor GaLore folds into a projected matrix's update (see _back)."""
+    return 1.0 - float(group["lr"]) * group["weight_decay"]
 
 
 def _init_adaptive(state: State, group: Group) -> None:

@@ -188,24 +188,28 @@ class ScaleByMuon(Transform):
         xs = [us[i].to(b.dtype) for i, b in zip(whole, bufs, strict=True)]
         torch._foreach_lerp_(bufs, xs, 1 - beta)
         xs = list(torch._foreach_lerp(xs, bufs, beta)) if group["nesterov"] else bufs
+        # work on short × long: an m×r direction joins the r×m ones, transposed
         buckets: dict[tuple[Any, ...], list[int]] = {}
         for j, x in enumerate(xs):
-            buckets.setdefault((tuple(x.shape), x.dtype, x.device), []).append(j)
-        stacks, adjusts, members = [], [], []
-        for (shape, _, _), js in buckets.items():
-            rows, cols = shape
-            transpose = rows > cols  # work on short × long
-            X = torch.stack([xs[j].mT if transpose else xs[j] for j in js])
+            short_long = tuple(sorted(x.shape))
+            buckets.setdefault((short_long, x.dtype, x.device), []).append(j)
+        stacks, adjusts = [], []
+        for js in buckets.values():
+            X = torch.stack([xs[j].mT if xs[j].shape[0] > xs[j].shape[1] else xs[j] for j in js])
             if group["orthogonalize"] == "polar":
                 stacks.append(polar(X))
             else:
                 stacks.append(newton_schulz(X, group["ns_steps"]))
-            adjusts.append(_adjust(rows, cols, group))
-            members.append((js, transpose))
-        torch._foreach_mul_(stacks, adjusts)
-        for ortho, (js, transpose) in zip(stacks, members, strict=True):
+            # rows, cols of each direction: the adjustment of "original" depends on which
+            # side is longer, so one bucket may hold two adjustments
+            adjusts.append([_adjust(*xs[j].shape, group) for j in js])
+        for ortho, js, adjust in zip(stacks, buckets.values(), adjusts, strict=True):
+            if len(set(adjust)) == 1:
+                ortho.mul_(adjust[0])
+            else:
+                ortho.mul_(torch.tensor(adjust, dtype=ortho.dtype).to(ortho.device).view(-1, 1, 1))
             for k, j in enumerate(js):
-                out[whole[j]] = ortho[k].mT if transpose else ortho[k]
+                out[whole[j]] = ortho[k].mT if xs[j].shape[0] > xs[j].shape[1] else ortho[k]
         return out  # type: ignore[return-value]
 
 
