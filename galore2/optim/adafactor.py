@@ -67,6 +67,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .._numerics import constants
 from ..core.options import Bool, Option, Optional, Pair, Real
 from ..core.state import counter
 from ..core.transform import Context, Group, State, Transform
@@ -323,7 +324,7 @@ class ScaleByAdafactor(Transform):
             rho = lr
             if RELATIVE_STEP.of(group):
                 rho = min(lr, 1 / (float(int(sts[0]["adafactor.step"])) ** 0.5))
-            factors += [rho / lr if rho < lr else 1.0] * len(sts)
+            factors.append(rho / lr if rho < lr else 1.0)
             weight = float(int(sts[0]["adafactor.moment_step"])) ** group["beta2_decay"]
             u = torch.stack(bucket).to(sts[0][_moment(sts[0])].dtype)
             U.append(u)
@@ -355,17 +356,19 @@ class ScaleByAdafactor(Transform):
         numels = [max(x.numel(), 1) ** 0.5 * group["d"] for x in updates]
         device = updates[0].device
         norms = torch.stack(torch._foreach_norm(updates)).double()
-        clip = norms.div_(torch.tensor(numels, dtype=torch.float64).to(device)).clamp_(min=1.0)
+        clip = norms.div_(constants(tuple(numels), torch.float64, device)).clamp_(min=1.0)
         if SCALE_PARAMETER.of(group):
             params = [c.param for cs in ctxs for c in cs]
-            roots = [max(p.numel(), 1) ** 0.5 for p in params]
+            roots = tuple(max(p.numel(), 1) ** 0.5 for p in params)
             rms = torch.stack(torch._foreach_norm(params)).double()
-            rms = rms.div_(torch.tensor(roots, dtype=torch.float64).to(device))
-            scale = rms.clamp_(min=eps2).div_(clip)
+            scale = rms.div_(constants(roots, torch.float64, device)).clamp_(min=eps2).div_(clip)
         else:
             scale = clip.reciprocal_()
-        if any(f != 1.0 for f in factors):
-            scale = scale.mul_(torch.tensor(factors, dtype=torch.float64).to(device))
+        start = 0
+        for v, factor in zip(var, factors, strict=True):  # ρ_t/lr where ρ_t < lr (see _step)
+            if factor != 1.0:
+                scale[start : start + v.shape[0]].mul_(factor)
+            start += v.shape[0]
         scale = scale.float()
         start = 0
         for v in var:

@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .._numerics import constants
 from ..core.options import Bool, Choice, Int, Option, Real
 from ..core.state import counter
 from ..core.transform import Context, Group, State, Transform, complex_problem
@@ -207,7 +208,7 @@ class ScaleByMuon(Transform):
             if len(set(adjust)) == 1:
                 ortho.mul_(adjust[0])
             else:
-                ortho.mul_(torch.tensor(adjust, dtype=ortho.dtype).to(ortho.device).view(-1, 1, 1))
+                ortho.mul_(constants(tuple(adjust), ortho.dtype, ortho.device).view(-1, 1, 1))
             for k, j in enumerate(js):
                 out[whole[j]] = ortho[k].mT if xs[j].shape[0] > xs[j].shape[1] else ortho[k]
         return out  # type: ignore[return-value]
