@@ -215,17 +215,19 @@ def combine_many(
         key = (sides[i], tuple(g.shape), tuple(r.shape), g.dtype, g.device)
         buckets.setdefault(key, []).append(i)
     idxs = list(buckets.values())
-    Rs = [torch.stack([R[i] for i in idx]).float() for idx in idxs]
-    Ns = [torch.stack([N[i] for i in idx]).float() for idx in idxs]
     left = [sides[idx[0]] == LEFT for idx in idxs]
-    if scale_type == "tensor":  # ‖N‖_F / (‖R‖_F + ε) per matrix
-        num = [torch.linalg.vector_norm(n, dim=(1, 2), keepdim=True) for n in Ns]
-        den = [torch.linalg.vector_norm(r, dim=(1, 2), keepdim=True) for r in Rs]
-    else:  # per channel: columns of a left basis's r×n, rows of a right basis's m×r
-        num = [torch.linalg.vector_norm(n, dim=1 if lf else 2, keepdim=True)
-               for n, lf in zip(Ns, left, strict=True)]  # fmt: skip
-        den = [torch.linalg.vector_norm(r, dim=1 if lf else 2, keepdim=True)
-               for r, lf in zip(Rs, left, strict=True)]  # fmt: skip
+    # N and R of a bucket in one stack, their norms in one reduction
+    NRs = [torch.stack([*(N[i] for i in idx), *(R[i] for i in idx)]).float() for idx in idxs]
+    Ns = [nr[: len(idx)] for nr, idx in zip(NRs, idxs, strict=True)]
+    Rs = [nr[len(idx) :] for nr, idx in zip(NRs, idxs, strict=True)]
+    # per matrix (‖N‖_F / (‖R‖_F + ε)), or per channel: columns of a left basis's r×n,
+    # rows of a right basis's m×r
+    dims = [(1, 2) if scale_type == "tensor" else 1 if lf else 2 for lf in left]
+    sums = [
+        torch.linalg.vector_norm(nr, dim=d, keepdim=True) for nr, d in zip(NRs, dims, strict=True)
+    ]
+    num = [sm[: len(idx)] for sm, idx in zip(sums, idxs, strict=True)]
+    den = [sm[len(idx) :] for sm, idx in zip(sums, idxs, strict=True)]
     torch._foreach_add_(den, _EPS)
     phis = torch._foreach_div(num, den)
     S, bases = [], []
@@ -271,8 +273,9 @@ def _limit_many(
     gamma = group["norm_growth_limit"]
     if gamma is None:
         return
-    norms = [torch.linalg.vector_norm(s, dim=(1, 2), dtype=torch.float64) for s in S]
-    sq = (torch.cat(norms) if len(norms) > 1 else norms[0]).square()
+    # in float64: S's norm may overflow float32 when ‖R‖ ≈ 0 makes φ huge (finite S)
+    sqs = [s.flatten(1).double().square_().sum(dim=1) for s in S]
+    sq = torch.cat(sqs) if len(sqs) > 1 else sqs[0]
     bias = [biases[i] for i in order]
     if all(b == bias[0] for b in bias):
         norm = sq.sqrt_().div_(bias[0])
