@@ -10,8 +10,9 @@ the batched path stacks), low-rank directions of ≥ 4096 elements (8-bit moment
 with seeded gradients that depend on the weights, once per-tensor (``foreach=False``) and
 once batched (``foreach=True``). The comparison allows 1e-6 (absolute) on every weight,
 against the per-tensor reference, for both paths. The reference file is machine-specific
-(float rounding of the CPU's kernels) and about 6 MB, so it is not committed: record it on
-the machine that checks, from the commit before the change.
+(float rounding of the CPU's kernels; exact SVDs also depend on the thread count) and
+about 6 MB, so it is not committed: record it on the machine that checks, from the commit
+before the change, and compare with the same number of threads.
 """
 
 from __future__ import annotations
