@@ -47,6 +47,22 @@ def norms_within(
     return torch.stack([n.to(wide) for n in norms]) <= bound  # NaN compares False
 
 
+_CONSTANTS: dict[tuple, Tensor] = {}
+
+
+def constants(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 1-D tensor of ``values`` on ``device``, made once per process and reused: the
+    per-matrix constants of a batched step (sizes, lr adjustments), so no step after the
+    first copies host data to the device (a CUDA graph can capture it)."""
+    key = (values, dtype, str(device))
+    out = _CONSTANTS.get(key)
+    if out is None:
+        if len(_CONSTANTS) >= 256:  # bounded: layouts change rarely
+            _CONSTANTS.clear()
+        out = _CONSTANTS[key] = torch.tensor(values, dtype=dtype).to(device)
+    return out
+
+
 def host_list(t: Tensor) -> list:
     """``t``'s values on the host: the one device→host read of an optimizer step.
 

@@ -44,8 +44,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "galore_decay_order",
         "galore2/optim/galore.py",
-        'decay = 1.0 - float(group["lr"]) * group["weight_decay"]',
-        "decay = 1.0",
+        'return 1.0 - float(group["lr"]) * group["weight_decay"]',
+        "return 1.0",
         ("tests/optim/test_reference_galore_torch.py",),
         "projected matrices decay before the update instead of after it (fold dropped)",
     ),
@@ -338,7 +338,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "polar_cutoff",
         "galore2/optim/muon.py",
-        "keep = lam > lam.amax().clamp(min=0) * POLAR_RTOL",
+        "keep = lam > lam.amax(dim=-1, keepdim=True).clamp(min=0) * POLAR_RTOL",
         "keep = lam > 0",
         (
             "tests/optim/test_muon.py::"
@@ -415,6 +415,46 @@ MUTATIONS: tuple[Mutation, ...] = (
         'if precision == "bf16" and G.dtype == torch.float64:',
         ("tests/projectors/test_precision.py",),
         "proj_precision='bf16' projects in fp32",
+    ),
+    Mutation(
+        "batched_limiter_gamma",
+        "galore2/optim/residual.py",
+        "ratio = torch.clamp(norm / (prev + _EPS), min=gamma).div_(gamma)",
+        "ratio = torch.clamp(norm / (prev + _EPS), min=gamma)",
+        ("tests/optim/test_batched_rules.py",),
+        "batched Fira / APOLLO: the norm-growth limiter divides by γ× the previous norm's ratio",
+    ),
+    Mutation(
+        "batched_fira_right_residual",
+        "galore2/optim/residual.py",
+        "else torch.baddbmm(Gs, r, Bs.mT, alpha=c)",
+        "else torch.baddbmm(Gs, r, Bs.mT, alpha=-c)",
+        ("tests/optim/test_batched_rules.py",),
+        "batched Fira: a right basis's residual is G + R·Qᵀ",
+    ),
+    Mutation(
+        "batched_8bit_concat_axis",
+        "galore2/optim/adam8bit.py",
+        "axis = 0 if dim == 1 else 1",
+        "axis = 0",
+        ("tests/optim/test_batched_rules.py",),
+        "batched 8-bit Adam: directions blocked along dim 0 stacked by rows (blocks straddle)",
+    ),
+    Mutation(
+        "batched_newton_schulz_norm",
+        "galore2/optim/muon.py",
+        "X = X / X.square().sum(dim=(1, 2), keepdim=True).sqrt_().clamp_(min=NS_EPS)",
+        "X = X / X.square().sum(dim=2, keepdim=True).sqrt_().clamp_(min=NS_EPS)",
+        ("tests/optim/test_batched_rules.py",),
+        "batched Muon: each row normalized instead of the matrix",
+    ),
+    Mutation(
+        "batched_adafactor_weight",
+        "galore2/optim/adafactor.py",
+        'weight = float(int(sts[0]["adafactor.moment_step"])) ** group["beta2_decay"]',
+        "weight = 1.0",
+        ("tests/optim/test_batched_rules.py",),
+        "batched Adafactor: the second-moment estimate forgets everything each step (β̂₂ = 0)",
     ),
 )
 

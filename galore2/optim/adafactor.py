@@ -62,11 +62,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
+from .._numerics import constants
 from ..core.options import Bool, Option, Optional, Pair, Real
 from ..core.state import counter
 from ..core.transform import Context, Group, State, Transform
@@ -106,6 +107,14 @@ SCALE_PARAMETER = Option(
     "scale_parameter", True, Bool(), "multiply the step size by max(eps2, RMS(θ))"
 )
 OPTIONS = (BETA2_DECAY, EPS, D, BETA1, RELATIVE_STEP, SCALE_PARAMETER, STATE_DTYPE)
+
+
+_MOMENTS = ("adafactor.row_var", "adafactor.col_var", "adafactor.variance", "adafactor.exp_avg")
+
+
+def _moment(state: State) -> str:
+    """The key of a direction's second moment (its dtype is the update's)."""
+    return "adafactor.row_var" if "adafactor.row_var" in state else "adafactor.variance"
 
 
 # The direction's dim that a sharded parameter splits across ranks, per state layout
@@ -246,6 +255,131 @@ class ScaleByAdafactor(Transform):
         for key, fmt in formats.items():
             fmt.store(state, key, views[key])
         return out
+
+    def update_many(
+        self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
+    ) -> list[Tensor]:
+        """Batched :meth:`update`: directions of the same shape, dtypes, device and step
+        counts are stacked, so each statistic runs once per such bucket (the row and column
+        means, V̂ = R·C as one ``bmm``, RMS(U)) and the rest once for all of them (the moment
+        updates by foreach kernels, the clipping and step-size scalars); no host read.
+        Sharded directions and 8-bit moments step one by one (:meth:`update`)."""
+        out: list[Tensor | None] = [None] * len(us)
+        buckets: dict[tuple[Any, ...], list[int]] = {}
+        for i, (u, state, ctx) in enumerate(zip(us, states, ctxs, strict=True)):
+            key = self._bucket(u, state, group, ctx)
+            if key is None:
+                out[i] = self.update(u, state, group, ctx)
+            else:
+                buckets.setdefault(key, []).append(i)
+        if buckets:
+            idxs = list(buckets.values())
+            done = self._step_many(
+                [[us[i] for i in idx] for idx in idxs],
+                [[states[i] for i in idx] for idx in idxs],
+                [[ctxs[i] for i in idx] for idx in idxs],
+                [key[-1] for key in buckets],
+                group,
+            )
+            for idx, results in zip(idxs, done, strict=True):
+                for i, r in zip(idx, results, strict=True):
+                    out[i] = r
+        return out  # type: ignore[return-value]
+
+    @staticmethod
+    def _bucket(u: Tensor, state: State, group: Group, ctx: Context) -> tuple[Any, ...] | None:
+        """The stack a direction joins on the batched path (None: :meth:`update` alone); its
+        last entry is eps1."""
+        if ctx.placement.distributed or any(is_quantized(state, k) for k in _MOMENTS):
+            return None
+        if BETA1.of(group) is not None and "adafactor.exp_avg" not in state:
+            return None  # update raises the error that names the missing momentum
+        eps1 = group["eps"][0]
+        eps1 = torch.finfo(ctx.param.dtype).eps if eps1 is None else eps1
+        factored = "adafactor.row_var" in state
+        moment = state["adafactor.row_var" if factored else "adafactor.variance"]
+        steps = int(state["adafactor.step"]), int(state["adafactor.moment_step"])
+        return (factored, tuple(u.shape), u.dtype, moment.dtype, u.device, *steps, eps1)
+
+    @staticmethod
+    def _step_many(
+        us: list[list[Tensor]],
+        states: list[list[State]],
+        ctxs: list[list[Context]],
+        eps1s: list[float],
+        group: Group,
+    ) -> list[list[Tensor]]:
+        """:meth:`_step` of each bucket (same shape, dtypes, device, steps, eps1), stacked."""
+        lr, eps2 = float(group["lr"]), group["eps"][1]
+        beta1 = BETA1.of(group)
+        var: list[Tensor] = []
+        factors: list[float] = []
+        # the moment updates: one foreach lerp per distinct weight (equal moment steps share it)
+        lerps: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
+        U = []
+        for bucket, sts in zip(us, states, strict=True):
+            for s in sts:
+                s["adafactor.step"] += 1
+                s["adafactor.moment_step"] += 1
+            rho = lr
+            if RELATIVE_STEP.of(group):
+                rho = min(lr, 1 / (float(int(sts[0]["adafactor.step"])) ** 0.5))
+            factors.append(rho / lr if rho < lr else 1.0)
+            weight = float(int(sts[0]["adafactor.moment_step"])) ** group["beta2_decay"]
+            u = torch.stack(bucket).to(sts[0][_moment(sts[0])].dtype)
+            U.append(u)
+            if "adafactor.row_var" in sts[0]:  # (g·g).mean(dim) as _factored computes it
+                row_mean = torch.norm(u, dim=-1, keepdim=True).square_().div_(u.size(-1))
+                col_mean = _col_sq(u).div_(u.size(-2))
+                pairs = (("adafactor.row_var", row_mean), ("adafactor.col_var", col_mean))
+            else:
+                pairs = (("adafactor.variance", u * u),)
+            to, frm = lerps.setdefault(weight, ([], []))
+            for key, new in pairs:
+                to += [s[key] for s in sts]
+                frm += new.unbind()
+        for weight, (to, frm) in lerps.items():
+            torch._foreach_lerp_(to, frm, weight)
+        for sts, eps1 in zip(states, eps1s, strict=True):
+            if "adafactor.row_var" in sts[0]:
+                R = torch.stack([s["adafactor.row_var"] for s in sts])
+                C = torch.stack([s["adafactor.col_var"] for s in sts])
+                v = torch.bmm(R, C) if R.dim() == 3 else R @ C  # (matmul reshapes a 3-D stack)
+                var.append(v.div_(R.mean(dim=-2, keepdim=True).clamp_(min=eps1)))
+            else:
+                var.append(torch.stack([s["adafactor.variance"] for s in sts]))
+        for v, eps1 in zip(var, eps1s, strict=True):  # eps1² (torch's convention, see _step)
+            v.clamp_(min=eps1 * eps1)
+        torch._foreach_rsqrt_(var)
+        torch._foreach_mul_(var, U)
+        updates = [x for v in var for x in v.unbind()]
+        numels = [max(x.numel(), 1) ** 0.5 * group["d"] for x in updates]
+        device = updates[0].device
+        norms = torch.stack(torch._foreach_norm(updates)).double()
+        clip = norms.div_(constants(tuple(numels), torch.float64, device)).clamp_(min=1.0)
+        if SCALE_PARAMETER.of(group):
+            params = [c.param for cs in ctxs for c in cs]
+            roots = tuple(max(p.numel(), 1) ** 0.5 for p in params)
+            rms = torch.stack(torch._foreach_norm(params)).double()
+            scale = rms.div_(constants(roots, torch.float64, device)).clamp_(min=eps2).div_(clip)
+        else:
+            scale = clip.reciprocal_()
+        start = 0
+        for v, factor in zip(var, factors, strict=True):  # ρ_t/lr where ρ_t < lr (see _step)
+            if factor != 1.0:
+                scale[start : start + v.shape[0]].mul_(factor)
+            start += v.shape[0]
+        scale = scale.float()
+        start = 0
+        for v in var:
+            k = v.shape[0]
+            v.mul_(scale[start : start + k].view(k, *[1] * (v.dim() - 1)))
+            start += k
+        if beta1 is not None:
+            exp_avgs = [s["adafactor.exp_avg"] for sts in states for s in sts]
+            torch._foreach_lerp_(exp_avgs, updates, 1 - beta1)
+            torch._foreach_copy_(updates, exp_avgs)
+        return [list(v.unbind()) for v in var]
 
     def _step(
         self, u: Tensor, views: dict[str, Tensor], state: State, group: Group, ctx: Context

@@ -305,12 +305,48 @@ class GaLore(Transform):
                 plans[i], R = self._project(u, state, group, ctxs[i])
                 inner_in.append(R)
         results = run_chain(self.inner, inner_in, states, group, ctxs)
+        done = self._combine_many(plans, results, us, inner_in, states, group)
         return [
-            self._back(dense(N), states[i], group, plans[i], ctxs[i], u, inner_in[i])
+            done[i]
+            if i in done
+            else self._back(dense(N), states[i], group, plans[i], ctxs[i], u, inner_in[i])
             if i in plans
             else N
             for i, (N, u) in enumerate(zip(results, us, strict=True))
         ]
+
+    def _combine_many(
+        self, plans: dict[int, Plan], N: list[Tensor | LowRankUpdate], us: list[Tensor],
+        R: list[Tensor], states: list[State], group: Group,
+    ) -> dict[int, Tensor]:  # fmt: skip
+        """Fira / APOLLO of the whole (unsharded) matrices of a batch at once
+        (:func:`.residual.combine_many`); {index: dense update}. Sharded ones go per tensor."""
+        idx = [i for i, p in plans.items() if not p.placement.distributed and p.side != TUCKER]
+        if not residual.active(group) or len(idx) < 2:
+            return {}
+        fira = group["residual"] != "none"
+        bases, biases = [], []
+        for i in idx:
+            plan = plans[i]
+            P, Q = (
+                _projector(group, plan, us[i].shape).bases(states[i], plan)
+                if fira
+                else (None, None)
+            )
+            bases.append(P if plan.side == LEFT else Q)
+            bias = 1.0
+            for t in self.inner:
+                bias *= t.bias_correction(states[i], group)
+            biases.append(bias)
+        decay = _decay(group)
+        out = residual.combine_many(
+            [us[i].reshape(-1, plans[i].n) for i in idx], [R[i] for i in idx],
+            [dense(N[i]) for i in idx], bases, [states[i] for i in idx], group,
+            [plans[i].side for i in idx], biases, decay,
+        )  # fmt: skip
+        for i in idx:
+            states[i]["galore.step"] += 1
+        return {i: o.view(us[i].shape) for i, o in zip(idx, out, strict=True)}
 
     def _project(self, u: Tensor, state: State, group: Group, ctx: Context) -> tuple[Plan, Tensor]:
         """Refresh when due, then R = project(G) (this rank's part of it when sharded)."""
@@ -342,7 +378,7 @@ class GaLore(Transform):
         # (W − lr·u)(1 − lr·λ) = W(1 − lr·λ) − lr·(1 − lr·λ)·u, so fold (1 − lr·λ) in here,
         # as a scalar of the low-rank update (applied inside the optimizer's addmm_).
         shape = u.shape
-        decay = 1.0 - float(group["lr"]) * group["weight_decay"]
+        decay = _decay(group)
         factor = group["scale"] * decay
         projector = _projector(group, plan, (plan.m, *shape[1:]))
         if isinstance(projector, TuckerProjector):  # dense N ×_k U_k: this rank's rows
@@ -531,6 +567,11 @@ def _current_gap(state: State, group: Group) -> int:
     if group["adaptive_refresh"] and "galore.gap" in state:
         return max(int(state["galore.gap"]), group["update_proj_gap"])
     return group["update_proj_gap"]
+
+
+def _decay(group: Group) -> float:
+    """1 − lr·λ, the decay factor GaLore folds into a projected matrix's update (see _back)."""
+    return 1.0 - float(group["lr"]) * group["weight_decay"]
 
 
 def _init_adaptive(state: State, group: Group) -> None:

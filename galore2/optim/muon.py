@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
+from .._numerics import constants
 from ..core.options import Bool, Choice, Int, Option, Real
 from ..core.state import counter
 from ..core.transform import Context, Group, State, Transform, complex_problem
@@ -73,13 +74,21 @@ ADJUST_LR_FN = Option(
 def newton_schulz(
     X: Tensor, steps: int = 5, reduce: Callable[[Tensor], Tensor] = lambda t: t
 ) -> Tensor:
-    """Muon's quintic Newton–Schulz iteration on a short × long ``X`` (rows ≤ columns).
+    """Muon's quintic Newton–Schulz iteration on a short × long ``X`` (rows ≤ columns), or on
+    each matrix of a k × rows × columns stack of them (whole matrices only).
 
     ``reduce`` sums a tensor over the ranks holding column shards of X (identity when X is
     whole). Float32 unless X is float64.
     """
     a, b, c = NS_COEFFICIENTS
     X = X.double() if X.dtype == torch.float64 else X.float()
+    if X.dim() == 3:  # a stack of same-shape matrices (the batched path): one bmm per product
+        X = X / X.square().sum(dim=(1, 2), keepdim=True).sqrt_().clamp_(min=NS_EPS)
+        for _ in range(steps):
+            A = torch.bmm(X, X.mT)
+            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+            X = torch.baddbmm(X, B, X, beta=a)
+        return X
     norm = reduce(X.square().sum().reshape(1))[0].sqrt()
     X = X / norm.clamp(min=NS_EPS)
     for _ in range(steps):
@@ -91,12 +100,13 @@ def newton_schulz(
 
 def polar(X: Tensor, reduce: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
     """The polar factor U·Vᵀ of a short × long ``X`` (X = U·Σ·Vᵀ), as (XXᵀ)^(−1/2)·X with the
-    Gram matrix and its eigendecomposition in float64; zero singular values give zero."""
+    Gram matrix and its eigendecomposition in float64; zero singular values give zero.
+    A k × rows × columns stack of matrices gives each one's (batched ``eigh``)."""
     X64 = X.double()
     lam, W = torch.linalg.eigh(reduce(X64 @ X64.mT))
-    keep = lam > lam.amax().clamp(min=0) * POLAR_RTOL
+    keep = lam > lam.amax(dim=-1, keepdim=True).clamp(min=0) * POLAR_RTOL
     inv_sqrt = torch.where(keep, lam.clamp(min=torch.finfo(torch.float64).tiny).rsqrt(), 0.0)
-    out = (W * inv_sqrt) @ (W.mT @ X64)
+    out = (W * inv_sqrt.unsqueeze(-2)) @ (W.mT @ X64)
     return out if X.dtype == torch.float64 else out.float()
 
 
@@ -155,11 +165,60 @@ class ScaleByMuon(Transform):
             ortho = newton_schulz(X, group["ns_steps"], reduce)
         if transpose:
             ortho = ortho.mT
-        if group["adjust_lr_fn"] == "match_rms_adamw":
-            adjust = 0.2 * math.sqrt(max(rows, cols))
-        else:
-            adjust = math.sqrt(max(1.0, rows / cols))
-        return ortho * adjust
+        return ortho * _adjust(rows, cols, group)
+
+    def update_many(
+        self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
+    ) -> list[Tensor]:
+        """Batched :meth:`update`: the momenta by foreach kernels, the orthogonalization of
+        whole directions of the same shape (and dtype, device) on their stack — one ``bmm``
+        per product of the Newton–Schulz iteration, one batched ``eigh`` for ``polar`` —
+        and sharded directions one by one (their Gram matrices are all-reduced)."""
+        whole = [
+            i
+            for i, (s, c) in enumerate(zip(states, ctxs, strict=True))
+            if _sharded_dim(int(s["muon.split_dim"]), c.placement) is None
+        ]
+        out: list[Tensor | None] = [None] * len(us)
+        for i in sorted(set(range(len(us))) - set(whole)):
+            out[i] = self.update(us[i], states[i], group, ctxs[i])
+        if not whole:
+            return out  # type: ignore[return-value]
+        beta = group["momentum"]
+        bufs = [states[i]["muon.momentum"] for i in whole]
+        xs = [us[i].to(b.dtype) for i, b in zip(whole, bufs, strict=True)]
+        torch._foreach_lerp_(bufs, xs, 1 - beta)
+        xs = list(torch._foreach_lerp(xs, bufs, beta)) if group["nesterov"] else bufs
+        # work on short × long: an m×r direction joins the r×m ones, transposed
+        buckets: dict[tuple[Any, ...], list[int]] = {}
+        for j, x in enumerate(xs):
+            short_long = tuple(sorted(x.shape))
+            buckets.setdefault((short_long, x.dtype, x.device), []).append(j)
+        stacks, adjusts = [], []
+        for js in buckets.values():
+            X = torch.stack([xs[j].mT if xs[j].shape[0] > xs[j].shape[1] else xs[j] for j in js])
+            if group["orthogonalize"] == "polar":
+                stacks.append(polar(X))
+            else:
+                stacks.append(newton_schulz(X, group["ns_steps"]))
+            # rows, cols of each direction: the adjustment of "original" depends on which
+            # side is longer, so one bucket may hold two adjustments
+            adjusts.append([_adjust(*xs[j].shape, group) for j in js])
+        for ortho, js, adjust in zip(stacks, buckets.values(), adjusts, strict=True):
+            if len(set(adjust)) == 1:
+                ortho.mul_(adjust[0])
+            else:
+                ortho.mul_(constants(tuple(adjust), ortho.dtype, ortho.device).view(-1, 1, 1))
+            for k, j in enumerate(js):
+                out[whole[j]] = ortho[k].mT if xs[j].shape[0] > xs[j].shape[1] else ortho[k]
+        return out  # type: ignore[return-value]
+
+
+def _adjust(rows: int, cols: int, group: Group) -> float:
+    """The learning-rate adjustment of a rows × cols orthogonalized update (``adjust_lr_fn``)."""
+    if group["adjust_lr_fn"] == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1.0, rows / cols))
 
 
 def _global_2d(x: Tensor, sharded: int | None, ctx: Context) -> tuple[int, int]:
@@ -211,9 +270,13 @@ class MuonOrAdam(Transform):
             )
             for i, r in zip(adam, done, strict=True):
                 out[i] = r
-        for i, (u, s, c) in enumerate(zip(us, states, ctxs, strict=True)):
-            if out[i] is None:
-                out[i] = self.muon.update(u, s, group, c)
+        muon = [i for i, r in enumerate(out) if r is None]
+        if muon:
+            done = self.muon.update_many(
+                [us[i] for i in muon], [states[i] for i in muon], group, [ctxs[i] for i in muon]
+            )
+            for i, r in zip(muon, done, strict=True):
+                out[i] = r
         return out  # type: ignore[return-value]
 
     def bias_correction(self, state: State, group: Group) -> float:

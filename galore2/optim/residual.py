@@ -200,6 +200,109 @@ def _limit(S: Tensor, state: dict[str, Tensor], group: dict[str, Any], plan: Pla
     return S.div_(limiter.float())
 
 
+def combine_many(
+    G: list[Tensor],
+    R: list[Tensor],
+    N: list[Tensor],
+    B: list[Tensor | None],
+    states: list[dict[str, Tensor]],
+    group: dict[str, Any],
+    sides: list[int],
+    biases: list[float],
+    decay: float,
+) -> list[Tensor]:
+    """:func:`combine` of several whole (unsharded) matrices, times ``decay``: the batched path.
+
+    ``B[i]``: matrix i's basis on its side (P for a left basis, Q for a right one; None for
+    APOLLO), ``sides[i]`` that side. Matrices of the same (side, shapes, dtype, device) are
+    stacked, so every op runs once per such bucket — the channel norms, Fira's two products
+    (``baddbmm``), the scaling — or once for all of them (ratios, the limiter's scalars);
+    no host read. Returns one m×n view per matrix, in the order given.
+    """
+    alpha, scale_type = float(group["scale"]), group["scale_type"]
+    buckets: dict[tuple[Any, ...], list[int]] = {}
+    for i, (g, r) in enumerate(zip(G, R, strict=True)):
+        key = (sides[i], tuple(g.shape), tuple(r.shape), g.dtype, g.device)
+        buckets.setdefault(key, []).append(i)
+    idxs = list(buckets.values())
+    left = [sides[idx[0]] == LEFT for idx in idxs]
+    # N and R of a bucket in one stack, their norms in one reduction
+    NRs = [torch.stack([*(N[i] for i in idx), *(R[i] for i in idx)]).float() for idx in idxs]
+    Ns = [nr[: len(idx)] for nr, idx in zip(NRs, idxs, strict=True)]
+    Rs = [nr[len(idx) :] for nr, idx in zip(NRs, idxs, strict=True)]
+    # per matrix (‖N‖_F / (‖R‖_F + ε)), or per channel: columns of a left basis's r×n,
+    # rows of a right basis's m×r
+    dims = [(1, 2) if scale_type == "tensor" else 1 if lf else 2 for lf in left]
+    sums = [
+        torch.linalg.vector_norm(nr, dim=d, keepdim=True) for nr, d in zip(NRs, dims, strict=True)
+    ]
+    num = [sm[: len(idx)] for sm, idx in zip(sums, idxs, strict=True)]
+    den = [sm[len(idx) :] for sm, idx in zip(sums, idxs, strict=True)]
+    torch._foreach_add_(den, _EPS)
+    phis = torch._foreach_div(num, den)
+    S, bases = [], []
+    for idx, r, phi, lf in zip(idxs, Rs, phis, left, strict=True):
+        Gs = torch.stack([G[i] for i in idx]).float()
+        if scale_type is not None:  # APOLLO: the raw gradient, scaled
+            S.append(Gs.mul_(phi))
+            continue
+        Bs = torch.stack([B[i] for i in idx]).float()  # type: ignore[misc]
+        bases.append(Bs)
+        c = -alpha if group["residual"] == "fira_reference" else -1.0  # as in combine()
+        res = torch.baddbmm(Gs, Bs, r, alpha=c) if lf else torch.baddbmm(Gs, r, Bs.mT, alpha=c)
+        S.append(res.mul_(phi))
+    _limit_many(S, [i for idx in idxs for i in idx], states, group, biases)
+    if scale_type is not None:
+        if alpha != 1.0:
+            torch._foreach_mul_(S, alpha)
+    else:
+        for s, Bs, n, lf in zip(S, bases, Ns, left, strict=True):
+            if lf:
+                s.baddbmm_(Bs, n, alpha=alpha)
+            else:
+                s.baddbmm_(n, Bs.mT, alpha=alpha)
+    if decay != 1.0:
+        torch._foreach_mul_(S, decay)
+    out: list[Tensor] = [None] * len(G)  # type: ignore[list-item]
+    for idx, s in zip(idxs, S, strict=True):
+        for j, i in enumerate(idx):
+            out[i] = s[j]
+    return out
+
+
+def _limit_many(
+    S: list[Tensor],
+    order: list[int],
+    states: list[dict[str, Tensor]],
+    group: dict[str, Any],
+    biases: list[float],
+) -> None:
+    """:func:`_limit` of the stacked matrices ``S`` (in place), whose matrices are those of
+    ``order``: one norm per bucket, the scalars of every matrix together."""
+    gamma = group["norm_growth_limit"]
+    if gamma is None:
+        return
+    # in float64: S's norm may overflow float32 when ‖R‖ ≈ 0 makes φ huge (finite S)
+    sqs = [s.flatten(1).double().square_().sum(dim=1) for s in S]
+    sq = torch.cat(sqs) if len(sqs) > 1 else sqs[0]
+    bias = [biases[i] for i in order]
+    if all(b == bias[0] for b in bias):
+        norm = sq.sqrt_().div_(bias[0])
+    else:  # steps differ between matrices (reset, parameters added later)
+        norm = sq.sqrt_().div_(torch.tensor(bias, dtype=torch.float64).to(sq.device))
+    prevs = [states[i][LIMIT_KEY] for i in order]
+    prev = torch.stack(prevs)
+    ratio = torch.clamp(norm / (prev + _EPS), min=gamma).div_(gamma)
+    limiter = ratio.masked_fill_(prev <= 0, 1.0)  # no previous norm: no limit
+    torch._foreach_copy_(prevs, list(norm.div_(limiter).unbind()))
+    limiter = limiter.float()
+    start = 0
+    for s in S:
+        k = s.shape[0]
+        s.div_(limiter[start : start + k].view(k, 1, 1))
+        start += k
+
+
 __all__ = [
     "LIMIT_KEY",
     "NORM_GROWTH_LIMIT",
@@ -208,6 +311,7 @@ __all__ = [
     "SCALE_TYPE",
     "active",
     "combine",
+    "combine_many",
     "init_state",
     "validate",
 ]

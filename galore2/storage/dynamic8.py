@@ -366,7 +366,9 @@ def _quantize_cpu(x: Tensor, codes: Tensor, absmax: Tensor, dim: int, signed: bo
         torch.bitwise_right_shift(t.view(torch.int32), 31, out=t.view(torch.int32))
         torch.sub(key, t.view(torch.int32), out=key)  # 2 · key + [y > below]
         torch.index_select(codes2, 0, key, out=q2[r].view(-1))
-    if not bool(torch.isfinite(torch.where(a2 == 0, a2, inv + a2)).all()):
+    # every block's absmax is 0 (all-zero block) or finite with a finite reciprocal
+    # (absmax ≥ 0 or NaN, so inv + absmax < inf says both are finite)
+    if not bool(((inv + a2) < math.inf).logical_or_(a2 == 0).all()):
         return False
     if q2.data_ptr() != codes.data_ptr():
         codes.copy_(q2.view(codes.shape))

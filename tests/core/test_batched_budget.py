@@ -1,0 +1,70 @@
+"""Launches of one non-refresh batched step (``foreach=True``) per preset, counted on the CPU
+(``benchmarks/step_counts.py``) on the tiny recipe model (28 matrices projected): within
+issue 27's budget — 3 × torch AdamW (foreach, same groups)'s + 3 per projected matrix
+(projection, back-projection or Fira's two products, apply), Muon's Newton–Schulz products
+on top, one set per short × long shape — and, doubling the layers, more matmuls but no more
+of the other launches: every rule runs once per batch or per shape, not per tensor."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+
+from benchmarks.step_counts import Counts, contender_maker, count_step, same_groups_adamw
+from recipes.config import parse_args
+from recipes.model import build_model
+
+PROJECTED = 28  # the tiny model's attention and MLP matrices
+NS_MATMULS = 2 * 3 * 5  # Muon: 2 short × long shapes (16×128, 16×352) × 3 products × 5 steps
+# the 8-bit CPU quantizer (galore2.storage.dynamic8's torch path: absmax, table lookups,
+# the finiteness check) per concatenation of 8-bit directions; on CUDA one fused kernel
+# per 8-bit direction replaces it (within the per-matrix allowance)
+QUANTIZER_8BIT = 25 * 3  # 3 concatenations: m×16 rows, 16×n columns, the embeddings' rows
+EXTRA = {"galore2_muon": NS_MATMULS, "galore_adamw8bit": QUANTIZER_8BIT}
+# launches per projected matrix outside the matmuls, by design: APOLLO's random projector
+# regenerates its seeded Gaussian basis (randn, scale) for each matrix at every step
+PER_MATRIX = {"galore2_apollo": 2, "galore2_apollo_mini": 2}
+KEYS = ("galore_adamw", "galore_adamw8bit", "galore2_fira", "galore2_apollo",
+        "galore2_apollo_mini", "galore2_muon", "galore_adafactor")  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _model(layers: int) -> torch.nn.Module:
+    """The tiny recipe model (4 layers) or a shallower one."""
+    cfg = parse_args(["--config", "tiny", "--model.n_layers", str(layers)]).model
+    torch.manual_seed(0)
+    return build_model(cfg)
+
+
+@functools.cache
+def _counts(key: str, layers: int = 4, reference: bool = False) -> Counts:
+    """The batched step's counts, or (``reference``) torch AdamW's over the same groups."""
+    if reference:
+        return count_step(lambda m: same_groups_adamw(contender_maker(key)(m)), _model(layers))
+    return count_step(contender_maker(key, foreach=True), _model(layers))
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_batched_step_within_the_launch_budget(key):
+    ref, ours = _counts(key, reference=True), _counts(key)
+    budget = 3 * ref.launches + 3 * PROJECTED + EXTRA.get(key, 0)
+    assert ours.launches <= budget, (ours.launches, budget, ours.ops)
+    assert ours.syncs <= 1
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_batched_launches_do_not_grow_with_the_parameter_count(key):
+    small, large = _counts(key, layers=2), _counts(key)
+    added = PROJECTED // 2  # matrices the two extra layers add
+    grown = (large.launches - large.matmuls) - (small.launches - small.matmuls)
+    assert grown == PER_MATRIX.get(key, 0) * added, (key, grown)
+    assert large.matmuls > small.matmuls  # the counter saw the projections
