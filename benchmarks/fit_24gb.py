@@ -14,7 +14,7 @@ On CUDA the allocator is capped first (``torch.cuda.set_per_process_memory_fract
 * build peak: ``max_memory_allocated`` right after ``build_model``;
 * training peak: ``max_memory_allocated`` over the run, reset after the build (weights,
   gradients, optimizer state and activations: what the planner adds up);
-* the planner's total for the same settings (``python -m galore2.plan CONFIG --per-layer on
+* the planner's total for the same settings (``python -m recipes.plan CONFIG --per-layer on
   --checkpointing on --optimizers galore_adamw8bit_int8 --json``) and planner / measured;
   issue 28 asks for it within 5 %;
 * tokens/s: the median over the steps after the first (the first refreshes every basis).
@@ -63,7 +63,7 @@ def recipe_argv(config: str, seq_len: int, batch_size: int, steps: int, out: str
 
 def planner_bytes(config: str, seq_len: int, batch_size: int, card_gib: float) -> dict:
     """The planner's row for the same settings (its JSON: weights, ..., total, fits)."""
-    cmd = [sys.executable, "-m", "galore2.plan", config, "--batch-size", str(batch_size),
+    cmd = [sys.executable, "-m", "recipes.plan", config, "--batch-size", str(batch_size),
            "--seq-len", str(seq_len), "--per-layer", "on", "--checkpointing", "on",
            "--optimizers", PLANNER_ROW, "--dtype", "bf16", "--gpu-memory", f"{card_gib}GiB",
            "--json"]  # fmt: skip

@@ -160,7 +160,7 @@ def test_optimizer_cls_and_kwargs_checks_before_the_trainer(tmp_path):
         optimizer_cls_and_kwargs(None, args, rank=0)
     with pytest.raises(ValueError, match=r"rank must be .*got 0"):
         optimizer_cls_and_kwargs(model, args, rank=0)
-    with pytest.raises(ValueError, match=r"no nn\.Linear module matches \['nothing'\]"):
+    with pytest.raises(ValueError, match=r"no linear module .*matches \['nothing'\]"):
         optimizer_cls_and_kwargs(model, args, rank=4, target_modules=["nothing"])
     with pytest.raises(TypeError, match="optimizer_cls must be a galore2 optimizer"):
         optimizer_cls_and_kwargs(None, args, optimizer_cls="adamw_torch")
@@ -253,7 +253,7 @@ def test_optim_target_modules(tmp_path, target, expected):
 def test_optim_target_modules_edge_cases(tmp_path):
     model = tiny_llama()
     # A str is fullmatched, not searched: "q_proj" names no module.
-    with pytest.raises(ValueError, match=r"no nn\.Linear module matches 'q_proj'"):
+    with pytest.raises(ValueError, match=r"no linear module .*matches 'q_proj'"):
         create_optimizer(model, training_args(tmp_path, optim_target_modules="q_proj"), rank=4)
     # A list entry matches as a substring; a non-Linear module matched by name is skipped,
     # with a warning (one matched by regex is not reported).

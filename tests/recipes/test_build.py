@@ -23,10 +23,11 @@ from recipes.model import build_model, llama_config
 from tests.dist import spawn
 
 TINY = replace(parse_args(["--config", "tiny"]).model, n_layers=2)
-# llama_1b's widths scaled down (dim 1024, 4 layers, a small vocabulary): the same ratio of
-# the largest matrix to the whole model as llama_1b, built in seconds
+# llama_1b's widths scaled down (dim 1024, 16 layers, a small vocabulary, 0.4 GB in bf16),
+# built in seconds; large enough that allocator noise of tens of MB (seen under load: a
+# 0.1 GB model measured 1.41x once) stays well inside the bound
 FAST = ["--config", "llama_1b", "--model.dim", "1024", "--model.ffn_dim", "2736",
-        "--model.n_heads", "16", "--model.vocab_size", "1024", "--model.n_layers", "4"]  # fmt: skip
+        "--model.n_heads", "16", "--model.vocab_size", "1024", "--model.n_layers", "16"]  # fmt: skip
 BOUND = 1.25  # peak RSS growth while building / the built weights' bytes
 
 
@@ -124,7 +125,7 @@ def test_build_peak_memory_stays_near_the_weights():
     """llama_1b's shapes, scaled down: the build grows the process by ≤ 1.25× the bf16
     weights; the old build (fp32, then cast) by about twice (so the count can fail)."""
     new = _measured(*FAST, "--dtype", "bf16")
-    assert new["params"] > 50_000_000 and new["weights_bytes"] == 2 * new["params"]
+    assert new["params"] > 200_000_000 and new["weights_bytes"] == 2 * new["params"]
     assert new["ratio"] <= BOUND, new
     old = _measured(*FAST, "--dtype", "bf16", "--legacy")
     assert old["ratio"] > 1.8, old  # fp32 weights (2×) live at once: what the bound excludes
