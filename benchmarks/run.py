@@ -74,6 +74,8 @@ TASKS: dict[str, Task] = {
                         "Accelerator cost of a step, counted on the CPU: launches, syncs, graph breaks"),
     "overhead": Task("overhead", "overhead",
                      "Host overhead of a step: CPU proxies (24-layer hidden-64 Llama, kernels)"),
+    "gpu_throughput": Task("gpu_throughput", "gpu_throughput",
+                           "Training throughput at Llama-350M shapes, every optimizer (GPU)"),
     "memory_7b": Task("llama_7b", "memory_7b", "Optimizer-state memory, Llama-7B shapes"),
     "traffic_7b": Task("traffic_7b", "traffic_7b",
                        "Collective traffic under FSDP2, Llama-7B shapes (on paper)"),

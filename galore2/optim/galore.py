@@ -52,7 +52,6 @@ from ..core.transform import (
     init_chain,
     run_chain,
 )
-from . import lowrank_batch
 from ..projectors import (
     FULL,
     LEFT,
@@ -71,7 +70,7 @@ from ..projectors import KINDS as PROJECTOR_KINDS
 from ..projectors import OPTIONS as PROJECTOR_OPTIONS
 from ..storage.basis import OPTIONS as BASIS_OPTIONS
 from ..storage.basis import validate_basis_options
-from . import residual
+from . import lowrank_batch, residual
 
 RANK = Option(
     "rank",
