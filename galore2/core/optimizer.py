@@ -138,6 +138,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         self.declared = self.declared_options(self._all_modules)
         self._owns_decay = any(t.owns_weight_decay for t in self._param_transforms)
         self._placements: dict[int, Placement] = {}
+        self._contexts: dict[int, Context] = {}  # plain parameters' contexts, by id()
         self._pending_skips: dict[Tensor, Tensor] = {}  # capturable: counted on the device
         self._where: tuple[int, dict[int, tuple[dict[str, Any], int]]] | None = None
 
@@ -255,7 +256,19 @@ class ChainOptimizer(torch.optim.Optimizer):
         return placement
 
     def _context(self, p: Tensor, index: int) -> Context:
+        """The parameter's :class:`Context`. A plain (local, real) parameter's is built once
+        and reused by every step (it holds nothing that changes between steps); the cache
+        is emptied by :meth:`_derive`, and an entry is rebuilt when the parameter's index
+        changed (``add_param_group``) or a group-level ``prepare`` marked it refreshed."""
+        cached = self._contexts.get(id(p))
+        if cached is not None and cached.param is p and cached.index == index:
+            if not cached.refreshed:
+                return cached
         placement = self._placement(p)
+        if placement is LOCAL and not p.is_complex():
+            ctx = Context(param=p, index=index, warn_once=self._warn_once, shape=p.shape)
+            self._contexts[id(p)] = ctx
+            return ctx
         return Context(
             param=_real(placement.local(p)),
             index=index,

@@ -103,6 +103,5 @@ def back(
     out = torch.bmm(B, N) if side == LEFT else torch.bmm(N, B.mT)
     if factor != 1.0:
         out.mul_(factor)
-    for _, _, state, _ in batch:
-        state["galore.step"] += 1
+    torch._foreach_add_([state["galore.step"] for _, _, state, _ in batch], 1)  # host counters
     return list(out.unbind(0))

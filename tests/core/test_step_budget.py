@@ -91,3 +91,16 @@ def test_batched_launches_do_not_grow_with_the_parameter_count():
     large = count_step(contender_maker("galore_adamw", foreach=True), model(4))
     assert large.launches == small.launches
     assert large.matmuls == small.matmuls == 6  # 3 shapes (q/k/v/o, gate/up, down) × 2
+
+
+def test_batched_galore_adamw_within_issue_27_kernel_budget():
+    """Issue 27's budget on the tiny model (28 projected matrices): kernels of a non-refresh
+    batched step ≤ 3 × torch AdamW (foreach)'s + 3 per projected matrix, and the count this
+    pipeline reached (52: foreach moments and apply, one bmm per shape and side) holds."""
+    from benchmarks.step_counts import tiny_model
+
+    ours = count_step(contender_maker("galore_adamw", foreach=True), tiny_model())
+    ref = count_step(lambda m: torch.optim.AdamW(m.parameters(), foreach=True), tiny_model())
+    assert ours.launches <= 3 * ref.launches + 3 * 28, (ours.launches, ref.launches)
+    assert ours.launches <= 52, ours.ops
+    assert ours.matmuls == 6  # 3 shapes × (projection, back-projection)
