@@ -261,9 +261,9 @@ class ChainOptimizer(torch.optim.Optimizer):
         is emptied by :meth:`_derive`, and an entry is rebuilt when the parameter's index
         changed (``add_param_group``) or a group-level ``prepare`` marked it refreshed."""
         cached = self._contexts.get(id(p))
-        if cached is not None and cached.param is p and cached.index == index:
-            if not cached.refreshed:
-                return cached
+        fresh = cached is not None and not cached.refreshed
+        if fresh and cached.param is p and cached.index == index:
+            return cached
         placement = self._placement(p)
         if placement is LOCAL and not p.is_complex():
             ctx = Context(param=p, index=index, warn_once=self._warn_once, shape=p.shape)
