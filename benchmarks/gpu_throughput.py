@@ -10,8 +10,9 @@ embedded corpus with byte tokens, batch 64 × 256, for ``STEPS`` steps without e
 
 for torch AdamW (foreach), galore-torch's GaLoreAdamW (when installed) and every galore2
 preset; each row is the median ``tokens_per_s`` of steps 4–30, and its ratio to AdamW's in
-the same run. Without CUDA, or with ``--quick``, it runs the tiny recipe config for a few
-steps instead (a smoke test: numbers not meaningful), which the test suite does.
+the same run. The runner skips it without CUDA; :func:`throughput_section` with ``quick``
+(or without CUDA) runs the tiny recipe config for a few steps instead (a smoke test, numbers
+not meaningful), which the test suite does.
 """
 
 from __future__ import annotations
@@ -43,7 +44,14 @@ def rate(name: str, config: str, steps: int, first: int) -> float:
     return statistics.median(r["tokens_per_s"] for r in history if r["step"] >= first)
 
 
-def gpu_throughput(quick: bool = False, names: tuple[str, ...] = OPTIMIZERS) -> str:
+def gpu_throughput(quick: bool = False) -> str:
+    """The task (``needs_cuda``: the runner skips it without a GPU)."""
+    return throughput_section(quick)
+
+
+def throughput_section(quick: bool = False, names: tuple[str, ...] = OPTIMIZERS) -> str:
+    """The section's body for ``names`` (the first is the baseline); the tiny config for a
+    few steps with ``quick`` or without CUDA (what the test suite runs)."""
     small = quick or not torch.cuda.is_available()
     config = "tiny" if small else "llama_350m"
     steps, first = (QUICK_STEPS, QUICK_FIRST) if small else (STEPS, FIRST)

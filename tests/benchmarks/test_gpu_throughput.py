@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import re
 
-from benchmarks.gpu_throughput import gpu_throughput
+from benchmarks.gpu_throughput import throughput_section
 from benchmarks.run import TASKS
 
 
 def test_gpu_throughput_smoke_table():
-    assert TASKS["gpu_throughput"].function == "gpu_throughput"
-    body = gpu_throughput(quick=True, names=("adamw", "galore_adamw"))
+    assert TASKS["gpu_throughput"].needs_cuda
+    body = throughput_section(quick=True, names=("adamw", "galore_adamw"))
     assert "Smoke run" in body
     rows = re.findall(r"^\| (\w+) \| ([\d,]+) \| ([\d.]+) \|$", body, flags=re.M)
     assert [r[0] for r in rows] == ["adamw", "galore_adamw"]
