@@ -13,8 +13,11 @@ local (not sharded) 2-D weight, a dense fp32 / bf16 basis read by the base proje
 residual (Fira / APOLLO combine the update per tensor), and no refresh due this step. Every
 other matrix goes through :meth:`GaLore._project` / :meth:`GaLore._back` as before.
 
-A batch holds at most :data:`MAX_BATCH_BYTES` of gradients (the stacks are temporaries of
-that size), so large weights (Llama-7B's 4096×4096) go a few at a time.
+Only matrices of at most :data:`MAX_MATRIX_BYTES` batch: there a step is launch-bound and
+the stacking copies are cheap (Llama-350M's 1024×1024 and 1024×2736). Larger ones keep
+their own matmuls — stacking 32 of Llama-7B's 4096×4096 matrices into one ``bmm`` was no
+faster on an H100, the copies cost what the launches saved. A batch holds at most
+:data:`MAX_BATCH_BYTES` of gradients (its stacks are temporaries of that size).
 Results equal the per-matrix path up to the matmul's summation order (within 1e-6).
 """
 
@@ -28,6 +31,7 @@ from torch import Tensor
 from ..core.transform import Context, State
 from ..projectors import LEFT, RIGHT, Projector, get_projector
 
+MAX_MATRIX_BYTES = 16 * 2**20
 MAX_BATCH_BYTES = 256 * 2**20
 _DENSE_BASES = ("fp32", "bf16")
 
@@ -37,6 +41,7 @@ def batchable(u: Tensor, state: State, group: dict[str, Any], ctx: Context, side
     return (
         side in (LEFT, RIGHT)
         and u.dim() == 2
+        and u.numel() * u.element_size() <= MAX_MATRIX_BYTES
         and not ctx.placement.distributed
         and not ctx.refreshed
         and int(state["galore.step"]) < int(state["galore.next_refresh"])
