@@ -92,6 +92,10 @@ def main() -> int:
     ref = json.loads(REFERENCE.read_text())
     bad = 0
     for name, rows in got.items():
+        if name not in ref:
+            bad += 1
+            print(f"{name}: no reference recorded (run with --write --only {name} first)")
+            continue
         want = ref[name]
         # fields added since the reference was recorded (e.g. nonfinite_skips) are listed,
         # not compared; every recorded field must be identical
