@@ -74,6 +74,11 @@ TASKS: dict[str, Task] = {
     "step_time": Task("step_time", "step_time", "Optimizer step time (non-refresh steps)"),
     "step_counts": Task("step_counts", "step_counts",
                         "Accelerator cost of a step, counted on the CPU: launches, syncs, graph breaks"),
+    "overhead": Task("overhead", "overhead",
+                     "Host overhead of a step: CPU proxies (24-layer hidden-64 Llama, kernels)"),
+    "gpu_throughput": Task("gpu_throughput", "gpu_throughput",
+                           "Training throughput at Llama-350M shapes, every optimizer (GPU)",
+                           needs_cuda=True),
     "memory_7b": Task("llama_7b", "memory_7b", "Optimizer-state memory, Llama-7B shapes"),
     "traffic_7b": Task("traffic_7b", "traffic_7b",
                        "Collective traffic under FSDP2, Llama-7B shapes (on paper)"),
@@ -219,7 +224,8 @@ def arg_parser() -> argparse.ArgumentParser:
     timing.add_argument("--repeats", type=int, default=None,
                         help="timed repeats (refresh: 5, 2 with --quick; kernels: 50)")  # fmt: skip
     timing.add_argument("--rounds", type=int, default=None,
-                        help="step_time, compile_step: interleaved timing rounds (10)")  # fmt: skip
+                        help="step_time, compile_step, overhead: interleaved timing rounds "
+                        "(10; overhead: 15)")  # fmt: skip
     timing.add_argument("--warmup", type=int, default=None,
                         help="kernels: untimed calls first (10)")  # fmt: skip
     timing.add_argument("--json", dest="json_path", metavar="PATH", default=None,

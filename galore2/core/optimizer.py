@@ -145,7 +145,9 @@ class ChainOptimizer(torch.optim.Optimizer):
         self.declared = self.declared_options(self._all_modules)
         self._owns_decay = any(t.owns_weight_decay for t in self._param_transforms)
         self._placements: dict[int, Placement] = {}
-        self._pending_skips: dict[Tensor, Tensor] = {}  # capturable: counted on the device
+        self._contexts: dict[int, Context] = {}  # plain parameters' contexts, by id()
+        # capturable: skips counted on the device, per batch of parameters (their ids)
+        self._pending_skips: dict[tuple[int, ...], tuple[list[Tensor], Tensor]] = {}
         self._where: tuple[int, dict[int, tuple[dict[str, Any], int]]] | None = None
         self._settings = Settings(self.declared, walk(self._all_modules))
 
@@ -263,7 +265,19 @@ class ChainOptimizer(torch.optim.Optimizer):
         return placement
 
     def _context(self, p: Tensor, index: int) -> Context:
+        """The parameter's :class:`Context`. A plain (local, real) parameter's is built once
+        and reused by every step (it holds nothing that changes between steps); the cache
+        is emptied by :meth:`_derive`, and an entry is rebuilt when the parameter's index
+        changed (``add_param_group``) or a group-level ``prepare`` marked it refreshed."""
+        cached = self._contexts.get(id(p))
+        fresh = cached is not None and not cached.refreshed
+        if fresh and cached.param is p and cached.index == index:
+            return cached
         placement = self._placement(p)
+        if placement is LOCAL and not p.is_complex():
+            ctx = Context(param=p, index=index, warn_once=self._warn_once, shape=p.shape)
+            self._contexts[id(p)] = ctx
+            return ctx
         return Context(
             param=_real(placement.local(p)),
             index=index,
@@ -367,8 +381,8 @@ class ChainOptimizer(torch.optim.Optimizer):
         pending = getattr(self, "_pending_skips", None)
         if not pending:
             return
-        params = list(pending)
-        counts = _numerics.host_list(torch.stack([pending[p].to(torch.int64) for p in params]))
+        params = [p for owners, _ in pending.values() for p in owners]
+        counts = _numerics.host_list(torch.cat([c.to(torch.int64) for _, c in pending.values()]))
         for p, n in zip(params, counts, strict=True):
             self.state[p][SKIPS] += n
         pending.clear()
@@ -565,50 +579,49 @@ class ChainOptimizer(torch.optim.Optimizer):
                 continue
             keep = NonFinitePolicy.keep(read[id(batch)], batch.states)
             live = [i for i, k in enumerate(keep) if k]
-            params, states, ctxs, grads = (
-                [xs[i] for i in live]
-                for xs in (batch.params, batch.states, batch.ctxs, batch.grads)
-            )
-            group = batch.group
-            lr = float(group["lr"])
-            decay = 1.0 - lr * group["weight_decay"]
-            self._chain[0].prepare(grads, states, group, ctxs)
-            for chunk in _chunks(params, group.get("foreach")):
-                outs = run_chain(
-                    self._chain,
-                    [grads[i] for i in chunk],
-                    [states[i] for i in chunk],
-                    group,
-                    [ctxs[i] for i in chunk],
-                )
-                apply_updates([params[i] for i in chunk], outs, lr, decay)
-            stepped += [(batch.given, state, ctx) for state, ctx in zip(states, ctxs, strict=True)]
+            if len(live) == len(keep):  # the usual step: every parameter is usable
+                stepped += self._run_live(batch, batch.params, batch.states, batch.ctxs,
+                                          batch.grads)  # fmt: skip
+                continue
+            stepped += self._run_live(
+                batch,
+                *([xs[i] for i in live] for xs in (batch.params, batch.states, batch.ctxs,
+                                                   batch.grads)),
+            )  # fmt: skip
         return stepped
 
     def _run_masked(self, batch: _Batch) -> list[tuple[dict[str, Any], dict[str, Tensor], Context]]:
-        """``capturable=True``: no host read. Every parameter steps on its gradient with an
-        unusable one replaced by zeros; the weights and device state of those masked out are
-        put back from a copy (see :mod:`galore2.core.nonfinite`)."""
+        """``capturable=True``: no host read and no tensor created on the host. Every parameter
+        steps on its gradient with an unusable one replaced by zeros; the weights and device
+        state of those masked out are put back from a copy (see :mod:`galore2.core.nonfinite`).
+
+        The flags stay one stacked device tensor: the skips are counted by one add per batch,
+        the copy of the floating-point state is one foreach kernel, and each parameter's
+        decay factor and update mask are entries of it (no ``torch.where`` with a Python
+        scalar, which would create a tensor on the host every step)."""
         group, ok = batch.group, batch.flags
         lr = float(group["lr"])
         decay = 1.0 - lr * group["weight_decay"]
         if ok is None:  # nonfinite="ignore": nothing to mask
-            oks: list[Tensor | None] = [None] * len(batch.params)
-            grads = batch.grads
-        else:
-            oks = list(ok.unbind())
-            grads = [torch.where(k, g, 0.0) for g, k in zip(batch.grads, oks, strict=True)]
-            for p, k in zip(batch.owners, oks, strict=True):
-                skipped = (~k).to(torch.int32)
-                prev = self._pending_skips.get(p)
-                self._pending_skips[p] = skipped if prev is None else prev + skipped
+            return self._run_live(batch, batch.params, batch.states, batch.ctxs, batch.grads)
+        bad = ~ok
+        self._count_skips(batch.owners, bad)
+        okf, badf = ok.to(torch.float32), bad.to(torch.float32)
+        oks, okfs, bads = ok.unbind(), okf.unbind(), bad.unbind()
+        # ok·decay + (1 − ok): float32(decay) where usable, exactly 1 where masked
+        decays = torch.add(badf, okf, alpha=decay).unbind() if decay != 1.0 else None
+        grads = [g.masked_fill(b, 0.0) for g, b in zip(batch.grads, bads, strict=True)]
         device = batch.params[0].device if batch.params else None
-        saved = [
-            {k: t.clone() for k, t in s.items() if t.device == device and not _counter(t)}
-            if k_ is not None
-            else {}
-            for s, k_ in zip(batch.states, oks, strict=True)
+        kept = [
+            (i, key)
+            for i, state in enumerate(batch.states)
+            for key, t in state.items()
+            if t.device == device and not _counter(t)
         ]
+        floats = [(i, k) for i, k in kept if batch.states[i][k].is_floating_point()]
+        copies = torch._foreach_mul([batch.states[i][k] for i, k in floats], 1.0) if floats else []
+        saved = dict(zip(floats, copies, strict=True))
+        saved.update({(i, k): batch.states[i][k].clone() for i, k in kept if (i, k) not in saved})
         self._chain[0].prepare(grads, batch.states, group, batch.ctxs)
         for chunk in _chunks(batch.params, group.get("foreach")):
             outs = run_chain(
@@ -619,11 +632,51 @@ class ChainOptimizer(torch.optim.Optimizer):
                 [batch.ctxs[i] for i in chunk],
             )
             for i, u in zip(chunk, outs, strict=True):
-                apply_masked(batch.params[i], u, lr, decay, oks[i])
-        for state, old, k in zip(batch.states, saved, oks, strict=True):
-            for key, before in old.items():
-                state[key].copy_(torch.where(k, state[key], before))
+                p = batch.params[i]
+                if decays is not None:
+                    p.mul_(decays[i])
+                if isinstance(u, LowRankUpdate):
+                    apply_update(p, LowRankUpdate(u.A, u.B * okfs[i], u.shape, u.scale), lr, 1.0)
+                else:  # u is finite (zero gradient, finite state): u·0 is 0
+                    p.addcmul_(u, okfs[i], value=-lr)
+        for (i, key), before in saved.items():
+            current = batch.states[i][key]
+            torch.where(oks[i], current, before, out=current)
         return [(batch.given, s, c) for s, c in zip(batch.states, batch.ctxs, strict=True)]
+
+    def _run_live(
+        self,
+        batch: _Batch,
+        params: list[Tensor],
+        states: list[dict[str, Tensor]],
+        ctxs: list[Context],
+        grads: list[Tensor],
+    ) -> list[tuple[dict[str, Any], dict[str, Tensor], Context]]:
+        """The chain and the updates of ``params`` (all usable), batched per ``foreach``."""
+        group = batch.group
+        lr = float(group["lr"])
+        decay = 1.0 - lr * group["weight_decay"]
+        self._chain[0].prepare(grads, states, group, ctxs)
+        for chunk in _chunks(params, group.get("foreach")):
+            outs = run_chain(
+                self._chain,
+                [grads[i] for i in chunk],
+                [states[i] for i in chunk],
+                group,
+                [ctxs[i] for i in chunk],
+            )
+            apply_updates([params[i] for i in chunk], outs, lr, decay)
+        return [(batch.given, state, ctx) for state, ctx in zip(states, ctxs, strict=True)]
+
+    def _count_skips(self, owners: list[Tensor], bad: Tensor) -> None:
+        """Add a batch's masked parameters to the skips counted on the device: one add into
+        a counter per batch of parameters (flushed by :meth:`_flush_skips`)."""
+        key = tuple(map(id, owners))
+        found = self._pending_skips.get(key)
+        if found is None:
+            self._pending_skips[key] = (list(owners), bad.to(torch.int32))
+        else:
+            found[1].add_(bad)
 
     def _indexed_params_of(self, group: dict[str, Any]) -> Iterable[tuple[int, Tensor, Tensor]]:
         offset = 0
@@ -708,23 +761,6 @@ def apply_updates(
     for p, u in zip(params, updates, strict=True):
         if len(dense) <= 1 or isinstance(u, LowRankUpdate):
             apply_update(p, u, lr, decay)
-
-
-def apply_masked(
-    p: Tensor, u: Tensor | LowRankUpdate, lr: float, decay: float, ok: Tensor | None
-) -> None:
-    """:func:`apply_update` where a 0-d device flag ``ok`` (None: true) decides on the device
-    whether the update and the decay happen (``capturable=True``): no host read."""
-    if ok is None:
-        apply_update(p, u, lr, decay)
-        return
-    if decay != 1.0:
-        p.mul_(torch.where(ok, decay, 1.0))
-    if isinstance(u, LowRankUpdate):
-        u = LowRankUpdate(u.A, u.B * ok, u.shape, u.scale)
-        apply_update(p, u, lr, 1.0)
-    else:
-        p.add_(torch.where(ok, u, 0.0), alpha=-lr)
 
 
 def apply_update(p: Tensor, u: Tensor | LowRankUpdate, lr: float, decay: float) -> None:

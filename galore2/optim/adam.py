@@ -391,8 +391,8 @@ class ScaleByAdam(Transform):
         exp_avg_sqs = [s["adam.exp_avg_sq"] for s in states]
         us = [u if u.dtype == m.dtype else u.to(m.dtype) for u, m in zip(us, exp_avgs, strict=True)]
         scales, shifts = [], []
+        torch._foreach_add_([s["adam.step"] for s in states], 1)  # host counters, one call
         for s in states:
-            s["adam.step"] += 1
             scale, shift = _corrections(beta1, beta2, group["eps"], int(s["adam.step"]))
             scales.append(scale)
             shifts.append(shift)

@@ -70,7 +70,7 @@ from ..projectors import KINDS as PROJECTOR_KINDS
 from ..projectors import OPTIONS as PROJECTOR_OPTIONS
 from ..storage.basis import OPTIONS as BASIS_OPTIONS
 from ..storage.basis import validate_basis_options
-from . import residual
+from . import lowrank_batch, residual
 
 RANK = Option(
     "rank",
@@ -296,17 +296,35 @@ class GaLore(Transform):
     ) -> list[Tensor | LowRankUpdate]:
         """Batched :meth:`update`: one inner-chain run over plain and projected directions."""
         plans: dict[int, Plan] = {}
-        inner_in: list[Tensor] = []  # the plain tensors as they are, projected ones as R
-        # (the inner chain may not modify its input in place: R is still needed by _back)
+        # the plain tensors as they are, projected ones as R (the inner chain may not modify
+        # its input in place: R is still needed by _back)
+        inner_in: list[Tensor] = list(us)
+        fast: list[tuple[int, Tensor, State, int]] = []  # projected by a shape batch
+        can_batch = lowrank_batch.group_batchable(group)
         for i, (u, state) in enumerate(zip(us, states, strict=True)):
-            if int(state["galore.side"]) == NONE:
-                inner_in.append(u)
+            side = int(state["galore.side"])
+            if side == NONE:
+                continue
+            if can_batch and lowrank_batch.batchable(u, state, group, ctxs[i], side):
+                fast.append((i, u, state, side))
             else:
-                plans[i], R = self._project(u, state, group, ctxs[i])
-                inner_in.append(R)
+                plans[i], inner_in[i] = self._project(u, state, group, ctxs[i])
+        shape_batches = []
+        for batch in lowrank_batch.batches(fast):
+            if len(batch) > 1:
+                shape_batches.append(batch)
+            else:  # alone: its own matmuls (stacking would only add copies)
+                i, u, state, _ = batch[0]
+                plans[i], inner_in[i] = self._project(u, state, group, ctxs[i])
+        bases = []
+        for batch in shape_batches:
+            B, Rs = lowrank_batch.project(batch, group["proj_precision"])
+            bases.append(B)
+            for (i, *_), R in zip(batch, Rs, strict=True):
+                inner_in[i] = R
         results = run_chain(self.inner, inner_in, states, group, ctxs)
         done = self._combine_many(plans, results, us, inner_in, states, group)
-        return [
+        out = [
             done[i]
             if i in done
             else self._back(dense(N), states[i], group, plans[i], ctxs[i], u, inner_in[i])
@@ -314,6 +332,16 @@ class GaLore(Transform):
             else N
             for i, (N, u) in enumerate(zip(results, us, strict=True))
         ]
+        if shape_batches:
+            factor = group["scale"] * _decay(group)
+            for batch, B in zip(shape_batches, bases, strict=True):
+                Ns = [dense(results[i]) for i, *_ in batch]
+                dtype = ctxs[batch[0][0]].param.dtype
+                for (i, *_), delta in zip(
+                    batch, lowrank_batch.back(batch, B, Ns, dtype, factor), strict=True
+                ):
+                    out[i] = delta
+        return out
 
     def _combine_many(
         self, plans: dict[int, Plan], N: list[Tensor | LowRankUpdate], us: list[Tensor],

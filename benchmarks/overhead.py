@@ -1,0 +1,128 @@
+"""Host overhead of a step: the CPU proxies of issue 27 (what a launch-bound GPU feels).
+
+``python -m benchmarks.run --tasks overhead [--rounds N]`` (a few minutes on a 2-core CPU):
+
+* **host time** — the median host time of one non-refresh ``opt.step()`` on a 24-layer Llama
+  with hidden size 64 (``recipes.model.build_model``: 219 parameters, 168 projected matrices
+  at rank 16, ``update_proj_gap`` 10**9; the math vanishes, dispatch remains), as a ratio to
+  ``torch.optim.AdamW(foreach=True)`` on the same model in the same process. Steps are timed
+  one by one (:func:`benchmarks._common.time_call`) in interleaved rounds, so background load
+  hits every optimizer alike; fixed seeded gradients, two untimed warm-up steps each.
+* **kernels** — device kernels of one non-refresh step on the tiny recipe's model (4 layers,
+  hidden 128, 28 projected matrices): :func:`benchmarks.step_counts.count_step`'s
+  ``launches`` (non-view ops on floating-point tensors; host step counters excluded), and the
+  budget of issue 27: 3 × torch AdamW (foreach)'s + 3 per projected matrix.
+
+Every galore2 optimizer is built by the recipe (:func:`benchmarks.step_counts.contender_maker`)
+with ``foreach=True`` (the batched path, the default off the CPU); GaLoreAdamW also with
+``capturable=True`` (device-side non-finite decisions).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from recipes.config import ModelConfig
+from recipes.model import build_model
+
+from ._common import median, render, table, time_call
+from .contenders import BY_KEY, why_not
+from .step_counts import contender_maker, count_step, tiny_model
+
+DEEP = ModelConfig(vocab_size=256, dim=64, n_layers=24, n_heads=4, ffn_dim=172, max_seq_len=64)
+QUICK_DEEP = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_dim=172)
+WARMUP = 2
+ROUNDS, STEPS = 15, 5
+TINY_PROJECTED = 28  # the tiny model's attention/MLP matrices
+
+#: (label, contender key, extra galore2 options); torch AdamW (foreach) is the baseline
+ROWS: tuple[tuple[str, str, dict], ...] = (
+    ("galore-torch GaLoreAdamW", "gt_galore_adamw", {}),
+    ("GaLoreAdamW, foreach=True", "galore_adamw", {"foreach": True}),
+    ("GaLoreAdamW, foreach=True, capturable=True", "galore_adamw",
+     {"foreach": True, "capturable": True}),
+    ("GaLoreAdamW8bit, foreach=True", "galore_adamw8bit", {"foreach": True}),
+    ("GaLoreAdafactor, foreach=True", "galore_adafactor", {"foreach": True}),
+    ("Fira, foreach=True", "galore2_fira", {"foreach": True}),
+    ("APOLLO, foreach=True", "galore2_apollo", {"foreach": True}),
+    ("APOLLO-Mini, foreach=True", "galore2_apollo_mini", {"foreach": True}),
+    ("GaLoreMuon, foreach=True", "galore2_muon", {"foreach": True}),
+    ("Ranger21, foreach=True", "ranger21", {"foreach": True}),
+    ("GaLoreRanger21, foreach=True", "galore_ranger21", {"foreach": True}),
+)  # fmt: skip
+
+Maker = Callable[[torch.nn.Module], torch.optim.Optimizer]
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), foreach=True)
+
+
+def makers(keys: tuple[str, ...] | None = None) -> dict[str, Maker]:
+    """The baseline first, then every row whose package is installed."""
+    out: dict[str, Maker] = {"torch AdamW (foreach)": adamw}
+    for label, key, options in ROWS:
+        if (keys is None or key in keys) and why_not(key) is None and key in BY_KEY:
+            out[label] = contender_maker(key, **options)
+    return out
+
+
+def deep_model(quick: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(QUICK_DEEP if quick else DEEP)
+
+
+def host_ratios(
+    chosen: dict[str, Maker], quick: bool = False, rounds: int | None = None
+) -> dict[str, float]:
+    """Median ``step()`` seconds of each optimizer ÷ the first one's, interleaved rounds."""
+    opts: dict[str, torch.optim.Optimizer] = {}
+    for label, make in chosen.items():
+        model = deep_model(quick)  # one model each: no optimizer sees another's weights
+        gen = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen) * 1e-2
+        opts[label] = opt = make(model)
+        for _ in range(WARMUP):
+            opt.step()
+    times: dict[str, list[float]] = {label: [] for label in opts}
+    for _ in range(rounds or (2 if quick else ROUNDS)):
+        for label, opt in opts.items():
+            times[label] += time_call(opt.step, 2 if quick else STEPS, warmup=0)
+    base = median(next(iter(times.values())))
+    return {label: median(ts) / base for label, ts in times.items()} | {"_base_s": base}
+
+
+def kernel_counts(chosen: dict[str, Maker]) -> dict[str, tuple[int, int]]:
+    """(launches, of them matmuls) of one non-refresh step on the tiny model."""
+    out = {}
+    for label, make in chosen.items():
+        c = count_step(make, tiny_model())
+        out[label] = (c.launches, c.matmuls)
+    return out
+
+
+def overhead(quick: bool = False, rounds: int | None = None) -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        chosen = makers()
+        ratios = host_ratios(chosen, quick, rounds)
+        kernels = kernel_counts(chosen)
+    base_ms = 1e3 * ratios.pop("_base_s")
+    ref = kernels["torch AdamW (foreach)"][0]
+    budget = 3 * ref + 3 * TINY_PROJECTED
+    rows = [
+        [label, f"{ratios[label]:.2f}×", launches, matmuls,
+         "yes" if launches <= budget else "no"]
+        for label, (launches, matmuls) in kernels.items()
+    ]  # fmt: skip
+    head = ["optimizer", "host time ÷ AdamW (foreach)", "kernels / step", "of them matmuls",
+            f"kernels ≤ {budget}"]  # fmt: skip
+    cfg = QUICK_DEEP if quick else DEEP
+    return render("overhead", layers=cfg.n_layers, hidden=cfg.dim, base_ms=base_ms,
+                  rounds=rounds or (2 if quick else ROUNDS), steps=2 if quick else STEPS,
+                  threads=torch.get_num_threads(), ref=ref, budget=budget,
+                  table=table(head, rows))  # fmt: skip
