@@ -67,4 +67,6 @@ def test_batched_launches_do_not_grow_with_the_parameter_count(key):
     added = PROJECTED // 2  # matrices the two extra layers add
     grown = (large.launches - large.matmuls) - (small.launches - small.matmuls)
     assert grown == PER_MATRIX.get(key, 0) * added, (key, grown)
-    assert large.matmuls > small.matmuls  # the counter saw the projections
+    # the counter saw the projections; same-shape ones share one bmm per shape
+    # (galore2.optim.lowrank_batch), so their matmuls need not grow
+    assert large.matmuls >= small.matmuls > 0
