@@ -79,7 +79,10 @@ def _function(member: Any) -> Any:
     if isinstance(member, property):
         return member.fget
     member = getattr(member, "__func__", member)
-    return member if inspect.isfunction(member) else None
+    # torch.optim.Optimizer patches a subclass's ``step`` with a profiling wrapper when the
+    # first instance is built: judge the function it wraps, and only where galore2 wrote it
+    member = inspect.unwrap(member) if inspect.isfunction(member) else member
+    return member if inspect.isfunction(member) and ours(member) else None
 
 
 def _has_doc(obj: Any) -> bool:
