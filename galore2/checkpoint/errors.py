@@ -17,6 +17,12 @@ from pathlib import Path
 from torch.distributed.checkpoint.api import CheckpointException
 
 
+def _listed(items: list[str], shown: int) -> str:
+    """The first ``shown`` of ``items`` joined by '; ', and how many more there are."""
+    more = f" (and {len(items) - shown} more)" if len(items) > shown else ""
+    return "; ".join(items[:shown]) + more
+
+
 class CheckpointError(Exception):
     """A checkpoint folder that cannot be loaded into this model / optimizer, or saved into."""
 

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .errors import CheckpointCorrupt, CheckpointMismatch, from_dcp
+from .errors import CheckpointCorrupt, CheckpointMismatch, _listed, from_dcp
 from .record import jsonable
 
 _SHOWN = 6
@@ -63,10 +63,9 @@ def check(
         extra = [n for n in metadata if n.startswith(prefix + ".") and n not in flat]
         problems += [f"{n} is only in the checkpoint" for n in extra]
     if problems:
-        more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
         raise CheckpointMismatch(
             f"checkpoint {folder} does not fit this model / optimizer (it has no galore2.json; "
-            f"DCP's .metadata was compared): {'; '.join(problems[:_SHOWN])}{more}. "
+            f"DCP's .metadata was compared): {_listed(problems, _SHOWN)}. "
             "Nothing was loaded.",
             folder,
         )
@@ -119,10 +118,9 @@ def check_options(
         if option is not None and not option.resumable and jsonable(old) != jsonable(value):
             problems.append(f"{where}: {jsonable(old)!r} → {jsonable(value)!r}")
     if problems:
-        more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
         raise CheckpointMismatch(
             f"checkpoint {folder} was written with other settings that its state depends on "
             f"(it has no galore2.json; DCP's stored group options were compared): "
-            f"{'; '.join(problems[:_SHOWN])}{more}. Nothing was loaded.",
+            f"{_listed(problems, _SHOWN)}. Nothing was loaded.",
             folder,
         )

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _dist
-from .errors import CheckpointCorrupt, CheckpointMismatch
+from .errors import CheckpointCorrupt, CheckpointMismatch, _listed
 
 FILE = "galore2.json"
 FORMAT = 1
@@ -172,10 +172,9 @@ def check_fits(
     diffs += _params(saved["params"], now["params"])
     diffs += _groups(saved["groups"], now["groups"], options)
     if diffs:
-        more = f" (and {len(diffs) - _SHOWN} more)" if len(diffs) > _SHOWN else ""
         raise CheckpointMismatch(
             f"checkpoint {folder} was written by {summary(saved)}; this run is {summary(now)}. "
-            f"Differences: {'; '.join(diffs[:_SHOWN])}{more}. Load it with the model and "
+            f"Differences: {_listed(diffs, _SHOWN)}. Load it with the model and "
             "settings it was written with, or start a new run in another folder.",
             folder,
         )
