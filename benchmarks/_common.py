@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import platform
 import re
@@ -10,7 +9,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from functools import cache
@@ -18,6 +16,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+
+from .peers import PEERS, quiet_peers
 
 
 class Section(NamedTuple):
@@ -95,16 +95,9 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def import_galore_torch() -> Any:
-    """``galore_torch`` (it imports bitsandbytes, whose CPU-kernel notices are silenced)."""
-    log = logging.getLogger("bitsandbytes")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import galore_torch
-    finally:
-        log.setLevel(level)
+    """``galore_torch`` (imported under :func:`quiet_peers`)."""
+    with quiet_peers():
+        import galore_torch
     return galore_torch
 
 
@@ -151,7 +144,7 @@ def tiny_run(
             "--train.progress", "false", "--train.max_skip_steps", "0", *flags]  # fmt: skip
     if steps:
         argv += ["--steps", str(steps), "--train.eval_every", str(max(1, steps // evals))]
-    return pretrain(argv)
+    return pretrain(argv, PEERS)
 
 
 def val_losses(history: list[dict[str, Any]]) -> list[float]:

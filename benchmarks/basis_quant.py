@@ -118,8 +118,8 @@ def llama_gradients(steps: int) -> list[tuple[str, Tensor]]:
     """(name, gradient) of every attention/MLP weight of the recipe's tiny Llama on one
     batch, after ``steps`` AdamW steps."""
     from recipes import data
-    from recipes.config import parse_args
     from recipes.model import build_model
+    from recipes.resolve import parse_args
 
     job = parse_args(["--config", "tiny"])
     torch.manual_seed(job.train.seed)

@@ -45,8 +45,8 @@ def measure(argv: list[str]) -> dict:
     """One build in this process (see the module docstring); ``argv`` as for ``main``."""
     import torch
 
-    from recipes.config import parse_args
     from recipes.model import build_model, llama_config
+    from recipes.resolve import parse_args
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.build_memory")
     p.add_argument("--config", default="llama_1b", help="a recipe config name or TOML file")

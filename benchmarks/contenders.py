@@ -1,7 +1,7 @@
 """Every optimizer the side-by-side suite measures, and whether it can run here.
 
-A contender is a recipe optimizer (``--optimizer NAME``, see ``recipes/optimizers.py``
-and ``recipes/peers.py``) plus recipe flags. Peers come from their PyPI packages
+A contender is a recipe optimizer (``--optimizer NAME``, see ``recipes/optimizers.py``)
+or a peer (``benchmarks/peers.py``) plus recipe flags. Peers come from their PyPI packages
 (the ``bench`` extra); a peer that cannot run on this machine is kept in the list
 with the exact exception its first step raised.
 """
@@ -9,9 +9,8 @@ with the exact exception its first step raised.
 from __future__ import annotations
 
 import importlib.metadata
-import logging
 import traceback
-import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -20,8 +19,11 @@ import torch
 
 from galore2.presets import PRESETS
 from recipes import optimizers
-from recipes.config import JobConfig, ModelConfig, OptimConfig, override
+from recipes.config import ModelConfig, OptimConfig
 from recipes.model import build_model
+from recipes.resolve import optim_config
+
+from .peers import PEERS, quiet_peers
 
 
 @dataclass(frozen=True)
@@ -35,11 +37,15 @@ class Contender:
     projected: bool = True
 
     def optim_config(self, **fields) -> OptimConfig:
-        """``OptimConfig`` for this contender: ``fields`` then ``flags`` applied."""
-        job = JobConfig(optim=OptimConfig(name=self.optimizer, **fields))
-        for flag, value in zip(self.flags[::2], self.flags[1::2], strict=True):
-            override(job, flag.removeprefix("--"), value)
-        return job.optim
+        """``OptimConfig`` for this contender: ``fields`` then ``flags`` applied, resolved as
+        the recipe resolves its command line (:func:`recipes.resolve.optim_config`)."""
+        return optim_config({"name": self.optimizer, **fields, **optim_flags(self.flags)})
+
+
+def optim_flags(flags: Sequence[str]) -> dict[str, str]:
+    """``{"KEY": VALUE}`` of the ``--optim.KEY VALUE`` pairs in recipe flags (others left out)."""
+    pairs = zip(flags[::2], flags[1::2], strict=True)
+    return {f.removeprefix("--optim."): v for f, v in pairs if f.startswith("--optim.")}
 
 
 def _as_flags(preset: str) -> tuple[str, ...]:
@@ -126,27 +132,21 @@ def _at(frame: traceback.FrameSummary) -> str:
 def why_not(key: str) -> str | None:
     """``None`` if the contender builds and takes two steps here; else the exact reason."""
     contender = BY_KEY[key]
-    log = logging.getLogger("bitsandbytes")
-    level = log.level
-    log.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet_peers():
             model = _probe_model()
-            opt = optimizers.build_optimizer(model, contender.optim_config(rank=4), 10)
+            opt = optimizers.build_optimizer(model, contender.optim_config(rank=4), 10, PEERS)
             for _ in range(2):
                 for p in model.parameters():
                     p.grad = torch.randn_like(p)
                 opt.step()
     except Exception as e:  # a peer's own failure, reported verbatim with where it was raised
         frames = traceback.extract_tb(e.__traceback__)
-        peer = optimizers.PEERS.get(contender.optimizer)
+        peer = PEERS.get(contender.optimizer)
         module = peer.module if peer else contender.package
         where = [_at(frames[-1])]
         own = [f for f in frames if f"/{module}/" in f.filename]
         if own and own[-1] is not frames[-1]:
             where.append(f"called from {_at(own[-1])}")
         return f"{type(e).__name__}: {e} (raised at {', '.join(where)})"
-    finally:
-        log.setLevel(level)
     return None

@@ -47,6 +47,7 @@ from recipes.model import build_model
 from recipes.optimizers import build_optimizer
 
 from .contenders import BY_KEY, Contender
+from .peers import PEERS
 
 SIZES = {
     "full": {"vocab_size": 32000, "dim": 1024, "n_layers": 4, "n_heads": 16, "ffn_dim": 2736},
@@ -95,7 +96,7 @@ def measure(contender: Contender, quick: bool) -> dict[str, Any]:
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=gen) * 1e-2
     optim_cfg = contender.optim_config(lr=1e-3, rank=RANK[name], update_proj_gap=GAP)
-    opt = build_optimizer(model, optim_cfg, STEPS)
+    opt = build_optimizer(model, optim_cfg, STEPS, PEERS)
     gc.collect()
     base_kb = _status_kb("VmRSS")
     peak_ok = _reset_peak()

@@ -25,6 +25,7 @@ import torch
 from recipes import optimizers
 
 from ._common import render, table, tiny_run
+from .peers import PEERS
 
 #: recipe optimizer names: the baseline first
 OPTIMIZERS = ("adamw", "gt_galore_adamw", "galore_adamw", "galore_adamw8bit", "galore_adafactor",
@@ -55,7 +56,7 @@ def throughput_section(quick: bool = False, names: tuple[str, ...] = OPTIMIZERS)
     small = quick or not torch.cuda.is_available()
     config = "tiny" if small else "llama_350m"
     steps, first = (QUICK_STEPS, QUICK_FIRST) if small else (STEPS, FIRST)
-    names = tuple(n for n in names if optimizers.available(n))
+    names = tuple(n for n in names if optimizers.available(n, PEERS))
     rates = {n: rate(n, config, steps, first) for n in names}
     base = rates[names[0]]
     rows = [[n, f"{r:,.0f}", f"{r / base:.2f}"] for n, r in rates.items()]

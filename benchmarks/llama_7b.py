@@ -4,7 +4,7 @@ Model: the recipe's ``llama_7b`` config (dim 4096, 32 layers, ffn 11008, vocab 3
 untied head) with fp32 weights, built on the meta device by ``recipes.model.build_model``;
 projected optimizers get the attention and MLP matrices (q/k/v/o/gate/up/down) at the
 config's r = 1024, everything else full rank in the same optimizer. ``--quick``: the
-recipe's ``llama_60m`` config at its rank. Every byte count comes from ``recipes/state.py``:
+recipe's ``llama_60m`` config at its rank. Every byte count comes from ``benchmarks/state.py``:
 galore2 optimizers measured (``init_state()``, then ``state_bytes()``), the others counted
 by their packages' storage rules.
 
@@ -20,19 +20,20 @@ from dataclasses import replace
 from torch import nn
 
 import galore2
-from recipes.config import JobConfig, OptimConfig, load_toml, parse_args
+from recipes.config import JobConfig, OptimConfig
 from recipes.memory import OPTIMIZERS, report
 from recipes.model import build_model
-from recipes.state import galore2_state, optimizer_state, projected_params
+from recipes.resolve import parse_args
 
 from ._common import render, table
 from .contenders import Contender
+from .state import galore2_state, optimizer_state, projected_params
 
 
 def shapes(quick: bool) -> tuple[JobConfig, str]:
     """The recipe config (``llama_60m`` with ``--quick``, else ``llama_7b``) and its description."""
     name = "llama_60m" if quick else "llama_7b"
-    job = load_toml(JobConfig(), name)
+    job = parse_args(["--config", name])
     m = job.model
     return job, f"{name}: dim {m.dim}, {m.n_layers} layers, ffn {m.ffn_dim}, r = {job.optim.rank}"
 

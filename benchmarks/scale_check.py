@@ -125,10 +125,10 @@ def verdict(here: dict[str, float], tiny: dict[str, float], labels: dict[str, st
 
 
 def _model(config: str) -> tuple[str, dict[str, Any]]:
-    from recipes.config import JobConfig, load_toml
     from recipes.model import build_model
+    from recipes.resolve import parse_args
 
-    job = load_toml(JobConfig(), config)
+    job = parse_args(["--config", config])
     m = job.model
     params = sum(p.numel() for p in build_model(m, "meta").parameters())
     text = (f"Llama with {params:,} parameters (dim {m.dim}, {m.n_layers} layers, "

@@ -42,11 +42,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import galore2._numerics as numerics
 from recipes import optimizers
-from recipes.config import ModelConfig, parse_args
+from recipes.config import ModelConfig
 from recipes.model import build_model
+from recipes.resolve import parse_args
 
 from ._common import render, table
 from .contenders import CONTENDERS, why_not
+from .peers import PEERS
 
 MATMULS = frozenset(
     {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "matmul", "_grouped_mm"}
@@ -191,7 +193,7 @@ def contender_maker(key: str, **options: Any) -> Callable[[torch.nn.Module], tor
     def make(model: torch.nn.Module) -> torch.optim.Optimizer:
         cfg = contender.optim_config(rank=16, update_proj_gap=10**9)
         cfg.options.update(options)
-        return optimizers.build_optimizer(model, cfg, 1000)
+        return optimizers.build_optimizer(model, cfg, 1000, PEERS)
 
     return make
 

@@ -12,7 +12,7 @@ steps × 2,048 tokens, GaLore r = 32, T = 50, α = 0.25. ``--quick``: 60 steps, 
   same lr sweep (best loss and state against AdamW's best), then GaLoreRanger21 at its best
   lr with one component switched off at a time.
 * ``low_memory`` — the 8-bit / quantized-basis variants: Llama-7B state (meta device,
-  ``benchmarks/llama_7b.py``'s model, counted by ``recipes/state.py``) next to each one's
+  ``benchmarks/llama_7b.py``'s model, counted by ``benchmarks/state.py``) next to each one's
   tiny-recipe loss (AdamW family at lr 1e-3, GaLore family at 1e-2, the best of
   ``recipe_tiny``'s sweep); then adaptive refresh vs fixed T = 50: refreshes done and
   seconds spent in them (``GaLore.refresh`` timed).
@@ -26,11 +26,14 @@ from typing import Any
 
 import galore2
 from recipes import optimizers
-from recipes.config import JobConfig, OptimConfig, override
-from recipes.state import optimizer_state
+from recipes.config import OptimConfig
+from recipes.resolve import optim_config
 
 from ._common import render, table, tiny_run, val_losses
+from .contenders import optim_flags
 from .llama_7b import meta_model, shapes
+from .peers import PEERS
+from .state import optimizer_state
 
 QUICK_STEPS = 60
 SWEEP = {"adamw": ("1e-3", "3e-3"), "galore_adamw": ("3e-3", "1e-2")}  # recipe_tiny
@@ -104,7 +107,7 @@ def throughput(quick: bool, repeats: int | None = None) -> str:
 
 def ranger21(quick: bool) -> str:
     lrs = RANGER21_LRS[1:2] if quick else RANGER21_LRS
-    names = [n for n in RANGER21_OPTIMIZERS if optimizers.available(n)]
+    names = [n for n in RANGER21_OPTIMIZERS if optimizers.available(n, PEERS)]
     missing = [n for n in RANGER21_OPTIMIZERS if n not in names]
     best: dict[str, tuple[str, dict[str, Any]]] = {}
     rows = []
@@ -147,10 +150,8 @@ def ranger21(quick: bool) -> str:
 
 
 def _optim_config(name: str, rank: int, flags: list[str]) -> OptimConfig:
-    job = JobConfig(optim=OptimConfig(name=STATE_7B_RULE.get(name, name), rank=rank))
-    for flag, value in zip(flags[::2], flags[1::2], strict=True):
-        override(job, flag.removeprefix("--"), value)
-    return job.optim
+    settings = {"name": STATE_7B_RULE.get(name, name), "rank": rank, **optim_flags(flags)}
+    return optim_config(settings)
 
 
 def state_7b_variants(quick: bool) -> tuple[dict[str, int], str]:

@@ -1,4 +1,4 @@
-"""Recipe configuration: TOML files read into dataclasses, any field overridable from the CLI.
+"""Recipe configuration schema: TOML files and the command line read into dataclasses.
 
     python -m recipes.pretrain --config recipes/configs/tiny.toml \\
         --optimizer galore_adamw --steps 200 --out runs/tiny --optim.rank 32 --data.seq_len 128
@@ -10,6 +10,11 @@ silently ignored). On the command line ``--section.field VALUE`` overrides a fie
 ``--train.steps`` and ``--train.out``. Values are parsed by the field's type
 (``true``/``false`` for booleans, ``none`` for optional fields, comma-separated
 lists).
+
+This module is the schema and its parsing only; it knows no optimizer. [optim]'s settings
+are routed (field or option of the chosen optimizer), parsed and validated once, with the
+fields a preset fixes, by :func:`recipes.resolve.resolve`, the step every entry point
+calls on :func:`parse_args`'s result.
 """
 
 from __future__ import annotations
@@ -74,7 +79,7 @@ class OptimConfig:
     The fields below are the recipe's own and those every contender shares (peers from
     other packages read them too). Any other option of a galore2 optimizer is set as
     ``--optim.KEY VALUE`` (or ``KEY = VALUE`` under ``[optim]``): it lands in ``options``
-    and is parsed and validated by the option's own declaration
+    and is parsed and validated (:func:`recipes.resolve.resolve`) by the option's own declaration
     (``galore2.<Optimizer>.all_options()``), so every option of the chosen optimizer is
     settable and an unknown key is an error naming the allowed ones.
     """
@@ -137,7 +142,6 @@ class JobConfig:
 SHORTHANDS = {"optimizer": "optim.name", "steps": "train.steps", "out": "train.out"}
 
 
-# Each listed field's lowest allowed value, checked as the field is set (TOML or CLI).
 def _field_type(section: Any, name: str) -> Any:
     hints = typing.get_type_hints(type(section))
     return hints[name]
@@ -183,7 +187,18 @@ def _parse(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
-def _set(job: JobConfig, dotted: str, value: Any, optimizer: str | None = None) -> None:
+def field_names(section: Any) -> list[str]:
+    """The fields of a config section a setting may name (``options`` is not one)."""
+    return [f.name for f in dataclasses.fields(section) if f.name != "options"]
+
+
+def set_field(section: Any, name: str, value: Any, where: str) -> None:
+    """Set field ``name`` of ``section`` from a TOML or CLI value, parsed to its type."""
+    setattr(section, name, _parse(value, _field_type(section, name), where))
+
+
+def _set(job: JobConfig, dotted: str, value: Any) -> None:
+    """Set ``SECTION.FIELD`` of a section other than [optim]; clear error for an unknown key."""
     section_name, _, name = dotted.partition(".")
     sections = {f.name for f in dataclasses.fields(job)}
     if section_name not in sections or not name:
@@ -191,24 +206,10 @@ def _set(job: JobConfig, dotted: str, value: Any, optimizer: str | None = None) 
             f"unknown setting {dotted!r}: use SECTION.FIELD with SECTION in {sorted(sections)}"
         )
     section = getattr(job, section_name)
-    names = [f.name for f in dataclasses.fields(section) if f.name != "options"]
-    from .optimizers import is_own_option  # the optimizer factory knows which keys it owns
-
-    if section_name == "optim" and is_own_option(optimizer or section.name, name):
-        section.options[name] = value  # e.g. Adafactor's eps pair / beta1, not Adam's fields
-    elif name in names:
-        setattr(section, name, _parse(value, _field_type(section, name), dotted))
-    elif section_name == "optim":  # an option of the chosen optimizer: checked by check_options
-        section.options[name] = value
-    else:
+    names = field_names(section)
+    if name not in names:
         raise ValueError(f"unknown setting {dotted!r}; [{section_name}] has: {', '.join(names)}")
-
-
-def check_options(job: JobConfig) -> None:
-    """Parse and validate ``optim.options`` against the chosen optimizer's declarations."""
-    from .optimizers import parse_options  # the optimizer factory owns the names
-
-    job.optim.options = parse_options(job.optim.name, job.optim.options)
+    set_field(section, name, value, dotted)
 
 
 #: [train] fields, their lowest allowed values and what to say (checked before anything
@@ -239,11 +240,6 @@ def check_train(job: JobConfig) -> None:
         raise ValueError("train.out must name a folder")
 
 
-def override(job: JobConfig, dotted: str, value: Any) -> None:
-    """Set ``SECTION.FIELD`` of ``job`` from a CLI / TOML value, parsed to the field's type."""
-    _set(job, dotted, value)
-
-
 def resolve_config_path(path: str | Path) -> Path:
     """A path as given, or a name in recipes/configs (``tiny`` → recipes/configs/tiny.toml)."""
     p = Path(path)
@@ -258,24 +254,42 @@ def resolve_config_path(path: str | Path) -> Path:
     )
 
 
-def load_toml(job: JobConfig, path: str | Path) -> JobConfig:
+@dataclass
+class Args:
+    """A config file and command line as read by the schema, before the one optimizer-aware
+    step (:func:`recipes.resolve.resolve`).
+
+    Every [model] / [data] / [train] setting is applied to ``job``. [optim]'s settings are
+    kept as given (``optim``: TOML first, then the command line, a later value replacing an
+    earlier one), because which of them are [optim] fields and which are options of the
+    chosen optimizer, and how they parse, is the optimizer's to say."""
+
+    job: JobConfig
+    optim: dict[str, Any] = field(default_factory=dict)
+    cli_optim: set[str] = field(default_factory=set)  # [optim] keys given on the command line
+
+
+def read_toml(path: str | Path) -> dict[str, dict[str, Any]]:
+    """The tables of a recipe config file (a path, or a name in recipes/configs)."""
     with open(resolve_config_path(path), "rb") as f:
         data = tomllib.load(f)
-    optim = data.get("optim")
-    optimizer = optim.get("name") if isinstance(optim, dict) else None
     for section_name, values in data.items():
         if not isinstance(values, dict):
             raise ValueError(f"{path}: top-level key {section_name!r} must be a [section] table")
-        for name, value in values.items():
-            _set(job, f"{section_name}.{name}", value, optimizer)
-    check_options(job)
-    return job
+    return data
 
 
-def parse_args(argv: list[str] | None = None) -> JobConfig:
-    """Build a JobConfig from ``--config`` and ``--section.field value`` overrides; the
-    [optim] fields the chosen preset fixes (:func:`recipes.optimizers.preset_fields`) are
-    set to its values (given on the command line, they are an error, not ignored)."""
+def _put(args: Args, dotted: str, value: Any) -> None:
+    section_name, _, name = dotted.partition(".")
+    if section_name == "optim" and name:
+        args.optim[name] = value
+    else:
+        _set(args.job, dotted, value)
+
+
+def parse_args(argv: list[str] | None = None, help_lines: tuple[str, ...] = ()) -> Args:
+    """Read ``--config`` and the ``--section.field value`` overrides (see the module's
+    docstring); ``--help`` exits with :func:`usage` followed by ``help_lines``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     pairs: list[tuple[str, str]] = []
     config_path: str | None = None
@@ -283,7 +297,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     while i < len(argv):
         arg = argv[i]
         if arg in ("-h", "--help"):
-            raise SystemExit(usage())
+            raise SystemExit("\n".join([usage(), *help_lines]))
         if not arg.startswith("--"):
             raise ValueError(f"unexpected argument {arg!r}; settings are --section.field VALUE")
         key, eq, value = arg[2:].partition("=")
@@ -297,28 +311,16 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
             config_path = value
         else:
             pairs.append((SHORTHANDS.get(key, key), value))
-    job = JobConfig()
+    args = Args(JobConfig())
     if config_path is not None:
-        load_toml(job, config_path)
-    named = [v for d, v in pairs if d == "optim.name"]
-    optimizer = named[-1] if named else job.optim.name
+        for section_name, values in read_toml(config_path).items():
+            for name, value in values.items():
+                _put(args, f"{section_name}.{name}", value)
     for dotted, value in pairs:
-        _set(job, dotted, value, optimizer)
-    check_options(job)
-    check_train(job)
-    from .optimizers import apply_preset_fields, preset_fields  # APOLLO-Mini's rank 1…
-
-    given = {d.removeprefix("optim.") for d, _ in pairs if d.startswith("optim.")}
-    fixed = {k: v for k, v in preset_fields(job.optim.name).items() if k in given}
-    if fixed:  # a value the user chose would not be used: refuse instead of ignoring it
-        key, value = next(iter(fixed.items()))
-        raise ValueError(
-            f"--optim.{key}: optimizer {job.optim.name!r} fixes optim.{key}={value:g} (its "
-            f"definition); for another value use galore_adamw with the same options, e.g. "
-            "--optimizer galore_adamw --optim.projector random --optim.scale_type channel"
-        )
-    apply_preset_fields(job.optim)
-    return job
+        _put(args, dotted, value)
+    args.cli_optim = {d.removeprefix("optim.") for d, _ in pairs if d.startswith("optim.")}
+    check_train(args.job)
+    return args
 
 
 def usage() -> str:
@@ -333,11 +335,5 @@ def usage() -> str:
     job = JobConfig()
     for f in dataclasses.fields(job):
         section = getattr(job, f.name)
-        for g in dataclasses.fields(section):
-            if g.name != "options":
-                lines.append(f"  --{f.name}.{g.name} = {getattr(section, g.name)!r}")
-    from .optimizers import option_lines
-
-    lines += ["", "options of galore2 optimizers (--optim.KEY VALUE; see docs/guides/galore-options.md):"]
-    lines += option_lines()
+        lines += [f"  --{f.name}.{name} = {getattr(section, name)!r}" for name in field_names(section)]
     return "\n".join(lines)

@@ -8,7 +8,8 @@ checkpointing) are those of the memory planner, whose formulas live in one place
 :mod:`galore2.plan.formulas` (``python -m recipes.plan llama_7b`` gives the same figures
 for AdamW, 8-bit AdamW and galore2's main optimizers, and their fit on a GPU). This
 module adds the recipe's view: every recipe optimizer, its state measured
-(``init_state()`` on the meta device) or counted (:mod:`recipes.state`); the notes
+(``init_state()`` on the meta device) or counted (torch AdamW and bitsandbytes
+AdamW8bit, by :mod:`galore2.plan.state`'s rules); the notes
 printed under the table give each row's convention.
 """
 
@@ -23,19 +24,18 @@ import torch
 from torch import nn
 
 import galore2
-from galore2.plan import Footprint, Shapes
+from galore2.plan import Footprint, Shapes, state
 from galore2.plan import formulas as plan
 from galore2.storage.dtype import normalize_state_dtype
 
-from . import state
 from .cli import DEBUG_HELP, run_cli
-from .config import JobConfig, ModelConfig, parse_args
+from .config import JobConfig, ModelConfig
 from .model import build_model, llama_config, param_dtype
 from .optimizers import NAMES, build_optimizer, galore_settings
-from .peers import PEERS
+from .resolve import parse_args
 
-# galore2's optimizers and the baselines it replaces; benchmark-only peers are left out
-OPTIMIZERS: tuple[str, ...] = tuple(n for n in NAMES if n not in PEERS)
+# galore2's optimizers and the baselines it replaces (the recipe's names)
+OPTIMIZERS: tuple[str, ...] = NAMES
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MEASURED = "measured (init_state on meta)"
 COUNTED = {"adamw": "exact count (torch AdamW rules)",

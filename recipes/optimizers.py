@@ -18,8 +18,9 @@ Names and what they build:
 ``galore_muon``        ``galore2.GaLoreMuon`` (orthogonalized low-rank momentum)
 =====================  ==========================================================
 
-Peers from other packages (``gt_galore_adamw``, ``at_apollo``, ``fira_adamw``,
-``pto_ranger21``, ...; benchmark extras) are listed in :mod:`recipes.peers`.
+Optimizers of other packages (galore-torch, apollo-torch, fira, ...: the benchmarks'
+peers, ``benchmarks/peers.py``) are built on the same split when the caller passes them
+(``peers``: name → :class:`Peer`); the recipe itself names none.
 
 Every optimizer gets the same parameter split: weight decay on ≥2-D weights only
 (norm weights and biases get none), and for every galore2 optimizer with GaLore in its
@@ -32,15 +33,17 @@ A preset may fix [optim] fields that define it (:func:`preset_fields`): APOLLO's
 APOLLO-Mini's α (``optim.scale``: 1 and √128, their ``preset_defaults``) and APOLLO-Mini's
 rank 1 (``APOLLOMini.projected_rank``). The recipe uses those values instead of the
 config file's ``optim.scale`` / ``optim.rank``, writes them into the run's configuration
-(config.json, checkpoints) and prints them; setting them on the command line is an error. Names whose galore2 class has not been built yet fail with a
-clear message.
+(config.json, checkpoints) and prints them; setting them on the command line is an error
+(:func:`recipes.resolve.resolve`). Names whose galore2 class has not been built yet fail
+with a clear message.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+import types
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -53,8 +56,24 @@ from galore2.optim.adam import BETAS, EPS
 from galore2.presets import PRESETS
 
 from .config import OptimConfig
-from .peers import PEERS
-from .peers import resolve as resolve_peer
+
+
+class Peer(Protocol):
+    """An optimizer of another package, built as ``load()(groups, lr=, weight_decay=,
+    **kwargs(cfg))`` on the recipe's split (``group_keys(cfg)``: its projected group's keys)."""
+
+    projected: bool  # gets the projected group
+    own_schedule: bool  # warms up and down itself (gets num_iterations, no LR schedule)
+
+    def group_keys(self, cfg: OptimConfig) -> dict[str, Any]: ...
+
+    def kwargs(self, cfg: OptimConfig) -> dict[str, Any]: ...
+
+    def load(self) -> Callable[..., torch.optim.Optimizer]: ...
+
+
+#: no peers: what the recipe's own entry points build
+NO_PEERS: Mapping[str, Peer] = types.MappingProxyType({})
 
 
 def _projects(cls: type) -> bool:
@@ -68,8 +87,13 @@ _GALORE2 = {name: (cls.__name__, _projects(cls)) for name, cls in PRESETS.items(
 _SHARED = ("rank", "update_proj_gap", "scale", "proj_type")
 #: options the recipe sets from its own shared fields (OptimConfig), not from ``options``
 _FROM_FIELDS = ("lr", "weight_decay", *_SHARED)
-NAMES = ("adamw", "adamw8bit", *_GALORE2, *PEERS)
-_OWN_SCHEDULE = ("ranger21", "galore_ranger21", *(n for n, p in PEERS.items() if p.own_schedule))
+NAMES = ("adamw", "adamw8bit", *_GALORE2)
+_OWN_SCHEDULE = ("ranger21", "galore_ranger21")
+
+
+def own_schedule(name: str, peers: Mapping[str, Peer] = NO_PEERS) -> bool:
+    """Whether optimizer ``name`` carries its own warmup / warmdown (Ranger21's)."""
+    return name in _OWN_SCHEDULE or (name in peers and peers[name].own_schedule)
 
 
 def _split_decay(params: list[nn.Parameter], settings: dict[str, Any], wd: float) -> list[dict]:
@@ -104,11 +128,11 @@ def param_groups(
     return projected_group + _split_decay(plain, {}, cfg.weight_decay)
 
 
-def projects(name: str) -> bool:
-    """Whether recipe optimizer ``name`` gets a projected group (a projecting peer, or a
-    galore2 optimizer with GaLore in its chain)."""
-    if name in PEERS:
-        return PEERS[name].projected
+def projects(name: str, peers: Mapping[str, Peer] = NO_PEERS) -> bool:
+    """Whether recipe optimizer ``name`` gets a projected group (a galore2 optimizer with
+    GaLore in its chain, or a projecting peer)."""
+    if name in peers:
+        return peers[name].projected
     return name in _GALORE2 and _GALORE2[name][1]
 
 
@@ -135,23 +159,23 @@ def apply_preset_fields(cfg: OptimConfig) -> None:
 
 def galore_settings(cfg: OptimConfig) -> dict[str, Any]:
     """The projected group's GaLore options: the shared fields (those the preset fixes at
-    its own values, :func:`preset_fields`), then ``optim.options``."""
+    its own values, :func:`preset_fields`), then ``optim.options`` (parsed)."""
     settings = {k: getattr(cfg, k) for k in _SHARED} | preset_fields(cfg.name)
     names = {o.name for o in GaLore.options}
-    own = parse_options(cfg.name, cfg.options) if cfg.name in PRESETS else {}
-    return {**settings, **{k: v for k, v in own.items() if k in names}}
+    return {**settings, **{k: v for k, v in cfg.options.items() if k in names}}
 
 
 def galore2_options(cfg: OptimConfig) -> dict[str, tuple[Any, bool]]:
     """Option name → (the value the recipe gives galore2 optimizer ``cfg.name``, whether a run
     may change it on resume: its declaration's ``resumable``); ``{}`` for other optimizers.
-    Unset options count at their defaults; GaLore's only where the recipe projects."""
+    Unset options count at their defaults; GaLore's only where the recipe projects.
+    ``cfg.options`` are parsed (:func:`parse_options`)."""
     cls = PRESETS.get(cfg.name)
     if cls is None:
         return {}
     options = cls.all_options()
     values = {name: o.default for name, o in options.items()}
-    values.update(parse_options(cfg.name, cfg.options))
+    values.update(cfg.options)
     if _GALORE2[cfg.name][1]:
         values.update(galore_settings(cfg))
     return {name: (value, options[name].resumable) for name, value in values.items()}
@@ -217,7 +241,7 @@ def option_lines() -> list[str]:
     return lines
 
 
-def _resolve(name: str) -> Callable[..., torch.optim.Optimizer]:
+def _resolve(name: str, peers: Mapping[str, Peer]) -> Callable[..., torch.optim.Optimizer]:
     if name == "adamw":
         return torch.optim.AdamW
     if name == "adamw8bit":
@@ -228,8 +252,8 @@ def _resolve(name: str) -> Callable[..., torch.optim.Optimizer]:
                 "optim.name='adamw8bit' needs bitsandbytes: pip install bitsandbytes"
             ) from e
         return bnb.optim.AdamW8bit
-    if name in PEERS:
-        return resolve_peer(name)
+    if name in peers:
+        return peers[name].load()
     cls_name, _ = _GALORE2[name]
     cls = getattr(galore2, cls_name, None)
     if cls is None:
@@ -241,22 +265,29 @@ def _resolve(name: str) -> Callable[..., torch.optim.Optimizer]:
     return cls
 
 
-def available(name: str) -> bool:
+def available(name: str, peers: Mapping[str, Peer] = NO_PEERS) -> bool:
     try:
-        _resolve(name)
+        _resolve(name, peers)
     except (NotImplementedError, RuntimeError):
         return False
     return True
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int) -> torch.optim.Optimizer:
-    """The optimizer ``cfg.name`` over ``model``'s trainable parameters."""
-    if cfg.name not in NAMES:
-        raise ValueError(f"optim.name must be one of {', '.join(NAMES)}; got {cfg.name!r}")
-    cls = _resolve(cfg.name)
+def build_optimizer(
+    model: nn.Module,
+    cfg: OptimConfig,
+    total_steps: int,
+    peers: Mapping[str, Peer] = NO_PEERS,
+) -> torch.optim.Optimizer:
+    """The optimizer ``cfg.name`` (its options parsed: :func:`parse_options`) over
+    ``model``'s trainable parameters; ``peers``: optimizers of other packages by name."""
+    if cfg.name not in NAMES and cfg.name not in peers:
+        names = ", ".join((*NAMES, *peers))
+        raise ValueError(f"optim.name must be one of {names}; got {cfg.name!r}")
+    cls = _resolve(cfg.name, peers)
     kwargs: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    if cfg.name in PEERS:
-        peer = PEERS[cfg.name]
+    if cfg.name in peers:
+        peer = peers[cfg.name]
         keys = peer.group_keys(cfg) if peer.projected else None
         groups = param_groups(model, cfg, peer.projected, keys)
         kwargs.update(peer.kwargs(cfg))
@@ -270,12 +301,11 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int) -> tor
             kwargs.update(relative_step=False, scale_parameter=False)
         # every other option set with --optim.KEY (GaLore's own went on the projected group)
         galore_only = _galore_only(cls)
-        own = parse_options(cfg.name, cfg.options)
-        kwargs.update({k: v for k, v in own.items() if k not in galore_only})
+        kwargs.update({k: v for k, v in cfg.options.items() if k not in galore_only})
     else:
         groups = param_groups(model, cfg, False)
         kwargs.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    if cfg.name in _OWN_SCHEDULE:
+    if own_schedule(cfg.name, peers):
         kwargs["num_iterations"] = cfg.num_iterations or total_steps
     return cls(groups, **kwargs)
 
@@ -303,9 +333,12 @@ def schedule_fn(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+    optimizer: torch.optim.Optimizer,
+    cfg: OptimConfig,
+    total_steps: int,
+    peers: Mapping[str, Peer] = NO_PEERS,
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    if cfg.name in _OWN_SCHEDULE:  # Ranger21 warms up and down itself (its own step counter)
+    if own_schedule(cfg.name, peers):  # Ranger21 warms up and down itself (its own step counter)
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_fn(cfg, total_steps))
 

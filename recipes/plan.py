@@ -3,7 +3,7 @@
     python -m recipes.plan llama_7b --world-size 1,8 --gpu-memory 80GB
 
 CONFIG is a recipe config name (``recipes/configs/NAME.toml``) or a TOML path. The recipe
-reads it with its own parser (:func:`recipes.config.parse_args`) and passes the resolved
+reads it with its own parser (:func:`recipes.resolve.parse_args`) and passes the resolved
 settings down to :mod:`galore2.plan` as a :class:`galore2.plan.configs.Source`: its
 Llama's config, its dtype on a GPU, batch size, sequence length, gradient accumulation,
 target modules and GaLore settings. Every option of ``python -m galore2.plan`` applies
@@ -20,9 +20,10 @@ import torch
 from galore2.plan import cli
 from galore2.plan.configs import Source
 
-from .config import JobConfig, parse_args, resolve_config_path
+from .config import JobConfig, resolve_config_path
 from .model import llama_config, param_dtype
 from .optimizers import galore_settings
+from .resolve import parse_args
 
 CONFIG_HELP = "a recipe config name (recipes/configs/NAME.toml) or a recipe .toml file"
 

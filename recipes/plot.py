@@ -18,7 +18,6 @@ from pathlib import Path
 from .cli import DEBUG_HELP, run_cli
 from .config import JobConfig
 from .metrics import read_metrics
-from .optimizers import projects
 
 LOSS_PNG = "loss.png"  # a run's own curves, next to its metrics.jsonl
 
@@ -89,12 +88,13 @@ def plot(
     return Path(out)
 
 
-def run_title(job: JobConfig, n_params: int, world: int = 1) -> str:
-    """Two lines naming a run: optimizer and model, then its main settings."""
+def run_title(job: JobConfig, n_params: int, world: int = 1, projected: bool = False) -> str:
+    """Two lines naming a run: optimizer and model, then its main settings (GaLore's where
+    the optimizer ``projected``)."""
     m, o, t = job.model, job.optim, job.train
     size = f"{n_params / 1e6:.1f}M" if n_params < 1e9 else f"{n_params / 1e9:.2f}B"
     settings = [f"lr {o.lr:g}"]
-    if projects(o.name):
+    if projected:
         settings.append(f"rank {o.rank}, gap {o.update_proj_gap}, α {o.scale:g}")
     tokens = t.batch_size * t.grad_accum * world * job.data.seq_len
     settings.append(f"{tokens:,} tokens/step")
@@ -103,7 +103,9 @@ def run_title(job: JobConfig, n_params: int, world: int = 1) -> str:
     )
 
 
-def write_run_plot(job: JobConfig, n_params: int, world: int = 1) -> Path | None:
+def write_run_plot(
+    job: JobConfig, n_params: int, world: int = 1, projected: bool = False
+) -> Path | None:
     """``OUT/loss.png``: the run's train and val loss against steps, titled by
     :func:`run_title`. Without matplotlib: one line saying so, and None."""
     try:
@@ -112,7 +114,7 @@ def write_run_plot(job: JobConfig, n_params: int, world: int = 1) -> Path | None
         print(f"{LOSS_PNG} not written: matplotlib is not installed (pip install matplotlib)")
         return None
     out = Path(job.train.out)
-    return plot([out], out / LOSS_PNG, x="step", title=run_title(job, n_params, world), names=[""])
+    return plot([out], out / LOSS_PNG, x="step", title=run_title(job, n_params, world, projected), names=[""])
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -14,22 +14,27 @@ curves, ``loss.png`` (recipes/plot.py).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 
 import galore2
 
 from . import data, optimizers, resume
 from . import model as modeling
 from .cli import run_cli
-from .config import parse_args
 from .divergence import Diverged, SkipWatch, likely_causes
 from .metrics import Metrics, adamw_state_bytes, all_reduce_sum, optimizer_state_bytes
 from .plot import write_run_plot
+from .resolve import parse_args
 from .runtime import evaluate, setup, teardown, train_step
 from .summary import print_summary, write_config
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    job = parse_args(argv)
+def main(
+    argv: list[str] | None = None, peers: Mapping[str, optimizers.Peer] = optimizers.NO_PEERS
+) -> list[dict]:
+    """One run; ``peers``: optimizers of other packages it may be given by name (the
+    benchmarks' ``benchmarks.peers.PEERS``)."""
+    job = parse_args(argv)  # the one step that knows the optimizer's options
     t, o = job.train, job.optim
     if o.per_layer and o.max_grad_norm:
         raise ValueError(
@@ -45,8 +50,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     train_loader, val_loader = data.build_loaders(job.data, tokenizer, t.batch_size, rank, world)
     dtype = modeling.param_dtype(job.model, device)  # built in it: never held in fp32
     model = modeling.build_model(job.model, device, dtype=dtype, world_size=world)
-    opt = optimizers.build_optimizer(model, o, t.steps)
-    sched = optimizers.build_scheduler(opt, o, t.steps)
+    opt = optimizers.build_optimizer(model, o, t.steps, peers)
+    sched = optimizers.build_scheduler(opt, o, t.steps, peers)
     updates = None
     if o.per_layer:
         updates = galore2.per_layer(model, opt, accumulation_steps=t.grad_accum, scheduler=sched)
@@ -66,12 +71,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if rank == 0:
         write_config(t.out, job, run.all_changes)
         fixed = optimizers.preset_fields(o.name)
-        if fixed:  # parse_args set them: APOLLO's α, APOLLO-Mini's rank 1
+        if fixed:  # resolved into job.optim: APOLLO's α, APOLLO-Mini's rank 1
             values = ", ".join(f"optim.{k}={v:g}" for k, v in fixed.items())
             print(f"{o.name}: {values} (fixed by the preset; other values are not used)")
     opt_bytes = None
     # peers keep Python objects in their state, which weights-only checkpoints refuse
-    checkpoints = t.checkpoint_every >= 0 and o.name not in optimizers.PEERS
+    checkpoints = t.checkpoint_every >= 0 and o.name not in peers
     stop = min(t.stop_after, t.steps) if t.stop_after > 0 else t.steps
     causes = likely_causes(o.lr, o.scale)
     watch = SkipWatch(opt, t.max_skip_steps, rank=rank, world=world, device=device, causes=causes)
@@ -99,7 +104,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "(use more --steps, or another --out)"
         )
     if rank == 0 and metrics.history:
-        png = write_run_plot(job, modeling.n_params(model), world)
+        projected = optimizers.projects(o.name, peers)
+        png = write_run_plot(job, modeling.n_params(model), world, projected)
         print_summary(job, metrics.history, opt_bytes, adamw_state_bytes(model), halt, png)
     teardown(world)
     if halt is not None:

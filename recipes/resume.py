@@ -44,7 +44,7 @@ from galore2.checkpoint.record import jsonable
 
 from . import checkpoint
 from .config import JobConfig, OptimConfig
-from .optimizers import galore2_options
+from .optimizers import galore2_options, parse_options
 
 #: what a run leaves in its out dir
 RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json", "summary.json")
@@ -79,7 +79,9 @@ def _flat(config: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
 def _option_diffs(old: dict[str, Any], new: OptimConfig) -> dict[str, tuple[Any, Any]]:
     """``optim.NAME`` → (old, new) for galore2 options declared not resumable that differ."""
     try:
-        before = galore2_options(OptimConfig(**old))
+        recorded = OptimConfig(**old)
+        recorded.options = parse_options(recorded.name, recorded.options)  # as recorded (JSON)
+        before = galore2_options(recorded)
     except (TypeError, ValueError):  # a configuration of another release: no option check
         return {}
     if old.get("name") != new.name:

@@ -1,5 +1,5 @@
 """The benchmark runner (benchmarks/run.py) and its side-by-side suite: registry, peers,
-storage rules (recipes/state.py), tasks, output."""
+storage rules (benchmarks/state.py), tasks, output."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ import torch
 
 from benchmarks import convergence, footprint, llama_7b, run, scale_check, suite
 from benchmarks.contenders import BY_KEY, CONTENDERS, why_not
-from recipes.config import ModelConfig
+from benchmarks.peers import PEERS
+from benchmarks.state import RULES, counted, nbytes, optimizer_state
+from recipes import optimizers
+from recipes.config import ModelConfig, OptimConfig
 from recipes.metrics import optimizer_state_bytes
 from recipes.model import build_model
 from recipes.optimizers import build_optimizer
-from recipes.state import RULES, counted, nbytes, optimizer_state
 
 SMALL = ModelConfig(vocab_size=300, dim=64, n_layers=1, n_heads=2, ffn_dim=160, max_seq_len=16)
 CUDA_ONLY = ("gt_galore_adamw8bit", "qgalore")
@@ -26,12 +28,30 @@ CUDA_ONLY = ("gt_galore_adamw8bit", "qgalore")
 def _stepped(key: str, rank: int = 8, steps: int = 2):
     torch.manual_seed(0)
     model = build_model(SMALL)
-    opt = build_optimizer(model, BY_KEY[key].optim_config(rank=rank), 10)
+    opt = build_optimizer(model, BY_KEY[key].optim_config(rank=rank), 10, PEERS)
     for _ in range(steps):
         for p in model.parameters():
             p.grad = torch.randn_like(p)
         opt.step()
     return model, opt
+
+
+def test_every_peer_covers_every_parameter_once():
+    """Each peer the benchmarks give the recipe is built on the recipe's split: every
+    parameter in exactly one group; a missing package is a clear RuntimeError."""
+    model = build_model(SMALL)
+    for name, peer in PEERS.items():
+        if not optimizers.available(name, PEERS):
+            with pytest.raises(RuntimeError, match=f"needs {peer.package}"):
+                peer.load()
+            continue
+        opt = build_optimizer(model, OptimConfig(name=name, rank=8), 10, PEERS)
+        covered = [id(p) for g in opt.param_groups for p in g["params"]]
+        assert sorted(covered) == sorted(id(p) for p in model.parameters()), name
+        assert len(set(covered)) == len(covered), name
+        assert optimizers.projects(name, PEERS) == peer.projected
+    with pytest.raises(ValueError, match=r"optim\.name must be one of"):
+        build_optimizer(model, OptimConfig(name="gt_galore_adamw"), 10)  # not without PEERS
 
 
 @pytest.mark.parametrize("key", [c.key for c in CONTENDERS if c.optimizer in RULES])
@@ -252,7 +272,7 @@ def test_step_targets_compare_with_galore_torchs_class_for_the_same_algorithm():
 
 
 # Llama-7B state bytes as published in BENCHMARKS.md (suite_state_7b, low_memory, memory_7b),
-# recorded before the calculators were merged into recipes/state.py.
+# recorded before the calculators were merged into recipes/state.py (now benchmarks/state.py).
 PUBLISHED_7B = {
     "adamw": 53907326092, "bnb_adamw8bit": 13687408768, "gt_galore_adamw": 30083678208,
     "gt_galore_adamw8bit": None, "gt_galore_adafactor": 15040982156, "qgalore": None,

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from benchmarks import fit_24gb
-from recipes.config import parse_args
+from recipes.resolve import parse_args
 
 
 def test_each_setting_runs_the_recipe_as_the_issue_asks():

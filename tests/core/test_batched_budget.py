@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from benchmarks.step_counts import Counts, contender_maker, count_step, same_groups_adamw
-from recipes.config import parse_args
 from recipes.model import build_model
+from recipes.resolve import parse_args
 
 PROJECTED = 28  # the tiny model's attention and MLP matrices
 NS_MATMULS = 2 * 3 * 5  # Muon: 2 short × long shapes (16×128, 16×352) × 3 products × 5 steps

@@ -17,8 +17,8 @@ import galore2
 from galore2.core.optimizer import PASSTHROUGH_KEYS
 from galore2.core.options import Option
 from galore2.presets import PRESETS
-from recipes.config import parse_args
 from recipes.optimizers import _FROM_FIELDS, build_optimizer, preset_fields
+from recipes.resolve import parse_args
 from tools import options_table
 
 ROOT = Path(__file__).resolve().parents[2]

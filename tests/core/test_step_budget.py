@@ -79,8 +79,8 @@ def test_batched_launches_do_not_grow_with_the_parameter_count():
     """Foreach kernels and per-shape batched projections (``galore2.optim.lowrank_batch``):
     doubling the layers adds no launch at all, matmuls included (one ``bmm`` per shape for
     the projections, one for the back-projections)."""
-    from recipes.config import parse_args
     from recipes.model import build_model
+    from recipes.resolve import parse_args
 
     def model(layers: int):
         cfg = parse_args(["--config", "tiny", "--model.n_layers", str(layers)]).model

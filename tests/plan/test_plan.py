@@ -185,10 +185,10 @@ def test_plot_writes_a_png(tmp_path, small, capsys):
 
 def test_recipe_and_hf_config_of_the_same_shapes_agree(tmp_path, capsys):
     """tiny: the recipe's own Llama written as a config.json, same batch / seq / rank."""
-    from recipes.config import JobConfig, load_toml
     from recipes.model import llama_config
+    from recipes.resolve import parse_args
 
-    job = load_toml(JobConfig(), "tiny")
+    job = parse_args(["--config", "tiny"])
     folder = tmp_path / "tiny_hf"
     llama_config(job.model).save_pretrained(folder)
     same = ["--dtype", "fp32", "--batch-size", "16", "--seq-len", "128", "--rank", "32"]

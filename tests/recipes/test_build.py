@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from benchmarks.build_memory import run_child
-from recipes.config import parse_args
 from recipes.init import InitOrder
 from recipes.model import build_model, llama_config
+from recipes.resolve import parse_args
 from tests.dist import spawn
 
 TINY = replace(parse_args(["--config", "tiny"]).model, n_layers=2)

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from recipes import optimizers
-from recipes.config import CONFIG_DIR, JobConfig, OptimConfig, load_toml, parse_args
+from recipes.config import CONFIG_DIR, OptimConfig
 from recipes.metrics import read_metrics
 from recipes.model import build_model, llama_config
 from recipes.pretrain import main
+from recipes.resolve import parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,14 +84,14 @@ def test_toml_typo_is_an_error(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[optim]\nrnak = 4\n")
     with pytest.raises(ValueError, match=r"unknown setting 'optim.rnak'"):
-        load_toml(JobConfig(), bad)
+        parse_args(["--config", str(bad)])
     with pytest.raises(FileNotFoundError, match="no recipe config"):
         parse_args(["--config", "no_such_config"])
 
 
 @pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.toml")), ids=lambda p: p.stem)
 def test_every_shipped_config_loads_and_builds(path):
-    job = load_toml(JobConfig(), path)
+    job = parse_args(["--config", str(path)])
     cfg = llama_config(job.model)
     model = build_model(job.model, "meta")
     n = sum(p.numel() for p in model.parameters())
@@ -350,7 +351,7 @@ def test_galore_options_apply_to_every_projecting_optimizer():
 def test_a_field_the_preset_fixes_is_refused_on_the_command_line():
     """APOLLO-Mini is rank 1 with α = √128 by definition: --optim.rank / --optim.scale would be
     ignored, so they are an error naming the field (the config file's values are replaced)."""
-    from recipes.config import parse_args
+    from recipes.resolve import parse_args
 
     assert parse_args(["--config", "tiny", "--optimizer", "apollo_mini"]).optim.rank == 1
     for flag, value in (("--optim.rank", "4"), ("--optim.scale", "2")):

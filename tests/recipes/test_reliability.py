@@ -13,8 +13,9 @@ import sys
 import pytest
 import torch
 
-from recipes.config import JobConfig, parse_args
+from recipes.config import JobConfig
 from recipes.metrics import Metrics, read_metrics
+from recipes.resolve import parse_args
 from recipes.summary import summarize
 
 from .test_data import BYTE, cfg, make_docs, offline  # noqa: F401  (offline: a fixture)

@@ -213,7 +213,7 @@ def test_compare_goes_by_global_batch_and_option_declarations():
     """The pure comparison behind resume: the global batch (batch × ranks) may be re-split
     across another world size; an option set back to its default is a change too; which
     galore2 options are refused comes from their declarations (``resumable``)."""
-    from recipes.config import parse_args
+    from recipes.resolve import parse_args
     from recipes.resume import compare
 
     base = ["--config", "tiny", "--train.batch_size", "4"]
@@ -234,7 +234,7 @@ def test_compare_goes_by_global_batch_and_option_declarations():
 def test_resume_with_another_train_seed_is_refused():
     """The per-epoch shuffle derives from train.seed: under a restored loader position another
     seed would silently change which sequences the rest of the epoch sees."""
-    from recipes.config import parse_args
+    from recipes.resolve import parse_args
     from recipes.resume import compare
 
     base = ["--config", "tiny", "--train.seed", "1"]

@@ -1,6 +1,8 @@
 """Peer optimizers from other packages, built on the recipe's parameter split (for benchmarks).
 
-Each peer gets the same split as galore2's optimizers (see :func:`recipes.optimizers.
+The benchmarks give :data:`PEERS` to the recipe (``recipes.pretrain.main(argv, PEERS)``,
+``recipes.optimizers.build_optimizer(..., peers=PEERS)``), which names none itself. Each
+peer gets the same split as galore2's optimizers (see :func:`recipes.optimizers.
 param_groups`): the attention / MLP matrices in one projected group when the peer
 projects (with that package's own group keys, filled from ``optim.*``), everything
 else in plain groups. Settings follow each package's README for LLM pre-training:
@@ -34,13 +36,29 @@ from __future__ import annotations
 import importlib
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import OptimConfig
+from recipes.config import OptimConfig
 
 Keys = Callable[[OptimConfig], dict[str, Any]]
+
+
+@contextmanager
+def quiet_peers() -> Iterator[None]:
+    """Peers' imports and first steps with warnings off and bitsandbytes (which they import)
+    at ERROR: its CPU-kernel notices are noise here."""
+    log = logging.getLogger("bitsandbytes")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        log.setLevel(level)
 
 
 def _no_keys(cfg: OptimConfig) -> dict[str, Any]:
@@ -123,6 +141,17 @@ class Peer:
     kwargs: Keys = field(default=_adam_kwargs)
     own_schedule: bool = False
 
+    def load(self) -> Callable[..., Any]:
+        """The peer's class; a clear RuntimeError when its package is missing."""
+        try:
+            with quiet_peers():
+                module = importlib.import_module(self.module)
+        except ImportError as e:
+            raise RuntimeError(
+                f"{self.module}.{self.attr} needs {self.package}: pip install -e '.[bench]' ({e})"
+            ) from e
+        return getattr(module, self.attr)
+
 
 PEERS: dict[str, Peer] = {
     "gt_galore_adamw": Peer(
@@ -154,22 +183,3 @@ PEERS: dict[str, Peer] = {
         own_schedule=True,
     ),
 }
-
-
-def resolve(name: str) -> Callable[..., Any]:
-    """The peer class for ``name``; a clear RuntimeError when its package is missing."""
-    peer = PEERS[name]
-    log = logging.getLogger("bitsandbytes")  # peers import bitsandbytes, whose CPU notes are noise
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            module = importlib.import_module(peer.module)
-    except ImportError as e:
-        raise RuntimeError(
-            f"optim.name={name!r} needs {peer.package}: pip install -e '.[bench]' ({e})"
-        ) from e
-    finally:
-        log.setLevel(level)
-    return getattr(module, peer.attr)

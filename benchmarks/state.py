@@ -1,8 +1,10 @@
-"""Optimizer-state bytes of a model without training it: the one calculator behind every figure.
+"""Optimizer-state bytes of a model without training it, peers included: the benchmarks' calculator.
 
-``python -m recipes.memory`` (per-GPU estimate) and the benchmarks' Llama-7B tables
-(``python -m benchmarks.run --tasks state_7b,memory_7b,low_memory,recipe_memory_7b``) all
-count through here, on a model built on the meta device (nothing allocated).
+The benchmarks' Llama-7B tables (``python -m benchmarks.run --tasks
+state_7b,memory_7b,low_memory``) count through here, on a model built on the meta device
+(nothing allocated); ``python -m recipes.memory`` (per-GPU estimate of the recipe's own
+optimizers) uses the same rules of :mod:`galore2.plan.state` for torch AdamW and
+bitsandbytes AdamW8bit and the same ``init_state()`` measurement for galore2.
 
 * galore2 optimizers are measured: built, ``init_state()`` (every state tensor at its
   final shape, meta works), then ``state_bytes()`` (:func:`galore2_state`) or each state
@@ -42,9 +44,9 @@ from torch import nn
 
 from galore2.plan import state as plan_state
 from galore2.plan.state import BNB_BLOCK, BNB_MIN_8BIT, Piece, measured, nbytes
+from recipes.config import OptimConfig
+from recipes.optimizers import NAMES, build_optimizer, param_groups, projects
 
-from .config import OptimConfig
-from .optimizers import NAMES, build_optimizer, param_groups, projects
 from .peers import PEERS
 
 __all__ = ["BNB_BLOCK", "BNB_MIN_8BIT", "RULES", "Piece", "breakdown", "counted", "galore2_state",
@@ -53,7 +55,7 @@ __all__ = ["BNB_BLOCK", "BNB_MIN_8BIT", "RULES", "Piece", "breakdown", "counted"
 RANGER21_TENSORS = 5
 RULES = (*plan_state.RULES, "gt_galore_adamw", "gt_galore_adafactor", "at_apollo",
          "at_apollo_mini", "fira_adamw", "pto_galore", "pto_ranger21")  # fmt: skip
-GALORE2 = tuple(n for n in NAMES if n not in PEERS and n not in plan_state.RULES)
+GALORE2 = tuple(n for n in NAMES if n not in plan_state.RULES)
 #: peers whose basis is a view of the whole SVD factor (small × small with fp32 weights)
 _FULL_FACTOR = ("gt_galore_adamw", "gt_galore_adafactor", "fira_adamw")
 #: peers that keep a 0-d norm of the last scaled gradient per projected matrix
@@ -113,7 +115,7 @@ def galore2_state(opt: torch.optim.Optimizer) -> dict[str, int]:
 
 def projected_params(model: nn.Module, cfg: OptimConfig) -> list[nn.Parameter]:
     """The parameters the recipe projects for optimizer ``cfg.name`` (none if it is full rank)."""
-    if not projects(cfg.name):
+    if not projects(cfg.name, PEERS):
         return []
     return [p for g in param_groups(model, cfg, True) if "rank" in g for p in g["params"]]
 
@@ -123,7 +125,7 @@ def optimizer_state(model: nn.Module, cfg: OptimConfig) -> dict[str, int] | None
     measured for galore2, counted by rule for the others, ``None`` when there is neither
     (a CUDA-only peer with no verified rule)."""
     if cfg.name in GALORE2:
-        return galore2_state(build_optimizer(model, cfg, 1))
+        return galore2_state(build_optimizer(model, cfg, 1, PEERS))
     if cfg.name in RULES:
         return breakdown(counted(cfg.name, model, projected_params(model, cfg), cfg.rank))
     return None

@@ -1,0 +1,77 @@
+"""The one optimizer-aware step between the command line and a run's configuration.
+
+    job = resolve(config.parse_args(argv))      # or parse_args(argv): the same
+
+:mod:`recipes.config` reads a TOML file and the command line by the schema alone and keeps
+[optim]'s settings as given. :func:`resolve` then, once, with the chosen optimizer
+(``optim.name``) known:
+
+1. routes each [optim] setting: an [optim] field (parsed by its type), or an option of the
+   galore2 optimizer (Adafactor's ``eps`` pair and ``beta1`` are its own options, not
+   Adam's fields: :func:`recipes.optimizers.is_own_option`);
+2. parses and validates the options by their declarations
+   (:func:`recipes.optimizers.parse_options`: an unknown key is an error naming the allowed
+   ones); everything downstream takes ``optim.options`` as parsed;
+3. sets the [optim] fields the preset fixes (APOLLO's α, APOLLO-Mini's rank 1:
+   :func:`recipes.optimizers.preset_fields`), refusing them on the command line, where a
+   value the user chose would not be used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from . import config
+from .config import JobConfig, OptimConfig
+from .optimizers import (
+    apply_preset_fields,
+    is_own_option,
+    option_lines,
+    parse_options,
+    preset_fields,
+)
+
+__all__ = ["optim_config", "parse_args", "resolve"]
+
+
+def optim_config(settings: Mapping[str, Any], cli: Collection[str] = ()) -> OptimConfig:
+    """The [optim] section from its settings as given (``name`` and any other key: a field
+    or an option); ``cli``: the keys given on the command line (a preset-fixed one is
+    refused)."""
+    cfg = OptimConfig()
+    raw = dict(settings)
+    if "name" in raw:
+        config.set_field(cfg, "name", raw.pop("name"), "optim.name")
+    fields = config.field_names(cfg)
+    options = {}
+    for key, value in raw.items():
+        if key in fields and not is_own_option(cfg.name, key):
+            config.set_field(cfg, key, value, f"optim.{key}")
+        else:  # an option of the chosen optimizer
+            options[key] = value
+    cfg.options = parse_options(cfg.name, options)
+    fixed = {k: v for k, v in preset_fields(cfg.name).items() if k in cli}
+    if fixed:  # a value the user chose would not be used: refuse instead of ignoring it
+        key, value = next(iter(fixed.items()))
+        raise ValueError(
+            f"--optim.{key}: optimizer {cfg.name!r} fixes optim.{key}={value:g} (its "
+            f"definition); for another value use galore_adamw with the same options, e.g. "
+            "--optimizer galore_adamw --optim.projector random --optim.scale_type channel"
+        )
+    apply_preset_fields(cfg)
+    return cfg
+
+
+def resolve(args: config.Args) -> JobConfig:
+    """The run's configuration: ``args.job`` with its [optim] section resolved as the
+    module's docstring says."""
+    args.job.optim = optim_config(args.optim, args.cli_optim)
+    return args.job
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """:func:`recipes.config.parse_args` (``--help`` also lists every galore2 optimizer's
+    options), then :func:`resolve`."""
+    head = "options of galore2 optimizers (--optim.KEY VALUE; see docs/guides/galore-options.md):"
+    return resolve(config.parse_args(argv, ("", head, *option_lines())))
