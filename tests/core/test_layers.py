@@ -41,9 +41,17 @@ def _lint_imports(cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def _layers_contract() -> dict:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
-    assert config["root_package"] == PACKAGE
-    (contract,) = [c for c in config["contracts"] if c["type"] == "layers"]
+    assert config["root_packages"] == [PACKAGE, "recipes", "benchmarks"]
+    (contract,) = [c for c in config["contracts"] if c["id"] == "layers"]
     return contract
+
+
+def _copy_checkout(dest: Path) -> None:
+    """The contracts' root packages (galore2, recipes, benchmarks) and pyproject in ``dest``."""
+    for package in (PACKAGE, "recipes", "benchmarks"):
+        ignore = shutil.ignore_patterns("*.pyc", "results", "figures")
+        shutil.copytree(ROOT / package, dest / package, ignore=ignore)
+    shutil.copy(ROOT / "pyproject.toml", dest / "pyproject.toml")
 
 
 def test_import_contracts_hold():
@@ -68,8 +76,7 @@ def test_layers_contract_lists_every_top_level_module():
 
 def test_an_upward_import_breaks_the_contract(tmp_path):
     """A copy of the package whose bottom layer imports a preset: lint-imports must fail."""
-    shutil.copytree(ROOT / PACKAGE, tmp_path / PACKAGE, ignore=shutil.ignore_patterns("*.pyc"))
-    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    _copy_checkout(tmp_path)
     assert _lint_imports(tmp_path).returncode == 0  # the copy passes as it is
     blocks = tmp_path / PACKAGE / "kernels" / "blocks.py"
     blocks.write_text(blocks.read_text() + "\nfrom ..presets import GaLoreAdamW  # noqa\n")
@@ -81,13 +88,24 @@ def test_an_upward_import_breaks_the_contract(tmp_path):
 def test_an_import_of_the_recipe_breaks_the_contract(tmp_path):
     """The installed package never reaches into a checkout's recipes/ (the wheel has none):
     even a lazy import inside a function fails lint-imports."""
-    shutil.copytree(ROOT / PACKAGE, tmp_path / PACKAGE, ignore=shutil.ignore_patterns("*.pyc"))
-    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    _copy_checkout(tmp_path)
     report = tmp_path / PACKAGE / "plan" / "report.py"
     report.write_text(report.read_text() + "\n\ndef _f():\n    import recipes.config  # noqa\n")
     out = _lint_imports(tmp_path)
     assert out.returncode != 0
     assert "galore2 is not allowed to import recipes" in out.stdout, out.stdout
+
+
+def test_a_lazy_import_cycle_in_the_recipe_breaks_the_contracts(tmp_path):
+    """recipes.config (the schema) importing the optimizer factory inside a function, the
+    cycle the recipe once had, fails both the acyclic and the recipes layers contracts."""
+    _copy_checkout(tmp_path)
+    config = tmp_path / "recipes" / "config.py"
+    config.write_text(config.read_text() + "\n\ndef _f():\n    from .optimizers import NAMES  # noqa\n")
+    out = _lint_imports(tmp_path)
+    assert out.returncode != 0
+    assert "No cycles are allowed in recipes" in out.stdout, out.stdout
+    assert "recipes.config is not allowed to import recipes.optimizers" in out.stdout, out.stdout
 
 
 def test_fsdp_placements_are_imported_only_when_needed():
