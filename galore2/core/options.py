@@ -314,19 +314,6 @@ def collect(sources: Iterable[Sequence[Option]]) -> dict[str, Option]:
     return out
 
 
-def describe(options: Mapping[str, Option]) -> list[tuple[str, str, str, str]]:
-    """(name, default, allowed values, doc) per option, for docs tables."""
-    return [(o.name, repr(o.default), o.check.describe, o.doc) for o in options.values()]
-
-
-def markdown_table(options: Mapping[str, Option]) -> str:
-    """The options as a markdown table (the GaLore options guide's tables are generated from this)."""
-    rows = ["| option | default | allowed | what it does |", "|---|---|---|---|"]
-    for name, default, allowed, doc in describe(options):
-        rows.append(f"| `{name}` | `{default}` | {allowed} | {doc} |")
-    return "\n".join(rows)
-
-
 def hints(option_hints: Mapping[str, str], unknown: Iterable[str]) -> str:
     """``". HINT"`` for the unknown keys that have a hint (a preset's ``option_hints``), each
     distinct hint once (Ranger21 says "GaLore options ... need GaLoreRanger21" once for
