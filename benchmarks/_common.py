@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: timing, machine description, Markdown, tiny-recipe runs."""
+"""Helpers shared by the benchmarks: machine description, Markdown, tiny-recipe runs (timing: benchmarks/timing.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import re
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from functools import cache
 from pathlib import Path
@@ -26,18 +25,6 @@ class Section(NamedTuple):
 
     body: str
     note: str = ""
-
-
-def time_call(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
-    """Seconds per call of ``fn`` for ``repeats`` calls, after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return out
 
 
 def median(xs: Sequence[float]) -> float:

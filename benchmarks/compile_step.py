@@ -20,7 +20,8 @@ the basis and compiles (its time is reported, and the number of graphs dynamo co
 during the warm-up: ``torch._dynamo.utils.counters["stats"]["unique_graphs"]``; compiled
 graphs are shared by the process, so a contender that runs after another one with the
 same shapes may compile nothing). The timed steps are interleaved across optimizers,
-``rounds`` rounds of ``steps`` steps, each step timed on its own; the median is reported.
+``rounds`` rounds of ``steps`` steps, each step timed on its own; the median is reported
+(:func:`benchmarks.timing.time_steps`).
 The run fails if a timed step compiles anything.
 
 Then ``torch._dynamo.explain(opt.step)()`` (tracing only, no compilation) on fresh
@@ -33,7 +34,6 @@ host-side values (its int counters, the non-finite flags) and breaks there whate
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -43,8 +43,9 @@ from torch import nn
 import galore2
 from galore2.optim.adam import adam_math, adam_math_many
 
-from ._common import median, render, table
-from .step_time import FULL_SIZE, GALORE, HPARAMS, QUICK_SIZE, check_no_refresh, llama
+from ._common import render, table
+from .step_time import FULL_SIZE, GALORE, HPARAMS, QUICK_SIZE, check_no_refresh, model_config
+from .timing import llama, median_ms, seeded_grads, time_calls, time_steps
 
 WARMUP = 5
 LIMIT = 100_000  # dynamo's recompile limits while explaining (see _explain_rows)
@@ -85,21 +86,6 @@ def contenders(model: nn.Module, rank: int) -> dict[str, tuple[torch.optim.Optim
     return out
 
 
-def _set_grads(model: nn.Module) -> None:
-    gen = torch.Generator().manual_seed(1)
-    for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=gen) * 1e-2
-
-
-def _timed(step: Step, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        start = time.perf_counter()
-        step()
-        out.append(time.perf_counter() - start)
-    return out
-
-
 def _explain_rows(size: dict[str, int]) -> list[list[Any]]:
     """Graph breaks and graphs of ``torch._dynamo.explain`` of whole steps, then of the
     compiled functions on a direction's shapes."""
@@ -119,8 +105,8 @@ def _explain_rows(size: dict[str, int]) -> list[list[Any]]:
 
             makers[f"galore2 GaLoreAdamW{how}, compile={compile_}"] = make
     for name, make in makers.items():
-        model = llama(size)
-        _set_grads(model)
+        model = llama(model_config(size))
+        seeded_grads(model)
         opt = make(model)
         for _ in range(2):
             opt.step()
@@ -149,26 +135,24 @@ def _explain_rows(size: dict[str, int]) -> list[list[Any]]:
 def compile_step(quick: bool, rounds: int | None = None) -> str:
     size = QUICK_SIZE if quick else FULL_SIZE
     rounds = rounds or size["rounds"]
-    model = llama(size)
-    _set_grads(model)
+    model = llama(model_config(size))
+    seeded_grads(model)
     runs = contenders(model, size["rank"])
     first: dict[str, float] = {}
     graphs: dict[str, int] = {}
     for name, (_, step) in runs.items():
         before = _graphs()
-        first[name] = _timed(step, 1)[0]
+        first[name] = time_calls(step, 1)[0]
         for _ in range(WARMUP - 1):
             step()
         graphs[name] = _graphs() - before
-    times: dict[str, list[float]] = {name: [] for name in runs}
     before = _graphs()
-    for _ in range(rounds):
-        for name, (_, step) in runs.items():
-            times[name] += _timed(step, size["steps"])
+    steps = {name: (lambda step=step: step) for name, (_, step) in runs.items()}
+    times = time_steps(steps, rounds, size["steps"], warmup=0)
     assert _graphs() == before, "a timed step compiled a graph"
     for opt, _ in runs.values():
         check_no_refresh(opt)
-    ms = {name: 1e3 * median(ts) for name, ts in times.items()}
+    ms = {name: median_ms(ts) for name, ts in times.items()}
     base = ms["torch AdamW (foreach), eager"]
     ref = ms["torch AdamW (foreach), torch.compile(opt.step)"]
     rows = []

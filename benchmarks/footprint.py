@@ -47,7 +47,7 @@ from recipes.model import build_model
 from recipes.optimizers import build_optimizer
 
 from .contenders import BY_KEY, Contender
-from .peers import PEERS
+from .peers import PEERS, quiet_peers
 
 SIZES = {
     "full": {"vocab_size": 32000, "dim": 1024, "n_layers": 4, "n_heads": 16, "ffn_dim": 2736},
@@ -139,12 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("key", choices=sorted(BY_KEY))
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
-    import logging
-    import warnings
-
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    warnings.simplefilter("ignore")
-    print(json.dumps(measure(BY_KEY[args.key], args.quick)))
+    with quiet_peers():
+        figures = measure(BY_KEY[args.key], args.quick)
+    print(json.dumps(figures))
 
 
 if __name__ == "__main__":

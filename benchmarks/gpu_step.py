@@ -7,8 +7,9 @@
   7B settings on every attention and MLP matrix: rank 1024, α = 0.25, the refresh gap large
   (non-refresh steps are timed); embeddings, norms and the head get AdamW. Each optimizer
   takes 3 untimed steps (the first creates state and the bases), then ``REPEATS`` steps
-  each timed with CUDA events; the median is reported, with the ratio to torch AdamW
-  (foreach) measured in the same run. **syncs/step**: warnings raised by
+  each timed with CUDA events (:func:`benchmarks.timing.time_steps`, one optimizer at a
+  time); the median is reported, with the ratio to torch AdamW (foreach) measured in the
+  same run. **syncs/step**: warnings raised by
   ``torch.cuda.set_sync_debug_mode("warn")`` during one step — every device→host
   synchronization torch performs (``.item()``, ``.tolist()``, ``.cpu()``, ``nonzero``…).
 * **refresh** — one step with ``update_proj_gap=1`` (every matrix refreshes) minus the
@@ -23,7 +24,6 @@
 from __future__ import annotations
 
 import os
-import statistics
 import warnings
 from collections.abc import Callable
 
@@ -31,9 +31,9 @@ import torch
 
 import galore2
 from recipes.config import ModelConfig
-from recipes.model import build_model
 
 from ._common import table
+from .timing import llama, median_ms, seeded_grads, time_calls, time_steps
 
 LAYERS, RANK, REPEATS = 4, 1024, 10
 SEVEN_B = {"vocab_size": 32000, "dim": 4096, "n_heads": 32, "ffn_dim": 11008}
@@ -46,8 +46,7 @@ def _device() -> torch.device:
 
 def _model(quick: bool, layers: int) -> torch.nn.Module:
     cfg = ModelConfig(**(QUICK if quick else SEVEN_B), n_layers=layers, max_seq_len=16)
-    torch.manual_seed(0)
-    return build_model(cfg, device=_device())
+    return llama(cfg, _device())
 
 
 def _groups(model: torch.nn.Module, rank: int, gap: int, projector: str | None = None) -> list:
@@ -57,35 +56,6 @@ def _groups(model: torch.nn.Module, rank: int, gap: int, projector: str | None =
             if g.get("rank") is not None:
                 g["projector"] = projector
     return groups
-
-
-def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
-    if device.type == "cuda":
-
-        def timed(fn: Callable[[], None]) -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end)
-
-        return timed
-    import time
-
-    def timed_cpu(fn: Callable[[], None]) -> float:
-        t = time.perf_counter()
-        fn()
-        return 1e3 * (time.perf_counter() - t)
-
-    return timed_cpu
-
-
-def _grads(model: torch.nn.Module) -> None:
-    gen = torch.Generator(device=_device()).manual_seed(1)
-    for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=gen, device=p.device).mul_(1e-2)
 
 
 def _syncs(opt: torch.optim.Optimizer) -> int | str:
@@ -138,7 +108,6 @@ def _galore_torch(m: torch.nn.Module, rank: int, gap: int) -> torch.optim.Optimi
 
 def step_rows(quick: bool) -> list[list]:
     device = _device()
-    timed = _timer(device)
     rank = 16 if quick else RANK
     makers = dict(MAKERS)
     try:
@@ -148,30 +117,26 @@ def step_rows(quick: bool) -> list[list]:
     except ImportError:
         pass
     model = _model(quick, 2 if quick else LAYERS)
-    _grads(model)
+    seeded_grads(model)
+    syncs: dict[str, int | str] = {}
+    builders = {name: (lambda make=make: make(model, rank, 10**9).step) for name, make in makers.items()}
+    times = time_steps(builders, 1, REPEATS, 3, device, interleave=False,
+                       after=lambda name, step: syncs.update({name: _syncs(step.__self__)}))  # fmt: skip
     results: dict[str, tuple[float, int | str]] = {}
-    for name, make in makers.items():
-        try:
-            opt = make(model, rank, 10**9)
-            for _ in range(3):
-                opt.step()
-            syncs = _syncs(opt)
-            times = [timed(opt.step) for _ in range(REPEATS)]
-            results[name] = (statistics.median(times), syncs)
-        except Exception as err:  # a contender that cannot run here: say why
-            results[name] = (float("nan"), f"{type(err).__name__}: {err}"[:80])
-        del opt
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    for name, ts in times.items():
+        if isinstance(ts, Exception):  # a contender that cannot run here: say why
+            results[name] = (float("nan"), f"{type(ts).__name__}: {ts}"[:80])
+        else:
+            results[name] = (median_ms(ts), syncs[name])
     base = results["torch AdamW (foreach)"][0]
     return [[n, f"{t:.2f}", f"{t / base:.2f}×", s] for n, (t, s) in results.items()]
 
 
 def refresh_rows(quick: bool) -> list[list]:
-    timed = _timer(_device())
+    device = _device()
     rank = 16 if quick else RANK
     model = _model(quick, 1)
-    _grads(model)
+    seeded_grads(model)
     rows = []
     for projector in ("svd", "randomized", "power"):
         steady = galore2.GaLoreAdamW(_groups(model, rank, 10**9, projector))
@@ -179,15 +144,15 @@ def refresh_rows(quick: bool) -> list[list]:
         for _ in range(2):
             steady.step()
             every.step()
-        base = statistics.median(timed(steady.step) for _ in range(5))
-        ref = statistics.median(timed(every.step) for _ in range(3))
+        base = median_ms(time_calls(steady.step, 5, device=device))
+        ref = median_ms(time_calls(every.step, 3, device=device))
         rows.append([projector, f"{ref - base:.1f}"])
     svd = float(rows[0][1])
     return [[p, t, f"{svd / float(t):.1f}×"] for p, t in rows]
 
 
 def batching_rows(quick: bool) -> list[list]:
-    timed = _timer(_device())
+    device = _device()
     n, r, k = (128, 16, 8) if quick else (4096, RANK, 32)
     gen = torch.Generator(device=_device()).manual_seed(2)
     G = [torch.randn(n, n, generator=gen, device=_device()) for _ in range(k)]
@@ -202,8 +167,7 @@ def batching_rows(quick: bool) -> list[list]:
 
     out = []
     for name, fn in (("32 × mm", loop), ("stack + bmm", batched)):
-        fn()
-        out.append([name, f"{statistics.median(timed(fn) for _ in range(10)):.2f}"])
+        out.append([name, f"{median_ms(time_calls(fn, 10, 1, device)):.2f}"])
     return out
 
 

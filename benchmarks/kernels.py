@@ -26,9 +26,9 @@ at GaLore rank r = 1024.
 * ``hadamard`` — ``rotate`` and ``unrotate`` of fp32 bases with r = 1024 columns,
   4096 and 11008 rows, blocks of 256 (``basis_group_size``'s default).
 
-Timing: CUDA events around each call, after ``--warmup`` untimed calls; before each
-timed call a 256 MiB buffer is zeroed so no input is served from L2; the median of
-``--repeats`` calls is reported. Each call is on the current stream, so the torch path's
+Timing (:func:`benchmarks.timing.time_calls`): CUDA events around each call, after
+``--warmup`` untimed calls; before each timed call a 256 MiB buffer is zeroed so no input
+is served from L2; the median of ``--repeats`` calls is reported. Each call is on the current stream, so the torch path's
 several kernels include their launch gaps when the GPU outruns the CPU.
 
 Bandwidth = the bytes the operation must move at least (each input read once, each
@@ -55,6 +55,7 @@ import torch
 import galore2.kernels
 
 from ._common import machine, median, render, table
+from .timing import time_calls
 
 RANK = 1024
 LLAMA_7B = ((4096, 4096), (4096, 11008))  # (m, n) of the weights, as GaLore sees them
@@ -83,24 +84,10 @@ class Timer:
     """Median seconds of a call on the current CUDA stream (see the module docstring)."""
 
     def __init__(self, warmup: int, repeats: int, flush_bytes: int = 256 << 20) -> None:
-        self.warmup, self.repeats = warmup, repeats
-        self.flush = torch.empty(flush_bytes // 4, dtype=torch.int32, device="cuda")
+        self.warmup, self.repeats, self.flush_bytes = warmup, repeats, flush_bytes
 
     def __call__(self, fn: Callable[[], Any]) -> float:
-        for _ in range(self.warmup):
-            fn()
-        torch.cuda.synchronize()
-        events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            for _ in range(self.repeats)
-        ]
-        for start, end in events:
-            self.flush.zero_()
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        return median([start.elapsed_time(end) for start, end in events]) / 1e3
+        return median(time_calls(fn, self.repeats, self.warmup, "cuda", self.flush_bytes))
 
 
 def copy_bandwidth(timer: Timer, nbytes: int = 512 << 20) -> float:

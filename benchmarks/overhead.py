@@ -6,8 +6,9 @@
   with hidden size 64 (``recipes.model.build_model``: 219 parameters, 168 projected matrices
   at rank 16, ``update_proj_gap`` 10**9; the math vanishes, dispatch remains), as a ratio to
   ``torch.optim.AdamW(foreach=True)`` on the same model in the same process. Steps are timed
-  one by one (:func:`benchmarks._common.time_call`) in interleaved rounds, so background load
-  hits every optimizer alike; fixed seeded gradients, two untimed warm-up steps each.
+  one by one in interleaved rounds (:func:`benchmarks.timing.time_steps`), so background load
+  hits every optimizer alike; each optimizer on its own copy of the model, fixed seeded
+  gradients, two untimed warm-up steps each.
 * **kernels** — device kernels of one non-refresh step on the tiny recipe's model (4 layers,
   hidden 128, 28 projected matrices): :func:`benchmarks.step_counts.count_step`'s
   ``launches`` (non-view ops on floating-point tensors; host step counters excluded), and the
@@ -16,21 +17,26 @@
 Every galore2 optimizer is built by the recipe (:func:`benchmarks.step_counts.contender_maker`)
 with ``foreach=True`` (the batched path, the default off the CPU); GaLoreAdamW also with
 ``capturable=True`` (device-side non-finite decisions).
+
+``python -m benchmarks.overhead [--rounds N] [--keys KEY ...] [--no-time]`` prints the same
+table for chosen contender keys (``--no-time``: kernel counts only).
 """
 
 from __future__ import annotations
 
+import argparse
 import warnings
 from collections.abc import Callable
 
 import torch
 
 from recipes.config import ModelConfig
-from recipes.model import build_model
 
-from ._common import median, render, table, time_call
+from ._common import median, render, table
 from .contenders import BY_KEY, why_not
+from .peers import quiet_peers
 from .step_counts import contender_maker, count_step, tiny_model
+from .timing import llama, seeded_grads, time_steps
 
 DEEP = ModelConfig(vocab_size=256, dim=64, n_layers=24, n_heads=4, ffn_dim=172, max_seq_len=64)
 QUICK_DEEP = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_dim=172)
@@ -71,27 +77,22 @@ def makers(keys: tuple[str, ...] | None = None) -> dict[str, Maker]:
 
 
 def deep_model(quick: bool = False) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return build_model(QUICK_DEEP if quick else DEEP)
+    return llama(QUICK_DEEP if quick else DEEP)
 
 
 def host_ratios(
     chosen: dict[str, Maker], quick: bool = False, rounds: int | None = None
 ) -> dict[str, float]:
     """Median ``step()`` seconds of each optimizer ÷ the first one's, interleaved rounds."""
-    opts: dict[str, torch.optim.Optimizer] = {}
-    for label, make in chosen.items():
+
+    def build(make: Maker) -> Callable[[], object]:
         model = deep_model(quick)  # one model each: no optimizer sees another's weights
-        gen = torch.Generator().manual_seed(1)
-        for p in model.parameters():
-            p.grad = torch.randn(p.shape, generator=gen) * 1e-2
-        opts[label] = opt = make(model)
-        for _ in range(WARMUP):
-            opt.step()
-    times: dict[str, list[float]] = {label: [] for label in opts}
-    for _ in range(rounds or (2 if quick else ROUNDS)):
-        for label, opt in opts.items():
-            times[label] += time_call(opt.step, 2 if quick else STEPS, warmup=0)
+        seeded_grads(model)
+        return make(model).step
+
+    builders = {label: (lambda make=make: build(make)) for label, make in chosen.items()}
+    rounds = rounds or (2 if quick else ROUNDS)
+    times = time_steps(builders, rounds, 2 if quick else STEPS, WARMUP)
     base = median(next(iter(times.values())))
     return {label: median(ts) / base for label, ts in times.items()} | {"_base_s": base}
 
@@ -126,3 +127,25 @@ def overhead(quick: bool = False, rounds: int | None = None) -> str:
                   rounds=rounds or (2 if quick else ROUNDS), steps=2 if quick else STEPS,
                   threads=torch.get_num_threads(), ref=ref, budget=budget,
                   table=table(head, rows))  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=ROUNDS)
+    ap.add_argument("--keys", nargs="*", default=None, help="contender keys (default: every row)")
+    ap.add_argument("--no-time", action="store_true", help="kernel counts only")
+    args = ap.parse_args(argv)
+    with quiet_peers():
+        chosen = makers(tuple(args.keys) if args.keys else None)
+        ratios = {} if args.no_time else host_ratios(chosen, rounds=args.rounds)
+        kernels = kernel_counts(chosen)
+    print(f"threads {torch.get_num_threads()}; AdamW step {1e3 * ratios.get('_base_s', 0):.2f} ms")
+    print("| optimizer | launches | of them matmuls | host time ÷ AdamW |")
+    print("|---|---|---|---|")
+    for label, (n, mm) in kernels.items():
+        r = ratios.get(label)
+        print(f"| {label} | {n} | {mm} | {'' if r is None else f'{r:.2f}'} |")
+
+
+if __name__ == "__main__":
+    main()

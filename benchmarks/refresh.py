@@ -31,7 +31,8 @@ from torch import Tensor
 
 from galore2.projectors import LEFT, Plan, choose_side, get_projector
 
-from ._common import import_galore_torch, median, render, table, time_call
+from ._common import import_galore_torch, median, render, table
+from .timing import time_steps
 
 FULL_SIZE = {"m": 2048, "n": 5504, "rank": 512, "repeats": 5}
 QUICK_SIZE = {"m": 512, "n": 1376, "rank": 128, "repeats": 2}
@@ -100,10 +101,8 @@ def refresh(quick: bool, repeats: int | None = None) -> str:
     G_prev, G = test_matrices(m, n, rank)
     plan = Plan(choose_side((m, n), "std", rank), m, n, rank, G.device)
     fns = methods(G, G_prev, plan)
-    times: dict[str, list[float]] = {name: time_call(fn, 0, warmup=1) for name, fn in fns.items()}
-    for _ in range(repeats):  # interleaved, so transient background load hits every method alike
-        for name, fn in fns.items():
-            times[name] += time_call(fn, 1, warmup=0)
+    # interleaved, one call per round, so transient background load hits every method alike
+    times = time_steps({name: (lambda fn=fn: fn) for name, fn in fns.items()}, repeats, 1, 1)
     results = {name: (median(times[name]), energy(fn(), G, plan.side)) for name, fn in fns.items()}
     exact_s, exact_e = results["exact SVD (galore2 svd)"]
     rows = []

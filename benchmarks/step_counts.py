@@ -29,8 +29,6 @@ The test suite asserts the budgets from this module (``tests/core/test_step_budg
 from __future__ import annotations
 
 import contextlib
-import logging
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -48,7 +46,8 @@ from recipes.resolve import parse_args
 
 from ._common import render, table
 from .contenders import CONTENDERS, why_not
-from .peers import PEERS
+from .peers import PEERS, quiet_peers
+from .timing import llama
 
 MATMULS = frozenset(
     {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "matmul", "_grouped_mm"}
@@ -144,8 +143,8 @@ def counting(opt: torch.optim.Optimizer) -> Iterator[Counts]:
 
 
 def tiny_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return build_model(parse_args(["--config", "tiny"]).model)
+    """The tiny recipe's model (:func:`benchmarks.timing.llama`, seed 0)."""
+    return llama(parse_args(["--config", "tiny"]).model)
 
 
 def count_step(
@@ -284,10 +283,8 @@ def rows(quick: bool = False) -> list[tuple[str, Callable, bool]]:
 
 
 def step_counts(quick: bool = False) -> str:
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     body = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet_peers():
         for label, make, _ in rows(quick):
             c = count_step(make)
             gb = graph_breaks(make)

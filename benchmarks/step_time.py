@@ -16,7 +16,7 @@ optimizer takes ``WARMUP`` untimed steps first (the first one creates state
 and computes the basis), and the gradients are fixed seeded random tensors
 assigned to ``.grad`` once. Timed steps are interleaved across optimizers
 (rounds of ``steps`` steps each) so background load hits all of them alike;
-each step is timed on its own and the median is reported. galore2 uses its
+each step is timed on its own and the median is reported (:mod:`benchmarks.timing`). galore2 uses its
 default projector (power); non-refresh steps do not depend on it.
 On a machine with other load, OpenMP threads contend and single steps can
 take 100× longer; measure on a quiet machine (or pass ``--threads 1``).
@@ -39,9 +39,9 @@ from torch import nn
 
 import galore2
 from recipes.config import ModelConfig
-from recipes.model import build_model
 
-from ._common import import_galore_torch, median, render, table, time_call
+from ._common import import_galore_torch, render, table
+from .timing import llama, median_ms, seeded_grads, time_calls, time_steps
 
 FULL_SIZE = {
     "hidden": 256,
@@ -71,12 +71,10 @@ ADAFACTOR_SHAPES = (((32000, 1024), None), ((1024, 2736), 256), ((2736, 1024), 2
 ADAFACTOR_REPEATS, ADAFACTOR_WARMUP = 7, 2
 
 
-def llama(size: dict[str, int]) -> nn.Module:
-    """The recipe's Llama with ``size``'s shapes, seeded, on the CPU."""
-    cfg = ModelConfig(vocab_size=size["vocab"], dim=size["hidden"], n_layers=size["layers"],
-                      n_heads=size["heads"], ffn_dim=size["ffn"])  # fmt: skip
-    torch.manual_seed(0)
-    return build_model(cfg)
+def model_config(size: dict[str, int]) -> ModelConfig:
+    """The recipe's Llama with ``size``'s shapes."""
+    return ModelConfig(vocab_size=size["vocab"], dim=size["hidden"], n_layers=size["layers"],
+                       n_heads=size["heads"], ffn_dim=size["ffn"])  # fmt: skip
 
 
 def optimizers(model: nn.Module, rank: int) -> dict[str, torch.optim.Optimizer]:
@@ -112,23 +110,16 @@ def check_no_refresh(opt: torch.optim.Optimizer) -> None:
 def step_time(quick: bool, rounds: int | None = None) -> str:
     size = QUICK_SIZE if quick else FULL_SIZE
     rounds = rounds or size["rounds"]
-    model = llama(size)
+    model = llama(model_config(size))
     n_params = sum(p.numel() for p in model.parameters())
-    gen = torch.Generator().manual_seed(1)
-    for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=gen) * 1e-2
+    seeded_grads(model)
     opts = optimizers(model, size["rank"])
     n_galore = sum(p.numel() for p in opts["galore2 GaLoreAdamW"].param_groups[0]["params"])
-    times: dict[str, list[float]] = {name: [] for name in opts}
-    for opt in opts.values():
-        for _ in range(WARMUP):
-            opt.step()
-    for _ in range(rounds):
-        for name, opt in opts.items():
-            times[name] += time_call(opt.step, size["steps"], warmup=0)
+    steps = {name: (lambda opt=opt: opt.step) for name, opt in opts.items()}
+    times = time_steps(steps, rounds, size["steps"], WARMUP)
     for opt in opts.values():
         check_no_refresh(opt)
-    ms = {name: 1e3 * median(ts) for name, ts in times.items()}
+    ms = {name: median_ms(ts) for name, ts in times.items()}
     base, ref = ms["torch AdamW (foreach)"], ms["galore-torch 1.0 GaLoreAdamW"]
     rows = [[name, f"{v:.2f}", f"{v / base:.2f}×", f"{v / ref:.2f}×"] for name, v in ms.items()]
     headers = ["optimizer", "median ms/step", "vs AdamW(foreach)", "vs galore-torch"]
@@ -147,7 +138,7 @@ def _adafactor_step_ms(make, shape: tuple[int, int], rank: int | None) -> float:
         group.update(rank=rank, **GALORE)
     opt = make([group])
     p.grad = torch.randn_like(p)
-    return 1e3 * median(time_call(opt.step, ADAFACTOR_REPEATS, ADAFACTOR_WARMUP))
+    return median_ms(time_calls(opt.step, ADAFACTOR_REPEATS, ADAFACTOR_WARMUP))
 
 
 def adafactor_step(quick: bool) -> str:
@@ -158,8 +149,8 @@ def adafactor_step(quick: bool) -> str:
     gt = import_galore_torch()
     u = torch.randn(32000, 1024)
     reps = (ADAFACTOR_REPEATS, ADAFACTOR_WARMUP)
-    norm_ms = 1e3 * median(time_call(lambda: torch.norm(u, dim=-2, keepdim=True), *reps))
-    blocked_ms = 1e3 * median(time_call(lambda: _col_sq(u), *reps))
+    norm_ms = median_ms(time_calls(lambda: torch.norm(u, dim=-2, keepdim=True), *reps))
+    blocked_ms = median_ms(time_calls(lambda: _col_sq(u), *reps))
     explicit = {"lr": 1e-2, "relative_step": False, "scale_parameter": False}
     rows = []
     with warnings.catch_warnings():
