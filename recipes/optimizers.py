@@ -283,7 +283,8 @@ def build_optimizer(
     ``model``'s trainable parameters; ``peers``: optimizers of other packages by name."""
     if cfg.name not in NAMES and cfg.name not in peers:
         names = ", ".join((*NAMES, *peers))
-        raise ValueError(f"optim.name must be one of {names}; got {cfg.name!r}")
+        peer = "" if peers else " (other packages' optimizers: python -m benchmarks.pretrain)"
+        raise ValueError(f"optim.name must be one of {names}; got {cfg.name!r}{peer}")
     cls = _resolve(cfg.name, peers)
     kwargs: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
     if cfg.name in peers:

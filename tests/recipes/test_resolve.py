@@ -1,0 +1,72 @@
+"""The recipe's configuration in two steps: the schema reads (recipes.config, no optimizer
+knowledge), then one optimizer-aware step (recipes.resolve) routes, parses and validates
+[optim] once."""
+
+from __future__ import annotations
+
+import pytest
+
+from recipes import config, optimizers, resolve
+from recipes import resume as resuming
+from recipes.model import build_model
+from recipes.resume import compare
+
+
+def test_the_schema_keeps_optim_settings_as_given():
+    """config.parse_args applies [model]/[train] and keeps [optim] raw: TOML first, then the
+    command line (a later value replaces an earlier one), with the keys the command line gave."""
+    args = config.parse_args(["--config", "tiny", "--optim.rank", "8", "--optim.projector",
+                              "random", "--model.dim", "64"])  # fmt: skip
+    assert args.job.model.dim == 64 and args.job.optim == config.OptimConfig()  # untouched
+    assert args.optim["rank"] == "8" and args.optim["name"] == "galore_adamw"  # raw strings
+    assert args.optim["projector"] == "random" and args.optim["lr"] == 0.01  # TOML's value
+    assert args.cli_optim == {"rank", "projector"}
+
+
+def test_routing_follows_the_chosen_optimizer():
+    """``--optim.eps``/``--optim.beta1`` are Adam's fields for galore_adamw, GaLoreAdafactor's
+    own options (an eps pair) for galore_adafactor."""
+    adam = resolve.parse_args(["--optimizer", "galore_adamw", "--optim.eps", "1e-6"]).optim
+    assert adam.eps == 1e-6 and adam.options == {}
+    argv = ["--optimizer", "galore_adafactor", "--optim.eps", "1e-30,1e-3", "--optim.beta1", "0.9"]
+    ada = resolve.parse_args(argv).optim
+    assert ada.eps == config.OptimConfig().eps  # the field is not Adafactor's eps
+    assert ada.options == {"eps": (1e-30, 1e-3), "beta1": 0.9}
+
+
+def test_options_are_parsed_once(monkeypatch):
+    """From the command line to a built optimizer, its resume comparison and the planner's
+    settings, ``optim.options`` are parsed and validated exactly once."""
+    calls = []
+    real = optimizers.parse_options
+
+    def counted(name, raw):
+        calls.append(dict(raw))
+        return real(name, raw)
+
+    monkeypatch.setattr(optimizers, "parse_options", counted)
+    monkeypatch.setattr(resolve, "parse_options", counted)
+    monkeypatch.setattr(resuming, "parse_options", counted)
+    job = resolve.parse_args(["--config", "tiny", "--optim.projector", "power",
+                              "--optim.basis_dtype", "bf16"])  # fmt: skip
+    assert calls == [{"projector": "power", "basis_dtype": "bf16"}]
+    assert job.optim.options == {"projector": "power", "basis_dtype": "bf16"}
+    opt = optimizers.build_optimizer(build_model(job.model), job.optim, 10)
+    (group,) = [g for g in opt.param_groups if g.get("rank")]
+    assert (group["projector"], group["basis_dtype"]) == ("power", "bf16")
+    optimizers.galore_settings(job.optim)
+    optimizers.galore2_options(job.optim)
+    assert len(calls) == 1
+    assert compare(job.to_dict(), job) == ({}, {})  # reads a recorded config: its own parse
+    assert len(calls) == 2 and calls[1] == {"projector": "power", "basis_dtype": "bf16"}
+
+
+def test_optim_errors_come_from_the_one_step(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[optim]\nrnak = 4\n")
+    args = config.parse_args(["--config", str(bad)])  # the schema cannot tell: kept as given
+    assert args.optim == {"rnak": 4}
+    with pytest.raises(ValueError, match=r"unknown setting 'optim.rnak' for optimizer galore_adamw"):
+        resolve.resolve(args)
+    with pytest.raises(ValueError, match=r"unknown setting 'model.rnak'"):
+        config.parse_args(["--model.rnak", "4"])  # other sections: the schema's own error
