@@ -119,7 +119,9 @@ def step_rows(quick: bool) -> list[list]:
     model = _model(quick, 2 if quick else LAYERS)
     seeded_grads(model)
     syncs: dict[str, int | str] = {}
-    builders = {name: (lambda make=make: make(model, rank, 10**9).step) for name, make in makers.items()}
+    builders = {
+        name: (lambda make=make: make(model, rank, 10**9).step) for name, make in makers.items()
+    }
     times = time_steps(builders, 1, REPEATS, 3, device, interleave=False,
                        after=lambda name, step: syncs.update({name: _syncs(step.__self__)}))  # fmt: skip
     results: dict[str, tuple[float, int | str]] = {}

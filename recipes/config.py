@@ -335,5 +335,7 @@ def usage() -> str:
     job = JobConfig()
     for f in dataclasses.fields(job):
         section = getattr(job, f.name)
-        lines += [f"  --{f.name}.{name} = {getattr(section, name)!r}" for name in field_names(section)]
+        lines += [
+            f"  --{f.name}.{name} = {getattr(section, name)!r}" for name in field_names(section)
+        ]
     return "\n".join(lines)

@@ -114,7 +114,13 @@ def write_run_plot(
         print(f"{LOSS_PNG} not written: matplotlib is not installed (pip install matplotlib)")
         return None
     out = Path(job.train.out)
-    return plot([out], out / LOSS_PNG, x="step", title=run_title(job, n_params, world, projected), names=[""])
+    return plot(
+        [out],
+        out / LOSS_PNG,
+        x="step",
+        title=run_title(job, n_params, world, projected),
+        names=[""],
+    )
 
 
 def main(argv: list[str] | None = None) -> Path:

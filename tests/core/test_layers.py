@@ -101,7 +101,9 @@ def test_a_lazy_import_cycle_in_the_recipe_breaks_the_contracts(tmp_path):
     cycle the recipe once had, fails both the acyclic and the recipes layers contracts."""
     _copy_checkout(tmp_path)
     config = tmp_path / "recipes" / "config.py"
-    config.write_text(config.read_text() + "\n\ndef _f():\n    from .optimizers import NAMES  # noqa\n")
+    config.write_text(
+        config.read_text() + "\n\ndef _f():\n    from .optimizers import NAMES  # noqa\n"
+    )
     out = _lint_imports(tmp_path)
     assert out.returncode != 0
     assert "No cycles are allowed in recipes" in out.stdout, out.stdout

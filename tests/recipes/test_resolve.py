@@ -66,7 +66,9 @@ def test_optim_errors_come_from_the_one_step(tmp_path):
     bad.write_text("[optim]\nrnak = 4\n")
     args = config.parse_args(["--config", str(bad)])  # the schema cannot tell: kept as given
     assert args.optim == {"rnak": 4}
-    with pytest.raises(ValueError, match=r"unknown setting 'optim.rnak' for optimizer galore_adamw"):
+    with pytest.raises(
+        ValueError, match=r"unknown setting 'optim.rnak' for optimizer galore_adamw"
+    ):
         resolve.resolve(args)
     with pytest.raises(ValueError, match=r"unknown setting 'model.rnak'"):
         config.parse_args(["--model.rnak", "4"])  # other sections: the schema's own error
