@@ -401,6 +401,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a rank edited in param_groups mid-run is silently ignored",
     ),
     Mutation(
+        "left_gather_undeclared",
+        "galore2/optim/projection.py",
+        'Collective("all_gather", shape, inner, "LeftProjection.back: N (Adam direction)"),',
+        "",
+        ("tests/optim/test_projection.py",),
+        "the traffic model forgets the left side's per-step all-gather of N",
+    ),
+    Mutation(
         "staggered_phase",
         "galore2/optim/galore.py",
         "return _at_phase(step + (gap + 1) // 2, gap, index)",
