@@ -1,5 +1,13 @@
 """GaLore as a wrapper transform: project, run the inner chain in the subspace, project back.
 
+Who owns what: the geometry of a projected parameter — its low-rank shape and layout,
+project and back with their collectives, the moment rotation — is its projection's
+(:mod:`.projection`: left, right, full, Tucker); how a basis is found and stored is the
+projector's (:mod:`galore2.projectors`). GaLore keeps the schedule: when a basis is
+refreshed (every ``update_proj_gap`` steps, together or staggered, adaptive gaps), a
+refresh retried after an unusable gradient, what happens to the moments at a refresh, and
+the folding of weight decay into the low-rank update.
+
 Acts on: the full gradient of a ≥2-D parameter in a group whose ``rank`` is
 set. For every other parameter — 1-D, ``rank`` unset, or ``rank ≥ min(m, n)`` —
 it is transparent and the inner chain runs on the full gradient (plain AdamW for
