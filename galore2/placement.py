@@ -17,16 +17,85 @@ know about distribution goes through a ``Placement`` object on the context:
   and "column shard of the sum"; ``any(flags)`` ORs booleans across ranks.
 * ``row_range(m)`` → this rank's rows [start, stop) of a dim-0-sharded tensor.
 
+A :class:`Collective` describes one such call on paper (op, logical shape, dtype): the code
+that issues collectives lists them with it (the projections of
+:mod:`galore2.optim.projection`, the projectors' refreshes), and :mod:`galore2.traffic`
+adds them up.
+
 This file is the identity implementation; ``galore2.fsdp`` implements the same
 methods with DTensor and collectives (all collective code lives there).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 LAYOUTS = ("param", "rows", "cols", "replicate")
+#: the collectives a :class:`Collective` names (the placement methods that issue them:
+#: ``reduce`` / ``any``, ``reduce_scatter_cols``, ``all_gather_cols``, ``gather_rows``,
+#: ``broadcast``)
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "gather", "broadcast")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective call, as issued by every rank of the shard group (on paper).
+
+    ``shape`` is the full logical tensor: all-reduce → the tensor; reduce-scatter → its
+    input (partial sums); all-gather → its output; gather → what the owner assembles
+    (p·⌈m/p⌉ padded rows); broadcast → the tensor. See :mod:`galore2.traffic`.
+    """
+
+    op: str  # one of OPS
+    shape: tuple[int, ...]  # the full logical tensor (see above)
+    dtype: torch.dtype
+    source: str  # the galore2 (or FSDP) code that issues it
+    param: str = ""  # parameter (or FSDP unit) name; "" for a group-level call
+    period: int = 1  # steps between two occurrences (update_proj_gap for refreshes)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the logical tensor."""
+        out = 1
+        for d in self.shape:
+            out *= int(d)
+        return out
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of ``dtype``."""
+        return itemsize(self.dtype)
+
+    @property
+    def bytes(self) -> int:
+        """Logical payload bytes (the full tensor reduced / assembled / distributed)."""
+        return self.numel * self.itemsize
+
+    def wire_bytes(self, world_size: int) -> float:
+        """Bytes received per rank (averaged over ranks), bandwidth-optimal algorithms."""
+        p = world_size
+        if p <= 1:
+            return 0.0
+        factor = {
+            "all_reduce": 2 * (p - 1) / p,
+            "reduce_scatter": (p - 1) / p,
+            "all_gather": (p - 1) / p,
+            "gather": (p - 1) / p**2,
+            "broadcast": (p - 1) / p,
+        }[self.op]
+        return factor * self.bytes
+
+    def key(self) -> tuple[str, int, int]:
+        """(op, numel, itemsize): what a recorder of issued collectives can compare."""
+        return self.op, self.numel, self.itemsize
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
 
 
 class Placement:

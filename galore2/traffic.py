@@ -2,8 +2,8 @@
 
 For a model (a meta-device one is fine: nothing is allocated), a world size and GaLore
 settings, :func:`collective_bytes` lists every collective galore2's optimizer step
-issues through :class:`~galore2.fsdp.ShardedPlacement` — one entry per call, derived
-from the code paths below — next to FSDP2's own per-step parameter/gradient traffic.
+issues through :class:`~galore2.fsdp.ShardedPlacement` — one entry per call, listed by
+the code that issues it (below) — next to FSDP2's own per-step parameter/gradient traffic.
 
 Conventions
 -----------
@@ -30,46 +30,22 @@ Conventions
 galore2's collectives
 ---------------------
 
-Every step (``Traffic.step``), per parameter group with ``nonfinite != "ignore"``: one
-all-reduce of one int32 flag per parameter (``NonFinitePolicy.keep``,
-over the default process group); with per-layer updates (``galore2.per_layer``:
-``step_param`` inside backward) one such all-reduce per parameter, of one flag. Per projected weight (``GaLore._project`` /
-``GaLore._back``): left side — reduce-scatter of R = PᵀG (r×n, gradient dtype) and
-all-gather of Adam's direction N (r×n, ``state_dtype``: it is cast to the parameter's
-dtype only after the gather); full — all-reduce of PᵀGQ (r×r, gradient dtype); right —
-nothing (G·Q is row-local).
+Listed by the code that issues them, not re-derived here:
 
-At a refresh (``Traffic.first_refresh`` for a weight's first one, ``Traffic.refresh``
-for every later one), per projected weight:
-
-* ``usable_norm``: all-reduce of one int32 (any non-finite) and one fp64 (Σ‖G_i‖²);
-* ``randomized`` (and ``power``'s first refresh, a randomized cold start), with
-  k = min(r + oversample, m, n) and q = ``power_iters``: left — CholeskyQR2 of G·Ω
-  (two k×k Gram all-reduces, the first in fp64, as in every CholeskyQR2 below), q × (Gᵀ·Y:
-  n×k, then two k×k Grams), Yᵀ·G (k×n, only when k > r), ``align_signs`` (r; at the first
-  refresh too, against the zero-initialized basis);
-  right — Gᵀ·Ω (n×k), q × Gᵀ·(G·Y) (n×k), CᵀC (k×k,
-  only when k > r); the right basis is replicated, so its orthonormalization and sign
-  alignment are local;
-* ``power`` (later refreshes): left — q × (Gᵀ·Y: n×r, two r×r Grams), ``align_signs``
-  (r); right — q × Gᵀ·(G·Y) (n×r);
-* ``svd``: gather of G's rows onto an owner rank (p·⌈m/p⌉ × n fp32), broadcast of the
-  owner's P (m×r) and/or Q (n×r), fp32;
-* ``random``: nothing but ``usable_norm`` (the basis is a seed);
-* every projector but ``random``: all-reduce of one int32 (``Projector.refresh``: the
-  new basis is finite everywhere);
-* ``moments_on_refresh="project"``, later refreshes, left/full: all-reduce of
-  C = P_newᵀ·P_old (r×r fp32, ``_rotation``).
-
-A Tucker-projected weight (more than two dims, ``tensor_projection="tucker"``, factors
-U_k of rank r_k = min(r, d_k) for the modes with r < d_k): every step, an all-reduce of
-its core (r_0 × r_1 × …, gradient dtype) when mode 0 is reduced — none when d_0 ≤ r (the
-core is then row-sharded like the weight). At a refresh, one ``usable_norm`` and one
-non-finite-basis flag; ``svd``: one gather of G's rows (p·⌈d_0/p⌉ × rest) and a
-broadcast of each factor (d_k × r_k), plus ``align_signs`` of U_0 (r_0); ``randomized`` /
-``power``: per reduced mode the collectives of a left basis of d_0 × rest (mode 0) or of
-a right basis of the unfolding (d_0·rest/d_k) × d_k (mode k ≥ 1), as listed above;
-``project``: the all-reduce of C_0 = U_0,newᵀ·U_0,old (r_0 × r_0).
+* every step (``Traffic.step``), per parameter group with ``nonfinite != "ignore"``: one
+  all-reduce of one int32 flag per parameter (``NonFinitePolicy.keep``, over the default
+  process group); with per-layer updates (``galore2.per_layer``: ``step_param`` inside
+  backward) one such all-reduce per parameter, of one flag;
+* per projected weight, every step: its projection's
+  :meth:`~galore2.optim.projection.Projection.step_collectives` (left: reduce-scatter of
+  R = PᵀG and all-gather of N; full: all-reduce of PᵀGQ; right: nothing; Tucker: the core's
+  all-reduce when mode 0 is reduced);
+* per projected weight, at a refresh (``Traffic.first_refresh`` for a weight's first one,
+  ``Traffic.refresh`` for every later one): its projection's
+  :meth:`~galore2.optim.projection.Projection.refresh_collectives` — the projector's
+  (:meth:`~galore2.projectors.Projector.refresh_collectives`: ``usable_norm``, the basis
+  search of ``svd`` / ``randomized`` / ``power`` / ``random``, the finite-basis check), then
+  the moment rotation's under ``moments_on_refresh="project"``.
 
 Refresh collectives are fp32 whatever the parameter dtype (G is cast first), but for the
 int32 flags and the fp64 norm.
@@ -95,62 +71,16 @@ from torch import Tensor, nn
 
 from .core.options import resolve
 from .groups import param_groups
+from .optim.projection import Projection, projection_for
+from .placement import OPS, Collective, itemsize
 from .presets import GaLoreAdamW
-from .projectors import FULL, LEFT, NONE, RIGHT, TUCKER, choose_side
-from .projectors.tucker import reduced_modes, tucker_ranks
+from .projectors import NONE, Plan, choose_side
 from .storage.dtype import STATE_DTYPES
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "gather", "broadcast")
 KINDS = ("step", "first_refresh", "refresh", "fsdp")
 
-_I32, _F32, _F64 = torch.int32, torch.float32, torch.float64
+_I32 = torch.int32
 _OPTIONS = GaLoreAdamW.declared_options()  # the options of a projected AdamW group
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective call, as issued by every rank of the shard group."""
-
-    op: str  # one of OPS
-    shape: tuple[int, ...]  # the full logical tensor (see the module docstring)
-    dtype: torch.dtype
-    source: str  # the galore2 (or FSDP) code that issues it
-    param: str = ""  # parameter (or FSDP unit) name; "" for a group-level call
-    period: int = 1  # steps between two occurrences (update_proj_gap for refreshes)
-
-    @property
-    def numel(self) -> int:
-        out = 1
-        for d in self.shape:
-            out *= int(d)
-        return out
-
-    @property
-    def itemsize(self) -> int:
-        return _itemsize(self.dtype)
-
-    @property
-    def bytes(self) -> int:
-        """Logical payload bytes (the full tensor reduced / assembled / distributed)."""
-        return self.numel * self.itemsize
-
-    def wire_bytes(self, world_size: int) -> float:
-        """Bytes received per rank (averaged over ranks), bandwidth-optimal algorithms."""
-        p = world_size
-        if p <= 1:
-            return 0.0
-        factor = {
-            "all_reduce": 2 * (p - 1) / p,
-            "reduce_scatter": (p - 1) / p,
-            "all_gather": (p - 1) / p,
-            "gather": (p - 1) / p**2,
-            "broadcast": (p - 1) / p,
-        }[self.op]
-        return factor * self.bytes
-
-    def key(self) -> tuple[str, int, int]:
-        """(op, numel, itemsize): what a recorder of issued collectives can compare."""
-        return self.op, self.numel, self.itemsize
 
 
 @dataclass(frozen=True)
@@ -190,16 +120,6 @@ class Traffic:
         size = (lambda c: c.wire_bytes(self.world_size)) if wire else (lambda c: c.bytes)
         return sum(size(c) for c in self.step) + sum(size(c) / c.period for c in self.refresh)
 
-    def by_op(self, kind: str) -> dict[str, dict[str, float]]:
-        """``{op: {"calls", "bytes", "wire_bytes"}}`` for ``kind`` (ops that occur)."""
-        out: dict[str, dict[str, float]] = {}
-        for c in self.of(kind):
-            d = out.setdefault(c.op, {"calls": 0, "bytes": 0, "wire_bytes": 0.0})
-            d["calls"] += 1
-            d["bytes"] += c.bytes
-            d["wire_bytes"] += c.wire_bytes(self.world_size)
-        return out
-
     def summary(self) -> dict[str, dict[str, float]]:
         """``{kind: {"calls", "bytes", "wire_bytes"}}`` for every kind."""
         return {
@@ -208,125 +128,13 @@ class Traffic:
         }
 
 
-def _matrix(shape: torch.Size) -> tuple[int, int]:
-    n = 1
+def _projection(shape: torch.Size, side: int, group: dict[str, Any]) -> Projection:
+    """The projection galore2 builds for a weight of global ``shape`` (on the meta device)."""
+    m, n = int(shape[0]), 1
     for d in shape[1:]:
         n *= int(d)
-    return int(shape[0]), n
-
-
-def _per_step(name: str, m: int, n: int, side: int, r: int, grad: torch.dtype, state: torch.dtype):
-    if side == LEFT:
-        yield Collective("reduce_scatter", (r, n), grad, "GaLore._project: R = PᵀG", name)
-        yield Collective("all_gather", (r, n), state, "GaLore._back: N (Adam direction)", name)
-    elif side == FULL:
-        yield Collective("all_reduce", (r, r), grad, "GaLore._project: R = PᵀGQ", name)
-
-
-def _refresh(
-    name: str, m: int, n: int, side: int, r: int, g: dict[str, Any], p: int, first: bool
-) -> list[Collective]:
-    gap = int(g["update_proj_gap"])
-    out: list[Collective] = []
-
-    def add(op: str, shape: tuple[int, ...], dtype: torch.dtype, source: str) -> None:
-        out.append(Collective(op, shape, dtype, source, name, gap))
-
-    def grams(k: int, where: str) -> None:  # orthonormalize_rows: sharded CholeskyQR2
-        add("all_reduce", (k, k), _F64, f"{where}: CholeskyQR2 Gram 1 (float64)")
-        add("all_reduce", (k, k), _F32, f"{where}: CholeskyQR2 Gram 2")
-
-    left, right = side in (LEFT, FULL), side in (RIGHT, FULL)
-    add("all_reduce", (1,), _I32, "usable_norm: any non-finite")
-    add("all_reduce", (1,), _F64, "usable_norm: Σ‖G_i‖²")
-    projector, q = g["projector"], int(g["power_iters"])
-    k = min(r + int(g["oversample"]), m, n)
-    if projector == "svd":
-        chunk = -(-m // p)
-        add("gather", (p * chunk, n), _F32, "SVDProjector.find: G rows onto the owner")
-        if left:
-            add("broadcast", (m, r), _F32, "SVDProjector.find: P from the owner")
-        if right:
-            add("broadcast", (n, r), _F32, "SVDProjector.find: Q from the owner")
-    elif projector == "power" and not first:
-        if left:
-            for _ in range(q):
-                add("all_reduce", (n, r), _F32, "warm_left: GᵀY")
-                grams(r, "warm_left")
-            add("all_reduce", (r,), _F32, "align_signs (left)")
-        if right:
-            for _ in range(q):
-                add("all_reduce", (n, r), _F32, "warm_right: Gᵀ(GY)")
-    elif projector in ("randomized", "power"):  # power's first refresh: randomized cold start
-        if left:
-            grams(k, "left_basis: G·Ω")
-            for _ in range(q):
-                add("all_reduce", (n, k), _F32, "left_basis: GᵀY")
-                grams(k, "left_basis: G·(GᵀY)")
-            if k > r:
-                add("all_reduce", (k, n), _F32, "left_basis: B = YᵀG")
-            add("all_reduce", (r,), _F32, "align_signs (left)")
-        if right:
-            add("all_reduce", (n, k), _F32, "right_basis: GᵀΩ")
-            for _ in range(q):
-                add("all_reduce", (n, k), _F32, "right_basis: Gᵀ(GY)")
-            if k > r:
-                add("all_reduce", (k, k), _F32, "right_basis: CᵀC")
-    if projector != "random":
-        add("all_reduce", (1,), _I32, "Projector.refresh: any non-finite basis")
-    if not first and g["moments_on_refresh"] == "project" and left:
-        add("all_reduce", (r, r), _F32, "_rotation: C = P_newᵀ·P_old")
-    return out
-
-
-def _tucker_step(name: str, shape: tuple[int, ...], r: int, grad: torch.dtype):
-    if 0 in reduced_modes(shape, r):  # each rank's core is a partial sum over its rows
-        yield Collective("all_reduce", tucker_ranks(shape, r), grad, "GaLore._project: core", name)
-
-
-def _tucker_refresh(
-    name: str, shape: tuple[int, ...], r: int, g: dict[str, Any], p: int, first: bool
-) -> list[Collective]:
-    """A Tucker weight's refresh: one usable_norm; per reduced mode, the matrix problem
-    of its factor (mode 0: left of d_0 × rest; mode k: right of its unfolding); svd: one
-    gather, one broadcast per factor."""
-    gap = int(g["update_proj_gap"])
-    modes, ranks = reduced_modes(shape, r), tucker_ranks(shape, r)
-    out: list[Collective] = []
-
-    def add(op: str, size: tuple[int, ...], dtype: torch.dtype, source: str) -> None:
-        out.append(Collective(op, size, dtype, source, name, gap))
-
-    add("all_reduce", (1,), _I32, "usable_norm: any non-finite")
-    add("all_reduce", (1,), _F64, "usable_norm: Σ‖G_i‖²")
-    d0, rest = shape[0], _matrix(torch.Size(shape))[1]
-    projector = g["projector"]
-    if projector == "svd":
-        chunk = -(-d0 // p)
-        add("gather", (p * chunk, rest), _F32, "TuckerProjector._exact: G rows onto the owner")
-        for k in modes:
-            add("broadcast", (shape[k], ranks[k]), _F32, f"TuckerProjector._exact: U_{k}")
-        if 0 in modes:
-            add("all_reduce", (ranks[0],), _F32, "align_signs (mode 0)")
-    elif projector in ("randomized", "power"):
-        keep = {**g, "moments_on_refresh": "keep"}
-        for k in modes:
-            if k == 0:
-                sub = _refresh(name, d0, rest, LEFT, ranks[0], keep, p, first)
-            else:
-                sub = _refresh(
-                    name, d0 * rest // shape[k], shape[k], RIGHT, ranks[k], keep, p, first
-                )
-            out.extend(
-                replace(c, source=f"mode {k}: {c.source}")
-                for c in sub
-                if not c.source.startswith(("usable_norm", "Projector.refresh"))
-            )
-    if projector != "random":
-        add("all_reduce", (1,), _I32, "Projector.refresh: any non-finite basis")
-    if not first and g["moments_on_refresh"] == "project" and 0 in modes:
-        add("all_reduce", (ranks[0], ranks[0]), _F32, "TuckerProjector.rotation: C_0")
-    return out
+    plan = Plan(side, m, n, int(group["rank"]), torch.device("meta"))
+    return projection_for(group, plan, tuple(int(d) for d in shape))
 
 
 def _fsdp_units(
@@ -353,13 +161,9 @@ def _unit_collective(
     op: str, params: list[Tensor], dtypes: list[torch.dtype], p: int, source: str, unit: str
 ) -> Collective:
     """One flat FSDP2 collective over a unit's parameters (uint8 when dtypes are mixed)."""
-    total = sum(_padded_numel(t, p) * _itemsize(d) for t, d in zip(params, dtypes, strict=True))
+    total = sum(_padded_numel(t, p) * itemsize(d) for t, d in zip(params, dtypes, strict=True))
     dt = dtypes[0] if len(set(dtypes)) == 1 else torch.uint8
-    return Collective(op, (total // _itemsize(dt),), dt, source, unit)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return Collective(op, (total // itemsize(dt),), dt, source, unit)
 
 
 def _fsdp(
@@ -463,18 +267,17 @@ def collective_bytes(
             side = choose_side(tuple(t.shape), g["proj_type"], g["rank"], g["tensor_projection"])
             if side == NONE:
                 continue
-            name, r = names[id(t)], int(g["rank"])
-            m, n = _matrix(t.shape)
+            name, gap = names[id(t)], int(g["update_proj_gap"])
             projected.append(name)
-            if side == TUCKER:
-                shape = tuple(int(d) for d in t.shape)
-                step.extend(_tucker_step(name, shape, r, t.dtype))
-                first.extend(_tucker_refresh(name, shape, r, g, p, first=True))
-                later.extend(_tucker_refresh(name, shape, r, g, p, first=False))
-                continue
-            step.extend(_per_step(name, m, n, side, r, t.dtype, state_dtype))
-            first.extend(_refresh(name, m, n, side, r, g, p, first=True))
-            later.extend(_refresh(name, m, n, side, r, g, p, first=False))
+            projection = _projection(t.shape, side, g)
+            step.extend(
+                replace(c, param=name) for c in projection.step_collectives(t.dtype, state_dtype)
+            )
+            for out, at_first in ((first, True), (later, False)):
+                out.extend(
+                    replace(c, param=name, period=gap)
+                    for c in projection.refresh_collectives(g, p, at_first)
+                )
     fsdp = _fsdp(model, p, fsdp_units, reshard_after_forward, param_dtype, reduce_dtype)
     return Traffic(p, tuple(step), tuple(first), tuple(later), tuple(fsdp), tuple(projected))
 

@@ -99,7 +99,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "moments_rotation",
-        "galore2/optim/galore.py",
+        "galore2/optim/projection.py",
         "x = (C * C if squared else C) @ x",
         "x = (C * C if squared else C).mT @ x",
         ("tests/optim/test_project_rotation.py",),
@@ -167,7 +167,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "fsdp_reduce_scatter",
-        "galore2/optim/galore.py",
+        "galore2/optim/projection.py",
         "R = plan.placement.reduce_scatter_cols(R)",
         "R = R.chunk(plan.placement.world, dim=1)[plan.placement.rank].contiguous()",
         ("tests/fsdp/test_fsdp.py::test_fsdp_matches_single_process",),
@@ -399,6 +399,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "bad = []",
         ("tests/optim/test_refresh_schedule.py",),
         "a rank edited in param_groups mid-run is silently ignored",
+    ),
+    Mutation(
+        "left_gather_undeclared",
+        "galore2/optim/projection.py",
+        'Collective("all_gather", shape, inner, "LeftProjection.back: N (Adam direction)"),',
+        "",
+        ("tests/optim/test_projection.py",),
+        "the traffic model forgets the left side's per-step all-gather of N",
     ),
     Mutation(
         "staggered_phase",

@@ -10,6 +10,14 @@ from .adam8bit import ScaleByAdam8bit
 from .galore import GaLore
 from .gradient import AdaptiveGradientClipping, CentralizeGradient, NormalizeGradient
 from .pnm import ScaleByPNM
+from .projection import (
+    FullProjection,
+    LeftProjection,
+    Projection,
+    RightProjection,
+    TuckerProjection,
+    projection_for,
+)
 from .schedules import LinearWarmup, Ranger21Schedule, WarmdownToMin, ranger21_lr
 from .weights import Lookahead, NormLoss, StableWeightDecay
 
@@ -18,20 +26,26 @@ __all__ = [
     "CentralizeGradient",
     "ChainOptimizer",
     "Context",
+    "FullProjection",
     "GaLore",
     "GradientTransform",
+    "LeftProjection",
     "LinearWarmup",
     "Lookahead",
     "NormLoss",
     "NormalizeGradient",
     "ParamTransform",
+    "Projection",
     "Ranger21Schedule",
+    "RightProjection",
     "ScaleByAdafactor",
     "ScaleByAdam",
     "ScaleByAdam8bit",
     "ScaleByPNM",
     "StableWeightDecay",
     "Transform",
+    "TuckerProjection",
     "WarmdownToMin",
+    "projection_for",
     "ranger21_lr",
 ]

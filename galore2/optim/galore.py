@@ -1,5 +1,13 @@
 """GaLore as a wrapper transform: project, run the inner chain in the subspace, project back.
 
+Who owns what: the geometry of a projected parameter — its low-rank shape and layout,
+project and back with their collectives, the moment rotation — is its projection's
+(:mod:`.projection`: left, right, full, Tucker); how a basis is found and stored is the
+projector's (:mod:`galore2.projectors`). GaLore keeps the schedule: when a basis is
+refreshed (every ``update_proj_gap`` steps, together or staggered, adaptive gaps), a
+refresh retried after an unusable gradient, what happens to the moments at a refresh, and
+the folding of weight decay into the low-rank update.
+
 Acts on: the full gradient of a ≥2-D parameter in a group whose ``rank`` is
 set. For every other parameter — 1-D, ``rank`` unset, or ``rank ≥ min(m, n)`` —
 it is transparent and the inner chain runs on the full gradient (plain AdamW for
@@ -32,7 +40,6 @@ the variance of a sum of independent coordinates).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -59,11 +66,8 @@ from ..projectors import (
     RIGHT,
     TUCKER,
     Plan,
-    Projector,
-    TuckerProjector,
     choose_side,
     get_projector,
-    low_rank_shape,
     validate_projector_options,
 )
 from ..projectors import KINDS as PROJECTOR_KINDS
@@ -71,6 +75,7 @@ from ..projectors import OPTIONS as PROJECTOR_OPTIONS
 from ..storage.basis import OPTIONS as BASIS_OPTIONS
 from ..storage.basis import validate_basis_options
 from . import lowrank_batch, residual
+from .projection import BY_SIDE, Projection, projection_for
 
 RANK = Option(
     "rank",
@@ -270,15 +275,10 @@ class GaLore(Transform):
         state["galore.seed"] = counter(mix_seed(group["seed"], ctx.index))
         if group["adaptive_refresh"]:
             _init_adaptive(state, group)
-        projector = _projector(group, plan, shape)
-        projector.init_state(state, plan, group)
+        projection = projection_for(group, plan, shape)
+        projection.projector.init_state(state, plan, group)
         residual.init_state(state, group, ref)
-        if isinstance(projector, TuckerProjector):  # the core r_0 × r_1 × …
-            low, layout = projector.core_shape(plan), projector.core_layout(plan)
-        else:
-            low = torch.Size(low_rank_shape(plan.m, plan.n, side, plan.rank))
-            # Low-rank state: left r×n shards by columns, right m×r by rows, full replicated.
-            layout = {LEFT: "cols", RIGHT: "rows", FULL: "replicate"}[side]
+        low, layout = projection.low_shape, projection.layout
         init_chain(self.inner, low, ref, group, state, replace(ctx, layout=layout))
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor | LowRankUpdate:
@@ -287,35 +287,36 @@ class GaLore(Transform):
         """
         if int(state["galore.side"]) == NONE:  # plain: full-rank inner update
             return run_chain(self.inner, [u], [state], group, [ctx])[0]
-        plan, R = self._project(u, state, group, ctx)
+        projection, R = self._project(u, state, group, ctx)
         (N,) = run_chain(self.inner, [R], [state], group, [ctx])
-        return self._back(dense(N), state, group, plan, ctx, u, R)
+        return self._back(dense(N), state, group, projection, ctx, u, R)
 
     def update_many(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
     ) -> list[Tensor | LowRankUpdate]:
         """Batched :meth:`update`: one inner-chain run over plain and projected directions."""
-        plans: dict[int, Plan] = {}
+        projections: dict[int, Projection] = {}
         # the plain tensors as they are, projected ones as R (the inner chain may not modify
         # its input in place: R is still needed by _back)
         inner_in: list[Tensor] = list(us)
-        fast: list[tuple[int, Tensor, State, int]] = []  # projected by a shape batch
+        fast: list[lowrank_batch.Item] = []  # projected by a shape batch
         can_batch = lowrank_batch.group_batchable(group)
         for i, (u, state) in enumerate(zip(us, states, strict=True)):
             side = int(state["galore.side"])
             if side == NONE:
                 continue
-            if can_batch and lowrank_batch.batchable(u, state, group, ctxs[i], side):
-                fast.append((i, u, state, side))
+            kind = BY_SIDE[side]
+            if can_batch and lowrank_batch.batchable(u, state, ctxs[i], kind):
+                fast.append((i, u, state, kind))
             else:
-                plans[i], inner_in[i] = self._project(u, state, group, ctxs[i])
+                projections[i], inner_in[i] = self._project(u, state, group, ctxs[i])
         shape_batches = []
         for batch in lowrank_batch.batches(fast):
             if len(batch) > 1:
                 shape_batches.append(batch)
             else:  # alone: its own matmuls (stacking would only add copies)
                 i, u, state, _ = batch[0]
-                plans[i], inner_in[i] = self._project(u, state, group, ctxs[i])
+                projections[i], inner_in[i] = self._project(u, state, group, ctxs[i])
         bases = []
         for batch in shape_batches:
             B, Rs = lowrank_batch.project(batch, group["proj_precision"])
@@ -323,12 +324,12 @@ class GaLore(Transform):
             for (i, *_), R in zip(batch, Rs, strict=True):
                 inner_in[i] = R
         results = run_chain(self.inner, inner_in, states, group, ctxs)
-        done = self._combine_many(plans, results, us, inner_in, states, group)
+        done = self._combine_many(projections, results, us, inner_in, states, group)
         out = [
             done[i]
             if i in done
-            else self._back(dense(N), states[i], group, plans[i], ctxs[i], u, inner_in[i])
-            if i in plans
+            else self._back(dense(N), states[i], group, projections[i], ctxs[i], u, inner_in[i])
+            if i in projections
             else N
             for i, (N, u) in enumerate(zip(results, us, strict=True))
         ]
@@ -344,63 +345,52 @@ class GaLore(Transform):
         return out
 
     def _combine_many(
-        self, plans: dict[int, Plan], N: list[Tensor | LowRankUpdate], us: list[Tensor],
-        R: list[Tensor], states: list[State], group: Group,
+        self, projections: dict[int, Projection], N: list[Tensor | LowRankUpdate],
+        us: list[Tensor], R: list[Tensor], states: list[State], group: Group,
     ) -> dict[int, Tensor]:  # fmt: skip
         """Fira / APOLLO of the whole (unsharded) matrices of a batch at once
         (:func:`.residual.combine_many`); {index: dense update}. Sharded ones go per tensor."""
-        idx = [i for i, p in plans.items() if not p.placement.distributed and p.side != TUCKER]
+        idx = [
+            i
+            for i, p in projections.items()
+            if not p.plan.placement.distributed and p.side != TUCKER
+        ]
         if not residual.active(group) or len(idx) < 2:
             return {}
         fira = group["residual"] != "none"
         bases, biases = [], []
         for i in idx:
-            plan = plans[i]
-            P, Q = (
-                _projector(group, plan, us[i].shape).bases(states[i], plan)
-                if fira
-                else (None, None)
-            )
-            bases.append(P if plan.side == LEFT else Q)
+            bases.append(projections[i].basis(states[i]) if fira else None)
             bias = 1.0
             for t in self.inner:
                 bias *= t.bias_correction(states[i], group)
             biases.append(bias)
         decay = _decay(group)
         out = residual.combine_many(
-            [us[i].reshape(-1, plans[i].n) for i in idx], [R[i] for i in idx],
+            [projections[i].matrix(us[i]) for i in idx], [R[i] for i in idx],
             [dense(N[i]) for i in idx], bases, [states[i] for i in idx], group,
-            [plans[i].side for i in idx], biases, decay,
+            [projections[i].side for i in idx], biases, decay,
         )  # fmt: skip
         for i in idx:
             states[i]["galore.step"] += 1
         return {i: o.view(us[i].shape) for i, o in zip(idx, out, strict=True)}
 
-    def _project(self, u: Tensor, state: State, group: Group, ctx: Context) -> tuple[Plan, Tensor]:
+    def _project(
+        self, u: Tensor, state: State, group: Group, ctx: Context
+    ) -> tuple[Projection, Tensor]:
         """Refresh when due, then R = project(G) (this rank's part of it when sharded)."""
         plan = self.plan(state, group, ctx)
-        # this rank's rows of the m×n matrix; a Tucker weight keeps its N-d shape
-        G = u if plan.side == TUCKER else u.reshape(-1, plan.n)
+        projection = projection_for(group, plan, ctx.global_shape)
+        G = projection.matrix(u)  # this rank's rows; a Tucker weight keeps its N-d shape
         step = int(state["galore.step"])
         if step >= int(state["galore.next_refresh"]) and not ctx.refreshed:
             self.refresh(G, state, group, plan, step, index=ctx.index)
-        projector = _projector(group, plan, ctx.global_shape)
-        R = projector.project(G, state, plan)
-        # Sharded rows: PᵀG is a sum over ranks. Left: reduce-scatter it so Adam runs on a
-        # column shard (r × n/p); full (and a Tucker core with mode 0 reduced): all-reduce
-        # it. Right (G·Q) needs nothing.
-        if isinstance(projector, TuckerProjector):
-            if projector.core_is_partial(plan):
-                R = plan.placement.reduce(R)
-        elif plan.side == LEFT:
-            R = plan.placement.reduce_scatter_cols(R)
-        elif plan.side == FULL:
-            R = plan.placement.reduce(R)
-        return plan, R
+        return projection, projection.project(G, state)
 
     def _back(
-        self, N: Tensor, state: State, group: Group, plan: Plan, ctx: Context, u: Tensor, R: Tensor
-    ) -> LowRankUpdate | Tensor:
+        self, N: Tensor, state: State, group: Group, projection: Projection, ctx: Context,
+        u: Tensor, R: Tensor,
+    ) -> LowRankUpdate | Tensor:  # fmt: skip
         # The optimizer decays before applying an update (torch.optim.AdamW's order). For a
         # projected matrix GaLore decays *after* it (galore-torch, GaLore 2 paper):
         # (W − lr·u)(1 − lr·λ) = W(1 − lr·λ) − lr·(1 − lr·λ)·u, so fold (1 − lr·λ) in here,
@@ -408,33 +398,26 @@ class GaLore(Transform):
         shape = u.shape
         decay = _decay(group)
         factor = group["scale"] * decay
-        projector = _projector(group, plan, (plan.m, *shape[1:]))
-        if isinstance(projector, TuckerProjector):  # dense N ×_k U_k: this rank's rows
-            delta = projector.project_back(N, state, plan, ctx.param.dtype)
-            state["galore.step"] += 1
-            return delta.mul_(factor)
-        if residual.active(group):  # Fira / APOLLO: a dense update
-            return self._combine(N, state, group, plan, u, R, projector).mul_(decay).view(shape)
-        if plan.side == LEFT:  # every rank needs all of N for its rows P_i·N
-            N = plan.placement.all_gather_cols(N, plan.n)
-        A, B = projector.back_factors(N, state, plan, ctx.param.dtype)
+        if projection.side != TUCKER and residual.active(group):  # Fira / APOLLO: dense
+            return self._combine(N, state, group, projection, u, R).mul_(decay).view(shape)
+        delta = projection.back(N, state, ctx.param.dtype, shape, factor)
         state["galore.step"] += 1
-        return LowRankUpdate(A, B, shape, factor)
+        return delta
 
     def _combine(
-        self, N: Tensor, state: State, group: Group, plan: Plan, u: Tensor, R: Tensor,
-        projector: Projector,
+        self, N: Tensor, state: State, group: Group, projection: Projection, u: Tensor,
+        R: Tensor,
     ) -> Tensor:  # fmt: skip
         """Fira's residual compensation or APOLLO's gradient scaling (:mod:`.residual`)."""
-        if plan.side == LEFT:  # column shards of N and R: one all-gather brings both
-            r = N.shape[0]
-            both = plan.placement.all_gather_cols(torch.cat([N.float(), R.float()]), plan.n)
-            N, R = both[:r], both[r:]
-        P, Q = projector.bases(state, plan) if group["residual"] != "none" else (None, None)
+        N, R = projection.full(N, R)
+        plan = projection.plan
+        P, Q = (
+            projection.projector.bases(state, plan) if group["residual"] != "none" else (None, None)
+        )
         bias = 1.0
         for t in self.inner:
             bias *= t.bias_correction(state, group)
-        out = residual.combine(u.reshape(-1, plan.n), R, N, P, Q, state, group, plan, bias)
+        out = residual.combine(projection.matrix(u), R, N, P, Q, state, group, plan, bias)
         state["galore.step"] += 1
         return out
 
@@ -482,7 +465,8 @@ class GaLore(Transform):
         returns False (basis kept, retried next step) when there is no usable result.
         A Tucker weight's G is this rank's N-d gradient (it never comes precomputed);
         ``index``: the parameter's index (its phase under ``refresh_schedule="staggered"``)."""
-        projector = _projector(group, plan, () if G is None else (plan.m, *G.shape[1:]))
+        projection = projection_for(group, plan, () if G is None else (plan.m, *G.shape[1:]))
+        projector = projection.projector
         done = int(state["galore.refreshes"])
         if G is None:
             new = precomputed
@@ -504,7 +488,7 @@ class GaLore(Transform):
             for t in self.inner:
                 t.reset(state, group)
         elif old is not None:
-            rotate = _rotation(old, projector.bases(state, plan), plan)
+            rotate = projection.rotation(old, projector.bases(state, plan))
             for t in self.inner:
                 t.rotate(state, rotate)
         state["galore.refreshes"] += 1
@@ -633,37 +617,6 @@ def _next_gap(state: State, group: Group, similarity: float | None) -> int:
             gap = max(base, gap // 2)
     state["galore.gap"].fill_(gap)
     return gap
-
-
-def _rotation(
-    old: tuple[Tensor | None, Tensor | None],
-    new: tuple[Tensor | None, Tensor | None],
-    plan: Plan,
-) -> Callable[[Tensor, bool], Tensor]:
-    """Change of coordinates for moments when the basis moves from ``old`` to ``new``."""
-    if plan.side == TUCKER:  # per mode: core ×_k (U_k,newᵀ·U_k,old)
-        return TuckerProjector.rotation(old, new, plan)  # type: ignore[arg-type]
-    side = plan.side
-    C = None
-    if side in (LEFT, FULL):  # P is row-sharded: the r×r product is a sum over ranks
-        C = plan.placement.reduce(new[0].float().mT @ old[0].float())
-    D = old[1].float().mT @ new[1].float() if side in (RIGHT, FULL) else None  # r×r
-
-    def rotate(t: Tensor, squared: bool) -> Tensor:
-        x = t.float()
-        if C is not None:
-            x = (C * C if squared else C) @ x
-        if D is not None:
-            x = x @ (D * D if squared else D)
-        return x
-
-    return rotate
-
-
-def _projector(group: Group, plan: Plan, shape: tuple[int, ...] | torch.Size) -> Projector:
-    """The group's projector; for a Tucker weight (global ``shape``) its per-mode wrapper."""
-    base = get_projector(group["projector"])
-    return TuckerProjector(base, shape) if plan.side == TUCKER else base
 
 
 __all__ = ["FULL", "LEFT", "NONE", "RIGHT", "TUCKER", "GaLore"]

@@ -8,6 +8,10 @@ dtype, device) are stacked and projected by one ``torch.bmm`` against their stac
 and back-projected by another; the result is a dense update per matrix (a view of the
 batch), applied by the optimizer's foreach kernels.
 
+The side's products (and which basis they read) are its projection's
+(:class:`~galore2.optim.projection.LeftProjection` / ``RightProjection``: ``basis_key``,
+``project_stack``, ``back_stack``); this module only groups and stacks.
+
 Only the common case takes this path (:func:`batchable`): a left or right projection of a
 local (not sharded) 2-D weight, a dense fp32 / bf16 basis read by the base projector, no
 residual (Fira / APOLLO combine the update per tensor), and no refresh due this step. Every
@@ -29,18 +33,22 @@ import torch
 from torch import Tensor
 
 from ..core.transform import Context, State
-from ..projectors import LEFT, RIGHT, Projector, get_projector
+from ..projectors import Projector, get_projector
 from ..projectors.base import projection_precision
+from .projection import Projection
 
 MAX_MATRIX_BYTES = 16 * 2**20
 MAX_BATCH_BYTES = 256 * 2**20
 _DENSE_BASES = ("fp32", "bf16")
 
+#: (index, u, state, the projection's class): a matrix of a batch
+Item = tuple[int, Tensor, State, type[Projection]]
 
-def batchable(u: Tensor, state: State, group: dict[str, Any], ctx: Context, side: int) -> bool:
-    """Can this matrix's projection go through a shape batch this step?"""
+
+def batchable(u: Tensor, state: State, ctx: Context, kind: type[Projection]) -> bool:
+    """Can this matrix's projection (of class ``kind``) go through a shape batch this step?"""
     return (
-        side in (LEFT, RIGHT)
+        kind.stackable
         and u.dim() == 2
         and u.numel() * u.element_size() <= MAX_MATRIX_BYTES
         and not ctx.placement.distributed
@@ -61,12 +69,10 @@ def group_batchable(group: dict[str, Any]) -> bool:
     )
 
 
-def batches(
-    items: list[tuple[int, Tensor, State, int]],
-) -> list[list[tuple[int, Tensor, State, int]]]:
-    """``(index, u, state, side)`` items split into batches of one (side, shape, dtype,
-    device), each at most :data:`MAX_BATCH_BYTES` of gradients."""
-    by_key: dict[tuple, list[tuple[int, Tensor, State, int]]] = {}
+def batches(items: list[Item]) -> list[list[Item]]:
+    """:data:`Item` s split into batches of one (projection, shape, dtype, device), each at
+    most :data:`MAX_BATCH_BYTES` of gradients."""
+    by_key: dict[tuple, list[Item]] = {}
     for item in items:
         u = item[1]
         by_key.setdefault((item[3], u.shape, u.dtype, u.device), []).append(item)
@@ -83,34 +89,31 @@ def _basis(states: list[State], key: str, dtype: torch.dtype) -> Tensor:
     return stacked if stacked.dtype == dtype else stacked.to(dtype)
 
 
-def project(
-    batch: list[tuple[int, Tensor, State, int]], precision: str = "fp32"
-) -> tuple[Tensor, list[Tensor]]:
+def project(batch: list[Item], precision: str = "fp32") -> tuple[Tensor, list[Tensor]]:
     """(the stacked bases, R of each matrix): R = PᵀG (left) or G·Q (right), one ``bmm`` at
     the group's ``proj_precision`` (as :meth:`Projector.project` does per matrix)."""
-    side, dtype = batch[0][3], batch[0][1].dtype
+    kind, dtype = batch[0][3], batch[0][1].dtype
     states = [s for _, _, s, _ in batch]
     G = torch.stack([u for _, u, _, _ in batch])
-    B = _basis(states, "proj.left" if side == LEFT else "proj.right", dtype)
+    B = _basis(states, kind.basis_key, dtype)
     at, context = projection_precision(G, precision)
     X, Y = (G, B) if at == dtype else (G.to(at), B.to(at))
     with context:
-        R = torch.bmm(Y.mT, X) if side == LEFT else torch.bmm(X, Y)
+        R = kind.project_stack(X, Y)
     if R.dtype != dtype:
         R = R.to(dtype)
     return B, list(R.unbind(0))
 
 
 def back(
-    batch: list[tuple[int, Tensor, State, int]], B: Tensor, Ns: list[Tensor],
-    dtype: torch.dtype, factor: float,
-) -> list[Tensor]:  # fmt: skip
+    batch: list[Item], B: Tensor, Ns: list[Tensor], dtype: torch.dtype, factor: float
+) -> list[Tensor]:
     """Dense updates ``factor · P·N`` (left) or ``factor · N·Qᵀ`` (right) in ``dtype``, one
     ``bmm``; counts each matrix's GaLore step."""
-    side = batch[0][3]
+    kind = batch[0][3]
     N = torch.stack(Ns)
     N, B = (N if N.dtype == dtype else N.to(dtype)), (B if B.dtype == dtype else B.to(dtype))
-    out = torch.bmm(B, N) if side == LEFT else torch.bmm(N, B.mT)
+    out = kind.back_stack(N, B)
     if factor != 1.0:
         out.mul_(factor)
     torch._foreach_add_([state["galore.step"] for _, _, state, _ in batch], 1)  # host counters

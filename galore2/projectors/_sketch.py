@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .._numerics import generator_for, mix_seed
-from ..placement import LOCAL, Placement
+from ..placement import LOCAL, Collective, Placement
 
 # ‖Q₁ᵀQ₁ − I‖_F above which CholeskyQR2's first pass is deemed to have failed: below it
 # κ(Q₁)² ≤ 3 and the second pass is as accurate as Householder QR.
@@ -55,6 +55,15 @@ def cholesky_qr2(Y: Tensor, placement: Placement = LOCAL) -> tuple[Tensor, Tenso
     eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
     near = torch.linalg.matrix_norm(gram - eye) <= _CERTIFY
     return Q, (info1 == 0) & (info2 == 0) & near
+
+
+def gram_collectives(k: int, where: str) -> list[Collective]:
+    """What :func:`cholesky_qr2` of a row-sharded Y with ``k`` columns issues: two k×k Gram
+    all-reduces, the first in fp64 (its fp64 retry after a failed certificate is not listed)."""
+    return [
+        Collective("all_reduce", (k, k), torch.float64, f"{where}: CholeskyQR2 Gram 1 (float64)"),
+        Collective("all_reduce", (k, k), torch.float32, f"{where}: CholeskyQR2 Gram 2"),
+    ]
 
 
 def householder(Y: Tensor) -> Tensor:

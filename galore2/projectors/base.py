@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .._numerics import all_finite
-from ..placement import LOCAL, Placement
+from ..placement import LOCAL, Collective, Placement
 from ..storage.basis import KEY_SUFFIXES, basis_format, basis_zeros
 
 State = dict[str, Tensor]
@@ -120,6 +120,15 @@ def usable_norm(G: Tensor, placement: Placement = LOCAL) -> float | None:
     if bad or not math.isfinite(norm) or norm <= 0:
         return None
     return norm
+
+
+#: what :func:`usable_norm` issues on a sharded G: an any-non-finite flag, then Σ‖G_i‖²
+USABLE_NORM = (
+    Collective("all_reduce", (1,), torch.int32, "usable_norm: any non-finite"),
+    Collective("all_reduce", (1,), torch.float64, "usable_norm: Σ‖G_i‖²"),
+)
+#: what :meth:`Projector.checked` issues: one flag, the new basis is finite on every rank
+BASIS_CHECK = Collective("all_reduce", (1,), torch.int32, "Projector.refresh: any non-finite basis")
 
 
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -285,6 +294,21 @@ class Projector:
     ) -> dict[str, Tensor]:
         """Compute new bases from a finite, nonzero fp32 ``G`` (``{"left": P, "right": Q}``)."""
         raise NotImplementedError
+
+    def refresh_collectives(
+        self, plan: Plan, group: dict, world: int, first: bool
+    ) -> list[Collective]:
+        """The collectives one :meth:`refresh` of a sharded G issues on a shard group of
+        ``world`` ranks, in order (a usable G, the ordinary fp32 path): :func:`usable_norm`,
+        :meth:`find_collectives`, the finite-basis check. ``first``: the weight's first
+        refresh."""
+        return [*USABLE_NORM, *self.find_collectives(plan, group, world, first), BASIS_CHECK]
+
+    def find_collectives(
+        self, plan: Plan, group: dict, world: int, first: bool
+    ) -> list[Collective]:
+        """The collectives :meth:`find` issues on a row-sharded G (none here)."""
+        return []
 
     # ---- projection --------------------------------------------------------------
     def project(self, G: Tensor, state: State, plan: Plan) -> Tensor:

@@ -14,9 +14,11 @@ Cost: O(m·n·r·2q) per refresh.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-from ._sketch import warm_left, warm_right
+from ..placement import Collective
+from ._sketch import gram_collectives, warm_left, warm_right
 from .base import FULL, LEFT, RIGHT, Plan, State, align_signs
 from .randomized import RandomizedProjector
 
@@ -47,4 +49,24 @@ class PowerProjector(RandomizedProjector):
         if side in (RIGHT, FULL):
             assert old_Q is not None
             out["right"] = align_signs(warm_right(G, old_Q.to(G.dtype), iters, pl), old_Q)
+        return out
+
+    def find_collectives(
+        self, plan: Plan, group: dict, world: int, first: bool
+    ) -> list[Collective]:
+        """The first refresh: a randomized cold start's. Later ones, q = ``power_iters``:
+        left — q × (Gᵀ·Y: n×r, CholeskyQR2 of r columns), ``align_signs`` (r); right —
+        q × Gᵀ·(G·Y) (n×r)."""
+        if first:
+            return super().find_collectives(plan, group, world, first)
+        n, r, f32 = plan.n, plan.rank, torch.float32
+        q = int(group["power_iters"])
+        out: list[Collective] = []
+        if plan.side in (LEFT, FULL):
+            for _ in range(q):
+                out.append(Collective("all_reduce", (n, r), f32, "warm_left: GᵀY"))
+                out += gram_collectives(r, "warm_left")
+            out.append(Collective("all_reduce", (r,), f32, "align_signs (left)"))
+        if plan.side in (RIGHT, FULL):
+            out += [Collective("all_reduce", (n, r), f32, "warm_right: Gᵀ(GY)")] * q
         return out

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from .._numerics import generator_for, mix_seed
-from ..placement import LOCAL
+from ..placement import LOCAL, Collective
 from ._sketch import orthonormalize_rows
-from .base import FULL, LEFT, RIGHT, Plan, Projector, State, usable_norm
+from .base import FULL, LEFT, RIGHT, USABLE_NORM, Plan, Projector, State, usable_norm
 
 
 def gaussian_basis(rows: int, rank: int, seed: int, device: torch.device) -> Tensor:
@@ -62,6 +62,12 @@ class RandomProjector(Projector):
         ):  # same contract as every projector: keep the basis
             return None
         return {"seed": torch.tensor(seed, dtype=torch.int64)}
+
+    def refresh_collectives(
+        self, plan: Plan, group: dict, world: int, first: bool
+    ) -> list[Collective]:
+        """Only :func:`usable_norm`'s: the new basis is a seed, nothing to check."""
+        return list(USABLE_NORM)
 
     def similarity(self, new: dict[str, Tensor], state: State, plan: Plan) -> float:
         """Overlap of the spans of the old and the newly drawn bases (≈ r/dim: independent

@@ -12,10 +12,12 @@ Cost: O(m·n·(r+p)·(2+2q)) per refresh.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from .._numerics import mix_seed
-from ._sketch import left_basis, right_basis
+from ..placement import Collective
+from ._sketch import gram_collectives, left_basis, right_basis
 from .base import FULL, LEFT, RIGHT, Plan, Projector, State, align_signs
 
 
@@ -44,4 +46,30 @@ class RandomizedProjector(Projector):
         if side in (RIGHT, FULL):
             Q = right_basis(G, plan.m, rank, over, iters, mix_seed(seed, 2), pl)
             out["right"] = Q if old_Q is None else align_signs(Q, old_Q)
+        return out
+
+    def find_collectives(
+        self, plan: Plan, group: dict, world: int, first: bool
+    ) -> list[Collective]:
+        """Sharded sketches, k = min(r + oversample, m, n), q = ``power_iters``: left —
+        CholeskyQR2 of G·Ω, q × (Gᵀ·Y: n×k, CholeskyQR2), Yᵀ·G (k×n, when k > r),
+        ``align_signs`` (r; against the zero basis at the first refresh too); right — Gᵀ·Ω
+        (n×k), q × Gᵀ·(G·Y), CᵀC (k×k, when k > r): Q is replicated, so its
+        orthonormalization and sign alignment are local."""
+        m, n, r, f32 = plan.m, plan.n, plan.rank, torch.float32
+        q, k = int(group["power_iters"]), min(r + int(group["oversample"]), m, n)
+        out: list[Collective] = []
+        if plan.side in (LEFT, FULL):
+            out += gram_collectives(k, "left_basis: G·Ω")
+            for _ in range(q):
+                out.append(Collective("all_reduce", (n, k), f32, "left_basis: GᵀY"))
+                out += gram_collectives(k, "left_basis: G·(GᵀY)")
+            if k > r:
+                out.append(Collective("all_reduce", (k, n), f32, "left_basis: B = YᵀG"))
+            out.append(Collective("all_reduce", (r,), f32, "align_signs (left)"))
+        if plan.side in (RIGHT, FULL):
+            out.append(Collective("all_reduce", (n, k), f32, "right_basis: GᵀΩ"))
+            out += [Collective("all_reduce", (n, k), f32, "right_basis: Gᵀ(GY)")] * q
+            if k > r:
+                out.append(Collective("all_reduce", (k, k), f32, "right_basis: CᵀC"))
         return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..placement import Collective
 from .base import FULL, LEFT, RIGHT, Plan, Projector, State
 
 
@@ -38,6 +39,31 @@ class SVDProjector(Projector):
         owner = self.owner(state, plan)
         full = pl.gather_rows(G, owner)
         return self.distribute(self.compute(full, plan), owner, plan, G.device)
+
+    def find_collectives(
+        self, plan: Plan, group: dict, world: int, first: bool
+    ) -> list[Collective]:
+        """A gather of G's rows onto the owner (p·⌈m/p⌉ × n fp32, padded), then a broadcast
+        of the owner's P (m×r) and / or Q (n×r)."""
+        f32, chunk = torch.float32, -(-plan.m // world)
+        out = [
+            Collective(
+                "gather", (world * chunk, plan.n), f32, "SVDProjector.find: G rows onto the owner"
+            )
+        ]
+        if plan.side in (LEFT, FULL):
+            out.append(
+                Collective(
+                    "broadcast", (plan.m, plan.rank), f32, "SVDProjector.find: P from the owner"
+                )
+            )
+        if plan.side in (RIGHT, FULL):
+            out.append(
+                Collective(
+                    "broadcast", (plan.n, plan.rank), f32, "SVDProjector.find: Q from the owner"
+                )
+            )
+        return out
 
     @staticmethod
     def owner(state: State, plan: Plan) -> int:

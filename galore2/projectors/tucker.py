@@ -32,18 +32,20 @@ keeps the weight's dim 0 and is row-sharded like it, with no communication.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from .._numerics import mix_seed
-from ..placement import LOCAL, Placement
+from ..placement import LOCAL, Collective, Placement
 from ..storage.basis import KEY_SUFFIXES, basis_format, basis_zeros
 from ._sketch import orthonormalize_rows
 from .base import (
     LEFT,
     RIGHT,
+    USABLE_NORM,
     Plan,
     Projector,
     State,
@@ -248,19 +250,60 @@ class TuckerProjector(Projector):
             out[f"mode{k}"] = found[key]
         return out
 
-    def _mode_problem(self, G: Tensor, k: int, plan: Plan) -> tuple[Plan, Tensor]:
-        """Mode k's factor as an ordinary projector problem: (its plan, its matrix)."""
-        ranks = self.ranks(plan)
+    def refresh_collectives(
+        self, plan: Plan, group: dict, world: int, first: bool
+    ) -> list[Collective]:
+        """As :meth:`Projector.refresh_collectives`; a random base: :func:`usable_norm` only."""
+        if self._random:
+            return list(USABLE_NORM)
+        return super().refresh_collectives(plan, group, world, first)
+
+    def find_collectives(
+        self, plan: Plan, group: dict, world: int, first: bool
+    ) -> list[Collective]:
+        """``svd``: one gather of G's rows (p·⌈d_0/p⌉ × rest), a broadcast of each factor
+        (d_k × r_k) and ``align_signs`` of U_0 (r_0); otherwise the base projector's per
+        reduced mode, on the mode's matrix problem (:meth:`_mode_plan_of`)."""
+        modes, ranks, f32 = self.modes(plan), self.ranks(plan), torch.float32
+        if isinstance(self.base, SVDProjector):
+            chunk = -(-self.shape[0] // world)
+            source = "TuckerProjector._exact"
+            out = [
+                Collective(
+                    "gather", (world * chunk, self._rest), f32, f"{source}: G rows onto the owner"
+                )
+            ]
+            for k in modes:
+                out.append(
+                    Collective("broadcast", (self.shape[k], ranks[k]), f32, f"{source}: U_{k}")
+                )
+            if 0 in modes:
+                out.append(Collective("all_reduce", (ranks[0],), f32, "align_signs (mode 0)"))
+            return out
+        return [
+            replace(c, source=f"mode {k}: {c.source}")
+            for k in modes
+            for c in self.base.find_collectives(self._mode_plan_of(plan, k), group, world, first)
+        ]
+
+    @property
+    def _rest(self) -> int:
+        """d_1·d_2·…: the columns of G seen as d_0 × rest."""
         rest = 1
         for d in self.shape[1:]:
             rest *= d
+        return rest
+
+    def _mode_plan_of(self, plan: Plan, k: int) -> Plan:
+        """Mode k's factor as an ordinary projector problem's plan: a left basis of
+        d_0 × rest (k = 0) or a right basis of the mode-k unfolding (k ≥ 1)."""
+        ranks, rest = self.ranks(plan), self._rest
         dense = {"basis": "fp32", "hadamard": False}  # sub-problems see dense bases
         if k == 0:  # left basis of G as d_0 × rest: rows sharded like the weight
-            sub = plan._replace(side=LEFT, m=self.shape[0], n=rest, rank=ranks[0], **dense)
-            return sub, G.reshape(G.shape[0], -1)
+            return plan._replace(side=LEFT, m=self.shape[0], n=rest, rank=ranks[0], **dense)
         block = rest // self.shape[k]
         pl = plan.placement
-        sub = plan._replace(
+        return plan._replace(
             **dense,
             side=RIGHT,
             m=self.shape[0] * block,
@@ -268,7 +311,11 @@ class TuckerProjector(Projector):
             rank=ranks[k],
             placement=_UnfoldedRows(pl, block) if pl.distributed else pl,
         )
-        return sub, unfold(G, k)
+
+    def _mode_problem(self, G: Tensor, k: int, plan: Plan) -> tuple[Plan, Tensor]:
+        """Mode k's factor as an ordinary projector problem: (its plan, its matrix)."""
+        matrix = G.reshape(G.shape[0], -1) if k == 0 else unfold(G, k)
+        return self._mode_plan_of(plan, k), matrix
 
     def _exact(
         self, G: Tensor, old: tuple[Tensor | None, ...], state: State, plan: Plan
