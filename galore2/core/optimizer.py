@@ -146,6 +146,8 @@ class ChainOptimizer(torch.optim.Optimizer):
         self._owns_decay = any(t.owns_weight_decay for t in self._param_transforms)
         self._placements: dict[int, Placement] = {}
         self._contexts: dict[int, Context] = {}  # plain parameters' contexts, by id()
+        # per group (its id()): (state mapping, items, lists) of the last _gather
+        self._gather_cache: dict[int, tuple[Any, list, tuple[list, ...]]] = {}
         # capturable: skips counted on the device, per batch of parameters (their ids)
         self._pending_skips: dict[tuple[int, ...], tuple[list[Tensor], Tensor]] = {}
         self._where: tuple[int, dict[int, tuple[dict[str, Any], int]]] | None = None
@@ -533,6 +535,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         lr, local views, the gradient modules, and the non-finite flags (on the device)."""
         if not items:
             return None
+        key = id(group)
         if self._schedule is not None:  # built-in schedule: lr = schedule(group, step count)
             for index, _, p in items:
                 if not self.state[p]:
@@ -545,24 +548,59 @@ class ChainOptimizer(torch.optim.Optimizer):
         if self._owns_decay:  # a parameter module (stable weight decay) applies the decay
             group = {**group, "weight_decay": 0.0}
         batch = _Batch(group, given)
-        for index, grad, p in items:
-            state = self.state[p]
-            if not state:
-                self._init_param_state(p, group, index)
-            ctx = self._context(p, index)
-            grad = _real(ctx.placement.local(grad))
-            if ctx.placement.distributed:  # transforms see local views of DTensor state
-                state = {k: ctx.placement.local(v) for k, v in state.items()}
-            batch.owners.append(p)
-            batch.params.append(ctx.param)
-            batch.states.append(state)
-            batch.ctxs.append(ctx)
-            batch.grads.append(-grad if group["maximize"] else grad)
+        cached = self._gathered(key, items)
+        if cached is not None:  # the same parameters as last step: no per-parameter Python
+            batch.owners, batch.params, batch.states, batch.ctxs = cached
+            grads = [g for _, g, _ in items]
+            if group["maximize"]:
+                grads = list(torch._foreach_neg(grads)) if len(grads) > 1 else [-grads[0]]
+            batch.grads = grads
+        else:
+            plain = True  # local real tensors only: the lists can be reused next step
+            for index, grad, p in items:
+                state = self.state[p]
+                if not state:
+                    self._init_param_state(p, group, index)
+                ctx = self._context(p, index)
+                plain = plain and ctx.placement is LOCAL and not p.is_complex()
+                grad = _real(ctx.placement.local(grad))
+                if ctx.placement.distributed:  # transforms see local views of DTensor state
+                    state = {k: ctx.placement.local(v) for k, v in state.items()}
+                batch.owners.append(p)
+                batch.params.append(ctx.param)
+                batch.states.append(state)
+                batch.ctxs.append(ctx)
+                batch.grads.append(-grad if group["maximize"] else grad)
+            if plain:
+                lists = (batch.owners, batch.params, batch.states, batch.ctxs)
+                self._gather_cache[key] = (self.state, items, lists)
         for hook in self._grad_transforms:  # full-space gradient modules, in place
             for g, state, ctx in zip(batch.grads, batch.states, batch.ctxs, strict=True):
                 hook.apply_(g, group, state, ctx)
         batch.flags = NonFinitePolicy.check(group, batch.grads, [c.placement for c in batch.ctxs])
         return batch
+
+    def _gathered(
+        self, key: int, items: list[tuple[int, Tensor, Tensor]]
+    ) -> tuple[list[Tensor], list[Tensor], list[dict[str, Tensor]], list[Context]] | None:
+        """The lists :meth:`_gather` built last step for this group, if they still hold: the
+        same parameters at the same indices, the same ``state`` mapping (not replaced by
+        ``load_state_dict``) and the same state dicts; None otherwise (they are rebuilt).
+        Only groups of local real tensors are cached (see ``_gather``)."""
+        found = self._gather_cache.get(key)
+        if found is None:
+            return None
+        state, old, lists = found
+        if state is not self.state or len(old) != len(items):
+            return None
+        for (i, _, p), (j, _, q) in zip(items, old, strict=True):
+            if p is not q or i != j:
+                return None
+        owners, params, states, ctxs = lists
+        for p, s, ctx in zip(owners, states, ctxs, strict=True):
+            if ctx.refreshed or self.state.get(p) is not s or not s:
+                return None
+        return [*owners], [*params], [*states], [*ctxs]
 
     def _run(
         self, batches: list[_Batch]

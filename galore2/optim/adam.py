@@ -390,12 +390,16 @@ class ScaleByAdam(Transform):
         exp_avgs = [s["adam.exp_avg"] for s in states]
         exp_avg_sqs = [s["adam.exp_avg_sq"] for s in states]
         us = [u if u.dtype == m.dtype else u.to(m.dtype) for u, m in zip(us, exp_avgs, strict=True)]
+        steps = [s["adam.step"] for s in states]
+        torch._foreach_add_(steps, 1)  # host counters, one call
+        known: dict[int, tuple[float, float]] = {}  # usually one step count for all
         scales, shifts = [], []
-        torch._foreach_add_([s["adam.step"] for s in states], 1)  # host counters, one call
-        for s in states:
-            scale, shift = _corrections(beta1, beta2, group["eps"], int(s["adam.step"]))
-            scales.append(scale)
-            shifts.append(shift)
+        for t in map(int, steps):
+            found = known.get(t)
+            if found is None:
+                found = known[t] = _corrections(beta1, beta2, group["eps"], t)
+            scales.append(found[0])
+            shifts.append(found[1])
         return exp_avgs, exp_avg_sqs, us, scales, shifts
 
     @staticmethod
