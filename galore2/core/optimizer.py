@@ -44,6 +44,7 @@ from .. import _numerics
 from ..fsdp.detect import is_dtensor  # cheap: imports nothing distributed
 from ..kernels.dispatch import run_kernel
 from ..placement import LOCAL, Placement
+from .masked import Snapshot, masked_grads
 from .modules import GradientTransform, LRSchedule, ParamTransform, run_param_transforms
 from .nonfinite import SKIPS, NonFinitePolicy, read_flags
 from .options import Bool, LearningRate, Option, Optional, Real, closest, collect, hints, resolve
@@ -386,8 +387,10 @@ class ChainOptimizer(torch.optim.Optimizer):
         params = [p for owners, _ in pending.values() for p in owners]
         counts = _numerics.host_list(torch.cat([c.to(torch.int64) for _, c in pending.values()]))
         for p, n in zip(params, counts, strict=True):
-            self.state[p][SKIPS] += n
-        pending.clear()
+            if n:
+                self.state[p][SKIPS] += n
+        for _, c in pending.values():  # zeroed in place: a captured step keeps adding into it
+            c.zero_()
 
     def state_dict(self) -> dict[str, Any]:
         """torch's ``state_dict``, with the skips counted on the device added to the state first."""
@@ -631,24 +634,27 @@ class ChainOptimizer(torch.optim.Optimizer):
     def _run_masked(self, batch: _Batch) -> list[tuple[dict[str, Any], dict[str, Tensor], Context]]:
         """``capturable=True``: no host read and no tensor created on the host. Every parameter
         steps on its gradient with an unusable one replaced by zeros; the weights and device
-        state of those masked out are put back from a copy (see :mod:`galore2.core.nonfinite`).
+        state of those masked out are put back from a snapshot (see
+        :mod:`galore2.core.nonfinite`).
 
-        The flags stay one stacked device tensor: the skips are counted by one add per batch,
-        the copy of the floating-point state is one foreach kernel, and each parameter's
-        decay factor and update mask are entries of it (no ``torch.where`` with a Python
-        scalar, which would create a tensor on the host every step)."""
+        The flags stay one stacked device tensor: the skips are counted by one add per batch;
+        the gradients are masked and the state is saved and restored a few kernels per
+        (device, dtype) (:mod:`galore2.core.masked`); each parameter's decay factor and update
+        mask are entries of device tensors, applied by foreach kernels (no ``torch.where``
+        with a Python scalar, which would create a tensor on the host every step)."""
         group, ok = batch.group, batch.flags
-        lr = float(group["lr"])
-        decay = 1.0 - lr * group["weight_decay"]
         if ok is None:  # nonfinite="ignore": nothing to mask
             return self._run_live(batch, batch.params, batch.states, batch.ctxs, batch.grads)
         bad = ~ok
         self._count_skips(batch.owners, bad)
-        okf, badf = ok.to(torch.float32), bad.to(torch.float32)
-        oks, okfs, bads = ok.unbind(), okf.unbind(), bad.unbind()
+        lr = float(group["lr"])
+        decay = 1.0 - lr * group["weight_decay"]
+        okf = ok.to(torch.float32)
         # ok·decay + (1 − ok): float32(decay) where usable, exactly 1 where masked
-        decays = torch.add(badf, okf, alpha=decay).unbind() if decay != 1.0 else None
-        grads = [g.masked_fill(b, 0.0) for g, b in zip(batch.grads, bads, strict=True)]
+        decays = (
+            torch.add(bad.to(torch.float32), okf, alpha=decay).unbind() if decay != 1.0 else None
+        )
+        grads = masked_grads(batch.grads, bad)
         device = batch.params[0].device if batch.params else None
         kept = [
             (i, key)
@@ -656,30 +662,11 @@ class ChainOptimizer(torch.optim.Optimizer):
             for key, t in state.items()
             if t.device == device and not _counter(t)
         ]
-        floats = [(i, k) for i, k in kept if batch.states[i][k].is_floating_point()]
-        copies = torch._foreach_mul([batch.states[i][k] for i, k in floats], 1.0) if floats else []
-        saved = dict(zip(floats, copies, strict=True))
-        saved.update({(i, k): batch.states[i][k].clone() for i, k in kept if (i, k) not in saved})
-        self._chain[0].prepare(grads, batch.states, group, batch.ctxs)
-        for chunk in _chunks(batch.params, group.get("foreach")):
-            outs = run_chain(
-                self._chain,
-                [grads[i] for i in chunk],
-                [batch.states[i] for i in chunk],
-                group,
-                [batch.ctxs[i] for i in chunk],
-            )
-            for i, u in zip(chunk, outs, strict=True):
-                p = batch.params[i]
-                if decays is not None:
-                    p.mul_(decays[i])
-                if isinstance(u, LowRankUpdate):
-                    apply_update(p, LowRankUpdate(u.A, u.B * okfs[i], u.shape, u.scale), lr, 1.0)
-                else:  # u is finite (zero gradient, finite state): u·0 is 0
-                    p.addcmul_(u, okfs[i], value=-lr)
-        for (i, key), before in saved.items():
-            current = batch.states[i][key]
-            torch.where(oks[i], current, before, out=current)
+        snapshot = Snapshot(batch.states, kept) if kept else None
+        self._run_live(batch, batch.params, batch.states, batch.ctxs, grads,
+                       masks=(okf.unbind(), decays))  # fmt: skip
+        if snapshot is not None:
+            snapshot.restore(batch.states, bad)
         return [(batch.given, s, c) for s, c in zip(batch.states, batch.ctxs, strict=True)]
 
     def _run_live(
@@ -689,8 +676,10 @@ class ChainOptimizer(torch.optim.Optimizer):
         states: list[dict[str, Tensor]],
         ctxs: list[Context],
         grads: list[Tensor],
+        masks: tuple[Sequence[Tensor], Sequence[Tensor] | None] | None = None,
     ) -> list[tuple[dict[str, Any], dict[str, Tensor], Context]]:
-        """The chain and the updates of ``params`` (all usable), batched per ``foreach``."""
+        """The chain and the updates of ``params`` (all usable, or ``masks``: each one's
+        update mask and decay factor as 0-d device tensors), batched per ``foreach``."""
         group = batch.group
         lr = float(group["lr"])
         decay = 1.0 - lr * group["weight_decay"]
@@ -703,7 +692,15 @@ class ChainOptimizer(torch.optim.Optimizer):
                 group,
                 [ctxs[i] for i in chunk],
             )
-            apply_updates([params[i] for i in chunk], outs, lr, decay)
+            ps = [params[i] for i in chunk]
+            if masks is None:
+                apply_updates(ps, outs, lr, decay)
+                continue
+            okfs, decays = masks
+            apply_masked(
+                ps, outs, lr, [okfs[i] for i in chunk],
+                None if decays is None else [decays[i] for i in chunk],
+            )  # fmt: skip
         return [(batch.given, state, ctx) for state, ctx in zip(states, ctxs, strict=True)]
 
     def _count_skips(self, owners: list[Tensor], bad: Tensor) -> None:
@@ -799,6 +796,31 @@ def apply_updates(
     for p, u in zip(params, updates, strict=True):
         if len(dense) <= 1 or isinstance(u, LowRankUpdate):
             apply_update(p, u, lr, decay)
+
+
+def apply_masked(
+    params: list[Tensor],
+    updates: list[Tensor | LowRankUpdate],
+    lr: float,
+    masks: list[Tensor],
+    decays: list[Tensor] | None,
+) -> None:
+    """``p ← decay·p − lr·mask·u`` with ``mask`` (1 or 0) and ``decay`` 0-d device tensors per
+    parameter (the masked step, ``capturable=True``): dense updates by two foreach kernels,
+    low-rank ones by their factor ``B`` times the mask and one fused matmul each. Updates are
+    finite (a masked parameter stepped on a zero gradient), so ``u·0`` is 0."""
+    dense = [i for i, u in enumerate(updates) if not isinstance(u, LowRankUpdate)]
+    if dense:
+        ps = [params[i] for i in dense]
+        if decays is not None:
+            torch._foreach_mul_(ps, [decays[i] for i in dense])
+        us = [updates[i] for i in dense]
+        torch._foreach_addcmul_(ps, us, [masks[i] for i in dense], value=-lr)  # type: ignore[arg-type]
+    for p, u, mask, i in zip(params, updates, masks, range(len(params)), strict=True):
+        if isinstance(u, LowRankUpdate):
+            if decays is not None:
+                p.mul_(decays[i])
+            apply_update(p, LowRankUpdate(u.A, u.B * mask, u.shape, u.scale), lr, 1.0)
 
 
 def apply_update(p: Tensor, u: Tensor | LowRankUpdate, lr: float, decay: float) -> None:

@@ -41,12 +41,14 @@ def _grads(model: TinyNet, step: int) -> None:
     (model(x) - y).pow(2).mean().backward()
 
 
+@pytest.mark.parametrize("foreach", [None, True])  # per tensor; batched (galore2.core.masked)
 @pytest.mark.parametrize("bad", [float("nan"), 1e30])  # NaN, and a sum of squares overflowing
-def test_masked_step_equals_skip(bad):
+def test_masked_step_equals_skip(bad, foreach):
     torch.manual_seed(0)
     model = TinyNet()
     twin = copy.deepcopy(model)
     settings = {"rank": 4, "update_proj_gap": 2, "weight_decay": 0.1, "lr": 1e-2}
+    settings |= {} if foreach is None else {"foreach": foreach}
     capt = galore2.GaLoreAdamW(galore_groups(model, **settings), capturable=True)
     skip = galore2.GaLoreAdamW(galore_groups(twin, **settings))
     for step in range(3):  # the same trajectory to rounding
