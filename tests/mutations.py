@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COPIED = ("galore2", "tests", "recipes", "tools", "pyproject.toml")
+COPIED = ("galore2", "tests", "recipes", "benchmarks", "tools", "pyproject.toml")
 TIMEOUT_S = 1800
 
 
@@ -455,6 +455,30 @@ MUTATIONS: tuple[Mutation, ...] = (
         "weight = 1.0",
         ("tests/optim/test_batched_rules.py",),
         "batched Adafactor: the second-moment estimate forgets everything each step (β̂₂ = 0)",
+    ),
+    Mutation(
+        "masked_restore",
+        "galore2/core/masked.py",
+        "torch.where(where, saved, current, out=current)",
+        "torch.where(where, current, current, out=current)",
+        ("tests/core/test_capturable.py",),
+        "capturable: a masked parameter's state is not put back (its moments decay)",
+    ),
+    Mutation(
+        "masked_device_counter",
+        "galore2/core/optimizer.py",
+        "if t.device == device and (not _counter(t) or key in self._device_counters)",
+        "if t.device == device and not _counter(t)",
+        ("tests/core/test_capturable.py",),
+        "capturable: Adam's step counter advances for a masked parameter (on the CPU)",
+    ),
+    Mutation(
+        "device_bias_correction",
+        "galore2/optim/adam.py",
+        'scale, shift = bc[0] / bc[1].sqrt(), bc[0] * group["eps"]',
+        'scale, shift = bc[0] / bc[1], bc[0] * group["eps"]',
+        ("tests/core/test_capture_ready.py",),
+        "capturable foreach Adam: the second bias correction is not square-rooted",
     ),
 )
 

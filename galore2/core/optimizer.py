@@ -144,6 +144,11 @@ class ChainOptimizer(torch.optim.Optimizer):
             *([self._schedule] if self._schedule is not None else []),
         ]
         self.declared = self.declared_options(self._all_modules)
+        # counters a capturable step keeps on the parameters' device (Adam's step): restored
+        # for a masked parameter like the rest of its state, on every device
+        self._device_counters = frozenset(
+            k for m in walk(self._all_modules) for k in getattr(m, "device_counters", ())
+        )
         self._owns_decay = any(t.owns_weight_decay for t in self._param_transforms)
         self._placements: dict[int, Placement] = {}
         self._contexts: dict[int, Context] = {}  # plain parameters' contexts, by id()
@@ -660,7 +665,7 @@ class ChainOptimizer(torch.optim.Optimizer):
             (i, key)
             for i, state in enumerate(batch.states)
             for key, t in state.items()
-            if t.device == device and not _counter(t)
+            if t.device == device and (not _counter(t) or key in self._device_counters)
         ]
         snapshot = Snapshot(batch.states, kept) if kept else None
         self._run_live(batch, batch.params, batch.states, batch.ctxs, grads,

@@ -222,12 +222,24 @@ class ScaleByAdam(Transform):
     }
     linear_keys = ("adam.exp_avg",)
     quadratic_keys = ("adam.exp_avg_sq",)
+    #: kept on the parameters' device with ``capturable=True`` (see :func:`count_step`)
+    device_counters = ("adam.step",)
 
     def __init__(self, *, moments: str = "state_dtype") -> None:
         self.moments = check_moments(moments)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(moments={self.moments!r})"
+
+    def capture_problem(self, group: Group) -> str | None:
+        """Why a step of this rule cannot replay from a CUDA graph (None: it can; see
+        :mod:`galore2.core.capture`): 8-bit moments quantize through host-side paths, and
+        ``compile=True`` compiles inside the step."""
+        if self.moments != "state_dtype":
+            return "8-bit moments are not captured (their quantizers read the host)"
+        if group.get("compile"):
+            return "compile=True compiles inside the step: capture without it"
+        return None
 
     def complex_problem(self, group: Group) -> str | None:
         """Adam is elementwise: on a complex parameter's real view it is

@@ -209,6 +209,14 @@ class GaLore(Transform):
             )
         super().validate(group)
 
+    def capture_problem(self, group: Group) -> str | None:
+        """Why a non-refresh step cannot replay from a CUDA graph (None: it can, see
+        :mod:`galore2.core.capture`): the random projector regenerates its basis from a
+        host seed at every step."""
+        if group["rank"] is not None and group["projector"] == "random":
+            return "GaLore's random projector regenerates its basis from a host seed each step"
+        return None
+
     def complex_problem(self, group: Group) -> str | None:
         """Transparent without a rank; a projection (rank set) is not defined for complex
         parameters (the inner transforms answer for themselves, see ``walk``)."""
