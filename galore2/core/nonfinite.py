@@ -30,10 +30,10 @@ device→host transfer (the step's only synchronization, see :func:`read_flags`)
 parameter on its gradient with unusable entries replaced by zeros, then puts back the
 weights and device state of those whose gradient was unusable (``torch.where`` against a
 copy taken before the chain), so a non-refresh step makes no host read (CUDA graphs,
-no stall). Adam counts its steps on the device then (``adam.step``, restored for a masked
-parameter like its moments) and computes its bias corrections there. Differences from
-``"skip"``: the host-resident counters (GaLore's refresh schedule, other rules' step
-counts) advance for a masked parameter as for the others; the step copies the device
+no stall). Adam counts its steps on the device then (``adam.step``) and computes its bias
+corrections there. Differences from ``"skip"``: the step counters (Adam's, GaLore's
+refresh schedule, other rules' step counts) advance for a masked parameter as for the
+others, while its weights and other state are put back; the step copies the device
 state of the stepped parameters (transient memory of two copies of it, see
 :mod:`galore2.core.masked`); skips are counted on the device and added to
 ``nonfinite.skips`` when :attr:`ChainOptimizer.nonfinite_skips` or ``state_dict()`` is read

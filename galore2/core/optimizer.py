@@ -144,8 +144,8 @@ class ChainOptimizer(torch.optim.Optimizer):
             *([self._schedule] if self._schedule is not None else []),
         ]
         self.declared = self.declared_options(self._all_modules)
-        # counters a capturable step keeps on the parameters' device (Adam's step): restored
-        # for a masked parameter like the rest of its state, on every device
+        # counters a capturable step keeps on the parameters' device (Adam's step): not put
+        # back for a masked parameter, like the host counters, on every device
         self._device_counters = frozenset(
             k for m in walk(self._all_modules) for k in getattr(m, "device_counters", ())
         )
@@ -154,6 +154,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         self._contexts: dict[int, Context] = {}  # plain parameters' contexts, by id()
         # per group (its id()): (state mapping, items, lists) of the last _gather
         self._gather_cache: dict[int, tuple[Any, list, tuple[list, ...]]] = {}
+        self._snapshots: dict[int, Snapshot] = {}  # capturable: per group, see _run_masked
         # capturable: skips counted on the device, per batch of parameters (their ids)
         self._pending_skips: dict[tuple[int, ...], tuple[list[Tensor], Tensor]] = {}
         self._where: tuple[int, dict[int, tuple[dict[str, Any], int]]] | None = None
@@ -555,7 +556,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         given = group  # parameter modules see the group as given (with the scheduled lr)
         if self._owns_decay:  # a parameter module (stable weight decay) applies the decay
             group = {**group, "weight_decay": 0.0}
-        batch = _Batch(group, given)
+        batch = _Batch(group, given, key)
         cached = self._gathered(key, items)
         if cached is not None:  # the same parameters as last step: no per-parameter Python
             batch.owners, batch.params, batch.states, batch.ctxs = cached
@@ -660,18 +661,20 @@ class ChainOptimizer(torch.optim.Optimizer):
             torch.add(bad.to(torch.float32), okf, alpha=decay).unbind() if decay != 1.0 else None
         )
         grads = masked_grads(batch.grads, bad)
-        device = batch.params[0].device if batch.params else None
-        kept = [
-            (i, key)
-            for i, state in enumerate(batch.states)
-            for key, t in state.items()
-            if t.device == device and (not _counter(t) or key in self._device_counters)
-        ]
-        snapshot = Snapshot(batch.states, kept) if kept else None
+        snapshot = self._snapshots.get(batch.key)
+        if snapshot is None or not snapshot.fits(batch.states):
+            device = batch.params[0].device if batch.params else None
+            kept = [
+                (i, key)
+                for i, state in enumerate(batch.states)
+                for key, t in state.items()
+                if t.device == device and not _counter(t) and key not in self._device_counters
+            ]
+            snapshot = self._snapshots[batch.key] = Snapshot(batch.states, kept)
+        snapshot.save()
         self._run_live(batch, batch.params, batch.states, batch.ctxs, grads,
                        masks=(okf.unbind(), decays))  # fmt: skip
-        if snapshot is not None:
-            snapshot.restore(batch.states, bad)
+        snapshot.restore(bad)
         return [(batch.given, s, c) for s, c in zip(batch.states, batch.ctxs, strict=True)]
 
     def _run_live(
@@ -739,6 +742,7 @@ class _Batch:
 
     group: dict[str, Any]  # as the chain sees it (scheduled lr; decay 0 if a module owns it)
     given: dict[str, Any]  # as parameter modules see it
+    key: int = 0  # the group's id(): what caches of its lists are keyed by
     owners: list[Tensor] = field(default_factory=list)  # the parameters themselves
     params: list[Tensor] = field(default_factory=list)  # their local tensors
     states: list[dict[str, Tensor]] = field(default_factory=list)
