@@ -362,19 +362,18 @@ class ChainOptimizer(torch.optim.Optimizer):
     def refresh_stats(self) -> dict[int, dict[str, float]]:
         """Per projected parameter (by its index over all groups, as in ``state_dict``): the
         number of subspace refreshes so far, the current gap between refreshes (it varies
-        with ``adaptive_refresh``) and the last measured subspace overlap (NaN if none)."""
+        with ``adaptive_refresh``) and the last measured subspace overlap (NaN if none).
+        The modules that refresh a subspace say it (their ``refresh_stats(state, group)``,
+        GaLore's); the loop knows none of their keys."""
+        askers = [m.refresh_stats for m in walk(self._all_modules) if hasattr(m, "refresh_stats")]
         out: dict[int, dict[str, float]] = {}
         for index, group, p in self._indexed_params():
             state = self.state.get(p, {})
-            if "galore.refreshes" not in state:
-                continue
-            gap = state.get("galore.gap")
-            sim = state.get("galore.similarity")
-            out[index] = {
-                "refreshes": int(state["galore.refreshes"]),
-                "gap": int(gap) if gap is not None else int(group["update_proj_gap"]),
-                "similarity": float(sim) if sim is not None else float("nan"),
-            }
+            for ask in askers:
+                stats = ask(state, group)
+                if stats is not None:
+                    out[index] = stats
+                    break
         return out
 
     @property

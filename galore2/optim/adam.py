@@ -296,7 +296,7 @@ class ScaleByAdam(Transform):
             ),
         )
         if out is not None:  # the kernel updated codes and absmax in place
-            state["adam.step"] += 1
+            count_step(state, group, u.device)
             return out
         if dynamic8.use_torch(m_codes):  # the CPU: chunk by chunk, see _update_chunks
             return self._update_chunks(u, m_fmt, v_fmt, state, group)

@@ -522,6 +522,21 @@ class GaLore(Transform):
         )
         return True
 
+    def refresh_stats(self, state: State, group: Group) -> dict[str, float] | None:
+        """A projected parameter's refreshes so far, its current gap between refreshes (it
+        varies with ``adaptive_refresh``) and the last measured subspace overlap (NaN if
+        none); None for a parameter GaLore does not project (the optimizer's
+        ``refresh_stats`` collects them)."""
+        if "galore.refreshes" not in state:
+            return None
+        gap = state.get("galore.gap")
+        sim = state.get("galore.similarity")
+        return {
+            "refreshes": int(state["galore.refreshes"]),
+            "gap": int(gap) if gap is not None else int(group["update_proj_gap"]),
+            "similarity": float(sim) if sim is not None else float("nan"),
+        }
+
     # ---- changed settings ----------------------------------------------------------
     #: the options whose change :meth:`options_changed` must see (the schedule caches them
     #: in ``galore.next_refresh``; every other option is read afresh at each step)
