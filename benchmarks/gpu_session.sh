@@ -10,6 +10,7 @@
 #   torchtitan   issue 28 item 5: the guide's debug-model command on one GPU, loss falling,
 #                checkpoint saved and resumed (needs torchtitan: carry .whl, see below)
 #   gpu_throughput  issue 27: runs if the task is registered in benchmarks/run.py
+#   capture      issue 27 item 4: CapturedStep's replays bitwise the eager steps (GPU tests)
 #   (more)       other helpers' GPU tasks: add an `optional_task NAME SECONDS` line below
 #
 # torchtitan and its dependencies are not in the GPU image and nothing can be fetched
@@ -85,6 +86,7 @@ if [ "$DRY" != 1 ]; then
       git log -1 --format='commit %H' 2>/dev/null; } >>"$SUMMARY" 2>&1
 fi
 
+part capture 60 $PY -m pytest -q -m gpu -p no:cacheprovider tests/core/test_capture.py
 part fit_24gb 330 $PY -m benchmarks.run --tasks fit_24gb --no-write
 torchtitan_part
 optional_task gpu_throughput 150

@@ -4,7 +4,7 @@ Only torch is required to import this package; optional backends
 (bitsandbytes, triton, transformers) are imported lazily where used.
 """
 
-from .core import ChainOptimizer, PerLayerUpdates, per_layer
+from .core import CapturedStep, ChainOptimizer, PerLayerUpdates, per_layer
 from .groups import param_groups
 from .presets import (
     APOLLO,
@@ -25,6 +25,7 @@ __version__ = "0.2.0"
 __all__ = [
     "APOLLO",
     "APOLLOMini",
+    "CapturedStep",
     "ChainOptimizer",
     "Fira",
     "GaLoreAdafactor",

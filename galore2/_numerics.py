@@ -44,7 +44,9 @@ def norms_within(
             torch.linalg.vector_norm(t, dtype=None if t.dtype in (dtype, _F64) else dtype)
             for t in tensors
         ]
-    return torch.stack([n.to(wide) for n in norms]) <= bound  # NaN compares False
+    if not batched:  # _foreach_norm's results are in ``wide`` already
+        norms = [n.to(wide) for n in norms]
+    return torch.stack(norms) <= bound  # NaN compares False
 
 
 _CONSTANTS: dict[tuple, Tensor] = {}

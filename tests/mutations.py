@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COPIED = ("galore2", "tests", "recipes", "tools", "pyproject.toml")
+COPIED = ("galore2", "tests", "recipes", "benchmarks", "tools", "pyproject.toml")
 TIMEOUT_S = 1800
 
 
@@ -463,6 +463,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "weight = 1.0",
         ("tests/optim/test_batched_rules.py",),
         "batched Adafactor: the second-moment estimate forgets everything each step (β̂₂ = 0)",
+    ),
+    Mutation(
+        "masked_restore",
+        "galore2/core/masked.py",
+        "torch.where(_spread(bad, runs), saved, current, out=current)",
+        "torch.where(_spread(bad, runs), current, current, out=current)",
+        ("tests/core/test_capturable.py",),
+        "capturable: a masked parameter's state is not put back (its moments decay)",
+    ),
+    Mutation(
+        "device_bias_correction",
+        "galore2/optim/adam.py",
+        'scale, shift = bc[0] / bc[1].sqrt(), bc[0] * group["eps"]',
+        'scale, shift = bc[0] / bc[1], bc[0] * group["eps"]',
+        ("tests/core/test_capture_ready.py",),
+        "capturable foreach Adam: the second bias correction is not square-rooted",
     ),
 )
 

@@ -1,12 +1,15 @@
 """The core every galore2 optimizer shares: the module protocols, the one optimizer loop
-(:class:`ChainOptimizer`), per-layer updates and the option declarations."""
+(:class:`ChainOptimizer`), per-layer updates, CUDA-graph capture of capturable steps and the
+option declarations."""
 
+from .capture import CapturedStep
 from .modules import GradientTransform, ParamTransform
 from .optimizer import ChainOptimizer
 from .per_layer import PerLayerUpdates, per_layer
 from .transform import Context, LowRankUpdate, Transform
 
 __all__ = [
+    "CapturedStep",
     "ChainOptimizer",
     "Context",
     "GradientTransform",

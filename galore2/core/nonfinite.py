@@ -30,12 +30,15 @@ device→host transfer (the step's only synchronization, see :func:`read_flags`)
 parameter on its gradient with unusable entries replaced by zeros, then puts back the
 weights and device state of those whose gradient was unusable (``torch.where`` against a
 copy taken before the chain), so a non-refresh step makes no host read (CUDA graphs,
-no stall). Differences from ``"skip"``: the host-resident step counters (Adam's
-bias-correction count, the refresh schedule) advance for a masked parameter as for the
-others; the step copies the device state of the stepped parameters first (transient
-memory of one copy of it); skips are counted on the device and added to
+no stall). Adam counts its steps on the device then (``adam.step``) and computes its bias
+corrections there. Differences from ``"skip"``: the step counters (Adam's, GaLore's
+refresh schedule, other rules' step counts) advance for a masked parameter as for the
+others, while its weights and other state are put back; the step copies the device
+state of the stepped parameters (transient memory of two copies of it, see
+:mod:`galore2.core.masked`); skips are counted on the device and added to
 ``nonfinite.skips`` when :attr:`ChainOptimizer.nonfinite_skips` or ``state_dict()`` is read
 (one read there). Refresh steps still read each basis's certificate.
+:class:`galore2.CapturedStep` replays such steps from a CUDA graph.
 
 ``state_dtype="float16"``: float16's largest value is 65504, so a gradient counts as
 unusable as soon as ‖g‖² > 65504 (‖g‖ > 255.9), summed over the whole tensor: the second

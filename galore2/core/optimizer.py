@@ -44,6 +44,7 @@ from .. import _numerics
 from ..fsdp.detect import is_dtensor  # cheap: imports nothing distributed
 from ..kernels.dispatch import run_kernel
 from ..placement import LOCAL, Placement
+from .masked import Snapshot, masked_grads
 from .modules import GradientTransform, LRSchedule, ParamTransform, run_param_transforms
 from .nonfinite import SKIPS, NonFinitePolicy, read_flags
 from .options import Bool, LearningRate, Option, Optional, Real, closest, collect, hints, resolve
@@ -143,9 +144,17 @@ class ChainOptimizer(torch.optim.Optimizer):
             *([self._schedule] if self._schedule is not None else []),
         ]
         self.declared = self.declared_options(self._all_modules)
+        # counters a capturable step keeps on the parameters' device (Adam's step): not put
+        # back for a masked parameter, like the host counters, on every device
+        self._device_counters = frozenset(
+            k for m in walk(self._all_modules) for k in getattr(m, "device_counters", ())
+        )
         self._owns_decay = any(t.owns_weight_decay for t in self._param_transforms)
         self._placements: dict[int, Placement] = {}
         self._contexts: dict[int, Context] = {}  # plain parameters' contexts, by id()
+        # per group (its id()): (state mapping, items, lists) of the last _gather
+        self._gather_cache: dict[int, tuple[Any, list, tuple[list, ...]]] = {}
+        self._snapshots: dict[int, Snapshot] = {}  # capturable: per group, see _run_masked
         # capturable: skips counted on the device, per batch of parameters (their ids)
         self._pending_skips: dict[tuple[int, ...], tuple[list[Tensor], Tensor]] = {}
         self._where: tuple[int, dict[int, tuple[dict[str, Any], int]]] | None = None
@@ -353,19 +362,18 @@ class ChainOptimizer(torch.optim.Optimizer):
     def refresh_stats(self) -> dict[int, dict[str, float]]:
         """Per projected parameter (by its index over all groups, as in ``state_dict``): the
         number of subspace refreshes so far, the current gap between refreshes (it varies
-        with ``adaptive_refresh``) and the last measured subspace overlap (NaN if none)."""
+        with ``adaptive_refresh``) and the last measured subspace overlap (NaN if none).
+        The modules that refresh a subspace say it (their ``refresh_stats(state, group)``,
+        GaLore's); the loop knows none of their keys."""
+        askers = [m.refresh_stats for m in walk(self._all_modules) if hasattr(m, "refresh_stats")]
         out: dict[int, dict[str, float]] = {}
         for index, group, p in self._indexed_params():
             state = self.state.get(p, {})
-            if "galore.refreshes" not in state:
-                continue
-            gap = state.get("galore.gap")
-            sim = state.get("galore.similarity")
-            out[index] = {
-                "refreshes": int(state["galore.refreshes"]),
-                "gap": int(gap) if gap is not None else int(group["update_proj_gap"]),
-                "similarity": float(sim) if sim is not None else float("nan"),
-            }
+            for ask in askers:
+                stats = ask(state, group)
+                if stats is not None:
+                    out[index] = stats
+                    break
         return out
 
     @property
@@ -384,8 +392,10 @@ class ChainOptimizer(torch.optim.Optimizer):
         params = [p for owners, _ in pending.values() for p in owners]
         counts = _numerics.host_list(torch.cat([c.to(torch.int64) for _, c in pending.values()]))
         for p, n in zip(params, counts, strict=True):
-            self.state[p][SKIPS] += n
-        pending.clear()
+            if n:
+                self.state[p][SKIPS] += n
+        for _, c in pending.values():  # zeroed in place: a captured step keeps adding into it
+            c.zero_()
 
     def state_dict(self) -> dict[str, Any]:
         """torch's ``state_dict``, with the skips counted on the device added to the state first."""
@@ -533,6 +543,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         lr, local views, the gradient modules, and the non-finite flags (on the device)."""
         if not items:
             return None
+        key = id(group)
         if self._schedule is not None:  # built-in schedule: lr = schedule(group, step count)
             for index, _, p in items:
                 if not self.state[p]:
@@ -544,25 +555,60 @@ class ChainOptimizer(torch.optim.Optimizer):
         given = group  # parameter modules see the group as given (with the scheduled lr)
         if self._owns_decay:  # a parameter module (stable weight decay) applies the decay
             group = {**group, "weight_decay": 0.0}
-        batch = _Batch(group, given)
-        for index, grad, p in items:
-            state = self.state[p]
-            if not state:
-                self._init_param_state(p, group, index)
-            ctx = self._context(p, index)
-            grad = _real(ctx.placement.local(grad))
-            if ctx.placement.distributed:  # transforms see local views of DTensor state
-                state = {k: ctx.placement.local(v) for k, v in state.items()}
-            batch.owners.append(p)
-            batch.params.append(ctx.param)
-            batch.states.append(state)
-            batch.ctxs.append(ctx)
-            batch.grads.append(-grad if group["maximize"] else grad)
+        batch = _Batch(group, given, key)
+        cached = self._gathered(key, items)
+        if cached is not None:  # the same parameters as last step: no per-parameter Python
+            batch.owners, batch.params, batch.states, batch.ctxs = cached
+            grads = [g for _, g, _ in items]
+            if group["maximize"]:
+                grads = list(torch._foreach_neg(grads)) if len(grads) > 1 else [-grads[0]]
+            batch.grads = grads
+        else:
+            plain = True  # local real tensors only: the lists can be reused next step
+            for index, grad, p in items:
+                state = self.state[p]
+                if not state:
+                    self._init_param_state(p, group, index)
+                ctx = self._context(p, index)
+                plain = plain and ctx.placement is LOCAL and not p.is_complex()
+                grad = _real(ctx.placement.local(grad))
+                if ctx.placement.distributed:  # transforms see local views of DTensor state
+                    state = {k: ctx.placement.local(v) for k, v in state.items()}
+                batch.owners.append(p)
+                batch.params.append(ctx.param)
+                batch.states.append(state)
+                batch.ctxs.append(ctx)
+                batch.grads.append(-grad if group["maximize"] else grad)
+            if plain:
+                lists = (batch.owners, batch.params, batch.states, batch.ctxs)
+                self._gather_cache[key] = (self.state, items, lists)
         for hook in self._grad_transforms:  # full-space gradient modules, in place
             for g, state, ctx in zip(batch.grads, batch.states, batch.ctxs, strict=True):
                 hook.apply_(g, group, state, ctx)
         batch.flags = NonFinitePolicy.check(group, batch.grads, [c.placement for c in batch.ctxs])
         return batch
+
+    def _gathered(
+        self, key: int, items: list[tuple[int, Tensor, Tensor]]
+    ) -> tuple[list[Tensor], list[Tensor], list[dict[str, Tensor]], list[Context]] | None:
+        """The lists :meth:`_gather` built last step for this group, if they still hold: the
+        same parameters at the same indices, the same ``state`` mapping (not replaced by
+        ``load_state_dict``) and the same state dicts; None otherwise (they are rebuilt).
+        Only groups of local real tensors are cached (see ``_gather``)."""
+        found = self._gather_cache.get(key)
+        if found is None:
+            return None
+        state, old, lists = found
+        if state is not self.state or len(old) != len(items):
+            return None
+        for (i, _, p), (j, _, q) in zip(items, old, strict=True):
+            if p is not q or i != j:
+                return None
+        owners, params, states, ctxs = lists
+        for p, s, ctx in zip(owners, states, ctxs, strict=True):
+            if ctx.refreshed or self.state.get(p) is not s or not s:
+                return None
+        return [*owners], [*params], [*states], [*ctxs]
 
     def _run(
         self, batches: list[_Batch]
@@ -593,55 +639,41 @@ class ChainOptimizer(torch.optim.Optimizer):
     def _run_masked(self, batch: _Batch) -> list[tuple[dict[str, Any], dict[str, Tensor], Context]]:
         """``capturable=True``: no host read and no tensor created on the host. Every parameter
         steps on its gradient with an unusable one replaced by zeros; the weights and device
-        state of those masked out are put back from a copy (see :mod:`galore2.core.nonfinite`).
+        state of those masked out are put back from a snapshot (see
+        :mod:`galore2.core.nonfinite`).
 
-        The flags stay one stacked device tensor: the skips are counted by one add per batch,
-        the copy of the floating-point state is one foreach kernel, and each parameter's
-        decay factor and update mask are entries of it (no ``torch.where`` with a Python
-        scalar, which would create a tensor on the host every step)."""
+        The flags stay one stacked device tensor: the skips are counted by one add per batch;
+        the gradients are masked and the state is saved and restored a few kernels per
+        (device, dtype) (:mod:`galore2.core.masked`); each parameter's decay factor and update
+        mask are entries of device tensors, applied by foreach kernels (no ``torch.where``
+        with a Python scalar, which would create a tensor on the host every step)."""
         group, ok = batch.group, batch.flags
-        lr = float(group["lr"])
-        decay = 1.0 - lr * group["weight_decay"]
         if ok is None:  # nonfinite="ignore": nothing to mask
             return self._run_live(batch, batch.params, batch.states, batch.ctxs, batch.grads)
         bad = ~ok
         self._count_skips(batch.owners, bad)
-        okf, badf = ok.to(torch.float32), bad.to(torch.float32)
-        oks, okfs, bads = ok.unbind(), okf.unbind(), bad.unbind()
+        lr = float(group["lr"])
+        decay = 1.0 - lr * group["weight_decay"]
+        okf = ok.to(torch.float32)
         # ok·decay + (1 − ok): float32(decay) where usable, exactly 1 where masked
-        decays = torch.add(badf, okf, alpha=decay).unbind() if decay != 1.0 else None
-        grads = [g.masked_fill(b, 0.0) for g, b in zip(batch.grads, bads, strict=True)]
-        device = batch.params[0].device if batch.params else None
-        kept = [
-            (i, key)
-            for i, state in enumerate(batch.states)
-            for key, t in state.items()
-            if t.device == device and not _counter(t)
-        ]
-        floats = [(i, k) for i, k in kept if batch.states[i][k].is_floating_point()]
-        copies = torch._foreach_mul([batch.states[i][k] for i, k in floats], 1.0) if floats else []
-        saved = dict(zip(floats, copies, strict=True))
-        saved.update({(i, k): batch.states[i][k].clone() for i, k in kept if (i, k) not in saved})
-        self._chain[0].prepare(grads, batch.states, group, batch.ctxs)
-        for chunk in _chunks(batch.params, group.get("foreach")):
-            outs = run_chain(
-                self._chain,
-                [grads[i] for i in chunk],
-                [batch.states[i] for i in chunk],
-                group,
-                [batch.ctxs[i] for i in chunk],
-            )
-            for i, u in zip(chunk, outs, strict=True):
-                p = batch.params[i]
-                if decays is not None:
-                    p.mul_(decays[i])
-                if isinstance(u, LowRankUpdate):
-                    apply_update(p, LowRankUpdate(u.A, u.B * okfs[i], u.shape, u.scale), lr, 1.0)
-                else:  # u is finite (zero gradient, finite state): u·0 is 0
-                    p.addcmul_(u, okfs[i], value=-lr)
-        for (i, key), before in saved.items():
-            current = batch.states[i][key]
-            torch.where(oks[i], current, before, out=current)
+        decays = (
+            torch.add(bad.to(torch.float32), okf, alpha=decay).unbind() if decay != 1.0 else None
+        )
+        grads = masked_grads(batch.grads, bad)
+        snapshot = self._snapshots.get(batch.key)
+        if snapshot is None or not snapshot.fits(batch.states):
+            device = batch.params[0].device if batch.params else None
+            kept = [
+                (i, key)
+                for i, state in enumerate(batch.states)
+                for key, t in state.items()
+                if t.device == device and not _counter(t) and key not in self._device_counters
+            ]
+            snapshot = self._snapshots[batch.key] = Snapshot(batch.states, kept)
+        snapshot.save()
+        self._run_live(batch, batch.params, batch.states, batch.ctxs, grads,
+                       masks=(okf.unbind(), decays))  # fmt: skip
+        snapshot.restore(bad)
         return [(batch.given, s, c) for s, c in zip(batch.states, batch.ctxs, strict=True)]
 
     def _run_live(
@@ -651,8 +683,10 @@ class ChainOptimizer(torch.optim.Optimizer):
         states: list[dict[str, Tensor]],
         ctxs: list[Context],
         grads: list[Tensor],
+        masks: tuple[Sequence[Tensor], Sequence[Tensor] | None] | None = None,
     ) -> list[tuple[dict[str, Any], dict[str, Tensor], Context]]:
-        """The chain and the updates of ``params`` (all usable), batched per ``foreach``."""
+        """The chain and the updates of ``params`` (all usable, or ``masks``: each one's
+        update mask and decay factor as 0-d device tensors), batched per ``foreach``."""
         group = batch.group
         lr = float(group["lr"])
         decay = 1.0 - lr * group["weight_decay"]
@@ -665,7 +699,15 @@ class ChainOptimizer(torch.optim.Optimizer):
                 group,
                 [ctxs[i] for i in chunk],
             )
-            apply_updates([params[i] for i in chunk], outs, lr, decay)
+            ps = [params[i] for i in chunk]
+            if masks is None:
+                apply_updates(ps, outs, lr, decay)
+                continue
+            okfs, decays = masks
+            apply_masked(
+                ps, outs, lr, [okfs[i] for i in chunk],
+                None if decays is None else [decays[i] for i in chunk],
+            )  # fmt: skip
         return [(batch.given, state, ctx) for state, ctx in zip(states, ctxs, strict=True)]
 
     def _count_skips(self, owners: list[Tensor], bad: Tensor) -> None:
@@ -699,6 +741,7 @@ class _Batch:
 
     group: dict[str, Any]  # as the chain sees it (scheduled lr; decay 0 if a module owns it)
     given: dict[str, Any]  # as parameter modules see it
+    key: int = 0  # the group's id(): what caches of its lists are keyed by
     owners: list[Tensor] = field(default_factory=list)  # the parameters themselves
     params: list[Tensor] = field(default_factory=list)  # their local tensors
     states: list[dict[str, Tensor]] = field(default_factory=list)
@@ -761,6 +804,32 @@ def apply_updates(
     for p, u in zip(params, updates, strict=True):
         if len(dense) <= 1 or isinstance(u, LowRankUpdate):
             apply_update(p, u, lr, decay)
+
+
+def apply_masked(
+    params: list[Tensor],
+    updates: list[Tensor | LowRankUpdate],
+    lr: float,
+    masks: list[Tensor],
+    decays: list[Tensor] | None,
+) -> None:
+    """``p ← decay·p − lr·mask·u`` with ``mask`` (1 or 0) and ``decay`` 0-d device tensors per
+    parameter (the masked step, ``capturable=True``): dense updates by three foreach kernels,
+    low-rank ones by their factor ``B`` times the mask and one fused matmul each. Updates are
+    finite (a masked parameter stepped on a zero gradient), so ``u·0`` is 0."""
+    dense = [i for i, u in enumerate(updates) if not isinstance(u, LowRankUpdate)]
+    if dense:
+        ps = [params[i] for i in dense]
+        if decays is not None:
+            torch._foreach_mul_(ps, [decays[i] for i in dense])
+        # u·mask, then p − lr·(u·mask): the same bits as the host path's p − lr·u where usable
+        us = torch._foreach_mul([updates[i] for i in dense], [masks[i] for i in dense])  # type: ignore[misc]
+        torch._foreach_add_(ps, us, alpha=-lr)
+    for p, u, mask, i in zip(params, updates, masks, range(len(params)), strict=True):
+        if isinstance(u, LowRankUpdate):
+            if decays is not None:
+                p.mul_(decays[i])
+            apply_update(p, LowRankUpdate(u.A, u.B * mask, u.shape, u.scale), lr, 1.0)
 
 
 def apply_update(p: Tensor, u: Tensor | LowRankUpdate, lr: float, decay: float) -> None:

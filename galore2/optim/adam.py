@@ -53,8 +53,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .. import _numerics
 from ..core.options import Bool, Option, Pair, Real
-from ..core.state import counter
+from ..core.state import counter, counter_on
 from ..core.transform import Context, Group, State, Transform
 from ..kernels.dispatch import run_kernel
 from ..storage import dynamic8
@@ -170,11 +171,35 @@ def run_compiled(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
 
-def _corrections(beta1: float, beta2: float, eps: float, t: int) -> tuple[float, float]:
+def _corrections(beta1: float, beta2: float, eps: float, t: Any) -> tuple[Any, Any]:
     """(scale, shift) of step ``t``: the eager path's ``bias_correction1 /
-    bias_correction2_sqrt`` and ``bias_correction1 * eps``, the same float arithmetic."""
+    bias_correction2_sqrt`` and ``bias_correction1 * eps``, the same float arithmetic. ``t``
+    may be a device counter (``capturable=True``): then both are float64 tensors on its
+    device, computed there (no host read); they equal the host's Python floats up to the
+    device's ``pow`` (the last bit, for some large ``t``)."""
+    if isinstance(t, Tensor):
+        td = t.to(torch.float64)
+        bias_correction1 = 1 - torch.pow(beta1, td)
+        return bias_correction1 / (1 - torch.pow(beta2, td)).sqrt(), bias_correction1 * eps
     bias_correction1 = 1 - beta1**t
     return bias_correction1 / math.sqrt(1 - beta2**t), bias_correction1 * eps
+
+
+def count_step(state: State, group: Group, device: torch.device) -> int | Tensor:
+    """Count a step in ``adam.step`` and return the new count ``t``: a Python int read from
+    the CPU counter, or with ``capturable=True`` the counter itself, kept on ``device`` (the
+    bias corrections are then computed there: a capturable step reads nothing on the host).
+    A counter on the wrong side (a checkpoint loads 0-d integers onto the CPU; a group's
+    ``capturable`` changed) is moved once."""
+    if group.get("capturable"):
+        t = state["adam.step"] = counter_on(state["adam.step"], device)
+        return t.add_(1)
+    t = state["adam.step"] = counter_on(state["adam.step"], _CPU)
+    t += 1
+    return int(t)
+
+
+_CPU = torch.device("cpu")
 
 
 AXIS = "adam.block_dim"  # the blocked axis of both 8-bit moments (same shape and layout)
@@ -197,12 +222,24 @@ class ScaleByAdam(Transform):
     }
     linear_keys = ("adam.exp_avg",)
     quadratic_keys = ("adam.exp_avg_sq",)
+    #: kept on the parameters' device with ``capturable=True`` (see :func:`count_step`)
+    device_counters = ("adam.step",)
 
     def __init__(self, *, moments: str = "state_dtype") -> None:
         self.moments = check_moments(moments)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(moments={self.moments!r})"
+
+    def capture_problem(self, group: Group) -> str | None:
+        """Why a step of this rule cannot replay from a CUDA graph (None: it can; see
+        :mod:`galore2.core.capture`): 8-bit moments quantize through host-side paths, and
+        ``compile=True`` compiles inside the step."""
+        if self.moments != "state_dtype":
+            return "8-bit moments are not captured (their quantizers read the host)"
+        if group.get("compile"):
+            return "compile=True compiles inside the step: capture without it"
+        return None
 
     def complex_problem(self, group: Group) -> str | None:
         """Adam is elementwise: on a complex parameter's real view it is
@@ -225,7 +262,10 @@ class ScaleByAdam(Transform):
                 self.moments, tuple(shape), ctx.layout, group["state_dtype"], signed
             )
             fmt.allocate(state, key, tuple(shape), ctx.layout, zeros, AXIS)
-        state["adam.step"] = counter()
+        # capturable: counted on the parameters' device (see count_step)
+        state["adam.step"] = (
+            counter_on(counter(), ctx.param.device) if group.get("capturable") else counter()
+        )
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
         """Update both moments with ``u`` and return ``m̂ / (√v̂ + eps)``."""
@@ -243,7 +283,8 @@ class ScaleByAdam(Transform):
             u,
             m_codes,
             v_codes,
-            supported=lambda k: k.supported(u),
+            # the fused kernel takes the step as a host int: not for a capturable step
+            supported=lambda k: not group.get("capturable") and k.supported(u),
             kernel=lambda k: partial(
                 k.adam8bit_step,
                 u,
@@ -255,7 +296,7 @@ class ScaleByAdam(Transform):
             ),
         )
         if out is not None:  # the kernel updated codes and absmax in place
-            state["adam.step"] += 1
+            count_step(state, group, u.device)
             return out
         if dynamic8.use_torch(m_codes):  # the CPU: chunk by chunk, see _update_chunks
             return self._update_chunks(u, m_fmt, v_fmt, state, group)
@@ -305,8 +346,7 @@ class ScaleByAdam(Transform):
         rows = m_codes.shape[0]
         qm, qv, u2 = m_codes.view(rows, -1), v_codes.view(rows, -1), u.reshape(rows, -1)
         out = torch.empty(u2.shape, dtype=torch.float32, device=u.device)
-        state["adam.step"] += 1
-        t = int(state["adam.step"])
+        t = count_step(state, group, u.device)
         for r, b in dynamic8.row_chunks(rows, qm.shape[1], dim):
             m = dynamic8.dequantize(qm[r], m_absmax[b], dim, m_fmt.signed)
             v = dynamic8.dequantize(qv[r], v_absmax[b], dim, v_fmt.signed)
@@ -318,31 +358,35 @@ class ScaleByAdam(Transform):
     @staticmethod
     def _step(u: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, state: State, group: Group) -> Tensor:
         """One Adam step on the moments ``exp_avg``, ``exp_avg_sq`` (updated in place)."""
-        state["adam.step"] += 1
-        return ScaleByAdam._arith(u, exp_avg, exp_avg_sq, int(state["adam.step"]), group)
+        t = count_step(state, group, u.device)
+        return ScaleByAdam._arith(u, exp_avg, exp_avg_sq, t, group)
 
     @staticmethod
     def _arith(
         u: Tensor,
         exp_avg: Tensor,
         exp_avg_sq: Tensor,
-        t: int,
+        t: int | Tensor,
         group: Group,
         out: Tensor | None = None,
     ) -> Tensor:
         """Step ``t`` of Adam's arithmetic on the moments (updated in place); the direction
-        goes to ``out`` when given."""
+        goes to ``out`` when given. ``t``: a host int, or a device counter (capturable)."""
         if u.dtype != exp_avg.dtype:
             u = u.to(exp_avg.dtype)
         beta1, beta2 = group["betas"]
         exp_avg.lerp_(u, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(u, u, value=1 - beta2)
-        bias_correction1 = 1 - beta1**t
-        bias_correction2_sqrt = math.sqrt(1 - beta2**t)
+        if isinstance(t, Tensor):  # float64 device scalars, the same values (see _corrections)
+            scale, shift = _corrections(beta1, beta2, group["eps"], t)
+        else:
+            bias_correction1 = 1 - beta1**t
+            bias_correction2_sqrt = math.sqrt(1 - beta2**t)
+            scale, shift = bias_correction1 / bias_correction2_sqrt, bias_correction1 * group["eps"]
         # m̂/(√v̂ + eps) = m / (bc1·√v/√bc2 + bc1·eps): both corrections folded into one
         # denominator, computed in a single buffer that then receives the result.
-        denom = torch.sqrt(exp_avg_sq, out=out).mul_(bias_correction1 / bias_correction2_sqrt)
-        denom.add_(bias_correction1 * group["eps"])
+        denom = torch.sqrt(exp_avg_sq, out=out).mul_(scale)
+        denom.add_(shift)
         return torch.div(exp_avg, denom, out=denom)
 
     @staticmethod
@@ -352,8 +396,8 @@ class ScaleByAdam(Transform):
         if u.dtype != exp_avg.dtype:
             u = u.to(exp_avg.dtype)
         beta1, beta2 = group["betas"]
-        state["adam.step"] += 1
-        scale, shift = _corrections(beta1, beta2, group["eps"], int(state["adam.step"]))
+        t = count_step(state, group, u.device)
+        scale, shift = _corrections(beta1, beta2, group["eps"], t)
         return run_compiled(adam_math, u, exp_avg, exp_avg_sq, 1 - beta1, beta2, 1 - beta2,
                             scale, shift)  # fmt: skip
 
@@ -390,12 +434,32 @@ class ScaleByAdam(Transform):
         exp_avgs = [s["adam.exp_avg"] for s in states]
         exp_avg_sqs = [s["adam.exp_avg_sq"] for s in states]
         us = [u if u.dtype == m.dtype else u.to(m.dtype) for u, m in zip(us, exp_avgs, strict=True)]
+        if group.get("capturable"):  # device counters: every tensor's corrections at once
+            device = exp_avgs[0].device
+            for s in states:
+                s["adam.step"] = counter_on(s["adam.step"], device)
+            steps = [s["adam.step"] for s in states]
+            torch._foreach_add_(steps, 1)
+            # both β's powers by one pow (float64: the int64 counts are promoted), then
+            # (1 − β₁ᵗ)/√(1 − β₂ᵗ) and (1 − β₁ᵗ)·eps: five kernels for the whole batch
+            betas = _numerics.constants((beta1, beta2), torch.float64, device).view(2, 1)
+            bc = torch.rsub(torch.pow(betas, torch.stack(steps)), 1)
+            scale, shift = bc[0] / bc[1].sqrt(), bc[0] * group["eps"]
+            return exp_avgs, exp_avg_sqs, us, list(scale.unbind()), list(shift.unbind())
+        steps = [s["adam.step"] for s in states]
+        if any(t.device.type != "cpu" for t in steps):  # a capturable state, now not
+            for s in states:
+                s["adam.step"] = counter_on(s["adam.step"], _CPU)
+            steps = [s["adam.step"] for s in states]
+        torch._foreach_add_(steps, 1)  # host counters, one call
+        known: dict[int, tuple[float, float]] = {}  # usually one step count for all
         scales, shifts = [], []
-        torch._foreach_add_([s["adam.step"] for s in states], 1)  # host counters, one call
-        for s in states:
-            scale, shift = _corrections(beta1, beta2, group["eps"], int(s["adam.step"]))
-            scales.append(scale)
-            shifts.append(shift)
+        for t in map(int, steps):
+            found = known.get(t)
+            if found is None:
+                found = known[t] = _corrections(beta1, beta2, group["eps"], t)
+            scales.append(found[0])
+            shifts.append(found[1])
         return exp_avgs, exp_avg_sqs, us, scales, shifts
 
     @staticmethod
@@ -418,14 +482,25 @@ class ScaleByAdam(Transform):
         return run_compiled(adam_math_many, us, exp_avgs, exp_avg_sqs, 1 - beta1, beta2,
                             1 - beta2, scales, shifts)  # fmt: skip
 
-    def bias_correction(self, state: State, group: Group) -> float:
-        """√(1 − β₂ᵗ) / (1 − β₁ᵗ) after ``t`` steps (1 before the first)."""
+    def bias_correction(self, state: State, group: Group) -> float | Tensor:
+        """√(1 − β₂ᵗ) / (1 − β₁ᵗ) after ``t`` steps (1 before the first); a float64 tensor on
+        the counter's device for a device counter (``capturable=True``: no host read)."""
         beta1, beta2 = group["betas"]
-        t = int(state["adam.step"])
+        step = state["adam.step"]
+        if group.get("capturable"):
+            td = step.to(torch.float64)
+            value = (1 - torch.pow(beta2, td)).sqrt() / (1 - torch.pow(beta1, td))
+            return torch.where(td > 0, value, torch.ones_like(value))
+        t = int(step)
         return math.sqrt(1 - beta2**t) / (1 - beta1**t) if t > 0 else 1.0
 
     def second_moment_sum(self, state: State, group: Group) -> Tensor | None:
         """Σ v / (1 − β₂ᵗ) of ``adam.exp_avg_sq`` in float64 (0 before the first step)."""
+        if group.get("capturable"):  # a device counter: no host read
+            v = stored_format(state, "adam.exp_avg_sq", False).view(state, "adam.exp_avg_sq", AXIS)
+            td = state["adam.step"].to(torch.float64)
+            total = v.sum(dtype=torch.float64) / (1 - torch.pow(group["betas"][1], td))
+            return torch.where(td > 0, total, torch.zeros_like(total))
         t = int(state["adam.step"])
         if t == 0:
             return torch.zeros((), dtype=torch.float64)

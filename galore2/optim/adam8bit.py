@@ -53,8 +53,10 @@ class ScaleByAdam8bit(ScaleByAdam):
         (rows, respectively columns: blocks never straddle two tensors) and stepped as one:
         one dequantize, Adam step and quantize per such bucket, the same bits as per tensor.
         The rest as :meth:`ScaleByAdam.update_many` (fp32 moments: foreach kernels; 8-bit
-        ones on CUDA: the fused kernel or bitsandbytes, per tensor)."""
-        if not us or (us[0].device.type == "cpu" and not group.get("foreach")):
+        ones on CUDA: the fused kernel or bitsandbytes, per tensor). ``capturable=True``: per
+        tensor too (the buckets are formed by step count, which would be a host read)."""
+        cpu_loop = us and us[0].device.type == "cpu" and not group.get("foreach")
+        if not us or cpu_loop or group.get("capturable"):
             return super().update_many(us, states, group, ctxs)
         buckets: dict[tuple[Any, ...], list[int]] = {}
         for i, (u, state) in enumerate(zip(us, states, strict=True)):

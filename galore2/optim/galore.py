@@ -214,6 +214,14 @@ class GaLore(Transform):
             )
         super().validate(group)
 
+    def capture_problem(self, group: Group) -> str | None:
+        """Why a non-refresh step cannot replay from a CUDA graph (None: it can, see
+        :mod:`galore2.core.capture`): the random projector regenerates its basis from a
+        host seed at every step."""
+        if group["rank"] is not None and group["projector"] == "random":
+            return "GaLore's random projector regenerates its basis from a host seed each step"
+        return None
+
     def complex_problem(self, group: Group) -> str | None:
         """Transparent without a rank; a projection (rank set) is not defined for complex
         parameters (the inner transforms answer for themselves, see ``walk``)."""
@@ -497,6 +505,21 @@ class GaLore(Transform):
             next_refresh(step, gap, group["refresh_schedule"], index)
         )
         return True
+
+    def refresh_stats(self, state: State, group: Group) -> dict[str, float] | None:
+        """A projected parameter's refreshes so far, its current gap between refreshes (it
+        varies with ``adaptive_refresh``) and the last measured subspace overlap (NaN if
+        none); None for a parameter GaLore does not project (the optimizer's
+        ``refresh_stats`` collects them)."""
+        if "galore.refreshes" not in state:
+            return None
+        gap = state.get("galore.gap")
+        sim = state.get("galore.similarity")
+        return {
+            "refreshes": int(state["galore.refreshes"]),
+            "gap": int(gap) if gap is not None else int(group["update_proj_gap"]),
+            "similarity": float(sim) if sim is not None else float("nan"),
+        }
 
     # ---- changed settings ----------------------------------------------------------
     #: the options whose change :meth:`options_changed` must see (the schedule caches them

@@ -108,13 +108,14 @@ def project(batch: list[Item], precision: str = "fp32") -> tuple[Tensor, list[Te
 def back(
     batch: list[Item], B: Tensor, Ns: list[Tensor], dtype: torch.dtype, factor: float
 ) -> list[Tensor]:
-    """Dense updates ``factor · P·N`` (left) or ``factor · N·Qᵀ`` (right) in ``dtype``, one
-    ``bmm``; counts each matrix's GaLore step."""
+    """Dense updates ``P·(factor·N)`` (left) or ``(factor·N)·Qᵀ`` (right) in ``dtype``, one
+    ``bmm`` (the factor scales the r-row stack, not the m×n result); counts each matrix's
+    GaLore step."""
     kind = batch[0][3]
-    N = torch.stack(Ns)
+    N = torch.stack(Ns)  # a new tensor: scaled in place
     N, B = (N if N.dtype == dtype else N.to(dtype)), (B if B.dtype == dtype else B.to(dtype))
-    out = kind.back_stack(N, B)
     if factor != 1.0:
-        out.mul_(factor)
+        N.mul_(factor)
+    out = kind.back_stack(N, B)
     torch._foreach_add_([state["galore.step"] for _, _, state, _ in batch], 1)  # host counters
     return list(out.unbind(0))

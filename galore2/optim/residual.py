@@ -286,7 +286,9 @@ def _limit_many(
     sqs = [s.flatten(1).double().square_().sum(dim=1) for s in S]
     sq = torch.cat(sqs) if len(sqs) > 1 else sqs[0]
     bias = [biases[i] for i in order]
-    if all(b == bias[0] for b in bias):
+    if isinstance(bias[0], Tensor):  # device bias corrections (capturable): no host read
+        norm = sq.sqrt_().div_(torch.stack(bias).to(sq.device))
+    elif all(b == bias[0] for b in bias):
         norm = sq.sqrt_().div_(bias[0])
     else:  # steps differ between matrices (reset, parameters added later)
         norm = sq.sqrt_().div_(torch.tensor(bias, dtype=torch.float64).to(sq.device))

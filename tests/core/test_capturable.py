@@ -41,12 +41,14 @@ def _grads(model: TinyNet, step: int) -> None:
     (model(x) - y).pow(2).mean().backward()
 
 
+@pytest.mark.parametrize("foreach", [None, True])  # per tensor; batched (galore2.core.masked)
 @pytest.mark.parametrize("bad", [float("nan"), 1e30])  # NaN, and a sum of squares overflowing
-def test_masked_step_equals_skip(bad):
+def test_masked_step_equals_skip(bad, foreach):
     torch.manual_seed(0)
     model = TinyNet()
     twin = copy.deepcopy(model)
     settings = {"rank": 4, "update_proj_gap": 2, "weight_decay": 0.1, "lr": 1e-2}
+    settings |= {} if foreach is None else {"foreach": foreach}
     capt = galore2.GaLoreAdamW(galore_groups(model, **settings), capturable=True)
     skip = galore2.GaLoreAdamW(galore_groups(twin, **settings))
     for step in range(3):  # the same trajectory to rounding
@@ -66,6 +68,9 @@ def test_masked_step_equals_skip(bad):
     for key, value in capt.state[model.mid.weight].items():
         if value.is_floating_point():
             assert torch.equal(value, moments[key]), key
+    # Adam's step (a counter, on the device) advances as the host counters do; skip's not
+    assert int(capt.state[model.mid.weight]["adam.step"]) == 4
+    assert int(skip.state[twin.mid.weight]["adam.step"]) == 3
     for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
         if name != "mid.weight":

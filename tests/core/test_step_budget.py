@@ -109,11 +109,15 @@ def test_batched_galore_adamw_within_issue_27_kernel_budget():
 def test_capturable_batched_step_creates_no_host_tensor_and_holds_its_kernel_count():
     """``capturable=True`` (what a CUDA graph would capture): no read of a device value, no
     tensor made from a Python scalar (``scalar_tensor``: ``torch.where(ok, x, 0.0)``), and
-    the kernel count reached on the tiny model (247; masking and the state restore are still
-    one kernel per tensor, so issue 27's budget of 111 is not met yet)."""
+    within issue 27's budget on the tiny model (3 × 9 + 3 × 28 = 111): the gradients are
+    masked and the state saved and restored a few kernels per group, not per tensor
+    (galore2.core.masked), and Adam's bias corrections computed from its device step
+    counters (five kernels per group), at the count reached (102; 247 when the masking went
+    per tensor). On a GPU the counters' increment and stack launch too (2 per group)."""
     from benchmarks.step_counts import tiny_model
 
     c = count_step(contender_maker("galore_adamw", foreach=True, capturable=True), tiny_model())
     assert c.syncs == 0
     assert c.ops["scalar_tensor"] == 0 and c.ops["lift_fresh"] == 0, c.ops
-    assert c.launches <= 247, c.ops
+    assert c.launches <= 3 * 9 + 3 * 28, c.ops
+    assert c.launches <= 102, c.ops
