@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
@@ -49,6 +50,22 @@ def galore_groups(model: TinyNet, **settings) -> list[dict]:
     ids = {id(p) for p in mats}
     rest = [p for p in model.parameters() if id(p) not in ids]
     return [{"params": mats, **settings}, {"params": rest}]
+
+
+def capturable_twins(
+    foreach: bool | None, **settings
+) -> tuple[TinyNet, TinyNet, torch.optim.Optimizer, torch.optim.Optimizer]:
+    """A seeded TinyNet and its copy, with GaLoreAdamW(capturable=True) on the first and the
+    default GaLoreAdamW on the second (``foreach`` given only when not None)."""
+    import galore2
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    twin = copy.deepcopy(model)
+    settings |= {} if foreach is None else {"foreach": foreach}
+    capt = galore2.GaLoreAdamW(galore_groups(model, **settings), capturable=True)
+    other = galore2.GaLoreAdamW(galore_groups(twin, **settings))
+    return model, twin, capt, other
 
 
 def max_diff(a: nn.Module, b: nn.Module) -> float:

@@ -15,7 +15,7 @@ from benchmarks.contenders import CONTENDERS
 from benchmarks.step_counts import contender_maker, count_step
 from galore2.core.nonfinite import SKIPS
 
-from ..helpers import TinyNet, batch, galore_groups
+from ..helpers import TinyNet, batch, capturable_twins
 
 # one contender per kind of state and update (test_step_budget.py covers every one by default)
 KEYS = ["galore_adamw", "galore_adamw8bit_int4", "galore_adafactor", "galore_ranger21",
@@ -44,13 +44,8 @@ def _grads(model: TinyNet, step: int) -> None:
 @pytest.mark.parametrize("foreach", [None, True])  # per tensor; batched (galore2.core.masked)
 @pytest.mark.parametrize("bad", [float("nan"), 1e30])  # NaN, and a sum of squares overflowing
 def test_masked_step_equals_skip(bad, foreach):
-    torch.manual_seed(0)
-    model = TinyNet()
-    twin = copy.deepcopy(model)
     settings = {"rank": 4, "update_proj_gap": 2, "weight_decay": 0.1, "lr": 1e-2}
-    settings |= {} if foreach is None else {"foreach": foreach}
-    capt = galore2.GaLoreAdamW(galore_groups(model, **settings), capturable=True)
-    skip = galore2.GaLoreAdamW(galore_groups(twin, **settings))
+    model, twin, capt, skip = capturable_twins(foreach, **settings)
     for step in range(3):  # the same trajectory to rounding
         _grads(model, step)
         _grads(twin, step)

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
@@ -21,10 +20,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import galore2
 from benchmarks.step_counts import contender_maker, tiny_model
 
-from ..helpers import TinyNet, batch, galore_groups
+from ..helpers import batch, capturable_twins
 
 FROM_PYTHON = frozenset({"lift_fresh", "lift_fresh_copy", "scalar_tensor"})
 NOT_MADE = frozenset({"_record_function_enter_new", "_record_function_exit"})
@@ -123,13 +121,8 @@ def test_device_counters_give_the_host_counters_bits(foreach):
     (Without weight decay: the host path folds the decay into the low-rank update's fused
     ``addmm_`` as ``beta``, a host scalar the masked path cannot use, so with decay the bits
     depend on how the BLAS applies ``beta``.)"""
-    torch.manual_seed(0)
-    model = TinyNet()
-    twin = copy.deepcopy(model)
     settings = {"rank": 4, "update_proj_gap": 2, "weight_decay": 0.0, "lr": 1e-2}
-    settings |= {} if foreach is None else {"foreach": foreach}
-    capt = galore2.GaLoreAdamW(galore_groups(model, **settings), capturable=True)
-    host = galore2.GaLoreAdamW(galore_groups(twin, **settings))
+    model, twin, capt, host = capturable_twins(foreach, **settings)
     for step in range(5):
         for m in (model, twin):
             x, y = batch(step)
