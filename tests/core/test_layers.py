@@ -88,26 +88,31 @@ def test_an_upward_import_breaks_the_contract(tmp_path):
 def test_an_import_of_the_recipe_breaks_the_contract(tmp_path):
     """The installed package never reaches into a checkout's recipes/ (the wheel has none):
     even a lazy import inside a function fails lint-imports."""
-    _copy_checkout(tmp_path)
-    report = tmp_path / PACKAGE / "plan" / "report.py"
-    report.write_text(report.read_text() + "\n\ndef _f():\n    import recipes.config  # noqa\n")
-    out = _lint_imports(tmp_path)
-    assert out.returncode != 0
-    assert "galore2 is not allowed to import recipes" in out.stdout, out.stdout
+    out = _lint_with_appended(
+        tmp_path, f"{PACKAGE}/plan/report.py", "\n\ndef _f():\n    import recipes.config  # noqa\n"
+    )
+    assert "galore2 is not allowed to import recipes" in out, out
 
 
 def test_a_lazy_import_cycle_in_the_recipe_breaks_the_contracts(tmp_path):
     """recipes.config (the schema) importing the optimizer factory inside a function, the
     cycle the recipe once had, fails both the acyclic and the recipes layers contracts."""
-    _copy_checkout(tmp_path)
-    config = tmp_path / "recipes" / "config.py"
-    config.write_text(
-        config.read_text() + "\n\ndef _f():\n    from .optimizers import NAMES  # noqa\n"
+    out = _lint_with_appended(
+        tmp_path, "recipes/config.py", "\n\ndef _f():\n    from .optimizers import NAMES  # noqa\n"
     )
+    assert "No cycles are allowed in recipes" in out, out
+    assert "recipes.config is not allowed to import recipes.optimizers" in out, out
+
+
+def _lint_with_appended(tmp_path, path: str, code: str) -> str:
+    """lint-imports' report on a copy of the checkout with ``code`` appended to ``path``;
+    fails unless lint-imports fails."""
+    _copy_checkout(tmp_path)
+    target = tmp_path / path
+    target.write_text(target.read_text() + code)
     out = _lint_imports(tmp_path)
     assert out.returncode != 0
-    assert "No cycles are allowed in recipes" in out.stdout, out.stdout
-    assert "recipes.config is not allowed to import recipes.optimizers" in out.stdout, out.stdout
+    return out.stdout
 
 
 def test_fsdp_placements_are_imported_only_when_needed():
