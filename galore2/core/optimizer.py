@@ -581,7 +581,8 @@ class ChainOptimizer(torch.optim.Optimizer):
                 batch.grads.append(-grad if group["maximize"] else grad)
             if plain:
                 lists = (batch.owners, batch.params, batch.states, batch.ctxs)
-                self._gather_cache[key] = (self.state, items, lists)
+                # indices and parameters only: last step's gradients are not kept alive
+                self._gather_cache[key] = (self.state, [(i, p) for i, _, p in items], lists)
         for hook in self._grad_transforms:  # full-space gradient modules, in place
             for g, state, ctx in zip(batch.grads, batch.states, batch.ctxs, strict=True):
                 hook.apply_(g, group, state, ctx)
@@ -601,7 +602,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         state, old, lists = found
         if state is not self.state or len(old) != len(items):
             return None
-        for (i, _, p), (j, _, q) in zip(items, old, strict=True):
+        for (i, _, p), (j, q) in zip(items, old, strict=True):
             if p is not q or i != j:
                 return None
         owners, params, states, ctxs = lists

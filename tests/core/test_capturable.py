@@ -15,7 +15,7 @@ from benchmarks.contenders import CONTENDERS
 from benchmarks.step_counts import contender_maker, count_step
 from galore2.core.nonfinite import SKIPS
 
-from ..helpers import TinyNet, batch, capturable_twins
+from ..helpers import TinyNet, batch, capturable_twins, galore_groups
 
 # one contender per kind of state and update (test_step_budget.py covers every one by default)
 KEYS = ["galore_adamw", "galore_adamw8bit_int4", "galore_adafactor", "galore_ranger21",
@@ -88,3 +88,25 @@ def test_pending_skips_survive_a_copy():
     model.up.weight.grad.fill_(float("nan"))
     opt.step()
     assert copy.deepcopy(opt).nonfinite_skips == 1
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_a_step_keeps_no_gradient_alive(capturable):
+    """The step's reused lists (``_gather``) hold parameters and state, never last step's
+    gradients: after ``zero_grad(set_to_none=True)`` they are freed."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = galore2.GaLoreAdamW(
+        galore_groups(model, rank=4, update_proj_gap=2), foreach=True, capturable=capturable
+    )
+    refs = []
+    for step in range(3):
+        _grads(model, step)
+        refs += [weakref.ref(p.grad) for p in model.parameters()]
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    assert all(r() is None for r in refs)
