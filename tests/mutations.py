@@ -467,8 +467,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "masked_restore",
         "galore2/core/masked.py",
-        "torch.where(_spread(bad, runs), saved, current, out=current)",
-        "torch.where(_spread(bad, runs), current, current, out=current)",
+        "torch.where(b.flags(bad), saved, current, out=current)",
+        "torch.where(b.flags(bad), current, current, out=current)",
         ("tests/core/test_capturable.py",),
         "capturable: a masked parameter's state is not put back (its moments decay)",
     ),

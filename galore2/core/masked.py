@@ -1,18 +1,21 @@
-"""The masked (``capturable=True``) step's list work, a few kernels per group, not per tensor.
+"""The masked (``capturable=True``) step's list work, a few kernels per shape, not per tensor.
 
 A capturable step never reads its non-finite flags on the host (see
 :mod:`galore2.core.nonfinite`): every parameter steps on its gradient with an unusable one
 replaced by zeros, then the device state of those masked out is put back. Both are done
-over whole lists: the tensors of one (device, dtype) are flattened into one buffer
-(``torch.cat``), the per-parameter flags are stretched to one flag per element (one
-``cat`` of broadcast views), and one
-``masked_fill`` / ``where`` acts on the buffer; the results go back by views (gradients) or
-one ``_foreach_copy_`` (state). No tensor is made from host data after the first step and
-nothing is read back, so the step can be captured in a CUDA graph.
+per bucket of same-shape tensors (a model has few shapes): the gradients of a bucket are
+stacked into one ``(k, *shape)`` buffer and one ``masked_fill_`` with the bucket's
+flags broadcast over each tensor (``(k, 1, …)``: no per-element mask) zeroes the unusable
+ones (the chain sees views of the buffer). The state of a group's local tensors is packed
+once per bucket into such a buffer (its tensors become views of it, keeping identity and
+values), so a snapshot is one ``clone`` and a restore one ``where`` into the buffer. A
+bucket's flags are picked from the group's by one ``index_select`` with an index made once.
+No tensor is made from host data after the first step and nothing is read back, so the
+step can be captured in a CUDA graph.
 
-Memory: the gradients are copied once (the masked copy the chain sees), and the state
-twice for the duration of the step (the snapshot taken before the chain and the buffer
-the restore selects into).
+Memory: the gradients are copied once (the masked copy the chain sees), and the state once
+more for the duration of the step (the snapshot); packing copies it once when a group's
+state is first seen (or replaced: a refresh that reallocates moments, a resume).
 """
 
 from __future__ import annotations
@@ -26,92 +29,138 @@ State = dict[str, Tensor]
 
 
 def _buckets(tensors: Sequence[Tensor]) -> list[list[int]]:
-    """Indices of ``tensors`` by (device, dtype), in order."""
-    by: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    """Indices of ``tensors`` by (device, dtype, shape), in order."""
+    by: dict[tuple[torch.device, torch.dtype, torch.Size], list[int]] = {}
     for i, t in enumerate(tensors):
-        by.setdefault((t.device, t.dtype), []).append(i)
+        by.setdefault((t.device, t.dtype, t.shape), []).append(i)
     return list(by.values())
 
 
-def _spread(flags: Tensor, runs: Sequence[tuple[int, int]]) -> Tensor:
-    """One flag per element of a concatenation whose consecutive ``runs`` of ``(parameter
-    index, elements)`` belong to one parameter each: one ``cat`` of the flags broadcast to
-    each run (views), no index tensor."""
-    each = flags.unbind()
-    return torch.cat([each[i].expand(n) for i, n in runs])
+class _Flags:
+    """A bucket's flags, picked from the group's and shaped ``(k, 1, …)`` to broadcast over
+    its stacked tensors: a view when the bucket is every parameter in order, else one
+    ``index_select`` by an index tensor made once on the device."""
+
+    def __init__(self, owners: Sequence[int], flags: int, ndim: int, device: torch.device):
+        every = list(owners) == list(range(flags))
+        self.index = None if every else torch.tensor(list(owners)).to(device)
+        self.shape = (len(owners),) + (1,) * ndim
+
+    def __call__(self, flags: Tensor) -> Tensor:
+        picked = flags if self.index is None else flags.index_select(0, self.index)
+        return picked.view(self.shape)
 
 
-def _runs(owners: Sequence[int], sizes: Sequence[int]) -> list[tuple[int, int]]:
-    """Consecutive equal ``owners`` merged: ``(owner, total size)``."""
-    out: list[list[int]] = []
-    for i, n in zip(owners, sizes, strict=True):
-        if out and out[-1][0] == i:
-            out[-1][1] += n
-        else:
-            out.append([i, n])
-    return [(i, n) for i, n in out]
+_FLAGS: dict[tuple, _Flags] = {}
+
+
+def _flags_for(owners: Sequence[int], flags: int, ndim: int, device: torch.device) -> _Flags:
+    """The cached :class:`_Flags` of a bucket (made on the first sight of it: a captured
+    step finds it made)."""
+    key = (str(device), flags, ndim, tuple(owners))
+    found = _FLAGS.get(key)
+    if found is None:
+        if len(_FLAGS) >= 256:  # bounded: a few groups × shapes, changing rarely
+            _FLAGS.clear()
+        found = _FLAGS[key] = _Flags(owners, flags, ndim, device)
+    return found
 
 
 def masked_grads(grads: list[Tensor], bad: Tensor) -> list[Tensor]:
     """Copies of ``grads`` with those of parameters flagged in ``bad`` (a bool per gradient,
-    on their device) all zeros: per (device, dtype), one ``cat`` of the gradients, one of the
-    flags and one ``masked_fill_``; the copies are views of that buffer."""
+    on their device) all zeros: per bucket of same-shape gradients, one ``stack`` and one
+    ``masked_fill_`` (plus an ``index_select`` of its flags); the copies are its views."""
     out = list(grads)
     for idx in _buckets(grads):
-        sizes = [grads[i].numel() for i in idx]
-        flat = torch.cat([grads[i].reshape(-1) for i in idx])
-        flat.masked_fill_(_spread(bad, list(zip(idx, sizes, strict=True))), 0.0)
-        for i, piece in zip(idx, flat.split(sizes), strict=True):
-            out[i] = piece.view(grads[i].shape)
+        first = grads[idx[0]]
+        stacked = torch.stack([grads[i] for i in idx])
+        stacked.masked_fill_(_flags_for(idx, len(grads), first.dim(), first.device)(bad), 0.0)
+        for i, piece in zip(idx, stacked.unbind(), strict=True):
+            out[i] = piece
     return out
 
 
-class Snapshot:
-    """The ``keys`` of ``states`` (``(parameter index, key)`` pairs, indices nondecreasing),
-    saved by :meth:`save` and put back by :meth:`restore` where a parameter's flag says so.
+def _packable(ts: Sequence[Tensor]) -> bool:
+    """Can these tensors be re-pointed at one buffer without changing what they alias?"""
+    return (
+        len(ts) > 1
+        and all(t.is_contiguous() for t in ts)
+        and len({t.untyped_storage().data_ptr() for t in ts}) == len(ts)
+    )
 
-    Built once for a group's state and reused while :meth:`fits` (the same state tensors):
-    the flat views, sizes and runs of each (device, dtype) are computed here, not per step.
+
+class _Bucket:
+    """The snapshot's same-shape tensors (of one device and dtype) and their flags;
+    ``stacked``: the ``(k, *shape)`` buffer they are views of, when packed (see
+    :class:`Snapshot`), or None."""
+
+    __slots__ = ("flags", "stacked", "tensors")
+
+    def __init__(self, ts: list[Tensor], owners: list[int], flags: int, pack: bool) -> None:
+        self.tensors = ts
+        self.flags = _flags_for(owners, flags, ts[0].dim(), ts[0].device)
+        self.stacked: Tensor | None = None
+        if pack and _packable(ts):
+            stacked = torch.stack(ts)
+            storage, n = stacked.untyped_storage(), ts[0].numel()
+            for j, t in enumerate(ts):  # t keeps its identity and value
+                t.set_(storage, j * n, t.shape, t.stride())
+            self.stacked = stacked
+
+    def packed(self) -> bool:
+        """Still packed (nothing re-pointed its first tensor since)?"""
+        return self.stacked is not None and self.tensors[0].untyped_storage().data_ptr() == (
+            self.stacked.untyped_storage().data_ptr()
+        )
+
+    def values(self) -> Tensor:
+        """The current values, stacked (the buffer itself when packed, else a copy)."""
+        return self.stacked if self.stacked is not None else torch.stack(self.tensors)
+
+
+class Snapshot:
+    """The ``keys`` of ``states`` (``(parameter index, key)`` pairs), saved by :meth:`save`
+    and put back by :meth:`restore` where a parameter's flag says so.
+
+    Built once for a group's state and reused while :meth:`fits` (the same state tensors).
+    With ``pack`` (local tensors of one group: no DTensor shard, whose local tensor is not
+    the state's), the same-shape tensors of each bucket are re-pointed (``Tensor.set_``) at
+    the entries of one stacked buffer, keeping their identity and values: a save is then one
+    ``clone`` and a restore one ``where`` into the buffer, whatever the number of tensors.
+    One snapshot per group (the optimizer replaces a group's), so no tensor is packed twice.
     """
 
-    def __init__(self, states: list[State], keys: list[tuple[int, str]]) -> None:
+    def __init__(self, states: list[State], keys: list[tuple[int, str]], pack: bool) -> None:
         self.keys = keys
         self.tensors = [states[i][k] for i, k in keys]
         self.lengths = [len(s) for s in states]
-        self.buckets = []
-        for idx in _buckets(self.tensors):
-            ts = [self.tensors[j] for j in idx]
-            sizes = [t.numel() for t in ts]
-            flat = [t.view(-1) if t.is_contiguous() else None for t in ts]
-            runs = _runs([keys[j][0] for j in idx], sizes)
-            self.buckets.append((ts, flat, sizes, runs))
+        self.buckets = [
+            _Bucket([self.tensors[j] for j in idx], [keys[j][0] for j in idx], len(states), pack)
+            for idx in _buckets(self.tensors)
+        ]
         self.saved: list[Tensor] = []
 
     def fits(self, states: list[State]) -> bool:
-        """Are these the states (and state tensors) it was built for?"""
+        """Are these the states (and state tensors) it was built for, still packed?"""
         if len(states) != len(self.lengths):
             return False
         if any(len(s) != n for s, n in zip(states, self.lengths, strict=True)):
             return False
+        if any(b.stacked is not None and not b.packed() for b in self.buckets):
+            return False
         return all(states[i][k] is t for (i, k), t in zip(self.keys, self.tensors, strict=True))
 
-    @staticmethod
-    def _flats(ts: list[Tensor], flat: list[Tensor | None]) -> list[Tensor]:
-        return [f if f is not None else t.reshape(-1) for t, f in zip(ts, flat, strict=True)]
-
     def save(self) -> None:
-        """Copy the tensors' current values (one ``cat`` per device and dtype)."""
-        self.saved = [torch.cat(self._flats(ts, flat)) for ts, flat, _, _ in self.buckets]
+        """Copy the tensors' current values (one ``clone`` or ``stack`` per bucket)."""
+        self.saved = [b.stacked.clone() if b.stacked is not None else b.values()
+                      for b in self.buckets]  # fmt: skip
 
     def restore(self, bad: Tensor) -> None:
         """Put back the saved values of the parameters flagged in ``bad``; the others keep
         their current values (bitwise: a select, not arithmetic)."""
-        for (ts, flat, sizes, runs), saved in zip(self.buckets, self.saved, strict=True):
-            current = torch.cat(self._flats(ts, flat))
-            torch.where(_spread(bad, runs), saved, current, out=current)
-            pieces = current.split(sizes)
-            dst = [f if f is not None else t for t, f in zip(ts, flat, strict=True)]
-            src = [p if f is not None else p.view(t.shape)
-                   for t, f, p in zip(ts, flat, pieces, strict=True)]  # fmt: skip
-            torch._foreach_copy_(dst, src)
+        for b, saved in zip(self.buckets, self.saved, strict=True):
+            current = b.values()
+            torch.where(b.flags(bad), saved, current, out=current)
+            if b.stacked is None:  # a copy: write it back
+                torch._foreach_copy_(b.tensors, list(current.unbind()))
         self.saved = []

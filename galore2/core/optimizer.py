@@ -670,7 +670,8 @@ class ChainOptimizer(torch.optim.Optimizer):
                 for key, t in state.items()
                 if t.device == device and not _counter(t) and key not in self._device_counters
             ]
-            snapshot = self._snapshots[batch.key] = Snapshot(batch.states, kept)
+            local = not any(c.placement.distributed for c in batch.ctxs)
+            snapshot = self._snapshots[batch.key] = Snapshot(batch.states, kept, pack=local)
         snapshot.save()
         self._run_live(batch, batch.params, batch.states, batch.ctxs, grads,
                        masks=(okf.unbind(), decays))  # fmt: skip

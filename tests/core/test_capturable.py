@@ -110,3 +110,35 @@ def test_a_step_keeps_no_gradient_alive(capturable):
     model.zero_grad(set_to_none=True)
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_packed_state_is_invisible_to_checkpoints_and_copies():
+    """The batched masked step packs a group's same-shape state tensors into one buffer
+    (galore2.core.masked): each stays its own tensor object with its values; a checkpoint
+    loaded with ``weights_only=True`` into a fresh optimizer, and a deep copy, then run
+    bitwise as the original does, each on its own buffer."""
+    import io
+
+    settings = {"rank": 4, "update_proj_gap": 2, "lr": 1e-2}
+    model, twin, capt, _ = capturable_twins(True, **settings)
+    for step in range(3):
+        _grads(model, step)
+        capt.step()
+    state = [t for p in capt.param_groups[0]["params"] for t in capt.state[p].values()
+             if t.is_floating_point()]  # fmt: skip
+    storages = {t.untyped_storage().data_ptr() for t in state}
+    assert len(storages) == len({(t.shape, t.dtype) for t in state}) < len(state)  # packed
+    buf = io.BytesIO()
+    torch.save(capt.state_dict(), buf)
+    buf.seek(0)
+    twin.load_state_dict(model.state_dict())
+    restored = galore2.GaLoreAdamW(galore_groups(twin, **settings, foreach=True), capturable=True)
+    restored.load_state_dict(torch.load(buf, weights_only=True))
+    copied_model, copied = copy.deepcopy((model, capt))
+    for step in range(3, 6):
+        for m, o in ((model, capt), (twin, restored), (copied_model, copied)):
+            _grads(m, step)
+            o.step()
+    for m in (twin, copied_model):
+        for p, q in zip(model.parameters(), m.parameters(), strict=True):
+            assert torch.equal(p, q)
