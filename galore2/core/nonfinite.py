@@ -200,6 +200,36 @@ class NonFinitePolicy:
         return usable(grads, placements, state_dtype(group), _batched(group, grads))
 
     @staticmethod
+    def check_many(
+        requests: Sequence[tuple[dict[str, Any], Sequence[Tensor], Sequence[Placement]]],
+    ) -> list[Tensor | None]:
+        """:meth:`check` of several groups' (group, gradients, placements) at once: the
+        unsharded gradients of groups that share a state dtype, a device and the batched
+        reduction go through one :func:`usable` (one ``_foreach_norm``, one compare for all
+        of them on an accelerator, not one per group); each group gets its slice (a view).
+        Groups with a sharded parameter are checked alone (their flags agree across ranks
+        through a collective of their own)."""
+        out: list[Tensor | None] = [None] * len(requests)
+        together: dict[tuple, list[int]] = {}
+        for i, (group, grads, placements) in enumerate(requests):
+            if group["nonfinite"] == "ignore" or not grads:
+                continue
+            if any(p.distributed for p in placements):
+                out[i] = NonFinitePolicy.check(group, grads, placements)
+                continue
+            wide = any(g.dtype == torch.float64 for g in grads)  # norms_within's own rule
+            key = (state_dtype(group), grads[0].device, _batched(group, grads), wide)
+            together.setdefault(key, []).append(i)
+        for (dtype, _, batched, _), members in together.items():
+            grads = [g for i in members for g in requests[i][1]]
+            places = [p for i in members for p in requests[i][2]]
+            ok = usable(grads, places, dtype, batched)
+            sizes = [len(requests[i][1]) for i in members]
+            for i, flags in zip(members, ok.split(sizes), strict=True):
+                out[i] = flags
+        return out
+
+    @staticmethod
     def keep(ok: list[bool] | None, states: Sequence[dict[str, Tensor]]) -> list[bool]:
         """Which of a group's parameters to update, from its read flags (None: all); the
         skip of each one not updated is counted in its state."""

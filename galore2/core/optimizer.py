@@ -497,10 +497,17 @@ class ChainOptimizer(torch.optim.Optimizer):
         self._check_settings(self.param_groups)
         self._check_sparse()
         NonFinitePolicy.raise_if_any(self.param_groups, self._to_check)
-        batches = [
-            self._gather(group, list(self._indexed_params_of(group))) for group in self.param_groups
+        gathered = [
+            self._gather(group, list(self._indexed_params_of(group)), check=False)
+            for group in self.param_groups
         ]
-        stepped = self._run([b for b in batches if b is not None])
+        batches = [b for b in gathered if b is not None]
+        flags = NonFinitePolicy.check_many(
+            [(b.group, b.grads, [c.placement for c in b.ctxs]) for b in batches]
+        )
+        for batch, ok in zip(batches, flags, strict=True):
+            batch.flags = ok
+        stepped = self._run(batches)
         run_param_transforms(self._param_transforms, self._chain, stepped)
         return loss
 
@@ -537,10 +544,11 @@ class ChainOptimizer(torch.optim.Optimizer):
         run_param_transforms(self._param_transforms, self._chain, stepped)
 
     def _gather(
-        self, group: dict[str, Any], items: list[tuple[int, Tensor, Tensor]]
+        self, group: dict[str, Any], items: list[tuple[int, Tensor, Tensor]], check: bool = True
     ) -> _Batch | None:
         """Everything of ``items`` (of ``group``) before the chain: lazy state, the scheduled
-        lr, local views, the gradient modules, and the non-finite flags (on the device)."""
+        lr, local views, the gradient modules, and (``check``) the non-finite flags, on the
+        device (:meth:`step` checks every group's at once instead)."""
         if not items:
             return None
         key = id(group)
@@ -586,7 +594,10 @@ class ChainOptimizer(torch.optim.Optimizer):
         for hook in self._grad_transforms:  # full-space gradient modules, in place
             for g, state, ctx in zip(batch.grads, batch.states, batch.ctxs, strict=True):
                 hook.apply_(g, group, state, ctx)
-        batch.flags = NonFinitePolicy.check(group, batch.grads, [c.placement for c in batch.ctxs])
+        if check:
+            batch.flags = NonFinitePolicy.check(
+                group, batch.grads, [c.placement for c in batch.ctxs]
+            )
         return batch
 
     def _gathered(
