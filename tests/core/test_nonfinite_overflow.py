@@ -109,3 +109,29 @@ def test_float16_state_warns_and_never_stores_inf():
         opt.step()
     assert _all_finite(opt, w)
     assert (w != w0).all()  # every element still moves
+
+
+def test_groups_checked_together_keep_their_own_bounds_and_flags():
+    """One check for every group that shares a state dtype (``NonFinitePolicy.check_many``):
+    each group gets its own parameters' flags; a group whose state is float16 keeps its own
+    bound (a norm above √65504 ≈ 256 is unusable there, not with float32 state); an
+    ``ignore`` group gets none."""
+    from galore2.core.nonfinite import NonFinitePolicy
+    from galore2.placement import LOCAL
+
+    def group(**kw):
+        return {"nonfinite": "skip", "foreach": True} | kw
+
+    grads = [
+        [torch.ones(3), torch.full((2,), float("nan"))],  # float32 state
+        [torch.tensor([HUGE]), torch.ones(4)],  # float32 state: checked with the first
+        [torch.tensor([100.0]), torch.tensor([1e3])],  # float16 state: 1e3² overflows
+        [torch.full((2,), float("inf"))],  # ignore
+    ]
+    groups = [group(), group(), group(state_dtype="float16"), group(nonfinite="ignore")]
+    flags = NonFinitePolicy.check_many(
+        [(g, gs, [LOCAL] * len(gs)) for g, gs in zip(groups, grads, strict=True)]
+    )
+    assert [None if f is None else f.tolist() for f in flags] == [
+        [True, False], [False, True], [True, False], None
+    ]  # fmt: skip
