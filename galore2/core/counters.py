@@ -15,6 +15,7 @@ see nothing new. A pack is rebuilt when any of its counters was replaced (a
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -39,8 +40,9 @@ class _Pack:
         self.counters = counters
 
     def holds(self, states: Sequence[State], key: str) -> bool:
+        """Are ``state[key]`` of ``states`` still its counters, in order (by identity)?"""
         return len(states) == len(self.counters) and all(
-            s[key] is t for s, t in zip(states, self.counters, strict=True)
+            map(operator.is_, map(operator.itemgetter(key), states), self.counters)
         )
 
 

@@ -58,6 +58,7 @@ are combined in one all-reduce, so every rank skips — or raises — together.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -85,6 +86,8 @@ CAPTURABLE = Option(
     "updates of unusable gradients are masked out instead of skipped; needs nonfinite "
     "'skip' or 'ignore'",
 )
+
+_DTYPE = operator.attrgetter("dtype")
 
 SKIPS = "nonfinite.skips"  # the state key counting a parameter's skipped updates
 
@@ -217,7 +220,7 @@ class NonFinitePolicy:
             if any(p.distributed for p in placements):
                 out[i] = NonFinitePolicy.check(group, grads, placements)
                 continue
-            wide = any(g.dtype == torch.float64 for g in grads)  # norms_within's own rule
+            wide = torch.float64 in set(map(_DTYPE, grads))  # norms_within's own rule
             key = (state_dtype(group), grads[0].device, _batched(group, grads), wide)
             together.setdefault(key, []).append(i)
         for (dtype, _, batched, _), members in together.items():

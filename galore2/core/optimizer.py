@@ -30,6 +30,7 @@ is refused unless every module is defined for it (``complex_problem``).
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -495,11 +496,11 @@ class ChainOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_settings(self.param_groups)
-        self._check_sparse()
+        items = self._items()  # refuses a sparse gradient
         NonFinitePolicy.raise_if_any(self.param_groups, self._to_check)
         gathered = [
-            self._gather(group, list(self._indexed_params_of(group)), check=False)
-            for group in self.param_groups
+            self._gather(group, found, check=False)
+            for group, found in zip(self.param_groups, items, strict=True)
         ]
         batches = [b for b in gathered if b is not None]
         flags = NonFinitePolicy.check_many(
@@ -744,6 +745,19 @@ class ChainOptimizer(torch.optim.Optimizer):
                 continue
             yield offset + i, p.grad, p
 
+    def _items(self) -> list[list[tuple[int, Tensor, Tensor]]]:
+        """(index, gradient, parameter) of every parameter with a gradient, per group, in
+        one pass; a sparse gradient is refused first (:meth:`_check_sparse`)."""
+        out, offset = [], 0
+        for group in self.param_groups:
+            params = group["params"]
+            found = [(offset + i, g, p) for i, p in enumerate(params) if (g := p.grad) is not None]
+            if any(map(_IS_SPARSE, map(_GRAD, found))):
+                self._check_sparse()
+            out.append(found)
+            offset += len(params)
+        return out
+
     def _to_check(self, group: dict[str, Any]) -> list[tuple[Tensor, Tensor, Placement]]:
         return [(p, _real(g), self._placement(p)) for _, g, p in self._indexed_params_of(group)]
 
@@ -761,6 +775,10 @@ class _Batch:
     ctxs: list[Context] = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)
     flags: Tensor | None = None  # usable gradients, on the device (None: not checked)
+
+
+_IS_SPARSE = operator.attrgetter("is_sparse")
+_GRAD = operator.itemgetter(1)
 
 
 def _counter(t: Tensor) -> bool:

@@ -447,8 +447,8 @@ class ScaleByAdam(Transform):
             bc = torch.rsub(torch.pow(betas, torch.stack(steps)), 1)
             scale, shift = bc[0] / bc[1].sqrt(), bc[0] * group["eps"]
             return exp_avgs, exp_avg_sqs, us, list(scale.unbind()), list(shift.unbind())
-        if any(s["adam.step"].device.type != "cpu" for s in states):  # capturable, now not
-            for s in states:
+        if self._counters.packed(states, "adam.step") is None:  # not all host counters?
+            for s in states:  # a capturable state, now not: its device counters come back
                 s["adam.step"] = counter_on(s["adam.step"], _CPU)
         steps = self._counters.advance(states, "adam.step")  # host counters: one add, one read
         first = steps[0]
