@@ -53,6 +53,20 @@ class RandomProjector(Projector):
             Q = gaussian_basis(plan.n, plan.rank, mix_seed(seed, 2), plan.device)
         return P, Q
 
+    @staticmethod
+    def stacked(
+        seeds: list[int], left: bool, rows: int, rank: int, device: torch.device
+    ) -> Tensor:
+        """The bases on one side (``left``: P, else Q) of same-shape local matrices whose
+        ``proj.seed`` are ``seeds``, stacked (k × rows × rank): each one what :meth:`bases`
+        regenerates, drawn into one buffer and scaled by one kernel (the batched path)."""
+        out = torch.empty(len(seeds), rows, rank, device=device)
+        gen = torch.Generator(device=device)
+        for k, seed in enumerate(seeds):
+            gen.manual_seed(mix_seed(seed, 1 if left else 2))
+            torch.randn(rows, rank, generator=gen, out=out[k])
+        return out.mul_(rank**-0.5)
+
     def refresh(
         self, G: Tensor, state: State, plan: Plan, group: dict, seed: int
     ) -> dict[str, Tensor] | None:
