@@ -21,11 +21,12 @@ counters of the batched matrices (see :meth:`BatchPlan.due`); a matrix due for a
 leaves its batch for that step and takes the per-tensor path (:meth:`GaLore._project`),
 which refreshes it.
 
-**Stacked bases** (:class:`ShapeBatch`): a stored basis changes only at a refresh, so each
-batch keeps its bases stacked, and re-stacks them when one of the stored tensors was
-replaced or written (its ``_version`` moved: a refresh, ``load_state_dict`` into it). The
-random projector stores a seed only: its Gaussian bases are regenerated at every step into
-one stack (the seeds are cached like the bases), never kept — its memory stays a seed.
+**Stacked bases** (:class:`ShapeBatch`): a stored basis changes only at a refresh, so a
+batch keeps its bases stacked (up to :data:`MAX_CACHED_BYTES`: where a step is
+launch-bound), and re-stacks them when one of the stored tensors was replaced or written
+(its ``_version`` moved: a refresh, ``load_state_dict`` into it). The random projector
+stores a seed only: its Gaussian bases are regenerated at every step into one stack (the
+seeds are cached like the bases), never kept — its memory stays a seed.
 
 Only the common case takes this path (:func:`stackable`): a left or right projection of a
 local (not sharded) 2-D weight, a dense fp32 / bf16 basis (or the random projector's),
@@ -55,6 +56,8 @@ from .projection import BY_SIDE, Projection
 
 MAX_MATRIX_BYTES = 16 * 2**20
 MAX_BATCH_BYTES = 256 * 2**20
+#: the largest stack of a batch's stored bases kept between steps (see ShapeBatch.bases)
+MAX_CACHED_BYTES = 4 * 2**20
 _DENSE_BASES = ("fp32", "bf16")
 _NONE = 0  # galore.side of a matrix GaLore does not project
 
@@ -104,7 +107,11 @@ class ShapeBatch:
         self.device, self.rows, self.rank = device, rows, rank
         self.stack: Any = None  # the stacked bases (stored) or the seeds (random projector)
         self.held: list[Tensor] = []  # the state tensors ``stack`` was read from
-        self.versions: list[int] = []  # and their versions (seeds) or addresses (bases) then
+        self.versions: list[int] = []  # and their versions then
+
+    def _hold(self, key: str) -> None:
+        self.held = [s[key] for s in self.states]
+        self.versions = [t._version for t in self.held]
 
     def _current(self, key: str) -> bool:
         """Is ``stack`` still what it was read from (the same tensors, unwritten)?"""
@@ -116,39 +123,27 @@ class ShapeBatch:
                 return False
         return True
 
-    def _packed(self, key: str) -> bool:
-        """Are the stored bases still the views of ``stack`` they were made (the same
-        tensors, at the same addresses: not replaced, not re-pointed by another batch)?"""
-        held = self.held
-        if len(held) != len(self.states):
-            return False
-        for s, t, at in zip(self.states, held, self.versions, strict=True):
-            if s[key] is not t or t.data_ptr() != at:
-                return False
-        return True
-
     def bases(self, projector: Projector) -> Tensor:
         """The batch's bases stacked (k × rows × r, in their stored dtype).
 
-        A stored basis: the first call stacks them and re-points each state tensor at its
-        entry of the stack (``Tensor.set_``, the same tensor object with the same values),
-        so a refresh writing a basis in place writes the stack: no copy per step, no second
-        copy of the bases in memory. They are stacked again when a state tensor was replaced
-        (``load_state_dict``). The random projector's are regenerated from the seeds (read
-        again only when a seed tensor was written: a refresh)."""
+        Stored bases: a stack of at most :data:`MAX_CACHED_BYTES` is kept, and stacked again
+        only when a state tensor was replaced or written (a refresh, ``load_state_dict``);
+        a larger one is stacked at every step (a second copy of the bases would cost more
+        memory than its one copy costs time). The random projector's are regenerated from
+        the seeds (read again only when a seed tensor was written: a refresh)."""
         if isinstance(projector, RandomProjector):
             if not self._current("proj.seed"):
-                self.held = [s["proj.seed"] for s in self.states]
-                self.versions = [t._version for t in self.held]
+                self._hold("proj.seed")
                 self.stack = [int(t) for t in self.held]
             return projector.stacked(self.stack, self.kind.left, self.rows, self.rank, self.device)
         key = self.kind.basis_key
-        if not self._packed(key):
-            held = [s[key] for s in self.states]
-            self.stack = pack(held)
-            self.held = held if self.stack is not None else []
-            self.versions = [t.data_ptr() for t in self.held]  # their addresses
-        return self.stack if self.stack is not None else torch.stack([s[key] for s in self.states])
+        if self.stack is not None and self._current(key):
+            return self.stack
+        stacked = torch.stack([s[key] for s in self.states])
+        if stacked.numel() * stacked.element_size() <= MAX_CACHED_BYTES:
+            self._hold(key)
+            self.stack = stacked
+        return stacked
 
     def project(
         self, us: list[Tensor], projector: Projector, precision: str, live: list[int] | None
@@ -243,19 +238,6 @@ class BatchPlan:
             out.append([j for j in range(k) if steps[start + j] >= nexts[start + j]])
             start += k
         return out
-
-
-def pack(tensors: list[Tensor]) -> Tensor | None:
-    """One stack of same-shape ``tensors`` whose entries they become (``Tensor.set_``: each
-    stays the same object with the same values, now a view of the stack), or None when one
-    tensor appears twice or needs autograd (then nothing changes)."""
-    if len({id(t) for t in tensors}) != len(tensors) or any(t.requires_grad for t in tensors):
-        return None
-    stacked = torch.stack(tensors)
-    storage, per = stacked.untyped_storage(), stacked[0].numel()
-    for j, t in enumerate(tensors):
-        t.set_(storage, j * per, stacked.shape[1:], stacked.stride()[1:])
-    return stacked
 
 
 def read_counters(states: list[State], key: str) -> list[int]:
