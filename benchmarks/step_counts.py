@@ -82,8 +82,10 @@ class Counts:
 
 
 def _host_resident(t: Any, steps: set[int]) -> bool:
-    if not isinstance(t, torch.Tensor) or t.dim() != 0 or t.device.type != "cpu":
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
         return False
+    if t.dim() != 0:  # a batch's counters packed in one int64 tensor (galore2.core.counters)
+        return t.dtype == torch.int64 and t.untyped_storage().data_ptr() in steps
     return not t.is_floating_point() or t.data_ptr() in steps
 
 
@@ -125,11 +127,18 @@ class StepCounter(TorchDispatchMode):
 @contextlib.contextmanager
 def counting(opt: torch.optim.Optimizer) -> Iterator[Counts]:
     """Count what ``opt`` dispatches inside the block (galore2's batched reads included)."""
-    steps = {
+    items = [(k, v) for s in opt.state.values() for k, v in s.items()]
+    tensors = [v for _, v in items if isinstance(v, torch.Tensor)]
+    steps = {  # torch.optim's float step counters
         v.data_ptr()
-        for s in opt.state.values()
-        for k, v in s.items()
+        for k, v in items
         if k == "step" and isinstance(v, torch.Tensor) and v.dim() == 0
+    }
+    # the storages of packed host counters (0-d int64 views of one tensor per batch)
+    steps |= {
+        v.untyped_storage().data_ptr()
+        for v in tensors
+        if v.dim() == 0 and v.dtype == torch.int64 and v.device.type == "cpu"
     }
     counter = StepCounter(steps)
     real = numerics.host_list

@@ -54,6 +54,7 @@ import torch
 from torch import Tensor
 
 from .. import _numerics
+from ..core.counters import Counters
 from ..core.options import Bool, Option, Pair, Real
 from ..core.state import counter, counter_on
 from ..core.transform import Context, Group, State, Transform
@@ -227,6 +228,7 @@ class ScaleByAdam(Transform):
 
     def __init__(self, *, moments: str = "state_dtype") -> None:
         self.moments = check_moments(moments)
+        self._counters = Counters()  # host step counters packed per batch
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(moments={self.moments!r})"
@@ -423,9 +425,8 @@ class ScaleByAdam(Transform):
                 out[i] = self.update(u, state, group, ctx)
         return out  # type: ignore[return-value]
 
-    @staticmethod
     def _batch(
-        us: list[Tensor], states: list[State], group: Group
+        self, us: list[Tensor], states: list[State], group: Group
     ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[float], list[float]]:
         """What both batched paths start from: the moments, the directions in their dtype,
         and each tensor's (scale, shift) after counting its step (steps may differ per
@@ -446,15 +447,17 @@ class ScaleByAdam(Transform):
             bc = torch.rsub(torch.pow(betas, torch.stack(steps)), 1)
             scale, shift = bc[0] / bc[1].sqrt(), bc[0] * group["eps"]
             return exp_avgs, exp_avg_sqs, us, list(scale.unbind()), list(shift.unbind())
-        steps = [s["adam.step"] for s in states]
-        if any(t.device.type != "cpu" for t in steps):  # a capturable state, now not
+        if any(s["adam.step"].device.type != "cpu" for s in states):  # capturable, now not
             for s in states:
                 s["adam.step"] = counter_on(s["adam.step"], _CPU)
-            steps = [s["adam.step"] for s in states]
-        torch._foreach_add_(steps, 1)  # host counters, one call
-        known: dict[int, tuple[float, float]] = {}  # usually one step count for all
+        steps = self._counters.advance(states, "adam.step")  # host counters: one add, one read
+        first = steps[0]
+        if steps.count(first) == len(steps):  # the usual step: one count for the whole batch
+            scale, shift = _corrections(beta1, beta2, group["eps"], first)
+            return exp_avgs, exp_avg_sqs, us, [scale] * len(steps), [shift] * len(steps)
+        known: dict[int, tuple[float, float]] = {}
         scales, shifts = [], []
-        for t in map(int, steps):
+        for t in steps:
             found = known.get(t)
             if found is None:
                 found = known[t] = _corrections(beta1, beta2, group["eps"], t)
@@ -462,10 +465,9 @@ class ScaleByAdam(Transform):
             shifts.append(found[1])
         return exp_avgs, exp_avg_sqs, us, scales, shifts
 
-    @staticmethod
-    def _foreach(us: list[Tensor], states: list[State], group: Group) -> list[Tensor]:
+    def _foreach(self, us: list[Tensor], states: list[State], group: Group) -> list[Tensor]:
         beta1, beta2 = group["betas"]
-        exp_avgs, exp_avg_sqs, us, scale, shift = ScaleByAdam._batch(us, states, group)
+        exp_avgs, exp_avg_sqs, us, scale, shift = self._batch(us, states, group)
         torch._foreach_lerp_(exp_avgs, us, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, us, us, value=1 - beta2)
@@ -474,11 +476,12 @@ class ScaleByAdam(Transform):
         torch._foreach_add_(denoms, shift)
         return list(torch._foreach_div(exp_avgs, denoms))
 
-    @staticmethod
-    def _compiled_foreach(us: list[Tensor], states: list[State], group: Group) -> list[Tensor]:
+    def _compiled_foreach(
+        self, us: list[Tensor], states: list[State], group: Group
+    ) -> list[Tensor]:
         """:meth:`_foreach`'s math through the compiled :func:`adam_math_many` (one graph)."""
         beta1, beta2 = group["betas"]
-        exp_avgs, exp_avg_sqs, us, scales, shifts = ScaleByAdam._batch(us, states, group)
+        exp_avgs, exp_avg_sqs, us, scales, shifts = self._batch(us, states, group)
         return run_compiled(adam_math_many, us, exp_avgs, exp_avg_sqs, 1 - beta1, beta2,
                             1 - beta2, scales, shifts)  # fmt: skip
 

@@ -98,11 +98,13 @@ def test_capturable_step_reads_nothing_and_makes_no_host_tensor(key, options):
 
 
 def test_a_read_of_adams_counter_is_seen():
-    """The watch is not blind: a step without ``capturable`` reads ``adam.step`` on the host."""
+    """The watch is not blind: a step without ``capturable`` reads ``adam.step`` on the host
+    (per tensor, ``int()``; the batched path reads its packed counters by one ``tolist()``,
+    which no dispatch mode sees — :mod:`galore2.core.counters`)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = tiny_model()
-        opt = contender_maker("galore_adamw", foreach=True)(model)
+        opt = contender_maker("galore_adamw")(model)
         for p in model.parameters():
             p.grad = torch.ones_like(p)
         opt.step()
