@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from .._numerics import mix_seed
+from ..core.counters import Counters
 from ..core.options import Bool, Choice, Int, Option, Optional, Real
 from ..core.state import counter
 from ..core.transform import (
@@ -198,6 +199,7 @@ class GaLore(Transform):
         if not inner:
             raise ValueError("GaLore needs at least one inner transform (e.g. ScaleByAdam())")
         self.inner: list[Transform] = list(inner)
+        self._counters = Counters()  # the batched matrices' host counters, packed
 
     def validate(self, group: Group) -> None:
         """Check the options that involve several keys: projector, basis storage, residual and
@@ -310,16 +312,20 @@ class GaLore(Transform):
         # its input in place: R is still needed by _back)
         inner_in: list[Tensor] = list(us)
         singles, live = plan.singles, [(b, None) for b in plan.batches]
-        due = plan.due() if plan.batches else None
+        due = plan.due(self._counters) if plan.batches else None
+        skip: list[int] = []  # positions in plan.batched that step on their own this time
         if due is not None:  # some matrices refresh: their own path this step
-            singles, live = list(singles), []
+            singles, live, start = list(singles), [], 0
             for batch, at in zip(plan.batches, due, strict=True):
-                rest = [j for j in range(len(batch.idx)) if j not in at]
+                k = len(batch.idx)
+                rest = [j for j in range(k) if j not in at]
                 if len(rest) < 2:
-                    singles += batch.idx
-                    continue
+                    at = list(range(k))
+                else:
+                    live.append((batch, rest if at else None))
                 singles += [batch.idx[j] for j in at]
-                live.append((batch, rest if at else None))
+                skip += [start + j for j in at]
+                start += k
             singles.sort()
         projections: dict[int, Projection] = {}
         for i in singles:
@@ -342,7 +348,8 @@ class GaLore(Transform):
             for st in stacks:
                 Ns = [dense(results[i]) for i in st.idx]
                 dtype = ctxs[st.idx[0]].param.dtype
-                deltas = lowrank_batch.back(st.batch.kind, st.B, Ns, dtype, factor)
+                spent = st.G if st.G.dtype == dtype else None  # G is projected already
+                deltas = lowrank_batch.back(st.batch.kind, st.B, Ns, dtype, factor, spent)
                 done.update(zip(st.idx, deltas.unbind(0), strict=True))
         for i, p in projections.items():
             out[i] = done[i] if i in done else self._back(
@@ -352,8 +359,7 @@ class GaLore(Transform):
             for i in st.idx:
                 out[i] = done[i]
         if stacks:  # the batched matrices' GaLore steps (per-tensor ones counted their own)
-            stepped = plan.batched if due is None else [states[i] for st in stacks for i in st.idx]
-            lowrank_batch.advance_counters(stepped, "galore.step")
+            lowrank_batch.advance_counters(self._counters, plan.batched, "galore.step", skip)
         return out
 
     def _batch_plan(
@@ -398,13 +404,14 @@ class GaLore(Transform):
         if not stacks and len(idx) < 2:
             return {}
         fira = group["residual"] != "none"
+        biases = self._biases(states, group)  # every state's: one read of packed counters
         buckets, order = [], []
         for st in stacks:
             st_states = [states[i] for i in st.idx]
             Ns = torch.stack([dense(N[i]) for i in st.idx])
             B = st.B if fira else None
             buckets.append(residual.Bucket(st.batch.kind.left, st.G, st.R, Ns, B, st_states,
-                                           self._biases(st_states, group)))  # fmt: skip
+                                           [biases[i] for i in st.idx]))  # fmt: skip
             order.append(st.idx)
         keyed: dict[tuple[Any, ...], list[int]] = {}
         for i in idx:
@@ -418,7 +425,7 @@ class GaLore(Transform):
                 torch.stack([R[i] for i in same]), torch.stack([dense(N[i]) for i in same]),
                 torch.stack([p.basis(states[i]) for p, i in zip(ps, same, strict=True)])  # type: ignore[misc]
                 if fira else None,
-                st_states, self._biases(st_states, group),
+                st_states, [biases[i] for i in same],
             ))  # fmt: skip
             order.append(same)
         out = residual.combine_buckets(buckets, group, _decay(group))
@@ -430,10 +437,12 @@ class GaLore(Transform):
         return done
 
     def _biases(self, states: list[State], group: Group) -> list[float | Tensor]:
-        """Each state's bias correction of the inner chain (the product of its transforms')."""
+        """Each state's bias correction of the inner chain (the product of its transforms';
+        a transform's ``bias_corrections`` answers for a whole list at once where it has one)."""
         out: list[Any] | None = None
         for t in self.inner:
-            values = [t.bias_correction(s, group) for s in states]
+            many = getattr(t, "bias_corrections", None)
+            values = many(states, group) if many else [t.bias_correction(s, group) for s in states]
             out = values if out is None else [a * b for a, b in zip(out, values, strict=True)]
         return out  # type: ignore[return-value]
 

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..core.counters import Counters
 from ..core.transform import Context, State
 from ..projectors import Projector, get_projector
 from ..projectors.base import projection_precision
@@ -225,11 +226,11 @@ class BatchPlan:
                 return False
         return True
 
-    def due(self) -> list[list[int]] | None:
+    def due(self, counters: Counters) -> list[list[int]] | None:
         """Per batch, the positions (in its ``idx``) of the matrices due for a refresh this
-        step; None when none is (the usual step). Two reads of host counters."""
-        steps = read_counters(self.batched, "galore.step")
-        nexts = read_counters(self.batched, "galore.next_refresh")
+        step; None when none is (the usual step). Two reads of packed host counters."""
+        steps = read_counters(counters, self.batched, "galore.step")
+        nexts = read_counters(counters, self.batched, "galore.next_refresh")
         if all(s < n for s, n in zip(steps, nexts, strict=True)):
             return None
         out, start = [], 0
@@ -240,23 +241,38 @@ class BatchPlan:
         return out
 
 
-def read_counters(states: list[State], key: str) -> list[int]:
-    """The values of the host counters ``state[key]`` of ``states``."""
-    return [int(s[key]) for s in states]
+def read_counters(counters: Counters, states: list[State], key: str) -> list[int]:
+    """The values of the host counters ``state[key]`` of ``states`` (one read when packed)."""
+    packed = counters.packed(states, key)
+    return packed.tolist() if packed is not None else [int(s[key]) for s in states]
 
 
-def advance_counters(states: list[State], key: str) -> None:
-    """Add one to the host counters ``state[key]`` of ``states``."""
-    torch._foreach_add_([s[key] for s in states], 1)
+def advance_counters(
+    counters: Counters, states: list[State], key: str, skip: list[int] | None = None
+) -> None:
+    """Add one to the host counters ``state[key]`` of ``states`` but those at the positions
+    ``skip`` (one ``add_`` when packed)."""
+    packed = counters.packed(states, key)
+    if packed is None:
+        left = set(skip or ())
+        torch._foreach_add_([s[key] for j, s in enumerate(states) if j not in left], 1)
+    elif not skip:
+        packed.add_(1)
+    else:
+        step = torch.ones(len(states), dtype=packed.dtype)
+        step[skip] = 0
+        packed.add_(step)
 
 
 def back(
-    kind: type[Projection], B: Tensor, Ns: list[Tensor], dtype: torch.dtype, factor: float
-) -> Tensor:
+    kind: type[Projection], B: Tensor, Ns: list[Tensor], dtype: torch.dtype, factor: float,
+    out: Tensor | None = None,
+) -> Tensor:  # fmt: skip
     """Dense updates ``P·(factor·N)`` (left) or ``(factor·N)·Qᵀ`` (right) in ``dtype``, one
-    ``bmm`` (the factor scales the r-row stack, not the m×n result), stacked."""
+    ``bmm`` (the factor scales the r-row stack, not the m×n result), stacked — into ``out``
+    when given (a spent stack of the same shape and dtype: no new gradient-size buffer)."""
     N = torch.stack(Ns)  # a new tensor: scaled in place
     N, B = (N if N.dtype == dtype else N.to(dtype)), (B if B.dtype == dtype else B.to(dtype))
     if factor != 1.0:
         N.mul_(factor)
-    return kind.back_stack(N, B)
+    return kind.back_stack(N, B, out)
