@@ -435,8 +435,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "batched_fira_right_residual",
         "galore2/optim/residual.py",
-        "else torch.baddbmm(Gs, r, Bs.mT, alpha=c)",
-        "else torch.baddbmm(Gs, r, Bs.mT, alpha=-c)",
+        "else Gs.baddbmm_(r, Bs.mT, alpha=c)",
+        "else Gs.baddbmm_(r, Bs.mT, alpha=-c)",
         ("tests/optim/test_batched_rules.py",),
         "batched Fira: a right basis's residual is G + R·Qᵀ",
     ),
