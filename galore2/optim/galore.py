@@ -76,7 +76,7 @@ from ..projectors import OPTIONS as PROJECTOR_OPTIONS
 from ..storage.basis import OPTIONS as BASIS_OPTIONS
 from ..storage.basis import validate_basis_options
 from . import lowrank_batch, residual
-from .projection import BY_SIDE, Projection, projection_for
+from .projection import Projection, projection_for
 
 RANK = Option(
     "rank",

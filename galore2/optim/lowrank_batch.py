@@ -218,13 +218,9 @@ class BatchPlan:
         """Is this plan still the plan of these lists (the same state dicts and contexts)?"""
         if len(states) != len(self.states):
             return False
-        for a, b in zip(states, self.states, strict=True):
-            if a is not b:
-                return False
-        for a, b in zip(ctxs, self.ctxs, strict=True):
-            if a is not b or a.refreshed:
-                return False
-        return True
+        return all(a is b for a, b in zip(states, self.states, strict=True)) and all(
+            a is b and not a.refreshed for a, b in zip(ctxs, self.ctxs, strict=True)
+        )
 
     def due(self, counters: Counters) -> list[list[int]] | None:
         """Per batch, the positions (in its ``idx``) of the matrices due for a refresh this

@@ -54,9 +54,7 @@ class RandomProjector(Projector):
         return P, Q
 
     @staticmethod
-    def stacked(
-        seeds: list[int], left: bool, rows: int, rank: int, device: torch.device
-    ) -> Tensor:
+    def stacked(seeds: list[int], left: bool, rows: int, rank: int, device: torch.device) -> Tensor:
         """The bases on one side (``left``: P, else Q) of same-shape local matrices whose
         ``proj.seed`` are ``seeds``, stacked (k × rows × rank): each one what :meth:`bases`
         regenerates, drawn into one buffer and scaled by one kernel (the batched path)."""
