@@ -276,30 +276,34 @@ def combine_buckets(buckets: list[Bucket], group: dict[str, Any], decay: float) 
     S, norms = [], []
     for b, r, phi, d in zip(buckets, Rs, phis, dims, strict=True):
         Gs = b.G.float()
-        if scale_type is not None:  # APOLLO: the raw gradient, scaled
-            res = Gs
-        else:  # Fira: the residual G − P·R ("fira_reference": fira 1.0.2's G − α·P·R)
+        if scale_type is None:  # Fira: the residual G − P·R ("fira_reference": G − α·P·R)
             Bs = b.B.float()  # type: ignore[union-attr]
             c = -alpha if group["residual"] == "fira_reference" else -1.0  # as in combine()
             # in place: the stack of gradients is a temporary (no second m×n buffer)
-            res = Gs.baddbmm_(Bs, r, alpha=c) if b.left else Gs.baddbmm_(r, Bs.mT, alpha=c)
-        if limit:  # ‖φ ⊙ res‖ from the channels' norms of res, φ applied in float64
-            norms.append(_scaled_norm(res, phi, d))
-        S.append(res.mul_(phi))
-    if limit:
-        _limit_buckets(S, norms, buckets, group)
-    if scale_type is not None:
-        if alpha != 1.0:
-            torch._foreach_mul_(S, alpha)
-    else:
+            Gs = Gs.baddbmm_(Bs, r, alpha=c) if b.left else Gs.baddbmm_(r, Bs.mT, alpha=c)
+        S.append(Gs)  # APOLLO: the raw gradient
+        if limit:  # ‖φ ⊙ S‖ from the channels' norms of S, φ applied in float64
+            norms.append(_scaled_norm(Gs, phi, d))
+    # every per-matrix and per-channel factor of S in one small tensor per bucket, applied
+    # by one pass over S: φ, the limiter's 1/ℓ, and the decay (APOLLO: α too); Fira's α·P·N
+    # then comes in with α·decay (the per-tensor path's ((φ⊙S)/ℓ + α·P·N)·decay, rounded
+    # differently: within 1e-7)
+    inv = _limit_buckets(norms, buckets, group) if limit else None
+    c = decay * (alpha if scale_type is not None else 1.0)
+    start = 0
+    for s, phi in zip(S, phis, strict=True):
+        k = s.shape[0]
+        if inv is not None:
+            phi = phi.mul_(inv[start : start + k].view(k, 1, 1))
+        start += k
+        s.mul_(phi.mul_(c) if c != 1.0 else phi)
+    if scale_type is None:
         for s, b, n in zip(S, buckets, Ns, strict=True):
             Bs = b.B.float()  # type: ignore[union-attr]
             if b.left:
-                s.baddbmm_(Bs, n, alpha=alpha)
+                s.baddbmm_(Bs, n, alpha=alpha * decay)
             else:
-                s.baddbmm_(n, Bs.mT, alpha=alpha)
-    if decay != 1.0:
-        torch._foreach_mul_(S, decay)
+                s.baddbmm_(n, Bs.mT, alpha=alpha * decay)
     return S
 
 
@@ -324,11 +328,10 @@ def _scaled_norm(res: Tensor, phi: Tensor, dim: int | tuple[int, int]) -> Tensor
     return torch.linalg.vector_norm(phi.double().mul_(channel), dim=(1, 2))
 
 
-def _limit_buckets(
-    S: list[Tensor], norms: list[Tensor], buckets: list[Bucket], group: dict[str, Any]
-) -> None:
-    """:func:`_limit` of the stacked matrices ``S`` (in place) of ``buckets``, whose norms
-    (float64, before bias correction) are ``norms``: the scalars of every matrix together."""
+def _limit_buckets(norms: list[Tensor], buckets: list[Bucket], group: dict[str, Any]) -> Tensor:
+    """:func:`_limit` of the stacked matrices of ``buckets``, whose norms (float64, before
+    bias correction) are ``norms``: the scalars of every matrix together. Returns each
+    matrix's 1/ℓ (float32, in bucket order), the factor that limits its growth."""
     gamma = group["norm_growth_limit"]
     norm = torch.cat(norms) if len(norms) > 1 else norms[0]
     bias = [x for b in buckets for x in b.biases]
@@ -343,12 +346,7 @@ def _limit_buckets(
     ratio = torch.clamp(norm / (prev + _EPS), min=gamma).div_(gamma)
     limiter = ratio.masked_fill_(prev <= 0, 1.0)  # no previous norm: no limit
     torch._foreach_copy_(prevs, list(norm.div_(limiter).unbind()))
-    limiter = limiter.float()
-    start = 0
-    for s in S:
-        k = s.shape[0]
-        s.div_(limiter[start : start + k].view(k, 1, 1))
-        start += k
+    return limiter.reciprocal_().float()
 
 
 __all__ = [
