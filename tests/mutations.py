@@ -449,14 +449,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         "batched GaLore: a basis written since it was stacked (refresh, load) is read stale",
     ),
     Mutation(
-        "batch_seeds_stale",
-        "galore2/optim/lowrank_batch.py",
-        'if not self._current("proj.seed"):',
-        "if self.stack is None:",
-        ("tests/optim/test_batch_plan.py",),
-        "batched APOLLO: the random bases keep the seeds of before a refresh",
-    ),
-    Mutation(
         "batch_due_ignored",
         "galore2/optim/lowrank_batch.py",
         "out.append([j for j in range(k) if steps[start + j] >= nexts[start + j]])",

@@ -21,12 +21,13 @@ counters of the batched matrices (see :meth:`BatchPlan.due`); a matrix due for a
 leaves its batch for that step and takes the per-tensor path (:meth:`GaLore._project`),
 which refreshes it.
 
-**Stacked bases** (:class:`ShapeBatch`): a stored basis changes only at a refresh, so a
-batch keeps its bases stacked (up to :data:`MAX_CACHED_BYTES`: where a step is
+**Stacked bases** (:class:`ShapeBatch`): a basis changes only at a refresh, so a batch
+keeps its bases stacked (up to :data:`MAX_CACHED_BYTES` per batch: where a step is
 launch-bound), and re-stacks them when one of the stored tensors was replaced or written
 (its ``_version`` moved: a refresh, ``load_state_dict`` into it). The random projector
-stores a seed only: its Gaussian bases are regenerated at every step into one stack (the
-seeds are cached like the bases), never kept — its memory stays a seed.
+stores a seed only: its Gaussian bases are regenerated from the seeds into one stack
+(one draw per matrix, one scaling), kept under the same bound and drawn again when a seed
+changed; above the bound, at every step — its memory stays a seed.
 
 Only the common case takes this path (:func:`stackable`): a left or right projection of a
 local (not sharded) 2-D weight, a dense fp32 / bf16 basis (or the random projector's),
@@ -106,7 +107,7 @@ class ShapeBatch:
     ) -> None:  # fmt: skip
         self.kind, self.idx, self.states, self.dtype = kind, idx, states, dtype
         self.device, self.rows, self.rank = device, rows, rank
-        self.stack: Any = None  # the stacked bases (stored) or the seeds (random projector)
+        self.stack: Tensor | None = None  # the kept stack of bases
         self.held: list[Tensor] = []  # the state tensors ``stack`` was read from
         self.versions: list[int] = []  # and their versions then
 
@@ -125,22 +126,23 @@ class ShapeBatch:
         return True
 
     def bases(self, projector: Projector) -> Tensor:
-        """The batch's bases stacked (k × rows × r, in their stored dtype).
+        """The batch's bases stacked (k × rows × r, in their stored dtype; the random
+        projector's regenerated from their seeds).
 
-        Stored bases: a stack of at most :data:`MAX_CACHED_BYTES` is kept, and stacked again
-        only when a state tensor was replaced or written (a refresh, ``load_state_dict``);
-        a larger one is stacked at every step (a second copy of the bases would cost more
-        memory than its one copy costs time). The random projector's are regenerated from
-        the seeds (read again only when a seed tensor was written: a refresh)."""
-        if isinstance(projector, RandomProjector):
-            if not self._current("proj.seed"):
-                self._hold("proj.seed")
-                self.stack = [int(t) for t in self.held]
-            return projector.stacked(self.stack, self.kind.left, self.rows, self.rank, self.device)
-        key = self.kind.basis_key
+        A stack of at most :data:`MAX_CACHED_BYTES` is kept, and made again only when one of
+        the state tensors it was made from (bases, or seeds) was replaced or written (a
+        refresh, ``load_state_dict``); a larger one is made at every step (a second copy of
+        the bases would cost more memory than making it costs time)."""
+        random = isinstance(projector, RandomProjector)
+        key = "proj.seed" if random else self.kind.basis_key
         if self.stack is not None and self._current(key):
             return self.stack
-        stacked = torch.stack([s[key] for s in self.states])
+        if random:  # regenerated from the seeds (the projector stores nothing else)
+            seeds = [int(s[key]) for s in self.states]
+            stacked = projector.stacked(seeds, self.kind.left, self.rows, self.rank, self.device)
+        else:
+            stacked = torch.stack([s[key] for s in self.states])
+        self.stack = None
         if stacked.numel() * stacked.element_size() <= MAX_CACHED_BYTES:
             self._hold(key)
             self.stack = stacked
