@@ -429,8 +429,12 @@ class GaLore(Transform):
             ))  # fmt: skip
             order.append(same)
         out = residual.combine_buckets(buckets, group, _decay(group))
+        n_stacked = sum(len(st.idx) for st in stacks)
         done: dict[int, Tensor] = {}
         for same, s in zip(order, out, strict=True):
+            if len(done) < n_stacked:  # a shape batch's: 2-D matrices as they are
+                done.update(zip(same, s.unbind(0), strict=True))
+                continue
             done.update((i, m.view(us[i].shape)) for i, m in zip(same, s.unbind(0), strict=True))
         for i in idx:
             states[i]["galore.step"] += 1
