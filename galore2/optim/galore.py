@@ -378,8 +378,9 @@ class GaLore(Transform):
             or plan.rank != group["rank"]
             or not plan.holds(states, ctxs)
         ):
-            if len(plans) >= _MAX_PLANS:
-                plans.clear()
+            plans.pop(key, None)
+            if len(plans) >= _MAX_PLANS:  # the oldest goes (lists of a past step)
+                plans.pop(next(iter(plans)))
             plan = plans[key] = lowrank_batch.BatchPlan(us, states, ctxs, group, can)
         return plan
 
@@ -634,8 +635,8 @@ class GaLore(Transform):
             state["galore.next_refresh"].fill_(due)
 
 
-#: at most this many cached batch plans per GaLore (groups × devices of a step: a few)
-_MAX_PLANS = 16
+#: at most this many cached batch plans per GaLore (one per group and device of a step)
+_MAX_PLANS = 64
 
 
 class _Stacked(NamedTuple):
