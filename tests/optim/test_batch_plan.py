@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import galore2
-from benchmarks.step_counts import Counts, contender_maker, count_step
+from benchmarks.step_counts import Counts, contender_maker, count_step, tiny_model
 from galore2._numerics import mix_seed
 from galore2.projectors.random import RandomProjector, gaussian_basis
 from recipes.model import build_model
@@ -53,6 +53,27 @@ def test_host_reads_and_stacks_per_step_do_not_grow_with_the_matrices(key):
     assert large.syncs == small.syncs <= 1
     assert large.ops["stack"] == small.ops["stack"] > 0
     assert large.ops["_local_scalar_dense"] == small.ops["_local_scalar_dense"]
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_stacks_per_step_one_per_shape_batch_for_gradients_and_results(key):
+    """The tiny model's step: one stack of gradients and one of inner results per shape
+    batch (the bases are kept), besides each group's non-finite flags and (Fira / APOLLO)
+    the limiter's previous norms."""
+    made: list[torch.optim.Optimizer] = []
+
+    def make(model):
+        made.append(contender_maker(key, foreach=True)(model))
+        return made[-1]
+
+    torch.manual_seed(0)
+    counts = count_step(make, tiny_model())
+    opt = made[0]
+    batches = sum(len(plan.batches) for plan in opt._chain[0]._plans.values())
+    assert batches >= 3  # q/k/v/o, gate/up, down
+    assert counts.ops is not None
+    limiter = 1 if key != "galore_adamw" else 0
+    assert counts.ops["stack"] <= 2 * batches + len(opt.param_groups) + limiter, counts.ops
 
 
 def _run(
