@@ -27,7 +27,8 @@ launch-bound), and re-stacks them when one of the stored tensors was replaced or
 (its ``_version`` moved: a refresh, ``load_state_dict`` into it). The random projector
 stores a seed only: its Gaussian bases are regenerated from the seeds into one stack
 (one draw per matrix, one scaling), kept under the same bound and drawn again when a seed
-changed; above the bound, at every step — its memory stays a seed.
+changed; above the bound, at every step (its state stays a seed; the kept stack is a
+bounded cache, not state).
 
 Only the common case takes this path (:func:`stackable`): a left or right projection of a
 local (not sharded) 2-D weight, a dense fp32 / bf16 basis (or the random projector's),

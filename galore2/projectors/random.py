@@ -5,7 +5,9 @@ scaling, E[P·Pᵀ] = I on the full space, as in APOLLO), regenerated from the
 stored seed whenever it is used and redrawn (new seed) at each refresh. The
 gradient is never looked at, so a refresh costs nothing and the projector's
 memory is one int64. It is not orthonormal: PᵀP ≈ (m/r)·I.
-Cost per step: regenerating an m×r (or n×r) Gaussian.
+Cost per step: regenerating an m×r (or n×r) Gaussian (the batched path draws a shape
+batch's into one stack, :meth:`RandomProjector.stacked`, and keeps small stacks between
+refreshes: :mod:`galore2.optim.lowrank_batch`).
 """
 
 from __future__ import annotations
