@@ -435,10 +435,26 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "batched_fira_right_residual",
         "galore2/optim/residual.py",
-        "else torch.baddbmm(Gs, r, Bs.mT, alpha=c)",
-        "else torch.baddbmm(Gs, r, Bs.mT, alpha=-c)",
+        "else Gs.baddbmm_(r, Bs.mT, alpha=c)",
+        "else Gs.baddbmm_(r, Bs.mT, alpha=-c)",
         ("tests/optim/test_batched_rules.py",),
         "batched Fira: a right basis's residual is G + R·Qᵀ",
+    ),
+    Mutation(
+        "batch_bases_stale",
+        "galore2/optim/lowrank_batch.py",
+        "if self.stack is not None and self._current(key):",
+        "if self.stack is not None:",
+        ("tests/optim/test_batch_plan.py",),
+        "batched GaLore: a basis written since it was stacked (refresh, load) is read stale",
+    ),
+    Mutation(
+        "batch_due_ignored",
+        "galore2/optim/lowrank_batch.py",
+        "out.append([j for j in range(k) if steps[start + j] >= nexts[start + j]])",
+        "out.append([])",
+        ("tests/optim/test_batch_plan.py",),
+        "batched GaLore: a matrix due for a refresh stays in its shape batch (never refreshed)",
     ),
     Mutation(
         "batched_8bit_concat_axis",

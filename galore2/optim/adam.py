@@ -497,6 +497,19 @@ class ScaleByAdam(Transform):
         t = int(step)
         return math.sqrt(1 - beta2**t) / (1 - beta1**t) if t > 0 else 1.0
 
+    def bias_corrections(self, states: list[State], group: Group) -> list[float | Tensor]:
+        """:meth:`bias_correction` of each of ``states`` (host counters: one read when packed)."""
+        if group.get("capturable"):
+            return [self.bias_correction(s, group) for s in states]
+        packed = self._counters.packed(states, "adam.step")
+        steps = packed.tolist() if packed is not None else [int(s["adam.step"]) for s in states]
+        beta1, beta2 = group["betas"]
+        known: dict[int, float] = {}
+        for t in steps:
+            if t not in known:
+                known[t] = math.sqrt(1 - beta2**t) / (1 - beta1**t) if t > 0 else 1.0
+        return [known[t] for t in steps]
+
     def second_moment_sum(self, state: State, group: Group) -> Tensor | None:
         """Σ v / (1 − β₂ᵗ) of ``adam.exp_avg_sq`` in float64 (0 before the first step)."""
         if group.get("capturable"):  # a device counter: no host read

@@ -41,12 +41,13 @@ the variance of a sum of independent coordinates).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
 from .._numerics import mix_seed
+from ..core.counters import Counters
 from ..core.options import Bool, Choice, Int, Option, Optional, Real
 from ..core.state import counter
 from ..core.transform import (
@@ -75,7 +76,7 @@ from ..projectors import OPTIONS as PROJECTOR_OPTIONS
 from ..storage.basis import OPTIONS as BASIS_OPTIONS
 from ..storage.basis import validate_basis_options
 from . import lowrank_batch, residual
-from .projection import BY_SIDE, Projection, projection_for
+from .projection import Projection, projection_for
 
 RANK = Option(
     "rank",
@@ -198,6 +199,7 @@ class GaLore(Transform):
         if not inner:
             raise ValueError("GaLore needs at least one inner transform (e.g. ScaleByAdam())")
         self.inner: list[Transform] = list(inner)
+        self._counters = Counters()  # the batched matrices' host counters, packed
 
     def validate(self, group: Group) -> None:
         """Check the options that involve several keys: projector, basis storage, residual and
@@ -302,86 +304,152 @@ class GaLore(Transform):
     def update_many(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
     ) -> list[Tensor | LowRankUpdate]:
-        """Batched :meth:`update`: one inner-chain run over plain and projected directions."""
-        projections: dict[int, Projection] = {}
+        """Batched :meth:`update`: one inner-chain run over plain and projected directions;
+        same-shape matrices projected, combined and back-projected per shape batch
+        (:mod:`.lowrank_batch`, whose plan of the lists is reused between steps)."""
+        plan = self._batch_plan(us, states, group, ctxs)
         # the plain tensors as they are, projected ones as R (the inner chain may not modify
         # its input in place: R is still needed by _back)
         inner_in: list[Tensor] = list(us)
-        fast: list[lowrank_batch.Item] = []  # projected by a shape batch
-        can_batch = lowrank_batch.group_batchable(group)
-        for i, (u, state) in enumerate(zip(us, states, strict=True)):
-            side = int(state["galore.side"])
-            if side == NONE:
-                continue
-            kind = BY_SIDE[side]
-            if can_batch and lowrank_batch.batchable(u, state, ctxs[i], kind):
-                fast.append((i, u, state, kind))
-            else:
-                projections[i], inner_in[i] = self._project(u, state, group, ctxs[i])
-        shape_batches = []
-        for batch in lowrank_batch.batches(fast):
-            if len(batch) > 1:
-                shape_batches.append(batch)
-            else:  # alone: its own matmuls (stacking would only add copies)
-                i, u, state, _ = batch[0]
-                projections[i], inner_in[i] = self._project(u, state, group, ctxs[i])
-        bases = []
-        for batch in shape_batches:
-            B, Rs = lowrank_batch.project(batch, group["proj_precision"])
-            bases.append(B)
-            for (i, *_), R in zip(batch, Rs, strict=True):
-                inner_in[i] = R
+        singles, live = plan.singles, [(b, None) for b in plan.batches]
+        due = plan.due(self._counters) if plan.batches else None
+        skip: list[int] = []  # positions in plan.batched that step on their own this time
+        if due is not None:  # some matrices refresh: their own path this step
+            singles, live, start = list(singles), [], 0
+            for batch, at in zip(plan.batches, due, strict=True):
+                k = len(batch.idx)
+                rest = [j for j in range(k) if j not in at]
+                if len(rest) < 2:
+                    at = list(range(k))
+                else:
+                    live.append((batch, rest if at else None))
+                singles += [batch.idx[j] for j in at]
+                skip += [start + j for j in at]
+                start += k
+            singles.sort()
+        projections: dict[int, Projection] = {}
+        for i in singles:
+            projections[i], inner_in[i] = self._project(us[i], states[i], group, ctxs[i])
+        projector = get_projector(group["projector"])
+        stacks: list[_Stacked] = []
+        for batch, rest in live:
+            G, B, R = batch.project(us, projector, group["proj_precision"], rest)
+            idx = batch.idx if rest is None else [batch.idx[j] for j in rest]
+            for i, r in zip(idx, R.unbind(0), strict=True):
+                inner_in[i] = r
+            stacks.append(_Stacked(batch, idx, G, B, R))
         results = run_chain(self.inner, inner_in, states, group, ctxs)
-        done = self._combine_many(projections, results, us, inner_in, states, group)
-        out = [
-            done[i]
-            if i in done
-            else self._back(dense(N), states[i], group, projections[i], ctxs[i], u, inner_in[i])
-            if i in projections
-            else N
-            for i, (N, u) in enumerate(zip(results, us, strict=True))
-        ]
-        if shape_batches:
+        out: list[Tensor | LowRankUpdate] = list(results)
+        if residual.active(group):
+            done = self._combine_many(projections, stacks, results, us, inner_in, states, group)
+        else:
+            done = {}
             factor = group["scale"] * _decay(group)
-            for batch, B in zip(shape_batches, bases, strict=True):
-                Ns = [dense(results[i]) for i, *_ in batch]
-                dtype = ctxs[batch[0][0]].param.dtype
-                for (i, *_), delta in zip(
-                    batch, lowrank_batch.back(batch, B, Ns, dtype, factor), strict=True
-                ):
-                    out[i] = delta
+            for st in stacks:
+                Ns = [dense(results[i]) for i in st.idx]
+                dtype = ctxs[st.idx[0]].param.dtype
+                spent = st.G if st.G.dtype == dtype else None  # G is projected already
+                deltas = lowrank_batch.back(st.batch.kind, st.B, Ns, dtype, factor, spent)
+                done.update(zip(st.idx, deltas.unbind(0), strict=True))
+        for i, p in projections.items():
+            out[i] = done[i] if i in done else self._back(
+                dense(results[i]), states[i], group, p, ctxs[i], us[i], inner_in[i]
+            )  # fmt: skip
+        for st in stacks:
+            for i in st.idx:
+                out[i] = done[i]
+        if stacks:  # the batched matrices' GaLore steps (per-tensor ones counted their own)
+            lowrank_batch.advance_counters(self._counters, plan.batched, "galore.step", skip)
         return out
 
+    def _batch_plan(
+        self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
+    ) -> lowrank_batch.BatchPlan:
+        """The :class:`~.lowrank_batch.BatchPlan` of these lists: last step's if it still
+        holds (the same state dicts and contexts, the same group-level batchability and
+        rank), else a new one."""
+        key = (len(states), id(states[0]) if states else 0)
+        plans = self.__dict__.setdefault("_plans", {})
+        plan = plans.get(key)
+        can = lowrank_batch.group_batchable(group)
+        if (
+            plan is None
+            or plan.can_batch != can
+            or plan.rank != group["rank"]
+            or not plan.holds(states, ctxs)
+        ):
+            plans.pop(key, None)
+            if len(plans) >= _MAX_PLANS:  # the oldest goes (lists of a past step)
+                plans.pop(next(iter(plans)))
+            plan = plans[key] = lowrank_batch.BatchPlan(us, states, ctxs, group, can)
+        return plan
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Plans are a cache of this process's tensors: a pickled GaLore carries none."""
+        return {k: v for k, v in self.__dict__.items() if k != "_plans"}
+
     def _combine_many(
-        self, projections: dict[int, Projection], N: list[Tensor | LowRankUpdate],
-        us: list[Tensor], R: list[Tensor], states: list[State], group: Group,
+        self, projections: dict[int, Projection], stacks: list[_Stacked],
+        N: list[Tensor | LowRankUpdate], us: list[Tensor], R: list[Tensor],
+        states: list[State], group: Group,
     ) -> dict[int, Tensor]:  # fmt: skip
         """Fira / APOLLO of the whole (unsharded) matrices of a batch at once
-        (:func:`.residual.combine_many`); {index: dense update}. Sharded ones go per tensor."""
+        (:func:`.residual.combine_buckets`): the shape batches' stacks as they are, the
+        matrices projected one by one stacked per shape (when two or more, or along with
+        shape batches); {index: dense update}. Sharded ones go per tensor."""
         idx = [
             i
             for i, p in projections.items()
             if not p.plan.placement.distributed and p.side != TUCKER
         ]
-        if not residual.active(group) or len(idx) < 2:
+        if not stacks and len(idx) < 2:
             return {}
         fira = group["residual"] != "none"
-        bases, biases = [], []
+        biases = self._biases(states, group)  # every state's: one read of packed counters
+        buckets, order = [], []
+        for st in stacks:
+            st_states = [states[i] for i in st.idx]
+            Ns = torch.stack([dense(N[i]) for i in st.idx])
+            B = st.B if fira else None
+            buckets.append(residual.Bucket(st.batch.kind.left, st.G, st.R, Ns, B, st_states,
+                                           [biases[i] for i in st.idx]))  # fmt: skip
+            order.append(st.idx)
+        keyed: dict[tuple[Any, ...], list[int]] = {}
         for i in idx:
-            bases.append(projections[i].basis(states[i]) if fira else None)
-            bias = 1.0
-            for t in self.inner:
-                bias *= t.bias_correction(states[i], group)
-            biases.append(bias)
-        decay = _decay(group)
-        out = residual.combine_many(
-            [projections[i].matrix(us[i]) for i in idx], [R[i] for i in idx],
-            [dense(N[i]) for i in idx], bases, [states[i] for i in idx], group,
-            [projections[i].side for i in idx], biases, decay,
-        )  # fmt: skip
+            g, side = projections[i].matrix(us[i]), projections[i].side
+            keyed.setdefault((side, g.shape, R[i].shape, g.dtype, g.device), []).append(i)
+        for same in keyed.values():
+            ps = [projections[i] for i in same]
+            st_states = [states[i] for i in same]
+            buckets.append(residual.Bucket(
+                ps[0].left, torch.stack([p.matrix(us[i]) for p, i in zip(ps, same, strict=True)]),
+                torch.stack([R[i] for i in same]), torch.stack([dense(N[i]) for i in same]),
+                torch.stack([p.basis(states[i]) for p, i in zip(ps, same, strict=True)])  # type: ignore[misc]
+                if fira else None,
+                st_states, [biases[i] for i in same],
+            ))  # fmt: skip
+            order.append(same)
+        out = residual.combine_buckets(buckets, group, _decay(group))
+        n_stacked = sum(len(st.idx) for st in stacks)
+        done: dict[int, Tensor] = {}
+        for same, s in zip(order, out, strict=True):
+            if len(done) < n_stacked:  # a shape batch's: 2-D matrices as they are
+                done.update(zip(same, s.unbind(0), strict=True))
+                continue
+            done.update((i, m.view(us[i].shape)) for i, m in zip(same, s.unbind(0), strict=True))
         for i in idx:
             states[i]["galore.step"] += 1
-        return {i: o.view(us[i].shape) for i, o in zip(idx, out, strict=True)}
+        return done
+
+    def _biases(self, states: list[State], group: Group) -> list[float | Tensor]:
+        """Each state's bias correction of the inner chain (the product of its transforms';
+        a transform's ``bias_corrections`` answers for a whole list at once where it has one)."""
+        out: list[Any] | None = None
+        for t in self.inner:
+            many = getattr(t, "bias_corrections", None)
+            values = many(states, group) if many else [t.bias_correction(s, group) for s in states]
+            out = values if out is None else [a * b for a, b in zip(out, values, strict=True)]
+        return out  # type: ignore[return-value]
 
     def _project(
         self, u: Tensor, state: State, group: Group, ctx: Context
@@ -565,6 +633,20 @@ class GaLore(Transform):
             if due < step:  # overdue under the new gap
                 due = step if schedule == "together" else _at_phase(step, gap, index)
             state["galore.next_refresh"].fill_(due)
+
+
+#: at most this many cached batch plans per GaLore (one per group and device of a step)
+_MAX_PLANS = 64
+
+
+class _Stacked(NamedTuple):
+    """A shape batch's tensors of this step (the matrices ``idx`` projected together)."""
+
+    batch: lowrank_batch.ShapeBatch
+    idx: list[int]
+    G: Tensor  # the stacked gradients
+    B: Tensor  # the stacked bases, as stored
+    R: Tensor  # the stacked projected gradients
 
 
 #: 2**64 / golden ratio: consecutive indices land far apart in every window (Fibonacci hashing)

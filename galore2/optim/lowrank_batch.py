@@ -1,21 +1,39 @@
 """GaLore's projections batched per shape: one ``bmm`` for every same-shape matrix of a group.
 
-The batched path (``foreach``) of :class:`~galore2.optim.galore.GaLore` projects and
-back-projects each matrix with its own matmul, so a step launched two matmuls (and their
-Python) per projected matrix. Weights of a transformer repeat a few shapes in every layer
-(q/k/v/o, gate/up, down), so here the gradients of the matrices that share (side, shape,
-dtype, device) are stacked and projected by one ``torch.bmm`` against their stacked bases,
-and back-projected by another; the result is a dense update per matrix (a view of the
-batch), applied by the optimizer's foreach kernels.
+The batched path (``foreach``) of :class:`~galore2.optim.galore.GaLore` would project and
+back-project each matrix with its own matmul: two matmuls (and their Python) per projected
+matrix. Weights of a transformer repeat a few shapes in every layer (q/k/v/o, gate/up,
+down), so here the gradients of the matrices that share (side, shape, dtype, device) are
+stacked and projected by one ``torch.bmm`` against their stacked bases, and back-projected
+by another; the result is a dense update per matrix (a view of the batch), applied by the
+optimizer's foreach kernels. Fira and APOLLO take the same projection; their combination
+is :func:`.residual.combine_buckets` on the same stacks.
 
 The side's products (and which basis they read) are its projection's
 (:class:`~galore2.optim.projection.LeftProjection` / ``RightProjection``: ``basis_key``,
-``project_stack``, ``back_stack``); this module only groups and stacks.
+``project_stack``, ``back_stack``); this module only plans, groups and stacks.
 
-Only the common case takes this path (:func:`batchable`): a left or right projection of a
-local (not sharded) 2-D weight, a dense fp32 / bf16 basis read by the base projector, no
-residual (Fira / APOLLO combine the update per tensor), and no refresh due this step. Every
-other matrix goes through :meth:`GaLore._project` / :meth:`GaLore._back` as before.
+**The plan** (:class:`BatchPlan`): which matrices of a group's lists batch together, built
+once and reused while the lists hold the same state dicts and contexts (``load_state_dict``
+replaces the state dicts, a changed parameter its context: the plan is rebuilt). Only the
+refresh schedule is read at every step: the ``galore.step`` and ``galore.next_refresh``
+counters of the batched matrices (see :meth:`BatchPlan.due`); a matrix due for a refresh
+leaves its batch for that step and takes the per-tensor path (:meth:`GaLore._project`),
+which refreshes it.
+
+**Stacked bases** (:class:`ShapeBatch`): a basis changes only at a refresh, so a batch
+keeps its bases stacked (up to :data:`MAX_CACHED_BYTES` per batch: where a step is
+launch-bound), and re-stacks them when one of the stored tensors was replaced or written
+(its ``_version`` moved: a refresh, ``load_state_dict`` into it). The random projector
+stores a seed only: its Gaussian bases are regenerated from the seeds into one stack
+(one draw per matrix, one scaling), kept under the same bound and drawn again when a seed
+changed; above the bound, at every step (its state stays a seed; the kept stack is a
+bounded cache, not state).
+
+Only the common case takes this path (:func:`stackable`): a left or right projection of a
+local (not sharded) 2-D weight, a dense fp32 / bf16 basis (or the random projector's),
+read by the base projector's products. Every other matrix goes through
+:meth:`GaLore._project` / :meth:`GaLore._back` as before.
 
 Only matrices of at most :data:`MAX_MATRIX_BYTES` batch: there a step is launch-bound and
 the stacking copies are cheap (Llama-350M's 1024×1024 and 1024×2736). Larger ones keep
@@ -32,36 +50,25 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..core.counters import Counters
 from ..core.transform import Context, State
 from ..projectors import Projector, get_projector
 from ..projectors.base import projection_precision
-from .projection import Projection
+from ..projectors.random import RandomProjector
+from .projection import BY_SIDE, Projection
 
 MAX_MATRIX_BYTES = 16 * 2**20
 MAX_BATCH_BYTES = 256 * 2**20
+#: the largest stack of a batch's stored bases kept between steps (see ShapeBatch.bases)
+MAX_CACHED_BYTES = 4 * 2**20
 _DENSE_BASES = ("fp32", "bf16")
-
-#: (index, u, state, the projection's class): a matrix of a batch
-Item = tuple[int, Tensor, State, type[Projection]]
-
-
-def batchable(u: Tensor, state: State, ctx: Context, kind: type[Projection]) -> bool:
-    """Can this matrix's projection (of class ``kind``) go through a shape batch this step?"""
-    return (
-        kind.stackable
-        and u.dim() == 2
-        and u.numel() * u.element_size() <= MAX_MATRIX_BYTES
-        and not ctx.placement.distributed
-        and not ctx.refreshed
-        and int(state["galore.step"]) < int(state["galore.next_refresh"])
-    )
+_NONE = 0  # galore.side of a matrix GaLore does not project
 
 
 def group_batchable(group: dict[str, Any]) -> bool:
-    """Can any matrix of this group batch (dense basis, base projector, no residual)?"""
+    """Can any matrix of this group batch (a dense stored basis or the random projector's,
+    read by the base projector's products)?"""
     if group.get("basis_dtype", "fp32") not in _DENSE_BASES:
-        return False
-    if group.get("residual", "none") != "none" or group.get("scale_type") is not None:
         return False
     projector = type(get_projector(group["projector"]))
     return (
@@ -69,53 +76,202 @@ def group_batchable(group: dict[str, Any]) -> bool:
     )
 
 
-def batches(items: list[Item]) -> list[list[Item]]:
-    """:data:`Item` s split into batches of one (projection, shape, dtype, device), each at
-    most :data:`MAX_BATCH_BYTES` of gradients."""
-    by_key: dict[tuple, list[Item]] = {}
-    for item in items:
-        u = item[1]
-        by_key.setdefault((item[3], u.shape, u.dtype, u.device), []).append(item)
-    out = []
-    for same in by_key.values():
-        size = same[0][1].numel() * same[0][1].element_size()
-        per = max(1, MAX_BATCH_BYTES // max(size, 1))
-        out += [same[i : i + per] for i in range(0, len(same), per)]
-    return out
+def stackable(u: Tensor, ctx: Context, kind: type[Projection]) -> bool:
+    """Can this matrix's projection (of class ``kind``) join a shape batch (when not due)?"""
+    return (
+        kind.stackable
+        and u.dim() == 2
+        and u.numel() * u.element_size() <= MAX_MATRIX_BYTES
+        and not ctx.placement.distributed
+    )
 
 
-def _basis(states: list[State], key: str, dtype: torch.dtype) -> Tensor:
-    stacked = torch.stack([s[key] for s in states])
-    return stacked if stacked.dtype == dtype else stacked.to(dtype)
+class ShapeBatch:
+    """Same-shape matrices of a group projected by one ``bmm`` (see the module docstring).
+
+    Args:
+        kind: their projection's class (left or right).
+        idx: their positions in the group's lists.
+        states: their state dicts.
+        dtype: their gradients' dtype (the stacks' and the bases' dtype).
+        device: their device.
+        rows: the basis's rows (m for a left basis, n for a right one).
+        rank: the group's rank (the random projector's basis columns).
+    """
+
+    __slots__ = ("device", "dtype", "held", "idx", "kind", "rank", "rows", "stack", "states",
+                 "versions")  # fmt: skip
+
+    def __init__(
+        self, kind: type[Projection], idx: list[int], states: list[State], dtype: torch.dtype,
+        device: torch.device, rows: int, rank: int,
+    ) -> None:  # fmt: skip
+        self.kind, self.idx, self.states, self.dtype = kind, idx, states, dtype
+        self.device, self.rows, self.rank = device, rows, rank
+        self.stack: Tensor | None = None  # the kept stack of bases
+        self.held: list[Tensor] = []  # the state tensors ``stack`` was read from
+        self.versions: list[int] = []  # and their versions then
+
+    def _hold(self, key: str) -> None:
+        self.held = [s[key] for s in self.states]
+        self.versions = [t._version for t in self.held]
+
+    def _current(self, key: str) -> bool:
+        """Is ``stack`` still what it was read from (the same tensors, unwritten)?"""
+        held = self.held
+        if len(held) != len(self.states):
+            return False
+        for s, t, v in zip(self.states, held, self.versions, strict=True):
+            if s[key] is not t or t._version != v:
+                return False
+        return True
+
+    def bases(self, projector: Projector) -> Tensor:
+        """The batch's bases stacked (k × rows × r, in their stored dtype; the random
+        projector's regenerated from their seeds).
+
+        A stack of at most :data:`MAX_CACHED_BYTES` is kept, and made again only when one of
+        the state tensors it was made from (bases, or seeds) was replaced or written (a
+        refresh, ``load_state_dict``); a larger one is made at every step (a second copy of
+        the bases would cost more memory than making it costs time)."""
+        random = isinstance(projector, RandomProjector)
+        key = "proj.seed" if random else self.kind.basis_key
+        if self.stack is not None and self._current(key):
+            return self.stack
+        if random:  # regenerated from the seeds (the projector stores nothing else)
+            seeds = [int(s[key]) for s in self.states]
+            stacked = projector.stacked(seeds, self.kind.left, self.rows, self.rank, self.device)
+        else:
+            stacked = torch.stack([s[key] for s in self.states])
+        self.stack = None
+        if stacked.numel() * stacked.element_size() <= MAX_CACHED_BYTES:
+            self._hold(key)
+            self.stack = stacked
+        return stacked
+
+    def project(
+        self, us: list[Tensor], projector: Projector, precision: str, live: list[int] | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(the stacked gradients G, the stacked bases B as stored, R = PᵀG or G·Q): one
+        ``bmm`` at the group's ``proj_precision``, R in the gradients' dtype (as
+        :meth:`Projector.project` does per matrix). ``live``: the positions (in :attr:`idx`)
+        that project this step (None: all)."""
+        B = self.bases(projector)
+        idx = self.idx
+        if live is not None:
+            B = B[torch.tensor(live, device=B.device)]
+            idx = [idx[j] for j in live]
+        G = torch.stack([us[i] for i in idx])
+        dtype = self.dtype
+        at, context = projection_precision(G, precision)
+        X, Y = (G if G.dtype == at else G.to(at)), (B if B.dtype == at else B.to(at))
+        with context:
+            R = self.kind.project_stack(X, Y)
+        return G, B, (R if R.dtype == dtype else R.to(dtype))
 
 
-def project(batch: list[Item], precision: str = "fp32") -> tuple[Tensor, list[Tensor]]:
-    """(the stacked bases, R of each matrix): R = PᵀG (left) or G·Q (right), one ``bmm`` at
-    the group's ``proj_precision`` (as :meth:`Projector.project` does per matrix)."""
-    kind, dtype = batch[0][3], batch[0][1].dtype
-    states = [s for _, _, s, _ in batch]
-    G = torch.stack([u for _, u, _, _ in batch])
-    B = _basis(states, kind.basis_key, dtype)
-    at, context = projection_precision(G, precision)
-    X, Y = (G, B) if at == dtype else (G.to(at), B.to(at))
-    with context:
-        R = kind.project_stack(X, Y)
-    if R.dtype != dtype:
-        R = R.to(dtype)
-    return B, list(R.unbind(0))
+class BatchPlan:
+    """Which matrices of a group's lists batch (see the module docstring).
+
+    Built from the lists of one :meth:`GaLore.update_many` call: ``projected`` (the positions
+    GaLore projects), ``singles`` (projected, never batched: their own matmuls every step) and
+    ``batches`` (:class:`ShapeBatch`, two matrices or more each); ``can_batch``: the group's
+    :func:`group_batchable` then, ``rank`` its rank.
+    """
+
+    __slots__ = ("batched", "batches", "can_batch", "ctxs", "projected", "rank", "singles",
+                 "states")  # fmt: skip
+
+    def __init__(
+        self, us: list[Tensor], states: list[State], ctxs: list[Context], group: dict[str, Any],
+        can_batch: bool,
+    ) -> None:  # fmt: skip
+        self.states, self.ctxs = states, ctxs
+        self.can_batch, self.rank = can_batch, group["rank"]
+        self.projected: list[int] = []
+        self.singles: list[int] = []
+        by_key: dict[tuple, list[int]] = {}
+        for i, (u, state, ctx) in enumerate(zip(us, states, ctxs, strict=True)):
+            side = int(state["galore.side"])
+            if side == _NONE:
+                continue
+            self.projected.append(i)
+            kind = BY_SIDE[side]
+            if can_batch and stackable(u, ctx, kind):
+                by_key.setdefault((kind, u.shape, u.dtype, u.device), []).append(i)
+            else:
+                self.singles.append(i)
+        self.batches: list[ShapeBatch] = []
+        rank = int(group["rank"] or 0)  # the random projector's basis columns
+        for (kind, shape, dtype, device), same in by_key.items():
+            size = us[same[0]].numel() * us[same[0]].element_size()
+            per = max(1, MAX_BATCH_BYTES // max(size, 1))
+            for part in (same[i : i + per] for i in range(0, len(same), per)):
+                if len(part) < 2:  # alone: its own matmuls (stacking would only add copies)
+                    self.singles += part
+                    continue
+                rows = shape[0] if kind.left else shape[1]
+                part_states = [states[i] for i in part]
+                self.batches.append(ShapeBatch(kind, part, part_states, dtype, device, rows, rank))
+        self.singles.sort()
+        #: the batched matrices' states, in batch order (what :meth:`due` reads)
+        self.batched = [s for b in self.batches for s in b.states]
+
+    def holds(self, states: list[State], ctxs: list[Context]) -> bool:
+        """Is this plan still the plan of these lists (the same state dicts and contexts)?"""
+        if len(states) != len(self.states):
+            return False
+        return all(a is b for a, b in zip(states, self.states, strict=True)) and all(
+            a is b and not a.refreshed for a, b in zip(ctxs, self.ctxs, strict=True)
+        )
+
+    def due(self, counters: Counters) -> list[list[int]] | None:
+        """Per batch, the positions (in its ``idx``) of the matrices due for a refresh this
+        step; None when none is (the usual step). Two reads of packed host counters."""
+        steps = read_counters(counters, self.batched, "galore.step")
+        nexts = read_counters(counters, self.batched, "galore.next_refresh")
+        if all(s < n for s, n in zip(steps, nexts, strict=True)):
+            return None
+        out, start = [], 0
+        for batch in self.batches:
+            k = len(batch.idx)
+            out.append([j for j in range(k) if steps[start + j] >= nexts[start + j]])
+            start += k
+        return out
+
+
+def read_counters(counters: Counters, states: list[State], key: str) -> list[int]:
+    """The values of the host counters ``state[key]`` of ``states`` (one read when packed)."""
+    packed = counters.packed(states, key)
+    return packed.tolist() if packed is not None else [int(s[key]) for s in states]
+
+
+def advance_counters(
+    counters: Counters, states: list[State], key: str, skip: list[int] | None = None
+) -> None:
+    """Add one to the host counters ``state[key]`` of ``states`` but those at the positions
+    ``skip`` (one ``add_`` when packed)."""
+    packed = counters.packed(states, key)
+    if packed is None:
+        left = set(skip or ())
+        torch._foreach_add_([s[key] for j, s in enumerate(states) if j not in left], 1)
+    elif not skip:
+        packed.add_(1)
+    else:
+        step = torch.ones(len(states), dtype=packed.dtype)
+        step[skip] = 0
+        packed.add_(step)
 
 
 def back(
-    batch: list[Item], B: Tensor, Ns: list[Tensor], dtype: torch.dtype, factor: float
-) -> list[Tensor]:
+    kind: type[Projection], B: Tensor, Ns: list[Tensor], dtype: torch.dtype, factor: float,
+    out: Tensor | None = None,
+) -> Tensor:  # fmt: skip
     """Dense updates ``P·(factor·N)`` (left) or ``(factor·N)·Qᵀ`` (right) in ``dtype``, one
-    ``bmm`` (the factor scales the r-row stack, not the m×n result); counts each matrix's
-    GaLore step."""
-    kind = batch[0][3]
+    ``bmm`` (the factor scales the r-row stack, not the m×n result), stacked — into ``out``
+    when given (a spent stack of the same shape and dtype: no new gradient-size buffer)."""
     N = torch.stack(Ns)  # a new tensor: scaled in place
     N, B = (N if N.dtype == dtype else N.to(dtype)), (B if B.dtype == dtype else B.to(dtype))
     if factor != 1.0:
         N.mul_(factor)
-    out = kind.back_stack(N, B)
-    torch._foreach_add_([state["galore.step"] for _, _, state, _ in batch], 1)  # host counters
-    return list(out.unbind(0))
+    return kind.back_stack(N, B, out)

@@ -116,8 +116,9 @@ class Projection:
         raise NotImplementedError("only a stackable projection batches its products")
 
     @staticmethod
-    def back_stack(N: Tensor, B: Tensor) -> Tensor:
-        """The updates of stacked inner results ``N`` and bases ``B`` (``stackable`` only)."""
+    def back_stack(N: Tensor, B: Tensor, out: Tensor | None = None) -> Tensor:
+        """The updates of stacked inner results ``N`` and bases ``B`` (``stackable`` only),
+        into ``out`` when given."""
         raise NotImplementedError("only a stackable projection batches its products")
 
     def basis(self, state: State) -> Tensor | None:
@@ -202,9 +203,9 @@ class LeftProjection(Projection):
         return torch.bmm(B.mT, G)
 
     @staticmethod
-    def back_stack(N: Tensor, B: Tensor) -> Tensor:
-        """P·N of stacked bases and inner results (one ``bmm``)."""
-        return torch.bmm(B, N)
+    def back_stack(N: Tensor, B: Tensor, out: Tensor | None = None) -> Tensor:
+        """P·N of stacked bases and inner results (one ``bmm``, into ``out`` if given)."""
+        return torch.bmm(B, N, out=out)
 
     def step_collectives(self, grad: torch.dtype, inner: torch.dtype) -> list[Collective]:
         """Reduce-scatter of R = PᵀG (r×n, ``grad``), all-gather of N (r×n, ``inner``: it is
@@ -231,9 +232,9 @@ class RightProjection(Projection):
         return torch.bmm(G, B)
 
     @staticmethod
-    def back_stack(N: Tensor, B: Tensor) -> Tensor:
-        """N·Qᵀ of stacked inner results and bases (one ``bmm``)."""
-        return torch.bmm(N, B.mT)
+    def back_stack(N: Tensor, B: Tensor, out: Tensor | None = None) -> Tensor:
+        """N·Qᵀ of stacked inner results and bases (one ``bmm``, into ``out`` if given)."""
+        return torch.bmm(N, B.mT, out=out)
 
 
 class FullProjection(Projection):

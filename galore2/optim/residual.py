@@ -54,7 +54,7 @@ all-reduced (``Placement.reduce``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -200,6 +200,19 @@ def _limit(S: Tensor, state: dict[str, Tensor], group: dict[str, Any], plan: Pla
     return S.div_(limiter.float())
 
 
+class Bucket(NamedTuple):
+    """Same-shape whole (unsharded) matrices of one side, stacked: the input of
+    :func:`combine_buckets`."""
+
+    left: bool  # a left basis (channels: columns) or a right one (channels: rows)
+    G: Tensor  # the gradients, k × m × n
+    R: Tensor  # the projected gradients, k × r × n (left) or k × m × r (right)
+    N: Tensor  # the inner rule's outputs, shaped like R
+    B: Tensor | None  # the bases on their side (P: k × m × r, Q: k × n × r); None for APOLLO
+    states: list[dict[str, Tensor]]
+    biases: list[float | Tensor]  # each matrix's inner bias correction (see _limit)
+
+
 def combine_many(
     G: list[Tensor],
     R: list[Tensor],
@@ -215,94 +228,125 @@ def combine_many(
 
     ``B[i]``: matrix i's basis on its side (P for a left basis, Q for a right one; None for
     APOLLO), ``sides[i]`` that side. Matrices of the same (side, shapes, dtype, device) are
-    stacked, so every op runs once per such bucket — the channel norms, Fira's two products
-    (``baddbmm``), the scaling — or once for all of them (ratios, the limiter's scalars);
-    no host read. Returns one m×n view per matrix, in the order given.
+    stacked into a :class:`Bucket` each (:func:`combine_buckets`). Returns one m×n view per
+    matrix, in the order given.
     """
-    alpha, scale_type = float(group["scale"]), group["scale_type"]
-    buckets: dict[tuple[Any, ...], list[int]] = {}
+    keyed: dict[tuple[Any, ...], list[int]] = {}
     for i, (g, r) in enumerate(zip(G, R, strict=True)):
         key = (sides[i], tuple(g.shape), tuple(r.shape), g.dtype, g.device)
-        buckets.setdefault(key, []).append(i)
-    idxs = list(buckets.values())
-    left = [sides[idx[0]] == LEFT for idx in idxs]
-    # N and R of a bucket in one stack, their norms in one reduction
-    NRs = [torch.stack([*(N[i] for i in idx), *(R[i] for i in idx)]).float() for idx in idxs]
-    Ns = [nr[: len(idx)] for nr, idx in zip(NRs, idxs, strict=True)]
-    Rs = [nr[len(idx) :] for nr, idx in zip(NRs, idxs, strict=True)]
-    # per matrix (‖N‖_F / (‖R‖_F + ε)), or per channel: columns of a left basis's r×n,
-    # rows of a right basis's m×r
-    dims = [(1, 2) if scale_type == "tensor" else 1 if lf else 2 for lf in left]
-    sums = [
-        torch.linalg.vector_norm(nr, dim=d, keepdim=True) for nr, d in zip(NRs, dims, strict=True)
+        keyed.setdefault(key, []).append(i)
+    idxs = list(keyed.values())
+    buckets = [
+        Bucket(
+            sides[idx[0]] == LEFT,
+            torch.stack([G[i] for i in idx]),
+            torch.stack([R[i] for i in idx]),
+            torch.stack([N[i] for i in idx]),
+            None if B[idx[0]] is None else torch.stack([B[i] for i in idx]),  # type: ignore[misc]
+            [states[i] for i in idx],
+            [biases[i] for i in idx],
+        )
+        for idx in idxs
     ]
-    num = [sm[: len(idx)] for sm, idx in zip(sums, idxs, strict=True)]
-    den = [sm[len(idx) :] for sm, idx in zip(sums, idxs, strict=True)]
-    torch._foreach_add_(den, _EPS)
-    phis = torch._foreach_div(num, den)
-    S, bases = [], []
-    for idx, r, phi, lf in zip(idxs, Rs, phis, left, strict=True):
-        Gs = torch.stack([G[i] for i in idx]).float()
-        if scale_type is not None:  # APOLLO: the raw gradient, scaled
-            S.append(Gs.mul_(phi))
-            continue
-        Bs = torch.stack([B[i] for i in idx]).float()  # type: ignore[misc]
-        bases.append(Bs)
-        c = -alpha if group["residual"] == "fira_reference" else -1.0  # as in combine()
-        res = torch.baddbmm(Gs, Bs, r, alpha=c) if lf else torch.baddbmm(Gs, r, Bs.mT, alpha=c)
-        S.append(res.mul_(phi))
-    _limit_many(S, [i for idx in idxs for i in idx], states, group, biases)
-    if scale_type is not None:
-        if alpha != 1.0:
-            torch._foreach_mul_(S, alpha)
-    else:
-        for s, Bs, n, lf in zip(S, bases, Ns, left, strict=True):
-            if lf:
-                s.baddbmm_(Bs, n, alpha=alpha)
-            else:
-                s.baddbmm_(n, Bs.mT, alpha=alpha)
-    if decay != 1.0:
-        torch._foreach_mul_(S, decay)
     out: list[Tensor] = [None] * len(G)  # type: ignore[list-item]
-    for idx, s in zip(idxs, S, strict=True):
+    for idx, s in zip(idxs, combine_buckets(buckets, group, decay), strict=True):
         for j, i in enumerate(idx):
             out[i] = s[j]
     return out
 
 
-def _limit_many(
-    S: list[Tensor],
-    order: list[int],
-    states: list[dict[str, Tensor]],
-    group: dict[str, Any],
-    biases: list[float],
-) -> None:
-    """:func:`_limit` of the stacked matrices ``S`` (in place), whose matrices are those of
-    ``order``: one norm per bucket, the scalars of every matrix together."""
+def combine_buckets(buckets: list[Bucket], group: dict[str, Any], decay: float) -> list[Tensor]:
+    """:func:`combine` of each :class:`Bucket`'s matrices, times ``decay``: one stacked
+    update (k × m × n, float32) per bucket. Every op runs once per bucket — the channel
+    norms, Fira's two products (``baddbmm``), the scaling — or once for all of them (ratios,
+    the limiter's scalars); no host read. A stack's tensors may be written in place (the
+    caller's stacks are temporaries).
+    """
+    alpha, scale_type = float(group["scale"]), group["scale_type"]
+    limit = group["norm_growth_limit"] is not None
+    Ns = [b.N.float() for b in buckets]
+    Rs = [b.R.float() for b in buckets]
+    # per matrix (‖N‖_F / (‖R‖_F + ε)), or per channel: columns of a left basis's r×n,
+    # rows of a right basis's m×r
+    dims = [(1, 2) if scale_type == "tensor" else 1 if b.left else 2 for b in buckets]
+    num = [_norms(n, d) for n, d in zip(Ns, dims, strict=True)]
+    den = [_norms(r, d) for r, d in zip(Rs, dims, strict=True)]
+    torch._foreach_add_(den, _EPS)
+    phis = torch._foreach_div(num, den)
+    S, norms = [], []
+    for b, r, phi, d in zip(buckets, Rs, phis, dims, strict=True):
+        Gs = b.G.float()
+        if scale_type is None:  # Fira: the residual G − P·R ("fira_reference": G − α·P·R)
+            Bs = b.B.float()  # type: ignore[union-attr]
+            c = -alpha if group["residual"] == "fira_reference" else -1.0  # as in combine()
+            # in place: the stack of gradients is a temporary (no second m×n buffer)
+            Gs = Gs.baddbmm_(Bs, r, alpha=c) if b.left else Gs.baddbmm_(r, Bs.mT, alpha=c)
+        S.append(Gs)  # APOLLO: the raw gradient
+        if limit:  # ‖φ ⊙ S‖ from the channels' norms of S, φ applied in float64
+            norms.append(_scaled_norm(Gs, phi, d))
+    # every per-matrix and per-channel factor of S in one small tensor per bucket, applied
+    # by one pass over S: φ, the limiter's 1/ℓ, and the decay (APOLLO: α too); Fira's α·P·N
+    # then comes in with α·decay (the per-tensor path's ((φ⊙S)/ℓ + α·P·N)·decay, rounded
+    # differently: within 1e-7)
+    inv = _limit_buckets(norms, buckets, group) if limit else None
+    c = decay * (alpha if scale_type is not None else 1.0)
+    start = 0
+    for s, phi in zip(S, phis, strict=True):
+        k = s.shape[0]
+        if inv is not None:
+            phi = phi.mul_(inv[start : start + k].view(k, 1, 1))
+        start += k
+        s.mul_(phi.mul_(c) if c != 1.0 else phi)
+    if scale_type is None:
+        for s, b, n in zip(S, buckets, Ns, strict=True):
+            Bs = b.B.float()  # type: ignore[union-attr]
+            if b.left:
+                s.baddbmm_(Bs, n, alpha=alpha * decay)
+            else:
+                s.baddbmm_(n, Bs.mT, alpha=alpha * decay)
+    return S
+
+
+def _norms(x: Tensor, dim: int | tuple[int, int]) -> Tensor:
+    """2-norms of a stack over ``dim`` (kept). Over dim 1 (a left basis's columns) as the
+    root of summed squares: torch's CPU ``vector_norm`` over a strided dim is ~20× slower."""
+    if dim == 1:
+        return x.square().sum(dim=1, keepdim=True).sqrt_()
+    return torch.linalg.vector_norm(x, dim=dim, keepdim=True)
+
+
+def _scaled_norm(res: Tensor, phi: Tensor, dim: int | tuple[int, int]) -> Tensor:
+    """‖φ ⊙ res‖_F of each stacked matrix, in float64: Σ_c (φ_c·‖res_c‖)² over the channels
+    φ scales (``dim``: the dims φ was reduced over). Only res's channel norms are full-size
+    work, in float32 (they overflow only for gradient entries beyond ~1e18, where Adam's
+    second moment overflows first); φ — huge when ‖R‖ ≈ 0 — multiplies them in float64,
+    where ‖S‖ cannot overflow (the per-tensor path's float64 norm of S, within 1e-7)."""
+    if dim == 1:  # summed squares (see _norms)
+        squares = res.square().sum(dim=1, keepdim=True)
+        return phi.double().square_().mul_(squares).sum(dim=(1, 2)).sqrt_()
+    channel = torch.linalg.vector_norm(res, dim=dim, keepdim=True)
+    return torch.linalg.vector_norm(phi.double().mul_(channel), dim=(1, 2))
+
+
+def _limit_buckets(norms: list[Tensor], buckets: list[Bucket], group: dict[str, Any]) -> Tensor:
+    """:func:`_limit` of the stacked matrices of ``buckets``, whose norms (float64, before
+    bias correction) are ``norms``: the scalars of every matrix together. Returns each
+    matrix's 1/ℓ (float32, in bucket order), the factor that limits its growth."""
     gamma = group["norm_growth_limit"]
-    if gamma is None:
-        return
-    # in float64: S's norm may overflow float32 when ‖R‖ ≈ 0 makes φ huge (finite S)
-    sqs = [s.flatten(1).double().square_().sum(dim=1) for s in S]
-    sq = torch.cat(sqs) if len(sqs) > 1 else sqs[0]
-    bias = [biases[i] for i in order]
+    norm = torch.cat(norms) if len(norms) > 1 else norms[0]
+    bias = [x for b in buckets for x in b.biases]
     if isinstance(bias[0], Tensor):  # device bias corrections (capturable): no host read
-        norm = sq.sqrt_().div_(torch.stack(bias).to(sq.device))
-    elif all(b == bias[0] for b in bias):
-        norm = sq.sqrt_().div_(bias[0])
+        norm = norm.div_(torch.stack(bias).to(norm.device))
+    elif all(x == bias[0] for x in bias):
+        norm = norm.div_(bias[0])
     else:  # steps differ between matrices (reset, parameters added later)
-        norm = sq.sqrt_().div_(torch.tensor(bias, dtype=torch.float64).to(sq.device))
-    prevs = [states[i][LIMIT_KEY] for i in order]
+        norm = norm.div_(torch.tensor(bias, dtype=torch.float64).to(norm.device))
+    prevs = [s[LIMIT_KEY] for b in buckets for s in b.states]
     prev = torch.stack(prevs)
     ratio = torch.clamp(norm / (prev + _EPS), min=gamma).div_(gamma)
     limiter = ratio.masked_fill_(prev <= 0, 1.0)  # no previous norm: no limit
     torch._foreach_copy_(prevs, list(norm.div_(limiter).unbind()))
-    limiter = limiter.float()
-    start = 0
-    for s in S:
-        k = s.shape[0]
-        s.div_(limiter[start : start + k].view(k, 1, 1))
-        start += k
+    return limiter.reciprocal_().float()
 
 
 __all__ = [
@@ -311,8 +355,10 @@ __all__ = [
     "OPTIONS",
     "RESIDUAL",
     "SCALE_TYPE",
+    "Bucket",
     "active",
     "combine",
+    "combine_buckets",
     "combine_many",
     "init_state",
     "validate",

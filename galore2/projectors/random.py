@@ -5,7 +5,9 @@ scaling, E[P·Pᵀ] = I on the full space, as in APOLLO), regenerated from the
 stored seed whenever it is used and redrawn (new seed) at each refresh. The
 gradient is never looked at, so a refresh costs nothing and the projector's
 memory is one int64. It is not orthonormal: PᵀP ≈ (m/r)·I.
-Cost per step: regenerating an m×r (or n×r) Gaussian.
+Cost per step: regenerating an m×r (or n×r) Gaussian (the batched path draws a shape
+batch's into one stack, :meth:`RandomProjector.stacked`, and keeps small stacks between
+refreshes: :mod:`galore2.optim.lowrank_batch`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,18 @@ class RandomProjector(Projector):
         if plan.side in (RIGHT, FULL):
             Q = gaussian_basis(plan.n, plan.rank, mix_seed(seed, 2), plan.device)
         return P, Q
+
+    @staticmethod
+    def stacked(seeds: list[int], left: bool, rows: int, rank: int, device: torch.device) -> Tensor:
+        """The bases on one side (``left``: P, else Q) of same-shape local matrices whose
+        ``proj.seed`` are ``seeds``, stacked (k × rows × rank): each one what :meth:`bases`
+        regenerates, drawn into one buffer and scaled by one kernel (the batched path)."""
+        out = torch.empty(len(seeds), rows, rank, device=device)
+        gen = torch.Generator(device=device)
+        for k, seed in enumerate(seeds):
+            gen.manual_seed(mix_seed(seed, 1 if left else 2))
+            torch.randn(rows, rank, generator=gen, out=out[k])
+        return out.mul_(rank**-0.5)
 
     def refresh(
         self, G: Tensor, state: State, plan: Plan, group: dict, seed: int

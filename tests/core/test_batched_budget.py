@@ -24,9 +24,9 @@ NS_MATMULS = 2 * 3 * 5  # Muon: 2 short × long shapes (16×128, 16×352) × 3 p
 # per 8-bit direction replaces it (within the per-matrix allowance)
 QUANTIZER_8BIT = 25 * 3  # 3 concatenations: m×16 rows, 16×n columns, the embeddings' rows
 EXTRA = {"galore2_muon": NS_MATMULS, "galore_adamw8bit": QUANTIZER_8BIT}
-# launches per projected matrix outside the matmuls, by design: APOLLO's random projector
-# regenerates its seeded Gaussian basis (randn, scale) for each matrix at every step
-PER_MATRIX = {"galore2_apollo": 2, "galore2_apollo_mini": 2}
+# launches per projected matrix outside the matmuls, by design: none (APOLLO's random
+# projector keeps its small bases stacked between refreshes, galore2.optim.lowrank_batch)
+PER_MATRIX: dict[str, int] = {}
 KEYS = ("galore_adamw", "galore_adamw8bit", "galore2_fira", "galore2_apollo",
         "galore2_apollo_mini", "galore2_muon", "galore_adafactor")  # fmt: skip
 
