@@ -501,7 +501,7 @@ class ChainOptimizer(torch.optim.Optimizer):
             self._gather(group, list(self._indexed_params_of(group))) for group in self.param_groups
         ]
         stepped = self._run([b for b in batches if b is not None])
-        run_param_transforms(self._param_transforms, self._chain, stepped)
+        run_param_transforms(self._param_transforms, self._chain, stepped, _chunks)
         return loss
 
     @torch.no_grad()
@@ -534,7 +534,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         NonFinitePolicy.raise_if_any([group], lambda g: [(p, _real(grad), self._placement(p))])
         batch = self._gather(group, [(index, grad, p)])
         stepped = self._run([batch] if batch is not None else [])
-        run_param_transforms(self._param_transforms, self._chain, stepped)
+        run_param_transforms(self._param_transforms, self._chain, stepped, _chunks)
 
     def _gather(
         self, group: dict[str, Any], items: list[tuple[int, Tensor, Tensor]]
@@ -583,9 +583,17 @@ class ChainOptimizer(torch.optim.Optimizer):
                 lists = (batch.owners, batch.params, batch.states, batch.ctxs)
                 # indices and parameters only: last step's gradients are not kept alive
                 self._gather_cache[key] = (self.state, [(i, p) for i, _, p in items], lists)
-        for hook in self._grad_transforms:  # full-space gradient modules, in place
-            for g, state, ctx in zip(batch.grads, batch.states, batch.ctxs, strict=True):
-                hook.apply_(g, group, state, ctx)
+        if self._grad_transforms:  # full-space gradient modules, in place, batched as the chain
+            chunks = _chunks(batch.params, group.get("foreach"))
+            for hook in self._grad_transforms:
+                for c in chunks:
+                    if len(c) == 1:
+                        hook.apply_(batch.grads[c[0]], group, batch.states[c[0]], batch.ctxs[c[0]])
+                        continue
+                    hook.apply_many(
+                        [batch.grads[i] for i in c], group,
+                        [batch.states[i] for i in c], [batch.ctxs[i] for i in c],
+                    )  # fmt: skip
         batch.flags = NonFinitePolicy.check(group, batch.grads, [c.placement for c in batch.ctxs])
         return batch
 

@@ -18,11 +18,7 @@ from torch import Tensor
 from ..core.modules import GradientTransform
 from ..core.options import Option, Real
 from ..core.transform import Context, Group, State
-
-
-def acc_dtype(t: Tensor) -> torch.dtype:
-    """Accumulation dtype: float64 for float64 tensors, float32 otherwise."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+from .units import Layout, acc_dtype, batchable, flat, layout, spread, unit_reduce
 
 
 def unit_norms(tensors: list[Tensor], ctx: Context) -> list[Tensor]:
@@ -86,6 +82,30 @@ class AdaptiveGradientClipping(GradientTransform):
         ratio = limit / g_norm.clamp_min(torch.finfo(g_norm.dtype).tiny)
         grad.mul_(torch.where(g_norm > limit, ratio, torch.ones_like(ratio)))
 
+    def apply_many(
+        self, grads: list[Tensor], group: Group, states: list[State], ctxs: list[Context]
+    ) -> None:
+        """:meth:`apply_` over a batch: every unit norm of the gradients and the weights by
+        one segment reduction, the clip factors spread back by one foreach multiply."""
+        clip = float(AGC_CLIP.of(group))
+        if clip == 0.0:
+            return
+        together, alone = batchable(grads, ctxs)
+        for i in alone:
+            self.apply_(grads[i], group, states[i], ctxs[i])
+        if not together:
+            return
+        gs = [grads[i] for i in together]
+        lay = layout(gs)
+        both = flat([*gs, *(ctxs[i].param for i in together)], acc_dtype(gs[0]))
+        norms = unit_reduce(both.mul_(both), lay).sqrt_()
+        g_norm, w_norm = norms.split(norms.numel() // 2)
+        limit = w_norm.clamp_min(float(AGC_EPS.of(group))).mul_(clip)
+        # limit/‖g‖ where ‖g‖ > limit, else 1 (as apply_): ‖g‖ = 0 gives inf and a NaN
+        # norm NaN, both mapped to 1
+        factor = limit.div_(g_norm).nan_to_num_(nan=1.0).clamp_max_(1.0)
+        torch._foreach_mul_(gs, spread(factor, lay))
+
 
 class CentralizeGradient(GradientTransform):
     """Gradient centralization (Yong et al. 2020).
@@ -105,6 +125,23 @@ class CentralizeGradient(GradientTransform):
             return
         dims = tuple(range(1, grad.dim()))
         grad.sub_(grad.mean(dim=dims, keepdim=True, dtype=acc_dtype(grad)))
+
+    def apply_many(
+        self, grads: list[Tensor], group: Group, states: list[State], ctxs: list[Context]
+    ) -> None:
+        """:meth:`apply_` over a batch: every row mean by one segment reduction, subtracted
+        by one foreach kernel."""
+        rows = [i for i, g in enumerate(grads) if g.dim() >= 2]
+        together, alone = batchable([grads[i] for i in rows], [ctxs[i] for i in rows])
+        for j in alone:
+            i = rows[j]
+            self.apply_(grads[i], group, states[i], ctxs[i])
+        if not together:
+            return
+        gs = [grads[rows[j]] for j in together]
+        lay = layout(gs)
+        means = unit_reduce(flat(gs, acc_dtype(gs[0])), lay, "mean")
+        torch._foreach_sub_(gs, spread(means, lay))
 
 
 class NormalizeGradient(GradientTransform):
@@ -149,3 +186,39 @@ class NormalizeGradient(GradientTransform):
             if n == 0:
                 return
         grad.div_(var.sqrt().add_(eps))
+
+    def apply_many(
+        self, grads: list[Tensor], group: Group, states: list[State], ctxs: list[Context]
+    ) -> None:
+        """:meth:`apply_` over a batch: the means by one segment reduction, the centred
+        norms by one foreach norm (σ = ‖g − mean‖/√N), the division by one foreach kernel."""
+        some = [i for i, c in enumerate(ctxs) if c.global_shape.numel() > 1]
+        together, alone = batchable([grads[i] for i in some], [ctxs[i] for i in some])
+        for j in alone:
+            i = some[j]
+            self.apply_(grads[i], group, states[i], ctxs[i])
+        if not together:
+            return
+        gs = [grads[some[j]] for j in together]
+        lay = layout(gs, rows=False)
+        values = flat(gs, acc_dtype(gs[0]))
+        means = unit_reduce(values, lay, "mean")
+        centred = torch._foreach_sub(list(values.split(lay.numels)), list(means.unbind()))
+        norms = torch.stack(torch._foreach_norm(centred))
+        std = norms.mul_(_inverse_sqrt_numels(lay, norms))
+        torch._foreach_div_(gs, list(std.add_(float(GN_EPS.of(group))).unbind()))
+
+
+_INVERSE_SQRT: dict[tuple, Tensor] = {}  # by (layout's device, numels, dtype)
+
+
+def _inverse_sqrt_numels(lay: Layout, like: Tensor) -> Tensor:
+    """1/√N per tensor of a batch laid out as ``lay``, on ``like``'s device (made once)."""
+    key = (like.device, lay.numels, like.dtype)
+    found = _INVERSE_SQRT.get(key)
+    if found is None:
+        if len(_INVERSE_SQRT) >= 64:
+            _INVERSE_SQRT.clear()
+        n = torch.tensor(lay.numels, dtype=torch.float64)
+        found = _INVERSE_SQRT[key] = n.rsqrt().to(device=like.device, dtype=like.dtype)
+    return found

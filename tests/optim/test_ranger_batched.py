@@ -1,0 +1,122 @@
+"""Ranger21's modules on the batched path (``foreach=True``): the per-tensor path's results.
+
+AGC, centralization, normalization, PNM, norm loss, stable weight decay and lookahead each
+run over a whole batch (segment reductions, foreach kernels; :mod:`galore2.optim.units`).
+Forced on the CPU with ``foreach=True``, a run must equal the per-tensor one
+(``foreach=False``) within 1e-6 over steps that cover the warmup, two lookahead syncs and
+(GaLoreRanger21) three subspace refreshes; the state keeps its keys and dtypes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import galore2
+from galore2.optim.gradient import (
+    AdaptiveGradientClipping,
+    CentralizeGradient,
+    NormalizeGradient,
+)
+from galore2.optim.units import layout, spread, unit_reduce
+
+from ..helpers import TinyNet, galore_groups, train
+
+STEPS = 12  # of num_iterations 20: warmup steps, lookahead syncs at 5 and 10, refreshes
+
+
+def _run(cls, foreach: bool, **switches):
+    torch.manual_seed(0)
+    model = TinyNet()
+    settings = {"lr": 1e-2, "weight_decay": 1e-2, "num_iterations": 20, "foreach": foreach}
+    if cls is galore2.GaLoreRanger21:
+        params = galore_groups(model, rank=4, update_proj_gap=5)
+    else:
+        params = model.parameters()
+    opt = cls(params, **settings, **switches)
+    train(model, opt, range(STEPS))
+    return model, opt
+
+
+VARIANTS = [
+    {},
+    {"softplus": False, "amsgrad": True, "adamd": True},
+    {"pnm_beta0": 0.0, "lookahead_dtype": "bfloat16"},
+]
+
+
+@pytest.mark.parametrize("switches", VARIANTS, ids=["defaults", "amsgrad_adamd", "beta0_bf16"])
+@pytest.mark.parametrize("cls", [galore2.Ranger21, galore2.GaLoreRanger21])
+def test_batched_equals_per_tensor(cls, switches):
+    batched, opt_b = _run(cls, True, **switches)
+    looped, opt_l = _run(cls, False, **switches)
+    torch.manual_seed(0)
+    start = TinyNet()
+    for b, l_, p0 in zip(
+        batched.parameters(), looped.parameters(), start.parameters(), strict=True
+    ):
+        assert (b.detach() - p0.detach()).abs().max() > 1e-3  # it trained
+        torch.testing.assert_close(b.detach(), l_.detach(), rtol=0, atol=1e-6)
+    if cls is galore2.GaLoreRanger21:
+        assert all(r["refreshes"] == 3 for r in opt_b.refresh_stats().values())
+    for pb, pl in zip(batched.parameters(), looped.parameters(), strict=True):
+        sb, sl = opt_b.state[pb], opt_l.state[pl]
+        assert sb.keys() == sl.keys()
+        for key in sb:
+            assert sb[key].dtype == sl[key].dtype, key
+            assert sb[key].device == sl[key].device, key
+            if sb[key].is_floating_point():
+                torch.testing.assert_close(sb[key], sl[key], rtol=1e-5, atol=1e-6)
+            else:
+                assert torch.equal(sb[key], sl[key]), key
+
+
+def test_foreach_true_batches_every_module(monkeypatch):
+    """With ``foreach=True`` no gradient module falls back to one tensor at a time."""
+    for cls in (AdaptiveGradientClipping, CentralizeGradient, NormalizeGradient):
+
+        def refuse(self, *args, **kwargs):
+            raise AssertionError(f"{type(self).__name__}.apply_ ran per tensor")
+
+        monkeypatch.setattr(cls, "apply_", refuse)
+    model = TinyNet()
+    # one group holding every parameter: every module sees a batch of several tensors
+    train(model, galore2.Ranger21(model.parameters(), num_iterations=20, foreach=True), range(2))
+
+
+def test_units_of_rows_and_whole_tensors():
+    """Row units of ≥2-D tensors, one unit per ≤1-D tensor, in order; spread inverts them."""
+    ts = [torch.arange(6.0).view(2, 3), torch.tensor([1.0, 2.0]), torch.tensor(5.0)]
+    lay = layout(ts)
+    assert lay.units == (2, 1, 1)
+    flat = torch.cat([t.reshape(-1) for t in ts])
+    assert unit_reduce(flat, lay).tolist() == [3.0, 12.0, 3.0, 5.0]
+    assert unit_reduce(torch.cat([flat, flat]), lay).tolist() == [3.0, 12.0, 3.0, 5.0] * 2
+    back = spread(torch.tensor([1.0, 2.0, 3.0, 4.0]), lay)
+    assert [b.tolist() for b in back] == [[[1.0] * 3, [2.0] * 3], [3.0, 3.0], 4.0]
+    whole = layout(ts, rows=False)
+    assert unit_reduce(flat, whole, "mean").tolist() == [2.5, 1.5, 5.0]
+
+
+def test_batched_agc_keeps_unclipped_units_and_maps_nan_norms_to_one():
+    """AGC's batched factor: units under the limit and units with a NaN norm are left bit
+    for bit (as ``apply_``), units over it are scaled to the limit."""
+    torch.manual_seed(0)
+    ws = [torch.randn(4, 5), torch.randn(3)]
+    gs = [torch.randn(4, 5) * 1e-4, torch.randn(3)]
+    gs[0][1] *= 1e6  # row 1 over the limit
+    gs[0][2, 0] = float("nan")  # row 2: NaN norm
+    before = [g.clone() for g in gs]
+    ctxs = [
+        galore2.core.transform.Context(param=w, index=i, shape=w.shape) for i, w in enumerate(ws)
+    ]
+    group = {"agc_clip": 1e-2, "agc_eps": 1e-3}
+    AdaptiveGradientClipping().apply_many(gs, group, [{}, {}], ctxs)
+    expected = [g.clone() for g in before]
+    for g, ctx in zip(expected, ctxs, strict=True):
+        AdaptiveGradientClipping().apply_(g, group, {}, ctx)
+    torch.testing.assert_close(gs, expected, rtol=1e-6, atol=0, equal_nan=True)
+    assert torch.equal(gs[0][0], before[0][0])  # under the limit: unchanged
+    assert torch.equal(gs[0][2].nan_to_num(), before[0][2].nan_to_num())
+    limit = 1e-2 * ws[0][1].norm()
+    torch.testing.assert_close(gs[0][1].norm(), limit, rtol=1e-5, atol=0)
