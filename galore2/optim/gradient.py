@@ -18,7 +18,7 @@ from torch import Tensor
 from ..core.modules import GradientTransform
 from ..core.options import Option, Real
 from ..core.transform import Context, Group, State
-from .units import Layout, acc_dtype, batchable, flat, layout, spread, unit_reduce
+from .units import acc_dtype, batchable, layout
 
 
 def unit_norms(tensors: list[Tensor], ctx: Context) -> list[Tensor]:
@@ -97,14 +97,14 @@ class AdaptiveGradientClipping(GradientTransform):
             return
         gs = [grads[i] for i in together]
         lay = layout(gs)
-        both = flat([*gs, *(ctxs[i].param for i in together)], acc_dtype(gs[0]))
-        norms = unit_reduce(both.mul_(both), lay).sqrt_()
-        g_norm, w_norm = norms.split(norms.numel() // 2)
+        values = lay.gather([gs, [ctxs[i].param for i in together]], acc_dtype(gs[0]))
+        g_norm, w_norm = lay.reduce(values, _row_norms, copies=2)
         limit = w_norm.clamp_min(float(AGC_EPS.of(group))).mul_(clip)
         # limit/‖g‖ where ‖g‖ > limit, else 1 (as apply_): ‖g‖ = 0 gives inf and a NaN
         # norm NaN, both mapped to 1
         factor = limit.div_(g_norm).nan_to_num_(nan=1.0).clamp_max_(1.0)
-        torch._foreach_mul_(gs, spread(factor, lay))
+        lay.scale_(values, factor, copies=2)
+        torch._foreach_copy_(lay.ordered(gs), lay.views(values, copies=2))
 
 
 class CentralizeGradient(GradientTransform):
@@ -140,8 +140,10 @@ class CentralizeGradient(GradientTransform):
             return
         gs = [grads[rows[j]] for j in together]
         lay = layout(gs)
-        means = unit_reduce(flat(gs, acc_dtype(gs[0])), lay, "mean")
-        torch._foreach_sub_(gs, spread(means, lay))
+        values = lay.gather([gs], acc_dtype(gs[0]))
+        for region in lay.regions(values):
+            region.sub_(region.mean(dim=-1, keepdim=True))
+        torch._foreach_copy_(lay.ordered(gs), lay.views(values))
 
 
 class NormalizeGradient(GradientTransform):
@@ -200,25 +202,19 @@ class NormalizeGradient(GradientTransform):
         if not together:
             return
         gs = [grads[some[j]] for j in together]
-        lay = layout(gs, rows=False)
-        values = flat(gs, acc_dtype(gs[0]))
-        means = unit_reduce(values, lay, "mean")
-        centred = torch._foreach_sub(list(values.split(lay.numels)), list(means.unbind()))
-        norms = torch.stack(torch._foreach_norm(centred))
-        std = norms.mul_(_inverse_sqrt_numels(lay, norms))
-        torch._foreach_div_(gs, list(std.add_(float(GN_EPS.of(group))).unbind()))
+        lay = layout(gs)
+        values = lay.gather([gs], acc_dtype(gs[0]))
+        _, inverse, inverse_sqrt = lay.per_tensor(values.device, values.dtype)
+        means = lay.tensor_sums(lay.reduce(values, _row_sums)[0]).mul_(inverse)
+        centred = lay.views(values)
+        torch._foreach_sub_(centred, list(means.unbind()))
+        std = torch.stack(torch._foreach_norm(centred)).mul_(inverse_sqrt)
+        torch._foreach_div_(lay.ordered(gs), list(std.add_(float(GN_EPS.of(group))).unbind()))
 
 
-_INVERSE_SQRT: dict[tuple, Tensor] = {}  # by (layout's device, numels, dtype)
+def _row_norms(region: Tensor) -> Tensor:
+    return torch.linalg.vector_norm(region, dim=-1)
 
 
-def _inverse_sqrt_numels(lay: Layout, like: Tensor) -> Tensor:
-    """1/√N per tensor of a batch laid out as ``lay``, on ``like``'s device (made once)."""
-    key = (like.device, lay.numels, like.dtype)
-    found = _INVERSE_SQRT.get(key)
-    if found is None:
-        if len(_INVERSE_SQRT) >= 64:
-            _INVERSE_SQRT.clear()
-        n = torch.tensor(lay.numels, dtype=torch.float64)
-        found = _INVERSE_SQRT[key] = n.rsqrt().to(device=like.device, dtype=like.dtype)
-    return found
+def _row_sums(region: Tensor) -> Tensor:
+    return region.sum(dim=-1)

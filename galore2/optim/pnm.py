@@ -208,10 +208,10 @@ class ScaleByPNM(Transform):
         counters = [states[i]["pnm.step"] for i in plain]
         if counters:
             torch._foreach_add_(counters, 1)  # host counters, one call
-        by_step: dict[int, list[int]] = {}  # usually one step count for all
+        by_step: dict[tuple[int, torch.dtype], list[int]] = {}  # usually one batch for all
         for i, t in zip(plain, map(int, counters), strict=True):
-            by_step.setdefault(t, []).append(i)
-        for t, batch in by_step.items():
+            by_step.setdefault((t, states[i]["pnm.exp_avg_sq"].dtype), []).append(i)
+        for (t, _), batch in by_step.items():
             results = self._foreach([us[i] for i in batch], [states[i] for i in batch], group, t)
             for i, r in zip(batch, results, strict=True):
                 out[i] = r
@@ -221,8 +221,8 @@ class ScaleByPNM(Transform):
         return out  # type: ignore[return-value]
 
     def _foreach(self, us: list[Tensor], states: list[State], group: Group, t: int) -> list[Tensor]:
-        """:meth:`_step`'s math over tensors whose counters were advanced to ``t``; the
-        softplus as ``x + log1p(exp(−β·x))/β`` (x = √v̂ ≥ 0: no foreach softplus exists)."""
+        """:meth:`_step`'s math over tensors (moments of one dtype) whose counters were
+        advanced to ``t``; the denominators (softplus: no foreach kernel) over one buffer."""
         exp_avgs = [s["pnm.exp_avg"] for s in states]
         neg_exp_avgs = [s["pnm.neg_exp_avg"] for s in states]
         exp_avg_sqs = [s["pnm.exp_avg_sq"] for s in states]
@@ -242,17 +242,14 @@ class ScaleByPNM(Transform):
         out = torch._foreach_mul(active, (1 + beta0) / (norm * bc_active))
         if bc_passive > 0 and beta0 != 0:
             torch._foreach_add_(out, passive, alpha=-beta0 / (norm * bc_passive))
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, math.sqrt(1 - beta2**t))
+        # the denominators in one buffer: the per-tensor path's ops, one kernel each
+        denom = torch.cat([x.reshape(-1) for x in v]).sqrt_().div_(math.sqrt(1 - beta2**t))
         if self.softplus:
-            sp_beta = float(SOFTPLUS_BETA.of(group))
-            tail = torch._foreach_mul(denom, -sp_beta)
-            torch._foreach_exp_(tail)
-            torch._foreach_log1p_(tail)
-            torch._foreach_add_(denom, tail, alpha=1.0 / sp_beta)
+            denom = F.softplus(denom, beta=float(SOFTPLUS_BETA.of(group)))
         else:
-            torch._foreach_add_(denom, group["eps"])
-        torch._foreach_div_(out, denom)
+            denom.add_(group["eps"])
+        parts = denom.split([x.numel() for x in v])
+        torch._foreach_div_(out, [part.view(x.shape) for part, x in zip(parts, v, strict=True)])
         return list(out)
 
     def second_moment_sum_many(self, states: list[State], group: Group) -> Tensor | None:
@@ -267,8 +264,8 @@ class ScaleByPNM(Transform):
         t = steps.pop()
         if t == 0:
             return torch.zeros((), dtype=torch.float64)
-        sums = torch._foreach_norm([s["pnm.exp_avg_sq"] for s in states], 1, dtype=torch.float64)
-        return torch.stack(sums).sum() / (1 - group["betas"][1] ** t)
+        sums = torch._foreach_norm([s["pnm.exp_avg_sq"] for s in states], 1)
+        return torch.stack(sums).sum(dtype=torch.float64) / (1 - group["betas"][1] ** t)
 
     def second_moment_sum(self, state: State, group: Group) -> Tensor | None:
         """Σ v / (1 − β₂^t) of the EMA ``pnm.exp_avg_sq`` (not the amsgrad max), float64."""

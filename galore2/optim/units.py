@@ -1,20 +1,22 @@
 """Per-unit statistics of a batch of tensors in a few kernels (the batched Ranger21 modules).
 
 A *unit* is what :mod:`galore2.optim.gradient` reduces over: one output row of a ≥2-D
-tensor, or the whole of a ≤1-D one (``rows=False``: the whole tensor, whatever its dims).
-A batch's tensors are flattened into one buffer (one ``cat``), every unit's sum (or mean)
-is one ``segment_reduce`` over that buffer, and a value per unit goes back to the elements
-by one ``repeat_interleave`` and one ``torch._foreach_*`` kernel over same-shape views:
-a handful of launches for the whole batch instead of a few per tensor.
+tensor, or the whole of a ≤1-D one. A batch's tensors are copied into one buffer (one
+``cat``) ordered by unit width, so the units of one width form one (units × width) matrix:
+a reduction per unit is one ``sum`` / ``vector_norm`` along its rows per distinct width
+(two or three in a transformer: the model width, the MLP width), and a factor per unit is
+applied by one broadcast multiply per width; one ``torch._foreach_copy_`` writes the
+buffer back into the tensors (same shapes: a fused kernel on accelerators). A handful of
+launches for the whole batch instead of a few per tensor, and only vectorized reductions.
 
 Only local tensors are batched (:func:`batchable`): a sharded ≤1-D unit needs a
 collective per parameter, which the per-tensor path does. Results equal the per-tensor
-reductions up to float rounding (a different summation order).
+reductions up to float rounding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,49 +32,123 @@ def acc_dtype(t: Tensor) -> torch.dtype:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where each tensor's units lie in the flat buffer of a batch."""
+    """How a batch's tensors lie in a buffer ordered by unit width.
 
-    numels: tuple[int, ...]  # elements per tensor
-    shapes: tuple[torch.Size, ...]  # each tensor's shape
-    unit_shapes: tuple[tuple[int, ...], ...]  # a per-unit value's shape per tensor
-    units: tuple[int, ...]  # units per tensor
-    lengths: Tensor  # elements per unit, on the tensors' device (int64)
-    total: int  # elements of the batch
-    repeated: dict[int, Tensor] = field(default_factory=dict, compare=False)  # lengths × k
+    ``order``: the tensors' indices in buffer order; ``widths``: per distinct width (in
+    buffer order), ``(width, units, first tensor, end tensor)`` over ``order``; ``units``
+    and ``numels``: per tensor in buffer order.
+    """
+
+    order: tuple[int, ...]
+    shapes: tuple[torch.Size, ...]  # in buffer order
+    numels: tuple[int, ...]
+    units: tuple[int, ...]
+    widths: tuple[tuple[int, int, int, int], ...]
+    total: int
+    cache: dict = field(default_factory=dict, compare=False, repr=False)  # see per_tensor
+
+    def per_tensor(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """(units per tensor as int64, 1/N and 1/√N per tensor as ``dtype``) on ``device``,
+        in buffer order: made once per layout, device and dtype."""
+        found = self.cache.get((device, dtype))
+        if found is None:
+            n = torch.tensor(self.numels, dtype=torch.float64)
+            found = self.cache[(device, dtype)] = (
+                torch.tensor(self.units, dtype=torch.int64).to(device),
+                n.reciprocal().to(device=device, dtype=dtype),
+                n.rsqrt().to(device=device, dtype=dtype),
+            )
+        return found
+
+    def tensor_sums(self, unit_sums: Tensor) -> Tensor:
+        """Per tensor (buffer order), the sum of its units' values ``unit_sums``."""
+        lengths = self.per_tensor(unit_sums.device, unit_sums.dtype)[0]
+        return torch.segment_reduce(unit_sums, "sum", lengths=lengths, unsafe=True)
+
+    def gather(self, lists: Sequence[Sequence[Tensor]], dtype: torch.dtype) -> Tensor:
+        """One buffer of ``lists`` (each laid out like the batch), in ``dtype``: per width,
+        the units of every list one after the other (``copies`` = ``len(lists)``)."""
+        parts = []
+        for _, _, lo, hi in self.widths:
+            for ts in lists:
+                parts += [ts[i].reshape(-1) for i in self.order[lo:hi]]
+        out = torch.cat(parts)
+        return out if out.dtype == dtype else out.to(dtype)
+
+    def regions(self, buffer: Tensor, copies: int = 1) -> list[Tensor]:
+        """Per width, the buffer's units as a (copies, units, width) view."""
+        out, start = [], 0
+        for width, units, _, _ in self.widths:
+            size = copies * units * width
+            out.append(buffer[start : start + size].view(copies, units, width))
+            start += size
+        return out
+
+    def reduce(self, buffer: Tensor, fn: Callable[[Tensor], Tensor], copies: int = 1) -> Tensor:
+        """``fn(region)`` (a reduction over the last dim) of every width: (copies, units)."""
+        parts = [fn(region) for region in self.regions(buffer, copies)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def scale_(self, buffer: Tensor, per_unit: Tensor, copies: int = 1) -> None:
+        """Multiply the first list's units in ``buffer`` by ``per_unit`` (one per unit)."""
+        start = 0
+        for region, (_, units, _, _) in zip(self.regions(buffer, copies), self.widths, strict=True):
+            region[0].mul_(per_unit[start : start + units, None])
+            start += units
+
+    def views(self, buffer: Tensor, copies: int = 1) -> list[Tensor]:
+        """The first list's tensors in ``buffer``, in buffer order, at their shapes."""
+        out, start, i = [], 0, 0
+        for width, units, lo, hi in self.widths:
+            at = start
+            for _ in range(lo, hi):
+                out.append(buffer[at : at + self.numels[i]].view(self.shapes[i]))
+                at += self.numels[i]
+                i += 1
+            start += copies * units * width
+        return out
+
+    def ordered(self, ts: Sequence[Tensor]) -> list[Tensor]:
+        """``ts`` (laid out like the batch) in buffer order."""
+        return [ts[i] for i in self.order]
 
 
-_LAYOUTS: dict[tuple, Layout] = {}  # by (device, shapes, rows): built once per batch layout
+_LAYOUTS: dict[tuple, Layout] = {}  # by (shapes, rows): built once per batch layout
 _MAX_LAYOUTS = 64
 
 
+def _unit(shape: torch.Size, rows: bool) -> tuple[int, int]:
+    """(units, width) of a tensor of ``shape``."""
+    if rows and len(shape) >= 2:
+        return shape[0], shape.numel() // shape[0]
+    return 1, shape.numel()
+
+
 def layout(tensors: Sequence[Tensor], rows: bool = True) -> Layout:
-    """The units of ``tensors`` (non-empty, one device): rows of ≥2-D ones when ``rows``."""
-    shapes = tuple(t.shape for t in tensors)
-    key = (tensors[0].device, shapes, rows)
+    """The units of ``tensors`` (non-empty): rows of ≥2-D ones when ``rows``, else whole."""
+    key = (tuple(t.shape for t in tensors), rows)
     found = _LAYOUTS.get(key)
     if found is not None:
         return found
-    numels, unit_shapes, units, lengths = [], [], [], []
-    for shape in shapes:
-        n = shape.numel()
-        numels.append(n)
-        if rows and len(shape) >= 2:
-            units.append(shape[0])
-            unit_shapes.append((shape[0], *([1] * (len(shape) - 1))))
-            lengths += [n // shape[0]] * shape[0]
+    units = [_unit(t.shape, rows) for t in tensors]
+    order = sorted(range(len(tensors)), key=lambda i: units[i][1])  # stable: by width
+    widths: list[tuple[int, int, int, int]] = []
+    for pos, i in enumerate(order):
+        n, width = units[i]
+        if widths and widths[-1][0] == width:
+            w, total, lo, _ = widths[-1]
+            widths[-1] = (w, total + n, lo, pos + 1)
         else:
-            units.append(1)
-            unit_shapes.append(())
-            lengths.append(n)
+            widths.append((width, n, pos, pos + 1))
     if len(_LAYOUTS) >= _MAX_LAYOUTS:
         _LAYOUTS.clear()
     found = _LAYOUTS[key] = Layout(
-        tuple(numels),
-        shapes,
-        tuple(unit_shapes),
-        tuple(units),
-        torch.tensor(lengths, dtype=torch.int64, device=tensors[0].device),
-        sum(numels),
+        order=tuple(order),
+        shapes=tuple(tensors[i].shape for i in order),
+        numels=tuple(tensors[i].numel() for i in order),
+        units=tuple(units[i][0] for i in order),
+        widths=tuple(widths),
+        total=sum(t.numel() for t in tensors),
     )
     return found
 
@@ -98,35 +174,3 @@ def batchable(tensors: Sequence[Tensor], ctxs: Sequence[Context]) -> tuple[list[
     if len(together) == 1:  # alone: the per-tensor path is as cheap
         alone, together = sorted(alone + together), []
     return together, alone
-
-
-def flat(tensors: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
-    """Every tensor's elements, one after the other, in ``dtype`` (a new buffer)."""
-    out = torch.cat([t.reshape(-1) for t in tensors])
-    return out if out.dtype == dtype else out.to(dtype)
-
-
-def unit_reduce(values: Tensor, lay: Layout, reduce: str = "sum") -> Tensor:
-    """``reduce`` ("sum" or "mean") of every unit of a flat buffer laid out as ``lay``
-    (or of several such buffers concatenated: their lengths repeat)."""
-    lengths = lay.lengths
-    times = values.numel() // max(lay.total, 1)
-    if times != 1:
-        lengths = lay.repeated.get(times)
-        if lengths is None:
-            lengths = lay.repeated[times] = lay.lengths.repeat(times)
-    return torch.segment_reduce(values, reduce, lengths=lengths, unsafe=True)
-
-
-def unit_views(per_unit: Tensor, lay: Layout) -> list[Tensor]:
-    """A flat per-unit vector as one view per tensor, shaped to broadcast against it."""
-    return [
-        v.view(shape) for v, shape in zip(per_unit.split(lay.units), lay.unit_shapes, strict=True)
-    ]
-
-
-def spread(per_unit: Tensor, lay: Layout) -> list[Tensor]:
-    """Each unit's value repeated over its elements: one tensor per tensor of the batch, at
-    its shape (views of one buffer; same shapes, so foreach kernels stay fused)."""
-    full = torch.repeat_interleave(per_unit, lay.lengths, output_size=lay.total)
-    return [v.view(shape) for v, shape in zip(full.split(lay.numels), lay.shapes, strict=True)]

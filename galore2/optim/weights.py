@@ -20,7 +20,7 @@ from ..core.state import counter
 from ..core.transform import Context, Group, State
 from .galore import SEED
 from .gradient import unit_norms
-from .units import acc_dtype, batchable, flat, layout, spread, unit_reduce
+from .units import acc_dtype, batchable, layout
 
 _LOOKAHEAD_TAG = 0x4C4B4148  # keeps lookahead's seeds apart from GaLore's
 
@@ -94,11 +94,12 @@ class NormLoss(ParamTransform):
             return
         ws = [ws[i] for i in together]
         lay = layout(ws)
-        values = flat(ws, acc_dtype(ws[0]))
-        norm = unit_reduce(values.mul_(values), lay).sqrt_()
+        values = lay.gather([ws], acc_dtype(ws[0]))
+        (norm,) = lay.reduce(values, lambda region: torch.linalg.vector_norm(region, dim=-1))
         c = 2.0 * lr * factor
         scale = norm.add_(float(NORM_LOSS_EPS.of(group))).reciprocal_().mul_(c).add_(1.0 - c)
-        torch._foreach_mul_(ws, spread(scale, lay))
+        lay.scale_(values, scale)
+        torch._foreach_copy_(lay.ordered(ws), lay.views(values))
 
 
 class StableWeightDecay(ParamTransform):
