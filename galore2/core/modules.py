@@ -25,7 +25,7 @@ Gradient transforms modify ``.grad`` in place (as ``clip_grad_norm_`` does): a s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Any, ClassVar
@@ -69,6 +69,11 @@ class GradientTransform:
         """Transform ``grad`` (the local gradient; ``ctx.param`` is the local weight) in place."""
         raise NotImplementedError
 
+    def batch_key(self, group: Group) -> tuple:
+        """What this module reads from ``group``: batches of groups with equal keys are
+        merged into one :meth:`apply_many` call (default: its options' values)."""
+        return tuple(group.get(o.name) for o in self.options)
+
     def apply_many(
         self, grads: list[Tensor], group: Group, states: list[State], ctxs: list[Context]
     ) -> None:
@@ -107,6 +112,16 @@ class ParamTransform:
     def apply_(self, group: Group, state: State, ctx: Context, stats: Stats | None) -> None:
         """Update the local weight ``ctx.param`` in place."""
         raise NotImplementedError
+
+    def uses_stats(self, group: Group) -> bool:
+        """Whether :meth:`apply_` will read the step's :class:`Stats` for ``group`` (they are
+        computed only when some group's module will: default ``needs_stats``)."""
+        return self.needs_stats
+
+    def batch_key(self, group: Group) -> tuple:
+        """What this module reads from ``group``: batches of groups with equal keys are
+        merged into one :meth:`apply_many` call (default: its options' values and ``lr``)."""
+        return (*(group.get(o.name) for o in self.options), group.get("lr"))
 
     def apply_many(
         self, group: Group, states: list[State], ctxs: list[Context], stats: Stats | None
@@ -200,6 +215,49 @@ def _batches(items: list[tuple[Group, State, Context]], chunks: Chunks | None) -
     return out
 
 
+def merged(module: Any, batches: Sequence[tuple]) -> list[tuple[Group, list[int]]]:
+    """``batches`` ((group, ...) with ``ctxs`` last) regrouped for ``module``: batches of
+    several tensors whose groups give it the same :meth:`batch_key`, on one device, become
+    one; each entry is (the first batch's group, the batches' indices). Batches of one
+    tensor stay alone (the per-tensor path)."""
+    out: list[tuple[Group, list[int]]] = []
+    where: dict[tuple, int] = {}
+    for b, batch in enumerate(batches):
+        group, ctxs = batch[0], batch[-1]
+        if len(ctxs) == 1:
+            out.append((group, [b]))
+            continue
+        key = (module.batch_key(group), ctxs[0].param.device)
+        if key in where:
+            out[where[key]][1].append(b)
+        else:
+            where[key] = len(out)
+            out.append((group, [b]))
+    return out
+
+
+def run_grad_transforms(
+    transforms: Sequence[GradientTransform],
+    batches: Sequence[tuple[Group, list[Tensor], list[State], list[Context]]],
+) -> None:
+    """Apply every gradient module, in order, to the gradients of ``batches`` ((group,
+    grads, states, ctxs), each already chunked as the chain batches it), in place: batches
+    of groups that give a module the same :meth:`GradientTransform.batch_key` go through
+    one :meth:`GradientTransform.apply_many`; a batch of one tensor through ``apply_``."""
+    for t in transforms:
+        for group, members in merged(t, batches):
+            if len(members) == 1 and len(batches[members[0]][1]) == 1:
+                _, (grad,), (state,), (ctx,) = batches[members[0]]
+                t.apply_(grad, group, state, ctx)
+                continue
+            t.apply_many(
+                [g for b in members for g in batches[b][1]],
+                group,
+                [s for b in members for s in batches[b][2]],
+                [c for b in members for c in batches[b][3]],
+            )
+
+
 def run_param_transforms(
     transforms: list[ParamTransform],
     chain: list,
@@ -209,21 +267,25 @@ def run_param_transforms(
     """Apply every parameter module, in order, to every stepped parameter.
 
     ``chunks(params, foreach)`` batches each group's parameters as the chain does (lists of
-    indices, see ``galore2.core.optimizer``): a batch of several goes through a module's
-    :meth:`ParamTransform.apply_many` at once; a batch of one through ``apply_``.
+    indices, see ``galore2.core.optimizer``): batches of several parameters whose groups
+    give a module the same :meth:`ParamTransform.batch_key` go through one
+    :meth:`ParamTransform.apply_many`; a batch of one through ``apply_``. The step's
+    :class:`Stats` are computed only if some module will read them.
     """
     if not transforms or not items:
         return
     batches = _batches(items, chunks)
     stats = None
-    if any(t.needs_stats for t in transforms):
+    if any(t.needs_stats and t.uses_stats(group) for t in transforms for group, _, _ in batches):
         stats = compute_stats(chain, items, batches)
     for t in transforms:
-        for group, states, ctxs in batches:
-            if len(states) == 1:
-                t.apply_(group, states[0], ctxs[0], stats)
-            else:
-                t.apply_many(group, states, ctxs, stats)
+        for group, members in merged(t, batches):
+            if len(members) == 1 and len(batches[members[0]][1]) == 1:
+                _, (state,), (ctx,) = batches[members[0]]
+                t.apply_(group, state, ctx, stats)
+                continue
+            states = [s for b in members for s in batches[b][1]]
+            t.apply_many(group, states, [c for b in members for c in batches[b][2]], stats)
 
 
 class LRSchedule:

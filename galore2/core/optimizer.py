@@ -45,7 +45,13 @@ from ..fsdp.detect import is_dtensor  # cheap: imports nothing distributed
 from ..kernels.dispatch import run_kernel
 from ..placement import LOCAL, Placement
 from .masked import Snapshot, masked_grads
-from .modules import GradientTransform, LRSchedule, ParamTransform, run_param_transforms
+from .modules import (
+    GradientTransform,
+    LRSchedule,
+    ParamTransform,
+    run_grad_transforms,
+    run_param_transforms,
+)
 from .nonfinite import SKIPS, NonFinitePolicy, read_flags
 from .options import Bool, LearningRate, Option, Optional, Real, closest, collect, hints, resolve
 from .resume import (
@@ -500,7 +506,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         batches = [
             self._gather(group, list(self._indexed_params_of(group))) for group in self.param_groups
         ]
-        stepped = self._run([b for b in batches if b is not None])
+        stepped = self._run(self._prepare([b for b in batches if b is not None]))
         run_param_transforms(self._param_transforms, self._chain, stepped, _chunks)
         return loss
 
@@ -533,14 +539,14 @@ class ChainOptimizer(torch.optim.Optimizer):
             self._check_sparse()
         NonFinitePolicy.raise_if_any([group], lambda g: [(p, _real(grad), self._placement(p))])
         batch = self._gather(group, [(index, grad, p)])
-        stepped = self._run([batch] if batch is not None else [])
+        stepped = self._run(self._prepare([batch] if batch is not None else []))
         run_param_transforms(self._param_transforms, self._chain, stepped, _chunks)
 
     def _gather(
         self, group: dict[str, Any], items: list[tuple[int, Tensor, Tensor]]
     ) -> _Batch | None:
         """Everything of ``items`` (of ``group``) before the chain: lazy state, the scheduled
-        lr, local views, the gradient modules, and the non-finite flags (on the device)."""
+        lr, local views (then :meth:`_prepare`: the gradient modules, the non-finite flags)."""
         if not items:
             return None
         key = id(group)
@@ -583,19 +589,24 @@ class ChainOptimizer(torch.optim.Optimizer):
                 lists = (batch.owners, batch.params, batch.states, batch.ctxs)
                 # indices and parameters only: last step's gradients are not kept alive
                 self._gather_cache[key] = (self.state, [(i, p) for i, _, p in items], lists)
-        if self._grad_transforms:  # full-space gradient modules, in place, batched as the chain
-            chunks = _chunks(batch.params, group.get("foreach"))
-            for hook in self._grad_transforms:
-                for c in chunks:
-                    if len(c) == 1:
-                        hook.apply_(batch.grads[c[0]], group, batch.states[c[0]], batch.ctxs[c[0]])
-                        continue
-                    hook.apply_many(
-                        [batch.grads[i] for i in c], group,
-                        [batch.states[i] for i in c], [batch.ctxs[i] for i in c],
-                    )  # fmt: skip
-        batch.flags = NonFinitePolicy.check(group, batch.grads, [c.placement for c in batch.ctxs])
         return batch
+
+    def _prepare(self, batches: list[_Batch]) -> list[_Batch]:
+        """The gradient modules on every batch's full gradients, in place (batched as the
+        chain batches them, and across groups where a module reads the same options), then
+        each batch's non-finite flags (on the device)."""
+        if self._grad_transforms:
+            run_grad_transforms(
+                self._grad_transforms,
+                [
+                    (b.group, *([xs[i] for i in c] for xs in (b.grads, b.states, b.ctxs)))
+                    for b in batches
+                    for c in _chunks(b.params, b.group.get("foreach"))
+                ],
+            )
+        for b in batches:
+            b.flags = NonFinitePolicy.check(b.group, b.grads, [c.placement for c in b.ctxs])
+        return batches
 
     def _gathered(
         self, key: int, items: list[tuple[int, Tensor, Tensor]]

@@ -124,6 +124,13 @@ class StableWeightDecay(ParamTransform):
     needs_stats = True
     owns_weight_decay = True
 
+    def uses_stats(self, group: Group) -> bool:
+        """σ is read only where the decay is not 0."""
+        return float(group["lr"]) * float(group["weight_decay"]) != 0.0
+
+    def batch_key(self, group: Group) -> tuple:
+        return (float(group["lr"]) * float(group["weight_decay"]),)
+
     def apply_(self, group: Group, state: State, ctx: Context, stats: Stats | None) -> None:
         """Decay the weight ``ctx.param`` in place by ``1 − lr·λ/σ`` (σ from ``stats``).
 
@@ -145,11 +152,11 @@ class StableWeightDecay(ParamTransform):
     @staticmethod
     def _factor(group: Group, stats: Stats | None) -> Tensor | None:
         """This step's decay factor of ``group`` (a 0-d device tensor; None: no decay)."""
-        if stats is None:
-            raise ValueError("stable weight decay needs the step's statistics (optimizer.step())")
         decay = float(group["lr"]) * float(group["weight_decay"])
         if decay == 0.0:
             return None
+        if stats is None:
+            raise ValueError("stable weight decay needs the step's statistics (optimizer.step())")
         key = ("swd", decay)  # one factor per step and group, kept on the device
         if key not in stats.cache:
             sigma = stats.second_moment_mean.clamp(min=0.0).sqrt()
