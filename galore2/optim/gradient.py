@@ -204,8 +204,9 @@ class NormalizeGradient(GradientTransform):
         gs = [grads[some[j]] for j in together]
         lay = layout(gs)
         values = lay.gather([gs], acc_dtype(gs[0]))
-        _, inverse, inverse_sqrt = lay.per_tensor(values.device, values.dtype)
-        means = lay.tensor_sums(lay.reduce(values, _row_sums)[0]).mul_(inverse)
+        # a tensor's rows have one width: its mean is the mean of its row means
+        means = lay.tensor_reduce(lay.reduce(values, _row_means)[0], "mean")
+        inverse_sqrt = lay.per_tensor(values.device, values.dtype)[1]
         centred = lay.views(values)
         torch._foreach_sub_(centred, list(means.unbind()))
         std = torch.stack(torch._foreach_norm(centred)).mul_(inverse_sqrt)
@@ -216,5 +217,5 @@ def _row_norms(region: Tensor) -> Tensor:
     return torch.linalg.vector_norm(region, dim=-1)
 
 
-def _row_sums(region: Tensor) -> Tensor:
-    return region.sum(dim=-1)
+def _row_means(region: Tensor) -> Tensor:
+    return region.mean(dim=-1)

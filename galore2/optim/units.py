@@ -47,23 +47,22 @@ class Layout:
     total: int
     cache: dict = field(default_factory=dict, compare=False, repr=False)  # see per_tensor
 
-    def per_tensor(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-        """(units per tensor as int64, 1/N and 1/√N per tensor as ``dtype``) on ``device``,
-        in buffer order: made once per layout, device and dtype."""
+    def per_tensor(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(units per tensor as int64, 1/√N per tensor as ``dtype``) on ``device``, in
+        buffer order: made once per layout, device and dtype."""
         found = self.cache.get((device, dtype))
         if found is None:
             n = torch.tensor(self.numels, dtype=torch.float64)
             found = self.cache[(device, dtype)] = (
                 torch.tensor(self.units, dtype=torch.int64).to(device),
-                n.reciprocal().to(device=device, dtype=dtype),
                 n.rsqrt().to(device=device, dtype=dtype),
             )
         return found
 
-    def tensor_sums(self, unit_sums: Tensor) -> Tensor:
-        """Per tensor (buffer order), the sum of its units' values ``unit_sums``."""
-        lengths = self.per_tensor(unit_sums.device, unit_sums.dtype)[0]
-        return torch.segment_reduce(unit_sums, "sum", lengths=lengths, unsafe=True)
+    def tensor_reduce(self, per_unit: Tensor, reduce: str = "sum") -> Tensor:
+        """Per tensor (buffer order), ``reduce`` ("sum", "mean") of its units' ``per_unit``."""
+        lengths = self.per_tensor(per_unit.device, per_unit.dtype)[0]
+        return torch.segment_reduce(per_unit, reduce, lengths=lengths, unsafe=True)
 
     def gather(self, lists: Sequence[Sequence[Tensor]], dtype: torch.dtype) -> Tensor:
         """One buffer of ``lists`` (each laid out like the batch), in ``dtype``: per width,

@@ -95,7 +95,8 @@ def test_units_are_grouped_by_width():
     values = lay.gather([ts], torch.float32)
     (sums,) = lay.reduce(values, lambda r: r.sum(dim=-1))
     assert sums.tolist() == [5.0, 3.0, 3.0, 12.0, 3.0]
-    assert lay.tensor_sums(sums).tolist() == [5.0, 3.0, 15.0, 3.0]
+    assert lay.tensor_reduce(sums).tolist() == [5.0, 3.0, 15.0, 3.0]
+    assert lay.tensor_reduce(sums, "mean").tolist() == [5.0, 3.0, 7.5, 3.0]
     both = lay.gather([ts, ts], torch.float32)
     assert lay.reduce(both, lambda r: r.sum(dim=-1), copies=2).tolist() == [sums.tolist()] * 2
     lay.scale_(both, torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]), copies=2)
