@@ -129,6 +129,7 @@ class StableWeightDecay(ParamTransform):
         return float(group["lr"]) * float(group["weight_decay"]) != 0.0
 
     def batch_key(self, group: Group) -> tuple:
+        """Groups with the same ``lr·weight_decay`` share one batched decay."""
         return (float(group["lr"]) * float(group["weight_decay"]),)
 
     def apply_(self, group: Group, state: State, ctx: Context, stats: Stats | None) -> None:
