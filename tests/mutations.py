@@ -258,6 +258,31 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/optim/test_ranger_modules.py", "tests/optim/test_ranger21.py"),
         "lookahead moves the slow weights by 1 − α",
     ),
+    # ---- issue 27: Ranger21's modules on the batched path (foreach=True) -------------------
+    Mutation(
+        "batched_agc_clip",
+        "galore2/optim/gradient.py",
+        "factor = limit.div_(g_norm).nan_to_num_(nan=1.0).clamp_max_(1.0)",
+        "factor = limit.div_(g_norm).nan_to_num_(nan=1.0).clamp_max_(2.0)",
+        ("tests/optim/test_ranger_batched.py",),
+        "batched AGC scales units under the limit up to it",
+    ),
+    Mutation(
+        "batched_lookahead_alpha",
+        "galore2/optim/weights.py",
+        "torch._foreach_lerp_(slows, ws, float(LOOKAHEAD_ALPHA.of(group)))",
+        "torch._foreach_lerp_(slows, ws, 1.0 - float(LOOKAHEAD_ALPHA.of(group)))",
+        ("tests/optim/test_ranger_batched.py",),
+        "batched lookahead moves the slow weights by 1 − α",
+    ),
+    Mutation(
+        "batched_pnm_passive",
+        "galore2/optim/pnm.py",
+        "torch._foreach_add_(out, passive, alpha=-beta0 / (norm * bc_passive))",
+        "torch._foreach_add_(out, passive, alpha=beta0 / (norm * bc_passive))",
+        ("tests/optim/test_ranger_batched.py",),
+        "batched PNM adds the passive momentum instead of subtracting it",
+    ),
     # ---- issue 30: behaviours no test pinned, and the checkpoint folder's one run ----------
     Mutation(
         "older_step_vs_oldest",

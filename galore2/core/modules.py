@@ -25,7 +25,9 @@ Gradient transforms modify ``.grad`` in place (as ``clip_grad_norm_`` does): a s
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Any, ClassVar
 
 import torch
@@ -33,7 +35,7 @@ from torch import Tensor
 
 from .options import Option
 from .state import counter
-from .transform import Context, Group, State, complex_problem, walk
+from .transform import Context, Group, State, Transform, complex_problem, walk
 
 
 @dataclass
@@ -67,6 +69,20 @@ class GradientTransform:
         """Transform ``grad`` (the local gradient; ``ctx.param`` is the local weight) in place."""
         raise NotImplementedError
 
+    def batch_key(self, group: Group) -> tuple:
+        """What this module reads from ``group``: batches of groups with equal keys are
+        merged into one :meth:`apply_many` call (default: its options' values)."""
+        return tuple(group.get(o.name) for o in self.options)
+
+    def apply_many(
+        self, grads: list[Tensor], group: Group, states: list[State], ctxs: list[Context]
+    ) -> None:
+        """Batched :meth:`apply_` over a batch of a group's tensors (``foreach``): the
+        default loops; modules override it with ``torch._foreach_*`` kernels and stacked
+        reductions that give the loop's result (within float rounding)."""
+        for grad, state, ctx in zip(grads, states, ctxs, strict=True):
+            self.apply_(grad, group, state, ctx)
+
 
 class ParamTransform:
     """Acts on a parameter after the step's update has been applied."""
@@ -97,6 +113,24 @@ class ParamTransform:
         """Update the local weight ``ctx.param`` in place."""
         raise NotImplementedError
 
+    def uses_stats(self, group: Group) -> bool:
+        """Whether :meth:`apply_` will read the step's :class:`Stats` for ``group`` (they are
+        computed only when some group's module will: default ``needs_stats``)."""
+        return self.needs_stats
+
+    def batch_key(self, group: Group) -> tuple:
+        """What this module reads from ``group``: batches of groups with equal keys are
+        merged into one :meth:`apply_many` call (default: its options' values and ``lr``)."""
+        return (*(group.get(o.name) for o in self.options), group.get("lr"))
+
+    def apply_many(
+        self, group: Group, states: list[State], ctxs: list[Context], stats: Stats | None
+    ) -> None:
+        """Batched :meth:`apply_` over a batch of a group's parameters (``foreach``): the
+        default loops; modules override it with ``torch._foreach_*`` kernels."""
+        for state, ctx in zip(states, ctxs, strict=True):
+            self.apply_(group, state, ctx, stats)
+
 
 def second_moment_sum(chain: list, state: State, group: Group) -> Tensor | None:
     """Σ of the bias-corrected second moment held in ``state`` by the first transform of
@@ -105,16 +139,51 @@ def second_moment_sum(chain: list, state: State, group: Group) -> Tensor | None:
     return next((total for total in sums if total is not None), None)
 
 
-def compute_stats(chain: list, items: list[tuple[Group, State, Context]]) -> Stats:
+def _batched_keeper(chain: list) -> Any:
+    """The module :func:`second_moment_sum` would find for every parameter, when it has a
+    batched ``second_moment_sum_many`` (the modules before it in the chain keep no second
+    moment: they do not override ``second_moment_sum``); None otherwise."""
+    for module in walk(chain):
+        if hasattr(module, "second_moment_sum_many"):
+            return module
+        if type(module).second_moment_sum is not Transform.second_moment_sum:
+            return None
+    return None
+
+
+Batch = tuple[Group, list[State], list[Context]]
+Chunks = Callable[[list[Tensor], Any], list[list[int]]]
+
+
+def compute_stats(
+    chain: list, items: list[tuple[Group, State, Context]], batches: list[Batch] | None = None
+) -> Stats:
     """σ² for stable weight decay: Σ v̂ over the stepped parameters ÷ their element count.
 
     Low-rank moments are summed as stored (r·n values) but divided by the full m·n
-    elements. Sharded parameters contribute their local sums, all-reduced once.
+    elements. Sharded parameters contribute their local sums, all-reduced once. ``batches``
+    (the same parameters as ``items``, batched as the chain batches them): each batch of
+    local parameters is summed at once when the module keeping the second moment has a
+    ``second_moment_sum_many``; otherwise (and without ``batches``) one parameter at a time.
     """
     local: Tensor | None = None  # on the parameters' device: no host read
     numel = 0
     sharded = None
-    for group, state, ctx in items:
+    keeper = _batched_keeper(chain)
+    rest = items
+    if batches is not None and keeper is not None:
+        rest = []
+        for group, states, ctxs in batches:
+            total = None
+            if len(states) > 1 and not any(c.placement.distributed for c in ctxs):
+                total = keeper.second_moment_sum_many(states, group)
+            if total is None:
+                rest += [(group, s, c) for s, c in zip(states, ctxs, strict=True)]
+                continue
+            total = total.double()
+            local = total if local is None else local + total.to(local.device)
+            numel += sum(ctx.global_shape.numel() for ctx in ctxs)
+    for group, state, ctx in rest:
         total = second_moment_sum(chain, state, group)
         if total is not None:
             total = total.double()
@@ -130,16 +199,93 @@ def compute_stats(chain: list, items: list[tuple[Group, State, Context]]) -> Sta
     return Stats(second_moment_mean=local / max(numel, 1))
 
 
-def run_param_transforms(
-    transforms: list[ParamTransform], chain: list, items: list[tuple[Group, State, Context]]
+def _batches(items: list[tuple[Group, State, Context]], chunks: Chunks | None) -> list[Batch]:
+    """``items`` as batches: consecutive items of one group, split by ``chunks(params,
+    foreach)`` (one parameter per batch without it)."""
+    out: list[Batch] = []
+    for _, run in groupby(items, key=lambda item: id(item[0])):
+        members = list(run)
+        group = members[0][0]
+        if chunks is None:
+            parts = [[i] for i in range(len(members))]
+        else:
+            parts = chunks([ctx.param for _, _, ctx in members], group.get("foreach"))
+        for part in parts:
+            out.append((group, [members[i][1] for i in part], [members[i][2] for i in part]))
+    return out
+
+
+def merged(module: Any, batches: Sequence[tuple]) -> list[tuple[Group, list[int]]]:
+    """``batches`` ((group, ...) with ``ctxs`` last) regrouped for ``module``: batches of
+    several tensors whose groups give it the same :meth:`batch_key`, on one device, become
+    one; each entry is (the first batch's group, the batches' indices). Batches of one
+    tensor stay alone (the per-tensor path)."""
+    out: list[tuple[Group, list[int]]] = []
+    where: dict[tuple, int] = {}
+    for b, batch in enumerate(batches):
+        group, ctxs = batch[0], batch[-1]
+        if len(ctxs) == 1:
+            out.append((group, [b]))
+            continue
+        key = (module.batch_key(group), ctxs[0].param.device)
+        if key in where:
+            out[where[key]][1].append(b)
+        else:
+            where[key] = len(out)
+            out.append((group, [b]))
+    return out
+
+
+def run_grad_transforms(
+    transforms: Sequence[GradientTransform],
+    batches: Sequence[tuple[Group, list[Tensor], list[State], list[Context]]],
 ) -> None:
-    """Apply every parameter module, in order, to every stepped parameter."""
+    """Apply every gradient module, in order, to the gradients of ``batches`` ((group,
+    grads, states, ctxs), each already chunked as the chain batches it), in place: batches
+    of groups that give a module the same :meth:`GradientTransform.batch_key` go through
+    one :meth:`GradientTransform.apply_many`; a batch of one tensor through ``apply_``."""
+    for t in transforms:
+        for group, members in merged(t, batches):
+            if len(members) == 1 and len(batches[members[0]][1]) == 1:
+                _, (grad,), (state,), (ctx,) = batches[members[0]]
+                t.apply_(grad, group, state, ctx)
+                continue
+            t.apply_many(
+                [g for b in members for g in batches[b][1]],
+                group,
+                [s for b in members for s in batches[b][2]],
+                [c for b in members for c in batches[b][3]],
+            )
+
+
+def run_param_transforms(
+    transforms: list[ParamTransform],
+    chain: list,
+    items: list[tuple[Group, State, Context]],
+    chunks: Chunks | None = None,
+) -> None:
+    """Apply every parameter module, in order, to every stepped parameter.
+
+    ``chunks(params, foreach)`` batches each group's parameters as the chain does (lists of
+    indices, see ``galore2.core.optimizer``): batches of several parameters whose groups
+    give a module the same :meth:`ParamTransform.batch_key` go through one
+    :meth:`ParamTransform.apply_many`; a batch of one through ``apply_``. The step's
+    :class:`Stats` are computed only if some module will read them.
+    """
     if not transforms or not items:
         return
-    stats = compute_stats(chain, items) if any(t.needs_stats for t in transforms) else None
+    batches = _batches(items, chunks)
+    stats = None
+    if any(t.needs_stats and t.uses_stats(group) for t in transforms for group, _, _ in batches):
+        stats = compute_stats(chain, items, batches)
     for t in transforms:
-        for group, state, ctx in items:
-            t.apply_(group, state, ctx, stats)
+        for group, members in merged(t, batches):
+            if len(members) == 1 and len(batches[members[0]][1]) == 1:
+                _, (state,), (ctx,) = batches[members[0]]
+                t.apply_(group, state, ctx, stats)
+                continue
+            states = [s for b in members for s in batches[b][1]]
+            t.apply_many(group, states, [c for b in members for c in batches[b][2]], stats)
 
 
 class LRSchedule:

@@ -46,7 +46,13 @@ from ..fsdp.detect import is_dtensor  # cheap: imports nothing distributed
 from ..kernels.dispatch import run_kernel
 from ..placement import LOCAL, Placement
 from .masked import Snapshot, masked_grads
-from .modules import GradientTransform, LRSchedule, ParamTransform, run_param_transforms
+from .modules import (
+    GradientTransform,
+    LRSchedule,
+    ParamTransform,
+    run_grad_transforms,
+    run_param_transforms,
+)
 from .nonfinite import SKIPS, NonFinitePolicy, read_flags
 from .options import Bool, LearningRate, Option, Optional, Real, closest, collect, hints, resolve
 from .resume import (
@@ -499,17 +505,11 @@ class ChainOptimizer(torch.optim.Optimizer):
         items = self._items()  # refuses a sparse gradient
         NonFinitePolicy.raise_if_any(self.param_groups, self._to_check)
         gathered = [
-            self._gather(group, found, check=False)
+            self._gather(group, found)
             for group, found in zip(self.param_groups, items, strict=True)
         ]
-        batches = [b for b in gathered if b is not None]
-        flags = NonFinitePolicy.check_many(
-            [(b.group, b.grads, [c.placement for c in b.ctxs]) for b in batches]
-        )
-        for batch, ok in zip(batches, flags, strict=True):
-            batch.flags = ok
-        stepped = self._run(batches)
-        run_param_transforms(self._param_transforms, self._chain, stepped)
+        stepped = self._run(self._prepare([b for b in gathered if b is not None]))
+        run_param_transforms(self._param_transforms, self._chain, stepped, _chunks)
         return loss
 
     @torch.no_grad()
@@ -541,15 +541,14 @@ class ChainOptimizer(torch.optim.Optimizer):
             self._check_sparse()
         NonFinitePolicy.raise_if_any([group], lambda g: [(p, _real(grad), self._placement(p))])
         batch = self._gather(group, [(index, grad, p)])
-        stepped = self._run([batch] if batch is not None else [])
-        run_param_transforms(self._param_transforms, self._chain, stepped)
+        stepped = self._run(self._prepare([batch] if batch is not None else []))
+        run_param_transforms(self._param_transforms, self._chain, stepped, _chunks)
 
     def _gather(
-        self, group: dict[str, Any], items: list[tuple[int, Tensor, Tensor]], check: bool = True
+        self, group: dict[str, Any], items: list[tuple[int, Tensor, Tensor]]
     ) -> _Batch | None:
         """Everything of ``items`` (of ``group``) before the chain: lazy state, the scheduled
-        lr, local views, the gradient modules, and (``check``) the non-finite flags, on the
-        device (:meth:`step` checks every group's at once instead)."""
+        lr, local views (then :meth:`_prepare`: the gradient modules, the non-finite flags)."""
         if not items:
             return None
         key = id(group)
@@ -592,14 +591,28 @@ class ChainOptimizer(torch.optim.Optimizer):
                 lists = (batch.owners, batch.params, batch.states, batch.ctxs)
                 # indices and parameters only: last step's gradients are not kept alive
                 self._gather_cache[key] = (self.state, [(i, p) for i, _, p in items], lists)
-        for hook in self._grad_transforms:  # full-space gradient modules, in place
-            for g, state, ctx in zip(batch.grads, batch.states, batch.ctxs, strict=True):
-                hook.apply_(g, group, state, ctx)
-        if check:
-            batch.flags = NonFinitePolicy.check(
-                group, batch.grads, [c.placement for c in batch.ctxs]
-            )
         return batch
+
+    def _prepare(self, batches: list[_Batch]) -> list[_Batch]:
+        """The gradient modules on every batch's full gradients, in place (batched as the
+        chain batches them, and across groups where a module reads the same options), then
+        the non-finite flags of every batch (on the device; :meth:`NonFinitePolicy.check_many`)."""
+        if self._grad_transforms:
+            run_grad_transforms(
+                self._grad_transforms,
+                [
+                    (b.group, *([xs[i] for i in c] for xs in (b.grads, b.states, b.ctxs)))
+                    for b in batches
+                    for c in _chunks(b.params, b.group.get("foreach"))
+                ],
+            )
+        # one check for every group sharing a state dtype, device and reduction
+        flags = NonFinitePolicy.check_many(
+            [(b.group, b.grads, [c.placement for c in b.ctxs]) for b in batches]
+        )
+        for b, ok in zip(batches, flags, strict=True):
+            b.flags = ok
+        return batches
 
     def _gathered(
         self, key: int, items: list[tuple[int, Tensor, Tensor]]

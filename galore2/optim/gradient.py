@@ -18,11 +18,7 @@ from torch import Tensor
 from ..core.modules import GradientTransform
 from ..core.options import Option, Real
 from ..core.transform import Context, Group, State
-
-
-def acc_dtype(t: Tensor) -> torch.dtype:
-    """Accumulation dtype: float64 for float64 tensors, float32 otherwise."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+from .units import acc_dtype, batchable, layout
 
 
 def unit_norms(tensors: list[Tensor], ctx: Context) -> list[Tensor]:
@@ -86,6 +82,30 @@ class AdaptiveGradientClipping(GradientTransform):
         ratio = limit / g_norm.clamp_min(torch.finfo(g_norm.dtype).tiny)
         grad.mul_(torch.where(g_norm > limit, ratio, torch.ones_like(ratio)))
 
+    def apply_many(
+        self, grads: list[Tensor], group: Group, states: list[State], ctxs: list[Context]
+    ) -> None:
+        """:meth:`apply_` over a batch: every unit norm of the gradients and the weights by
+        one segment reduction, the clip factors spread back by one foreach multiply."""
+        clip = float(AGC_CLIP.of(group))
+        if clip == 0.0:
+            return
+        together, alone = batchable(grads, ctxs)
+        for i in alone:
+            self.apply_(grads[i], group, states[i], ctxs[i])
+        if not together:
+            return
+        gs = [grads[i] for i in together]
+        lay = layout(gs)
+        values = lay.gather([gs, [ctxs[i].param for i in together]], acc_dtype(gs[0]))
+        g_norm, w_norm = lay.reduce(values, _row_norms, copies=2)
+        limit = w_norm.clamp_min(float(AGC_EPS.of(group))).mul_(clip)
+        # limit/‖g‖ where ‖g‖ > limit, else 1 (as apply_): ‖g‖ = 0 gives inf and a NaN
+        # norm NaN, both mapped to 1
+        factor = limit.div_(g_norm).nan_to_num_(nan=1.0).clamp_max_(1.0)
+        lay.scale_(values, factor, copies=2)
+        torch._foreach_copy_(lay.ordered(gs), lay.views(values, copies=2))
+
 
 class CentralizeGradient(GradientTransform):
     """Gradient centralization (Yong et al. 2020).
@@ -105,6 +125,25 @@ class CentralizeGradient(GradientTransform):
             return
         dims = tuple(range(1, grad.dim()))
         grad.sub_(grad.mean(dim=dims, keepdim=True, dtype=acc_dtype(grad)))
+
+    def apply_many(
+        self, grads: list[Tensor], group: Group, states: list[State], ctxs: list[Context]
+    ) -> None:
+        """:meth:`apply_` over a batch: every row mean by one segment reduction, subtracted
+        by one foreach kernel."""
+        rows = [i for i, g in enumerate(grads) if g.dim() >= 2]
+        together, alone = batchable([grads[i] for i in rows], [ctxs[i] for i in rows])
+        for j in alone:
+            i = rows[j]
+            self.apply_(grads[i], group, states[i], ctxs[i])
+        if not together:
+            return
+        gs = [grads[rows[j]] for j in together]
+        lay = layout(gs)
+        values = lay.gather([gs], acc_dtype(gs[0]))
+        for region in lay.regions(values):
+            region.sub_(region.mean(dim=-1, keepdim=True))
+        torch._foreach_copy_(lay.ordered(gs), lay.views(values))
 
 
 class NormalizeGradient(GradientTransform):
@@ -149,3 +188,34 @@ class NormalizeGradient(GradientTransform):
             if n == 0:
                 return
         grad.div_(var.sqrt().add_(eps))
+
+    def apply_many(
+        self, grads: list[Tensor], group: Group, states: list[State], ctxs: list[Context]
+    ) -> None:
+        """:meth:`apply_` over a batch: the means by one segment reduction, the centred
+        norms by one foreach norm (σ = ‖g − mean‖/√N), the division by one foreach kernel."""
+        some = [i for i, c in enumerate(ctxs) if c.global_shape.numel() > 1]
+        together, alone = batchable([grads[i] for i in some], [ctxs[i] for i in some])
+        for j in alone:
+            i = some[j]
+            self.apply_(grads[i], group, states[i], ctxs[i])
+        if not together:
+            return
+        gs = [grads[some[j]] for j in together]
+        lay = layout(gs)
+        values = lay.gather([gs], acc_dtype(gs[0]))
+        # a tensor's rows have one width: its mean is the mean of its row means
+        means = lay.tensor_reduce(lay.reduce(values, _row_means)[0], "mean")
+        inverse_sqrt = lay.per_tensor(values.device, values.dtype)[1]
+        centred = lay.views(values)
+        torch._foreach_sub_(centred, list(means.unbind()))
+        std = torch.stack(torch._foreach_norm(centred)).mul_(inverse_sqrt)
+        torch._foreach_div_(lay.ordered(gs), list(std.add_(float(GN_EPS.of(group))).unbind()))
+
+
+def _row_norms(region: Tensor) -> Tensor:
+    return torch.linalg.vector_norm(region, dim=-1)
+
+
+def _row_means(region: Tensor) -> Tensor:
+    return region.mean(dim=-1)

@@ -53,6 +53,7 @@ from ..core.transform import Context, Group, State, Transform
 from ..storage.dtype import STATE_DTYPE, warn_float16
 from ..storage.moments import (
     check_moments,
+    is_quantized,
     moment_format,
     moment_kinds,
     reset_moments,
@@ -193,6 +194,78 @@ class ScaleByPNM(Transform):
         else:
             denom.add_(group["eps"])
         return out.div_(denom)
+
+    def update_many(
+        self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
+    ) -> list[Tensor]:
+        """The same arithmetic as :meth:`update`, one ``torch._foreach_*`` kernel per op for
+        the tensors at the same step (8-bit moments: :meth:`update` per tensor). On the CPU
+        the kernels run only when the group asks for them (``foreach=True``), as Adam's."""
+        if not us or (us[0].device.type == "cpu" and not group.get("foreach")):
+            return [self.update(u, s, group, c) for u, s, c in zip(us, states, ctxs, strict=True)]
+        out: list[Tensor | None] = [None] * len(us)
+        plain = [i for i, s in enumerate(states) if not is_quantized(s, "pnm.exp_avg")]
+        counters = [states[i]["pnm.step"] for i in plain]
+        if counters:
+            torch._foreach_add_(counters, 1)  # host counters, one call
+        by_step: dict[tuple[int, torch.dtype], list[int]] = {}  # usually one batch for all
+        for i, t in zip(plain, map(int, counters), strict=True):
+            by_step.setdefault((t, states[i]["pnm.exp_avg_sq"].dtype), []).append(i)
+        for (t, _), batch in by_step.items():
+            results = self._foreach([us[i] for i in batch], [states[i] for i in batch], group, t)
+            for i, r in zip(batch, results, strict=True):
+                out[i] = r
+        for i, (u, state, ctx) in enumerate(zip(us, states, ctxs, strict=True)):
+            if out[i] is None:
+                out[i] = self.update(u, state, group, ctx)
+        return out  # type: ignore[return-value]
+
+    def _foreach(self, us: list[Tensor], states: list[State], group: Group, t: int) -> list[Tensor]:
+        """:meth:`_step`'s math over tensors (moments of one dtype) whose counters were
+        advanced to ``t``; the denominators (softplus: no foreach kernel) over one buffer."""
+        exp_avgs = [s["pnm.exp_avg"] for s in states]
+        neg_exp_avgs = [s["pnm.neg_exp_avg"] for s in states]
+        exp_avg_sqs = [s["pnm.exp_avg_sq"] for s in states]
+        us = [u if u.dtype == m.dtype else u.to(m.dtype) for u, m in zip(us, exp_avgs, strict=True)]
+        beta1, beta2 = group["betas"]
+        beta0 = float(PNM_BETA0.of(group))
+        active, passive = (exp_avgs, neg_exp_avgs) if t % 2 == 1 else (neg_exp_avgs, exp_avgs)
+        torch._foreach_lerp_(active, us, 1 - beta1 * beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, us, us, value=1 - beta2)
+        v = exp_avg_sqs
+        if self.amsgrad:
+            v = [s["pnm.max_exp_avg_sq"] for s in states]
+            torch._foreach_maximum_(v, exp_avg_sqs)
+        bc_active, bc_passive = _corrections(t, beta1, self.adamd)
+        norm = math.sqrt((1 + beta0) ** 2 + beta0**2)
+        out = torch._foreach_mul(active, (1 + beta0) / (norm * bc_active))
+        if bc_passive > 0 and beta0 != 0:
+            torch._foreach_add_(out, passive, alpha=-beta0 / (norm * bc_passive))
+        # the denominators in one buffer: the per-tensor path's ops, one kernel each
+        denom = torch.cat([x.reshape(-1) for x in v]).sqrt_().div_(math.sqrt(1 - beta2**t))
+        if self.softplus:
+            denom = F.softplus(denom, beta=float(SOFTPLUS_BETA.of(group)))
+        else:
+            denom.add_(group["eps"])
+        parts = denom.split([x.numel() for x in v])
+        torch._foreach_div_(out, [part.view(x.shape) for part, x in zip(parts, v, strict=True)])
+        return list(out)
+
+    def second_moment_sum_many(self, states: list[State], group: Group) -> Tensor | None:
+        """Σ over ``states`` of :meth:`second_moment_sum` by one foreach kernel (v ≥ 0, so
+        Σ v is its L1 norm); None where that does not apply (8-bit moments, differing
+        step counts: the caller sums per tensor)."""
+        if any(is_quantized(s, "pnm.exp_avg_sq") for s in states):
+            return None
+        steps = {int(s["pnm.step"]) for s in states}
+        if len(steps) != 1:
+            return None
+        t = steps.pop()
+        if t == 0:
+            return torch.zeros((), dtype=torch.float64)
+        sums = torch._foreach_norm([s["pnm.exp_avg_sq"] for s in states], 1)
+        return torch.stack(sums).sum(dtype=torch.float64) / (1 - group["betas"][1] ** t)
 
     def second_moment_sum(self, state: State, group: Group) -> Tensor | None:
         """Σ v / (1 − β₂^t) of the EMA ``pnm.exp_avg_sq`` (not the amsgrad max), float64."""

@@ -20,6 +20,7 @@ from ..core.state import counter
 from ..core.transform import Context, Group, State
 from .galore import SEED
 from .gradient import unit_norms
+from .units import acc_dtype, batchable, layout
 
 _LOOKAHEAD_TAG = 0x4C4B4148  # keeps lookahead's seeds apart from GaLore's
 
@@ -76,6 +77,30 @@ class NormLoss(ParamTransform):
         shrink = (norm + eps).reciprocal_().neg_().add_(1.0)  # 1 − 1/(‖wᵢ‖ + eps)
         w.mul_(shrink.mul_(-2.0 * lr * factor).add_(1.0))
 
+    def apply_many(
+        self, group: Group, states: list[State], ctxs: list[Context], stats: Stats | None
+    ) -> None:
+        """:meth:`apply_` over a batch: every unit norm by one segment reduction, the
+        factors ``(1 − c) + c/(‖wᵢ‖ + eps)`` (c = 2·lr·λₙ) spread back by one foreach kernel."""
+        factor = float(NORM_LOSS_FACTOR.of(group))
+        lr = float(group["lr"])
+        if factor == 0.0 or lr == 0.0:
+            return
+        ws = [ctx.param for ctx in ctxs]
+        together, alone = batchable(ws, ctxs)
+        for i in alone:
+            self.apply_(group, states[i], ctxs[i], stats)
+        if not together:
+            return
+        ws = [ws[i] for i in together]
+        lay = layout(ws)
+        values = lay.gather([ws], acc_dtype(ws[0]))
+        (norm,) = lay.reduce(values, lambda region: torch.linalg.vector_norm(region, dim=-1))
+        c = 2.0 * lr * factor
+        scale = norm.add_(float(NORM_LOSS_EPS.of(group))).reciprocal_().mul_(c).add_(1.0 - c)
+        lay.scale_(values, scale)
+        torch._foreach_copy_(lay.ordered(ws), lay.views(values))
+
 
 class StableWeightDecay(ParamTransform):
     """Stable weight decay (Xie et al., "On the Overlooked Pitfalls of Weight Decay").
@@ -99,24 +124,47 @@ class StableWeightDecay(ParamTransform):
     needs_stats = True
     owns_weight_decay = True
 
+    def uses_stats(self, group: Group) -> bool:
+        """σ is read only where the decay is not 0."""
+        return float(group["lr"]) * float(group["weight_decay"]) != 0.0
+
+    def batch_key(self, group: Group) -> tuple:
+        """Groups with the same ``lr·weight_decay`` share one batched decay."""
+        return (float(group["lr"]) * float(group["weight_decay"]),)
+
     def apply_(self, group: Group, state: State, ctx: Context, stats: Stats | None) -> None:
         """Decay the weight ``ctx.param`` in place by ``1 − lr·λ/σ`` (σ from ``stats``).
 
         Raises:
             ValueError: ``stats`` is ``None`` (per-layer updates: σ needs every parameter).
         """
-        if stats is None:
-            raise ValueError("stable weight decay needs the step's statistics (optimizer.step())")
+        factor = self._factor(group, stats)
+        if factor is not None:
+            ctx.param.mul_(factor)
+
+    def apply_many(
+        self, group: Group, states: list[State], ctxs: list[Context], stats: Stats | None
+    ) -> None:
+        """:meth:`apply_` over a batch: one foreach multiply by the step's factor."""
+        factor = self._factor(group, stats)
+        if factor is not None:
+            torch._foreach_mul_([ctx.param for ctx in ctxs], factor)
+
+    @staticmethod
+    def _factor(group: Group, stats: Stats | None) -> Tensor | None:
+        """This step's decay factor of ``group`` (a 0-d device tensor; None: no decay)."""
         decay = float(group["lr"]) * float(group["weight_decay"])
         if decay == 0.0:
-            return
+            return None
+        if stats is None:
+            raise ValueError("stable weight decay needs the step's statistics (optimizer.step())")
         key = ("swd", decay)  # one factor per step and group, kept on the device
         if key not in stats.cache:
             sigma = stats.second_moment_mean.clamp(min=0.0).sqrt()
             usable = (sigma > 0) & sigma.isfinite()
             factor = (1.0 - decay / sigma).clamp(min=0.0)
             stats.cache[key] = torch.where(usable, factor, torch.ones_like(factor))
-        ctx.param.mul_(stats.cache[key])
+        return stats.cache[key]
 
 
 def stochastic_round_bf16(x: Tensor, generator: torch.Generator | None = None) -> Tensor:
@@ -188,6 +236,30 @@ class Lookahead(ParamTransform):
         step = int(state["lookahead.step"])
         if step % int(LOOKAHEAD_K.of(group)):
             return
+        self._sync(group, state, ctx, step)
+
+    def apply_many(
+        self, group: Group, states: list[State], ctxs: list[Context], stats: Stats | None
+    ) -> None:
+        """:meth:`apply_` over a batch: the counters by one host add; slow weights in the
+        parameters' dtype are synchronized by two foreach kernels (bfloat16 ones per tensor)."""
+        counters = [state["lookahead.step"] for state in states]
+        torch._foreach_add_(counters, 1)
+        k = int(LOOKAHEAD_K.of(group))
+        due = [i for i, step in enumerate(map(int, counters)) if step % k == 0]
+        if not due:
+            return
+        if self.slow_dtype is not None or len(due) == 1:
+            for i in due:
+                self._sync(group, states[i], ctxs[i], int(counters[i]))
+            return
+        slows = [states[i]["lookahead.slow"] for i in due]
+        ws = [ctxs[i].param for i in due]
+        torch._foreach_lerp_(slows, ws, float(LOOKAHEAD_ALPHA.of(group)))
+        torch._foreach_copy_(ws, slows)
+
+    def _sync(self, group: Group, state: State, ctx: Context, step: int) -> None:
+        """``slow ← slow + α·(w − slow); w ← slow`` for one parameter at sync ``step``."""
         alpha = float(LOOKAHEAD_ALPHA.of(group))
         w, slow = ctx.param, state["lookahead.slow"]
         if self.slow_dtype is None:
