@@ -441,12 +441,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "batched Fira: a right basis's residual is G + R·Qᵀ",
     ),
     Mutation(
-        "batched_8bit_concat_axis",
-        "galore2/optim/adam8bit.py",
-        "axis = 0 if dim == 1 else 1",
-        "axis = 0",
-        ("tests/optim/test_batched_rules.py",),
-        "batched 8-bit Adam: directions blocked along dim 0 stacked by rows (blocks straddle)",
+        "batched_8bit_pack_axis",
+        "galore2/storage/dynamic8.py",
+        "idx = (r // BLOCK) * cols + c",
+        "idx = r * -(-cols // BLOCK) + c // BLOCK",
+        ("tests/optim/test_batched_rules.py", "tests/optim/test_adam8bit.py"),
+        "batched 8-bit Adam: directions blocked along dim 0 packed as if blocked along rows",
     ),
     Mutation(
         "batched_newton_schulz_norm",

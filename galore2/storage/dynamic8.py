@@ -402,6 +402,88 @@ def _dequantize_cpu(codes: Tensor, absmax: Tensor, dim: int, signed: bool) -> Te
     return out.view(codes.shape)
 
 
+# ---- packed: many tensors' moments as one (rows × N) matrix (the CPU's batched path) ----
+_PACKED: dict[tuple[bool, ...], tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+
+
+@functools.lru_cache(maxsize=64)
+def pack_index(layout: tuple[tuple[int, int, int], ...]) -> tuple[Tensor, int]:
+    """Where each element's block is, for tensors laid out flat one after another.
+
+    ``layout``: ``(rows, cols, dim)`` of each tensor's 2-D view (dim 0 × rest) and its blocked
+    axis. With the tensors' elements concatenated in storage order, and their absmax too
+    (:func:`absmax_shape`, row-major), returns ``(index, blocks)``: the int64 position of each
+    element's absmax in that concatenation, and its length. Cached per layout (a batch's
+    layout repeats every step)."""
+    parts, base = [], 0
+    for rows, cols, dim in layout:
+        r = torch.arange(rows, dtype=torch.int64).view(rows, 1)
+        c = torch.arange(cols, dtype=torch.int64).view(1, cols)
+        if dim == 1:
+            nb = -(-cols // BLOCK)
+            idx = r * nb + c // BLOCK
+            count = rows * nb
+        else:
+            idx = (r // BLOCK) * cols + c
+            count = -(-rows // BLOCK) * cols
+        parts.append(idx.flatten() + base)
+        base += count
+    return torch.cat(parts), base
+
+
+def _packed_tables(signs: tuple[bool, ...]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`_cpu_tables` and the code maps stacked one row per packed row: ``(below,
+    codes2, pairs, code)``, for :func:`torch.gather` along dim 1."""
+    tables = _PACKED.get(signs)
+    if tables is None:
+        cpu = torch.device("cpu")
+        rows = [(*_cpu_tables(s), dynamic_code(s, cpu)) for s in signs]
+        tables = tuple(torch.stack(t).contiguous() for t in zip(*rows, strict=True))
+        _PACKED[signs] = tables  # type: ignore[assignment]
+    return tables  # type: ignore[return-value]
+
+
+def dequantize_packed(
+    codes: Tensor, absmax: Tensor, index: Tensor, signs: tuple[bool, ...]
+) -> Tensor:
+    """fp32 values of packed CPU ``codes`` (``len(signs)`` × N uint8, row ``i`` in the map
+    ``signs[i]``) with their ``absmax`` (rows × blocks; :func:`pack_index`'s ``index``):
+    ``code[q] · absmax``, as :func:`dequantize` computes it per tensor — the same bits, four
+    operations for all rows."""
+    _, _, pairs, code = _packed_tables(signs)
+    if codes.shape[1] % 2 == 0:  # two codes per gather: uint16 → the bits of two fp32 values
+        key = codes.view(torch.uint16).to(torch.int64)
+        out = torch.gather(pairs, 1, key).view(torch.float32)
+    else:
+        out = torch.gather(code, 1, codes.to(torch.int64))
+    return out.mul_(torch.index_select(absmax, 1, index))
+
+
+def quantize_packed(
+    x: Tensor, index: Tensor, blocks: int, signs: tuple[bool, ...]
+) -> tuple[Tensor, Tensor] | None:
+    """``(codes, absmax)`` of packed fp32 ``x`` (rows × N, row ``i`` in the map ``signs[i]``;
+    :func:`pack_index`'s ``index`` and ``blocks``): :func:`quantize_`'s torch path for all
+    rows at once, the same bits; None where a block's absmax or its reciprocal is not
+    finite (the caller then quantizes per tensor, where bitsandbytes takes such a tensor)."""
+    below, codes2, _, _ = _packed_tables(signs)
+    rows, n = x.shape
+    y = torch.abs(x)
+    absmax = torch.empty(rows, blocks).scatter_reduce_(
+        1, index.expand(rows, n), y, "amax", include_self=False
+    )
+    inv = torch.reciprocal(absmax)  # inf for an all-zero block: its y are NaN, code 0
+    if not bool(((inv + absmax) < math.inf).logical_or_(absmax == 0).all()):
+        return None
+    torch.mul(x, torch.index_select(inv, 1, index), out=y)
+    key = torch.empty(rows, n, dtype=torch.int64)  # gather's index type
+    torch.bitwise_right_shift(y.view(torch.int32), 15, out=key)
+    key.bitwise_and_(0x1FFFE)  # 2 · (the upper 16 bits of y)
+    t = torch.gather(below, 1, key).sub_(y)  # < 0 (sign bit set) where y is past the step
+    key.sub_(torch.bitwise_right_shift(t.view(torch.int32), 31))  # 2 · key + [y > below]
+    return torch.gather(codes2, 1, key), absmax
+
+
 @functools.cache
 def _torch_matches_bnb() -> bool:
     """Whether the torch path reproduces the installed bitsandbytes' CPU kernels, checked
@@ -523,8 +605,11 @@ __all__ = [
     "bnb_functional",
     "code_bounds",
     "dequantize",
+    "dequantize_packed",
     "dynamic_code",
+    "pack_index",
     "quantize_",
+    "quantize_packed",
     "row_chunks",
     "use_torch",
 ]

@@ -19,11 +19,9 @@ from recipes.resolve import parse_args
 
 PROJECTED = 28  # the tiny model's attention and MLP matrices
 NS_MATMULS = 2 * 3 * 5  # Muon: 2 short × long shapes (16×128, 16×352) × 3 products × 5 steps
-# the 8-bit CPU quantizer (galore2.storage.dynamic8's torch path: absmax, table lookups,
-# the finiteness check) per concatenation of 8-bit directions; on CUDA one fused kernel
-# per 8-bit direction replaces it (within the per-matrix allowance)
-QUANTIZER_8BIT = 25 * 3  # 3 concatenations: m×16 rows, 16×n columns, the embeddings' rows
-EXTRA = {"galore2_muon": NS_MATMULS, "galore_adamw8bit": QUANTIZER_8BIT}
+# the 8-bit CPU quantizer (galore2.storage.dynamic8's packed torch path) runs once per
+# group's pack of 8-bit directions, within the budget: no allowance
+EXTRA = {"galore2_muon": NS_MATMULS}
 # launches per projected matrix outside the matmuls, by design: APOLLO's random projector
 # regenerates its seeded Gaussian basis (randn, scale) for each matrix at every step
 PER_MATRIX = {"galore2_apollo": 2, "galore2_apollo_mini": 2}
