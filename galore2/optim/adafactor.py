@@ -309,77 +309,95 @@ class ScaleByAdafactor(Transform):
         eps1s: list[float],
         group: Group,
     ) -> list[list[Tensor]]:
-        """:meth:`_step` of each bucket (same shape, dtypes, device, steps, eps1), stacked."""
+        """:meth:`_step` of each bucket (same shape, dtypes, device, steps, eps1), stacked.
+
+        The directions are concatenated once, flat, bucket after bucket; their squares, the
+        clamp, ``rsqrt`` and the product with U run once over that, and each bucket's V̂
+        lands in its slice of one flat buffer (``bmm`` of the stacked factors, or the stack
+        of its unfactored variances). Per bucket: the row and column means, the stacks of R
+        and C, V̂ = R·C / mean(R) and the scaling; per tensor nothing."""
+        if len({sts[0][_moment(sts[0])].dtype for sts in states}) > 1:  # one dtype per flat
+            return [ScaleByAdafactor._step_many([b], [sts], [cs], [e], group)[0]
+                    for b, sts, cs, e in zip(us, states, ctxs, eps1s, strict=True)]  # fmt: skip
         lr, eps2 = float(group["lr"]), group["eps"][1]
         beta1 = BETA1.of(group)
-        var: list[Tensor] = []
+        every = [s for sts in states for s in sts]
+        # host counters, one call
+        torch._foreach_add_([s[k] for k in ("adafactor.step", "adafactor.moment_step")
+                             for s in every], 1)  # fmt: skip
+        dtype = states[0][0][_moment(states[0][0])].dtype
+        U = torch.cat([u.reshape(-1) for bucket in us for u in bucket])
+        U = U if U.dtype == dtype else U.to(dtype)
+        square = U * U
+        var_flat = torch.empty_like(U)
         factors: list[float] = []
         # the moment updates: one foreach lerp per distinct weight (equal moment steps share it)
         lerps: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
-        U = []
+        slices: list[tuple[Tensor, Tensor, Tensor]] = []  # each bucket's U, U², V̂ (stacked)
+        start = 0
         for bucket, sts in zip(us, states, strict=True):
-            for s in sts:
-                s["adafactor.step"] += 1
-                s["adafactor.moment_step"] += 1
+            shape = (len(bucket), *bucket[0].shape)
+            end = start + math.prod(shape)
+            slices.append(tuple(t[start:end].view(shape) for t in (U, square, var_flat)))
+            start = end
             rho = lr
             if RELATIVE_STEP.of(group):
                 rho = min(lr, 1 / (float(int(sts[0]["adafactor.step"])) ** 0.5))
             factors.append(rho / lr if rho < lr else 1.0)
             weight = float(int(sts[0]["adafactor.moment_step"])) ** group["beta2_decay"]
-            u = torch.stack(bucket).to(sts[0][_moment(sts[0])].dtype)
-            U.append(u)
-            if "adafactor.row_var" in sts[0]:  # (g·g).mean(dim) as _factored computes it
-                row_mean = torch.norm(u, dim=-1, keepdim=True).square_().div_(u.size(-1))
-                col_mean = _col_sq(u).div_(u.size(-2))
-                pairs = (("adafactor.row_var", row_mean), ("adafactor.col_var", col_mean))
+            sq = slices[-1][1]
+            if "adafactor.row_var" in sts[0]:  # (g·g).mean(dim)
+                pairs = (
+                    ("adafactor.row_var", sq.mean(dim=-1, keepdim=True)),
+                    ("adafactor.col_var", sq.mean(dim=-2, keepdim=True)),
+                )
             else:
-                pairs = (("adafactor.variance", u * u),)
+                pairs = (("adafactor.variance", sq),)
             to, frm = lerps.setdefault(weight, ([], []))
             for key, new in pairs:
                 to += [s[key] for s in sts]
                 frm += new.unbind()
         for weight, (to, frm) in lerps.items():
             torch._foreach_lerp_(to, frm, weight)
-        for sts, eps1 in zip(states, eps1s, strict=True):
+        for sts, eps1, (_, _, var) in zip(states, eps1s, slices, strict=True):
             if "adafactor.row_var" in sts[0]:
                 R = torch.stack([s["adafactor.row_var"] for s in sts])
                 C = torch.stack([s["adafactor.col_var"] for s in sts])
-                v = torch.bmm(R, C) if R.dim() == 3 else R @ C  # (matmul reshapes a 3-D stack)
-                var.append(v.div_(R.mean(dim=-2, keepdim=True).clamp_(min=eps1)))
+                torch.matmul(R, C, out=var)
+                var.div_(R.mean(dim=-2, keepdim=True).clamp_(min=eps1))
             else:
-                var.append(torch.stack([s["adafactor.variance"] for s in sts]))
-        for v, eps1 in zip(var, eps1s, strict=True):  # eps1² (torch's convention, see _step)
-            v.clamp_(min=eps1 * eps1)
-        torch._foreach_rsqrt_(var)
-        torch._foreach_mul_(var, U)
-        updates = [x for v in var for x in v.unbind()]
-        numels = [max(x.numel(), 1) ** 0.5 * group["d"] for x in updates]
+                torch.stack([s["adafactor.variance"] for s in sts], out=var)
+        if len(set(eps1s)) == 1:  # eps1² (torch's convention, see _step)
+            var_flat.clamp_(min=eps1s[0] * eps1s[0])
+        else:
+            for (_, _, var), eps1 in zip(slices, eps1s, strict=True):
+                var.clamp_(min=eps1 * eps1)
+        var_flat.rsqrt_().mul_(U)
+        updates = [x for _, _, var in slices for x in var.unbind()]
         device = updates[0].device
-        norms = torch.stack(torch._foreach_norm(updates)).double()
-        clip = norms.div_(constants(tuple(numels), torch.float64, device)).clamp_(min=1.0)
+        # 1 / max(1, RMS(U)/d) = min(1, d·√numel / ‖U‖), in float64 as _step computes it
+        roots = tuple(max(x.numel(), 1) ** 0.5 * group["d"] for x in updates)
+        norms = torch.stack(torch._foreach_norm(updates))
+        scale = torch.div(constants(roots, torch.float64, device), norms).clamp_(max=1.0)
         if SCALE_PARAMETER.of(group):
             params = [c.param for cs in ctxs for c in cs]
-            roots = tuple(max(p.numel(), 1) ** 0.5 for p in params)
-            rms = torch.stack(torch._foreach_norm(params)).double()
-            scale = rms.div_(constants(roots, torch.float64, device)).clamp_(min=eps2).div_(clip)
-        else:
-            scale = clip.reciprocal_()
+            sizes = tuple(max(p.numel(), 1) ** 0.5 for p in params)
+            rms = torch.stack(torch._foreach_norm(params))
+            rms = torch.div(rms, constants(sizes, torch.float64, device)).clamp_(min=eps2)
+            scale.mul_(rms)
         start = 0
-        for v, factor in zip(var, factors, strict=True):  # ρ_t/lr where ρ_t < lr (see _step)
-            if factor != 1.0:
-                scale[start : start + v.shape[0]].mul_(factor)
-            start += v.shape[0]
-        scale = scale.float()
-        start = 0
-        for v in var:
-            k = v.shape[0]
-            v.mul_(scale[start : start + k].view(k, *[1] * (v.dim() - 1)))
+        for (_, _, var), factor in zip(slices, factors, strict=True):
+            k = var.shape[0]
+            part = scale[start : start + k]
+            if factor != 1.0:  # ρ_t/lr where ρ_t < lr (see _step)
+                part.mul_(factor)
+            var.mul_(part.view(k, *[1] * (var.dim() - 1)))
             start += k
         if beta1 is not None:
-            exp_avgs = [s["adafactor.exp_avg"] for sts in states for s in sts]
+            exp_avgs = [s["adafactor.exp_avg"] for s in every]
             torch._foreach_lerp_(exp_avgs, updates, 1 - beta1)
             torch._foreach_copy_(updates, exp_avgs)
-        return [list(v.unbind()) for v in var]
+        return [list(var.unbind()) for _, _, var in slices]
 
     def _step(
         self, u: Tensor, views: dict[str, Tensor], state: State, group: Group, ctx: Context
