@@ -113,12 +113,12 @@ def _step_packed(us: list[Tensor], states: list[State], group: Group, step: int)
     layout = tuple(
         (s[m_key].shape[0], s[m_key].numel() // s[m_key].shape[0], int(s[AXIS])) for s in states
     )
-    index, blocks = dynamic8.pack_index(layout)
+    index, blocks = dynamic8.pack_index(layout, rows=2)
     sizes = [s[m_key].numel() for s in states]
     n = sum(sizes)
     codes = torch.cat([s[k].view(-1) for k in (m_key, v_key) for s in states]).view(2, n)
     absmax = torch.cat([s[k + ".absmax"].view(-1) for k in (m_key, v_key) for s in states])
-    x = dynamic8.dequantize_packed(codes, absmax.view(2, blocks), index, _SIGNS)
+    x = dynamic8.dequantize_packed(codes, absmax, index, _SIGNS)
     torch._foreach_add_([s["adam.step"] for s in states], 1)  # host counters, one call
     u = torch.cat([u.reshape(-1) for u in us])
     out = ScaleByAdam._arith(u, x[0], x[1], step + 1, group)
