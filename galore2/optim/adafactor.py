@@ -60,6 +60,7 @@ the basis acts on, which the rotate protocol does not pass.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -110,6 +111,11 @@ OPTIONS = (BETA2_DECAY, EPS, D, BETA1, RELATIVE_STEP, SCALE_PARAMETER, STATE_DTY
 
 
 _MOMENTS = ("adafactor.row_var", "adafactor.col_var", "adafactor.variance", "adafactor.exp_avg")
+
+
+@functools.cache
+def _machine_eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
 
 
 def _moment(state: State) -> str:
@@ -265,12 +271,21 @@ class ScaleByAdafactor(Transform):
         updates by foreach kernels, the clipping and step-size scalars); no host read.
         Sharded directions and 8-bit moments step one by one (:meth:`update`)."""
         out: list[Tensor | None] = [None] * len(us)
-        buckets: dict[tuple[Any, ...], list[int]] = {}
+        batched = []
         for i, (u, state, ctx) in enumerate(zip(us, states, ctxs, strict=True)):
-            key = self._bucket(u, state, group, ctx)
-            if key is None:
-                out[i] = self.update(u, state, group, ctx)
+            if self._batchable(state, group, ctx):
+                batched.append(i)
             else:
+                out[i] = self.update(u, state, group, ctx)
+        buckets: dict[tuple[Any, ...], list[int]] = {}
+        if batched:  # every step count in one host read (CPU counters)
+            counts = torch.stack(
+                [states[i][k] for k in ("adafactor.step", "adafactor.moment_step") for i in batched]
+            ).tolist()
+            eps1 = group["eps"][0]
+            for j, i in enumerate(batched):
+                steps = (counts[j], counts[len(batched) + j])
+                key = self._bucket(us[i], states[i], ctxs[i], steps, eps1)
                 buckets.setdefault(key, []).append(i)
         if buckets:
             idxs = list(buckets.values())
@@ -287,18 +302,23 @@ class ScaleByAdafactor(Transform):
         return out  # type: ignore[return-value]
 
     @staticmethod
-    def _bucket(u: Tensor, state: State, group: Group, ctx: Context) -> tuple[Any, ...] | None:
-        """The stack a direction joins on the batched path (None: :meth:`update` alone); its
-        last entry is eps1."""
-        if ctx.placement.distributed or any(is_quantized(state, k) for k in _MOMENTS):
-            return None
-        if BETA1.of(group) is not None and "adafactor.exp_avg" not in state:
-            return None  # update raises the error that names the missing momentum
-        eps1 = group["eps"][0]
-        eps1 = torch.finfo(ctx.param.dtype).eps if eps1 is None else eps1
+    def _batchable(state: State, group: Group, ctx: Context) -> bool:
+        """Whether a direction steps on the batched path (else :meth:`update` alone)."""
+        if ctx.placement.distributed or any(k + ".absmax" in state for k in _MOMENTS):
+            return False
+        # without its momentum buffer, update raises the error that names it
+        return BETA1.of(group) is None or "adafactor.exp_avg" in state
+
+    @staticmethod
+    def _bucket(
+        u: Tensor, state: State, ctx: Context, steps: tuple[int, int], eps1: float | None
+    ) -> tuple[Any, ...]:
+        """The stack a batchable direction joins (its step counts given); its last entry is
+        eps1."""
+        if eps1 is None:
+            eps1 = _machine_eps(ctx.param.dtype)
         factored = "adafactor.row_var" in state
         moment = state["adafactor.row_var" if factored else "adafactor.variance"]
-        steps = int(state["adafactor.step"]), int(state["adafactor.moment_step"])
         return (factored, tuple(u.shape), u.dtype, moment.dtype, u.device, *steps, eps1)
 
     @staticmethod
@@ -387,11 +407,14 @@ class ScaleByAdafactor(Transform):
             scale.mul_(rms)
         start = 0
         for (_, _, var), factor in zip(slices, factors, strict=True):
-            k = var.shape[0]
-            part = scale[start : start + k]
             if factor != 1.0:  # ρ_t/lr where ρ_t < lr (see _step)
-                part.mul_(factor)
-            var.mul_(part.view(k, *[1] * (var.dim() - 1)))
+                scale[start : start + var.shape[0]].mul_(factor)
+            start += var.shape[0]
+        scale = scale.to(dtype)  # (as _step's 0-d scale multiplies in the moments' dtype)
+        start = 0
+        for _, _, var in slices:
+            k = var.shape[0]
+            var.mul_(scale[start : start + k].view(k, *[1] * (var.dim() - 1)))
             start += k
         if beta1 is not None:
             exp_avgs = [s["adafactor.exp_avg"] for s in every]
