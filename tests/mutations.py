@@ -451,8 +451,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "batched_newton_schulz_norm",
         "galore2/optim/muon.py",
-        "X = X / X.square().sum(dim=(1, 2), keepdim=True).sqrt_().clamp_(min=NS_EPS)",
-        "X = X / X.square().sum(dim=2, keepdim=True).sqrt_().clamp_(min=NS_EPS)",
+        "X = X / torch.linalg.vector_norm(X, dim=(1, 2), keepdim=True).clamp_(min=NS_EPS)",
+        "X = X / torch.linalg.vector_norm(X, dim=2, keepdim=True).clamp_(min=NS_EPS)",
         ("tests/optim/test_batched_rules.py",),
         "batched Muon: each row normalized instead of the matrix",
     ),

@@ -83,7 +83,7 @@ def newton_schulz(
     a, b, c = NS_COEFFICIENTS
     X = X.double() if X.dtype == torch.float64 else X.float()
     if X.dim() == 3:  # a stack of same-shape matrices (the batched path): one bmm per product
-        X = X / X.square().sum(dim=(1, 2), keepdim=True).sqrt_().clamp_(min=NS_EPS)
+        X = X / torch.linalg.vector_norm(X, dim=(1, 2), keepdim=True).clamp_(min=NS_EPS)
         for _ in range(steps):
             A = torch.bmm(X, X.mT)
             B = torch.baddbmm(A, A, A, beta=b, alpha=c)
