@@ -46,6 +46,13 @@ process against it, :func:`_torch_matches_bnb`; another bitsandbytes version or 
 aarch64 build, which rounds the table index differently, keeps bitsandbytes), and a
 tensor with a block whose absmax is not finite or whose reciprocal overflows (absmax
 below ~2.9e-39) goes to bitsandbytes too (it leaves NaN out of the absmax).
+
+The batched 8-bit Adam step on the CPU (``foreach=True``) packs many tensors: their codes
+and absmax concatenated flat in storage order, whatever their blocked axis, with an index
+from each element to its block (:func:`pack_index`), both moments as the two rows of one
+matrix; :func:`dequantize_packed` and :func:`quantize_packed` are the same torch path over
+such a pack (the absmax by one scatter, the table lookups by one gather per table): the
+same bits as per tensor, in one set of operations for the whole pack.
 """
 
 from __future__ import annotations
