@@ -51,14 +51,15 @@ class ScaleByAdam8bit(ScaleByAdam):
         whatever its tensor's blocked axis), then one dequantize, Adam step and quantize for
         the whole pack — the same bits as per tensor. The rest as
         :meth:`ScaleByAdam.update_many` (fp32 moments: foreach kernels; 8-bit ones on CUDA:
-        the fused kernel or bitsandbytes, per tensor). ``capturable=True``: per tensor too
-        (the packs are formed by step count, which would be a host read)."""
+        the fused kernel or bitsandbytes, per tensor). ``capturable=True`` and sharded
+        directions: per tensor too (the packs are formed by step count, which would be a
+        host read; a shard's codes are not a plain tensor)."""
         cpu_loop = us and us[0].device.type == "cpu" and not group.get("foreach")
         if not us or cpu_loop or group.get("capturable"):
             return super().update_many(us, states, group, ctxs)
         packs: dict[tuple[Any, ...], list[int]] = {}
-        for i, (u, state) in enumerate(zip(us, states, strict=True)):
-            key = _pack_key(u, state)
+        for i, (u, state, ctx) in enumerate(zip(us, states, ctxs, strict=True)):
+            key = None if ctx.placement.distributed else _pack_key(u, state)
             if key is not None:
                 packs.setdefault(key, []).append(i)
         out: list[Tensor | None] = [None] * len(us)
