@@ -51,8 +51,8 @@ Make = Callable[[list[torch.Tensor], bool], torch.optim.Optimizer]
 
 def _preset(cls: type, rank: int | None = 16, **options) -> Make:
     group = {k: options.pop(k) for k in ("scale",) if k in options}
-    return lambda ps, foreach: cls(_groups(ps, rank, **group), foreach=foreach, **COMMON,
-                                   **options)  # fmt: skip
+    options = {**COMMON, **options}
+    return lambda ps, foreach: cls(_groups(ps, rank, **group), foreach=foreach, **options)
 
 
 CONFIGS: dict[str, Make] = {
@@ -73,6 +73,10 @@ CONFIGS: dict[str, Make] = {
     "galore_adamw8bit_fira": _preset(galore2.GaLoreAdamW8bit, residual="fira"),
     "galore_adafactor": _preset(galore2.GaLoreAdafactor),
     "galore_adafactor_beta1": _preset(galore2.GaLoreAdafactor, beta1=0.9),
+    # torch's rules: the step size capped at 1/√t (below lr from step 5) and scaled by RMS(θ)
+    "galore_adafactor_relative": _preset(
+        galore2.GaLoreAdafactor, lr=0.5, relative_step=True, scale_parameter=True
+    ),
     "galore_adafactor_8bit": _preset(galore2.GaLoreAdafactor, beta1=0.9, moments_8bit=True),
 }
 

@@ -60,6 +60,7 @@ the basis acts on, which the rotate protocol does not pass.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -110,6 +111,11 @@ OPTIONS = (BETA2_DECAY, EPS, D, BETA1, RELATIVE_STEP, SCALE_PARAMETER, STATE_DTY
 
 
 _MOMENTS = ("adafactor.row_var", "adafactor.col_var", "adafactor.variance", "adafactor.exp_avg")
+
+
+@functools.cache
+def _machine_eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
 
 
 def _moment(state: State) -> str:
@@ -265,12 +271,21 @@ class ScaleByAdafactor(Transform):
         updates by foreach kernels, the clipping and step-size scalars); no host read.
         Sharded directions and 8-bit moments step one by one (:meth:`update`)."""
         out: list[Tensor | None] = [None] * len(us)
-        buckets: dict[tuple[Any, ...], list[int]] = {}
+        batched = []
         for i, (u, state, ctx) in enumerate(zip(us, states, ctxs, strict=True)):
-            key = self._bucket(u, state, group, ctx)
-            if key is None:
-                out[i] = self.update(u, state, group, ctx)
+            if self._batchable(state, group, ctx):
+                batched.append(i)
             else:
+                out[i] = self.update(u, state, group, ctx)
+        buckets: dict[tuple[Any, ...], list[int]] = {}
+        if batched:  # every step count in one host read (CPU counters)
+            counts = torch.stack(
+                [states[i][k] for k in ("adafactor.step", "adafactor.moment_step") for i in batched]
+            ).tolist()
+            eps1 = group["eps"][0]
+            for j, i in enumerate(batched):
+                steps = (counts[j], counts[len(batched) + j])
+                key = self._bucket(us[i], states[i], ctxs[i], steps, eps1)
                 buckets.setdefault(key, []).append(i)
         if buckets:
             idxs = list(buckets.values())
@@ -287,18 +302,23 @@ class ScaleByAdafactor(Transform):
         return out  # type: ignore[return-value]
 
     @staticmethod
-    def _bucket(u: Tensor, state: State, group: Group, ctx: Context) -> tuple[Any, ...] | None:
-        """The stack a direction joins on the batched path (None: :meth:`update` alone); its
-        last entry is eps1."""
-        if ctx.placement.distributed or any(is_quantized(state, k) for k in _MOMENTS):
-            return None
-        if BETA1.of(group) is not None and "adafactor.exp_avg" not in state:
-            return None  # update raises the error that names the missing momentum
-        eps1 = group["eps"][0]
-        eps1 = torch.finfo(ctx.param.dtype).eps if eps1 is None else eps1
+    def _batchable(state: State, group: Group, ctx: Context) -> bool:
+        """Whether a direction steps on the batched path (else :meth:`update` alone)."""
+        if ctx.placement.distributed or any(k + ".absmax" in state for k in _MOMENTS):
+            return False
+        # without its momentum buffer, update raises the error that names it
+        return BETA1.of(group) is None or "adafactor.exp_avg" in state
+
+    @staticmethod
+    def _bucket(
+        u: Tensor, state: State, ctx: Context, steps: tuple[int, int], eps1: float | None
+    ) -> tuple[Any, ...]:
+        """The stack a batchable direction joins (its step counts given); its last entry is
+        eps1."""
+        if eps1 is None:
+            eps1 = _machine_eps(ctx.param.dtype)
         factored = "adafactor.row_var" in state
         moment = state["adafactor.row_var" if factored else "adafactor.variance"]
-        steps = int(state["adafactor.step"]), int(state["adafactor.moment_step"])
         return (factored, tuple(u.shape), u.dtype, moment.dtype, u.device, *steps, eps1)
 
     @staticmethod
@@ -309,77 +329,98 @@ class ScaleByAdafactor(Transform):
         eps1s: list[float],
         group: Group,
     ) -> list[list[Tensor]]:
-        """:meth:`_step` of each bucket (same shape, dtypes, device, steps, eps1), stacked."""
+        """:meth:`_step` of each bucket (same shape, dtypes, device, steps, eps1), stacked.
+
+        The directions are concatenated once, flat, bucket after bucket; their squares, the
+        clamp, ``rsqrt`` and the product with U run once over that, and each bucket's V̂
+        lands in its slice of one flat buffer (``bmm`` of the stacked factors, or the stack
+        of its unfactored variances). Per bucket: the row and column means, the stacks of R
+        and C, V̂ = R·C / mean(R) and the scaling; per tensor nothing."""
+        if len({sts[0][_moment(sts[0])].dtype for sts in states}) > 1:  # one dtype per flat
+            return [ScaleByAdafactor._step_many([b], [sts], [cs], [e], group)[0]
+                    for b, sts, cs, e in zip(us, states, ctxs, eps1s, strict=True)]  # fmt: skip
         lr, eps2 = float(group["lr"]), group["eps"][1]
         beta1 = BETA1.of(group)
-        var: list[Tensor] = []
+        every = [s for sts in states for s in sts]
+        # host counters, one call
+        torch._foreach_add_([s[k] for k in ("adafactor.step", "adafactor.moment_step")
+                             for s in every], 1)  # fmt: skip
+        dtype = states[0][0][_moment(states[0][0])].dtype
+        U = torch.cat([u.reshape(-1) for bucket in us for u in bucket])
+        U = U if U.dtype == dtype else U.to(dtype)
+        square = U * U
+        var_flat = torch.empty_like(U)
         factors: list[float] = []
         # the moment updates: one foreach lerp per distinct weight (equal moment steps share it)
         lerps: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
-        U = []
+        slices: list[tuple[Tensor, Tensor, Tensor]] = []  # each bucket's U, U², V̂ (stacked)
+        start = 0
         for bucket, sts in zip(us, states, strict=True):
-            for s in sts:
-                s["adafactor.step"] += 1
-                s["adafactor.moment_step"] += 1
+            shape = (len(bucket), *bucket[0].shape)
+            end = start + math.prod(shape)
+            slices.append(tuple(t[start:end].view(shape) for t in (U, square, var_flat)))
+            start = end
             rho = lr
             if RELATIVE_STEP.of(group):
                 rho = min(lr, 1 / (float(int(sts[0]["adafactor.step"])) ** 0.5))
             factors.append(rho / lr if rho < lr else 1.0)
             weight = float(int(sts[0]["adafactor.moment_step"])) ** group["beta2_decay"]
-            u = torch.stack(bucket).to(sts[0][_moment(sts[0])].dtype)
-            U.append(u)
-            if "adafactor.row_var" in sts[0]:  # (g·g).mean(dim) as _factored computes it
-                row_mean = torch.norm(u, dim=-1, keepdim=True).square_().div_(u.size(-1))
-                col_mean = _col_sq(u).div_(u.size(-2))
-                pairs = (("adafactor.row_var", row_mean), ("adafactor.col_var", col_mean))
+            sq = slices[-1][1]
+            if "adafactor.row_var" in sts[0]:  # (g·g).mean(dim)
+                pairs = (
+                    ("adafactor.row_var", sq.mean(dim=-1, keepdim=True)),
+                    ("adafactor.col_var", sq.mean(dim=-2, keepdim=True)),
+                )
             else:
-                pairs = (("adafactor.variance", u * u),)
+                pairs = (("adafactor.variance", sq),)
             to, frm = lerps.setdefault(weight, ([], []))
             for key, new in pairs:
                 to += [s[key] for s in sts]
                 frm += new.unbind()
         for weight, (to, frm) in lerps.items():
             torch._foreach_lerp_(to, frm, weight)
-        for sts, eps1 in zip(states, eps1s, strict=True):
+        for sts, eps1, (_, _, var) in zip(states, eps1s, slices, strict=True):
             if "adafactor.row_var" in sts[0]:
                 R = torch.stack([s["adafactor.row_var"] for s in sts])
                 C = torch.stack([s["adafactor.col_var"] for s in sts])
-                v = torch.bmm(R, C) if R.dim() == 3 else R @ C  # (matmul reshapes a 3-D stack)
-                var.append(v.div_(R.mean(dim=-2, keepdim=True).clamp_(min=eps1)))
+                torch.matmul(R, C, out=var)
+                var.div_(R.mean(dim=-2, keepdim=True).clamp_(min=eps1))
             else:
-                var.append(torch.stack([s["adafactor.variance"] for s in sts]))
-        for v, eps1 in zip(var, eps1s, strict=True):  # eps1² (torch's convention, see _step)
-            v.clamp_(min=eps1 * eps1)
-        torch._foreach_rsqrt_(var)
-        torch._foreach_mul_(var, U)
-        updates = [x for v in var for x in v.unbind()]
-        numels = [max(x.numel(), 1) ** 0.5 * group["d"] for x in updates]
+                torch.stack([s["adafactor.variance"] for s in sts], out=var)
+        if len(set(eps1s)) == 1:  # eps1² (torch's convention, see _step)
+            var_flat.clamp_(min=eps1s[0] * eps1s[0])
+        else:
+            for (_, _, var), eps1 in zip(slices, eps1s, strict=True):
+                var.clamp_(min=eps1 * eps1)
+        var_flat.rsqrt_().mul_(U)
+        updates = [x for _, _, var in slices for x in var.unbind()]
         device = updates[0].device
-        norms = torch.stack(torch._foreach_norm(updates)).double()
-        clip = norms.div_(constants(tuple(numels), torch.float64, device)).clamp_(min=1.0)
+        # 1 / max(1, RMS(U)/d) = min(1, d·√numel / ‖U‖), in float64 as _step computes it
+        roots = tuple(max(x.numel(), 1) ** 0.5 * group["d"] for x in updates)
+        norms = torch.stack(torch._foreach_norm(updates))
+        scale = torch.div(constants(roots, torch.float64, device), norms).clamp_(max=1.0)
         if SCALE_PARAMETER.of(group):
             params = [c.param for cs in ctxs for c in cs]
-            roots = tuple(max(p.numel(), 1) ** 0.5 for p in params)
-            rms = torch.stack(torch._foreach_norm(params)).double()
-            scale = rms.div_(constants(roots, torch.float64, device)).clamp_(min=eps2).div_(clip)
-        else:
-            scale = clip.reciprocal_()
+            sizes = tuple(max(p.numel(), 1) ** 0.5 for p in params)
+            rms = torch.stack(torch._foreach_norm(params))
+            rms = torch.div(rms, constants(sizes, torch.float64, device)).clamp_(min=eps2)
+            scale.mul_(rms)
         start = 0
-        for v, factor in zip(var, factors, strict=True):  # ρ_t/lr where ρ_t < lr (see _step)
-            if factor != 1.0:
-                scale[start : start + v.shape[0]].mul_(factor)
-            start += v.shape[0]
-        scale = scale.float()
+        for (_, _, var), factor in zip(slices, factors, strict=True):
+            if factor != 1.0:  # ρ_t/lr where ρ_t < lr (see _step)
+                scale[start : start + var.shape[0]].mul_(factor)
+            start += var.shape[0]
+        scale = scale.to(dtype)  # (as _step's 0-d scale multiplies in the moments' dtype)
         start = 0
-        for v in var:
-            k = v.shape[0]
-            v.mul_(scale[start : start + k].view(k, *[1] * (v.dim() - 1)))
+        for _, _, var in slices:
+            k = var.shape[0]
+            var.mul_(scale[start : start + k].view(k, *[1] * (var.dim() - 1)))
             start += k
         if beta1 is not None:
-            exp_avgs = [s["adafactor.exp_avg"] for sts in states for s in sts]
+            exp_avgs = [s["adafactor.exp_avg"] for s in every]
             torch._foreach_lerp_(exp_avgs, updates, 1 - beta1)
             torch._foreach_copy_(updates, exp_avgs)
-        return [list(v.unbind()) for v in var]
+        return [list(var.unbind()) for _, _, var in slices]
 
     def _step(
         self, u: Tensor, views: dict[str, Tensor], state: State, group: Group, ctx: Context

@@ -14,14 +14,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core.state import counter
 from ..core.transform import Context, Group, State
 from ..storage import dynamic8
 from ..storage.dynamic8 import (
     BLOCK,
-    DYNAMIC8,
     MIN_8BIT_SIZE,
-    UDYNAMIC8,
     absmax_shape,
     block_dim,
     bnb_functional,
@@ -30,7 +27,7 @@ from ..storage.dynamic8 import (
     dynamic_code,
     quantize_,
 )
-from ..storage.moments import is_quantized
+from ..storage.moments import is_quantized, stored_format
 from .adam import AXIS, ScaleByAdam
 
 _KEYS = ("adam.exp_avg", "adam.exp_avg.absmax", "adam.exp_avg_sq", "adam.exp_avg_sq.absmax")
@@ -47,28 +44,30 @@ class ScaleByAdam8bit(ScaleByAdam):
     def update_many(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
     ) -> list[Tensor]:
-        """Batched :meth:`update`. Where the storage layer quantizes in torch (the CPU), 8-bit
-        directions whose blocks line up — blocked along dim 1 with the same row length, or
-        along dim 0 with the same column length, at the same step — are concatenated
-        (rows, respectively columns: blocks never straddle two tensors) and stepped as one:
-        one dequantize, Adam step and quantize per such bucket, the same bits as per tensor.
-        The rest as :meth:`ScaleByAdam.update_many` (fp32 moments: foreach kernels; 8-bit
-        ones on CUDA: the fused kernel or bitsandbytes, per tensor). ``capturable=True``: per
-        tensor too (the buckets are formed by step count, which would be a host read)."""
+        """Batched :meth:`update`. Where the storage layer quantizes in torch (the CPU), the
+        8-bit directions at the same step (and direction dtype) are packed: their codes and
+        absmax concatenated flat in storage order, both moments as the two rows of one
+        matrix (:func:`~galore2.storage.dynamic8.pack_index` maps each element to its block,
+        whatever its tensor's blocked axis), then one dequantize, Adam step and quantize for
+        the whole pack — the same bits as per tensor. The rest as
+        :meth:`ScaleByAdam.update_many` (fp32 moments: foreach kernels; 8-bit ones on CUDA:
+        the fused kernel or bitsandbytes, per tensor). ``capturable=True`` and sharded
+        directions: per tensor too (the packs are formed by step count, which would be a
+        host read; a shard's codes are not a plain tensor)."""
         cpu_loop = us and us[0].device.type == "cpu" and not group.get("foreach")
         if not us or cpu_loop or group.get("capturable"):
             return super().update_many(us, states, group, ctxs)
-        buckets: dict[tuple[Any, ...], list[int]] = {}
-        for i, (u, state) in enumerate(zip(us, states, strict=True)):
-            key = _bucket(u, state)
+        packs: dict[tuple[Any, ...], list[int]] = {}
+        for i, (u, state, ctx) in enumerate(zip(us, states, ctxs, strict=True)):
+            key = None if ctx.placement.distributed else _pack_key(u, state)
             if key is not None:
-                buckets.setdefault(key, []).append(i)
+                packs.setdefault(key, []).append(i)
         out: list[Tensor | None] = [None] * len(us)
-        for key, idx in buckets.items():
-            if len(idx) > 1:
-                done = _step_concatenated([us[i] for i in idx], [states[i] for i in idx],
-                                          group, key[0])  # fmt: skip
-                for i, r in zip(idx, done, strict=True):
+        for key, idx in packs.items():
+            for part in _split(idx, [states[i]["adam.exp_avg"].numel() for i in idx]):
+                done = _step_packed([us[i] for i in part], [states[i] for i in part], group,
+                                    key[0])  # fmt: skip
+                for i, r in zip(part, done, strict=True):
                     out[i] = r
         rest = [i for i, r in enumerate(out) if r is None]
         if rest:
@@ -80,49 +79,63 @@ class ScaleByAdam8bit(ScaleByAdam):
         return out  # type: ignore[return-value]
 
 
-def _bucket(u: Tensor, state: State) -> tuple[Any, ...] | None:
-    """Which concatenation an 8-bit direction can join (None: it steps alone): its blocked
-    axis, the extent across it, its step, device and dtype."""
-    if not is_quantized(state, "adam.exp_avg") or u.dim() < 2:
+_PACK = 1 << 21  # elements per pack and moment (bounded temporaries: ~50 bytes per element)
+_SIGNS = (True, False)  # the packed rows: first moments (signed map), second (unsigned)
+
+
+def _pack_key(u: Tensor, state: State) -> tuple[Any, ...] | None:
+    """Which pack an 8-bit direction joins (None: it steps alone): its step, device and
+    dtype."""
+    if not is_quantized(state, "adam.exp_avg"):
         return None
     codes = state["adam.exp_avg"]
     if not dynamic8.use_torch(codes) or not all(state[k].is_contiguous() for k in _KEYS):
         return None
-    dim = int(state[AXIS])
-    rows = codes.shape[0]
-    extent = codes.numel() // rows if dim == 1 else rows
-    return dim, extent, int(state["adam.step"]), u.device, u.dtype
+    return int(state["adam.step"]), u.device, u.dtype
 
 
-def _step_concatenated(
-    us: list[Tensor], states: list[State], group: Group, dim: int
-) -> list[Tensor]:
-    """One 8-bit Adam step of directions blocked along ``dim`` with equal extents across it,
-    as one matrix: rows stacked (dim 1) or columns side by side (dim 0)."""
-    axis = 0 if dim == 1 else 1
-
-    def cat(ts: list[Tensor]) -> Tensor:
-        return torch.cat([t.reshape(t.shape[0], -1) for t in ts], axis)
-
-    joint: State = {key: cat([s[key] for s in states]) for key in _KEYS}
-    joint[AXIS] = counter(dim)
-    joint["adam.step"] = counter(int(states[0]["adam.step"]))
-    U = cat(us)
-    out = ScaleByAdam._update_chunks(U, DYNAMIC8, UDYNAMIC8, joint, group)
-    sizes = [u.reshape(u.shape[0], -1).shape[axis] for u in us]
-    dst, src = [], []
-    for key in _KEYS:
-        parts = joint[key].split([_extent(s[key], axis) for s in states], axis)
-        dst += [s[key].view(p.shape) for s, p in zip(states, parts, strict=True)]
-        src += parts
-    torch._foreach_copy_(dst, src)
-    for s in states:
-        s["adam.step"] += 1
-    return [o.reshape(u.shape) for o, u in zip(out.split(sizes, axis), us, strict=True)]
+def _split(idx: list[int], sizes: list[int]) -> list[list[int]]:
+    """``idx`` in runs of at most :data:`_PACK` elements (a larger tensor alone)."""
+    runs: list[list[int]] = [[]]
+    total = 0
+    for i, n in zip(idx, sizes, strict=True):
+        if runs[-1] and total + n > _PACK:
+            runs.append([])
+            total = 0
+        runs[-1].append(i)
+        total += n
+    return runs
 
 
-def _extent(t: Tensor, axis: int) -> int:
-    return t.reshape(t.shape[0], -1).shape[axis]
+def _step_packed(us: list[Tensor], states: list[State], group: Group, step: int) -> list[Tensor]:
+    """One 8-bit Adam step of directions whose states are at ``step``, packed (see
+    :meth:`ScaleByAdam8bit.update_many`)."""
+    m_key, v_key = "adam.exp_avg", "adam.exp_avg_sq"
+    layout = tuple(
+        (s[m_key].shape[0], s[m_key].numel() // s[m_key].shape[0], int(s[AXIS])) for s in states
+    )
+    index, blocks = dynamic8.pack_index(layout, rows=2)
+    sizes = [s[m_key].numel() for s in states]
+    n = sum(sizes)
+    codes = torch.cat([s[k].view(-1) for k in (m_key, v_key) for s in states]).view(2, n)
+    absmax = torch.cat([s[k + ".absmax"].view(-1) for k in (m_key, v_key) for s in states])
+    x = dynamic8.dequantize_packed(codes, absmax, index, _SIGNS)
+    torch._foreach_add_([s["adam.step"] for s in states], 1)  # host counters, one call
+    u = torch.cat([u.reshape(-1) for u in us])
+    out = ScaleByAdam._arith(u, x[0], x[1], step + 1, group)
+    packed = dynamic8.quantize_packed(x, index, blocks, _SIGNS)
+    if packed is None:  # a block bitsandbytes must quantize: per tensor, as update() does
+        for k, row in ((m_key, 0), (v_key, 1)):
+            for s, part in zip(states, x[row].split(sizes), strict=True):
+                fmt = stored_format(s, k, row == 0)
+                fmt.store(s, k, part.view(s[k].shape), AXIS)
+    else:
+        counts = [s[m_key + ".absmax"].numel() for s in states]
+        dst = [s[k].view(-1) for k in (m_key, v_key) for s in states]
+        dst += [s[k + ".absmax"].view(-1) for k in (m_key, v_key) for s in states]
+        src = list(packed[0].view(-1).split(sizes * 2)) + list(packed[1].view(-1).split(counts * 2))
+        torch._foreach_copy_(dst, src)
+    return [o.view(u.shape) for o, u in zip(out.split(sizes), us, strict=True)]
 
 
 __all__ = [

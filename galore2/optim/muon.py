@@ -83,7 +83,7 @@ def newton_schulz(
     a, b, c = NS_COEFFICIENTS
     X = X.double() if X.dtype == torch.float64 else X.float()
     if X.dim() == 3:  # a stack of same-shape matrices (the batched path): one bmm per product
-        X = X / X.square().sum(dim=(1, 2), keepdim=True).sqrt_().clamp_(min=NS_EPS)
+        X = X / torch.linalg.vector_norm(X, dim=(1, 2), keepdim=True).clamp_(min=NS_EPS)
         for _ in range(steps):
             A = torch.bmm(X, X.mT)
             B = torch.baddbmm(A, A, A, beta=b, alpha=c)
@@ -177,7 +177,8 @@ class ScaleByMuon(Transform):
         whole = [
             i
             for i, (s, c) in enumerate(zip(states, ctxs, strict=True))
-            if _sharded_dim(int(s["muon.split_dim"]), c.placement) is None
+            if not c.placement.distributed
+            or _sharded_dim(int(s["muon.split_dim"]), c.placement) is None
         ]
         out: list[Tensor | None] = [None] * len(us)
         for i in sorted(set(range(len(us))) - set(whole)):
@@ -186,31 +187,34 @@ class ScaleByMuon(Transform):
             return out  # type: ignore[return-value]
         beta = group["momentum"]
         bufs = [states[i]["muon.momentum"] for i in whole]
-        xs = [us[i].to(b.dtype) for i, b in zip(whole, bufs, strict=True)]
+        xs = [u if u.dtype == b.dtype else u.to(b.dtype)
+              for u, b in zip((us[i] for i in whole), bufs, strict=True)]  # fmt: skip
         torch._foreach_lerp_(bufs, xs, 1 - beta)
         xs = list(torch._foreach_lerp(xs, bufs, beta)) if group["nesterov"] else bufs
         # work on short × long: an m×r direction joins the r×m ones, transposed
         buckets: dict[tuple[Any, ...], list[int]] = {}
+        tall = [x.shape[0] > x.shape[1] for x in xs]
         for j, x in enumerate(xs):
             short_long = tuple(sorted(x.shape))
             buckets.setdefault((short_long, x.dtype, x.device), []).append(j)
-        stacks, adjusts = [], []
         for js in buckets.values():
-            X = torch.stack([xs[j].mT if xs[j].shape[0] > xs[j].shape[1] else xs[j] for j in js])
+            X = torch.stack([xs[j].mT if tall[j] else xs[j] for j in js])
             if group["orthogonalize"] == "polar":
-                stacks.append(polar(X))
+                ortho = polar(X)
             else:
-                stacks.append(newton_schulz(X, group["ns_steps"]))
-            # rows, cols of each direction: the adjustment of "original" depends on which
-            # side is longer, so one bucket may hold two adjustments
-            adjusts.append([_adjust(*xs[j].shape, group) for j in js])
-        for ortho, js, adjust in zip(stacks, buckets.values(), adjusts, strict=True):
-            if len(set(adjust)) == 1:
-                ortho.mul_(adjust[0])
+                ortho = newton_schulz(X, group["ns_steps"])
+            # the adjustment of "original" depends on which side is longer: a bucket may
+            # hold two (one per shape)
+            shapes = {tuple(xs[j].shape) for j in js}
+            adjust = {shape: _adjust(*shape, group) for shape in shapes}
+            if len(set(adjust.values())) == 1:
+                ortho.mul_(next(iter(adjust.values())))
             else:
-                ortho.mul_(constants(tuple(adjust), ortho.dtype, ortho.device).view(-1, 1, 1))
-            for k, j in enumerate(js):
-                out[whole[j]] = ortho[k].mT if xs[j].shape[0] > xs[j].shape[1] else ortho[k]
+                per = tuple(adjust[tuple(xs[j].shape)] for j in js)
+                ortho.mul_(constants(per, ortho.dtype, ortho.device).view(-1, 1, 1))
+            # views of each matrix, both ways round, made by two calls
+            for j, o, t in zip(js, ortho.unbind(), ortho.mT.unbind(), strict=True):
+                out[whole[j]] = t if tall[j] else o
         return out  # type: ignore[return-value]
 
 

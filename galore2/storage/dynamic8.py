@@ -46,6 +46,13 @@ process against it, :func:`_torch_matches_bnb`; another bitsandbytes version or 
 aarch64 build, which rounds the table index differently, keeps bitsandbytes), and a
 tensor with a block whose absmax is not finite or whose reciprocal overflows (absmax
 below ~2.9e-39) goes to bitsandbytes too (it leaves NaN out of the absmax).
+
+The batched 8-bit Adam step on the CPU (``foreach=True``) packs many tensors: their codes
+and absmax concatenated flat in storage order, whatever their blocked axis, with an index
+from each element to its block (:func:`pack_index`), both moments as the two rows of one
+matrix; :func:`dequantize_packed` and :func:`quantize_packed` are the same torch path over
+such a pack (the absmax by one scatter, the table lookups by one gather per table): the
+same bits as per tensor, in one set of operations for the whole pack.
 """
 
 from __future__ import annotations
@@ -402,6 +409,105 @@ def _dequantize_cpu(codes: Tensor, absmax: Tensor, dim: int, signed: bool) -> Te
     return out.view(codes.shape)
 
 
+# ---- packed: many tensors' moments as one (rows × N) matrix (the CPU's batched path) ----
+_PACKED: dict[tuple[bool, ...], tuple[Tensor, Tensor, Tensor]] = {}
+
+
+@functools.lru_cache(maxsize=64)
+def pack_index(layout: tuple[tuple[int, int, int], ...], rows: int = 1) -> tuple[Tensor, int]:
+    """Where each element's block is, for tensors laid out flat one after another.
+
+    ``layout``: ``(rows, cols, dim)`` of each tensor's 2-D view (dim 0 × rest) and its blocked
+    axis. With the tensors' elements concatenated in storage order, and their absmax too
+    (:func:`absmax_shape`, row-major), returns ``(index, blocks)``: the int64 position of each
+    element's absmax in that concatenation, and its length; for ``rows`` such packs one
+    after another (``rows × N`` elements, ``rows × blocks`` absmax), the index of all of
+    them. Cached per layout (a batch's layout repeats every step)."""
+    parts, base = [], 0
+    for n, cols, dim in layout:
+        r = torch.arange(n, dtype=torch.int64).view(n, 1)
+        c = torch.arange(cols, dtype=torch.int64).view(1, cols)
+        if dim == 1:
+            nb = -(-cols // BLOCK)
+            idx = r * nb + c // BLOCK
+            count = n * nb
+        else:
+            idx = (r // BLOCK) * cols + c
+            count = -(-n // BLOCK) * cols
+        parts.append(idx.flatten() + base)
+        base += count
+    index = torch.cat(parts)
+    return torch.cat([index + k * base for k in range(rows)]), base
+
+
+def _packed_tables(signs: tuple[bool, ...]) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_cpu_tables`' ``below``, ``codes2`` and ``pairs`` stacked one row per packed row
+    (for :func:`torch.gather` along dim 1)."""
+    tables = _PACKED.get(signs)
+    if tables is None:
+        rows = [_cpu_tables(s) for s in signs]
+        tables = tuple(torch.stack(t).contiguous() for t in zip(*rows, strict=True))
+        _PACKED[signs] = tables  # type: ignore[assignment]
+    return tables  # type: ignore[return-value]
+
+
+@functools.cache
+def _absmax_bounds() -> Tensor:
+    """Bucket bounds of an absmax for :func:`torch.bucketize` (``right=True``): 0 → 0, a
+    positive value whose reciprocal overflows → 1, one whose reciprocal is finite → 2,
+    +inf → 3, NaN → 3; an odd bucket is a block :func:`quantize_`'s torch path leaves to
+    bitsandbytes."""
+    lo, hi = 1, 0x7F7FFFFF  # bit patterns: the smallest positive float, the largest
+    while hi - lo > 1:  # the smallest float with a finite reciprocal
+        mid = (lo + hi) // 2
+        x = torch.tensor([mid], dtype=torch.int32).view(torch.float32)
+        lo, hi = (lo, mid) if bool(torch.isfinite(torch.reciprocal(x))) else (mid, hi)
+    bounds = torch.tensor([1, hi, 0x7F800000], dtype=torch.int32)
+    return bounds.view(torch.float32)
+
+
+def dequantize_packed(
+    codes: Tensor, absmax: Tensor, index: Tensor, signs: tuple[bool, ...]
+) -> Tensor:
+    """fp32 values of packed CPU ``codes`` (``len(signs)`` × N uint8, row ``i`` in the map
+    ``signs[i]``) with their flat ``absmax`` (:func:`pack_index`'s ``index`` for that many
+    rows): ``code[q] · absmax``, as :func:`dequantize` computes it per tensor — the same
+    bits, four operations for all rows."""
+    _, _, pairs = _packed_tables(signs)
+    if codes.shape[1] % 2 == 0:  # two codes per gather: uint16 → the bits of two fp32 values
+        key = codes.view(torch.uint16).to(torch.int64)
+        out = torch.gather(pairs, 1, key).view(torch.float32)
+    else:
+        cpu = torch.device("cpu")
+        code = torch.stack([dynamic_code(s, cpu) for s in signs])
+        out = torch.gather(code, 1, codes.to(torch.int64))
+    return out.mul_(torch.index_select(absmax, 0, index).view(out.shape))
+
+
+def quantize_packed(
+    x: Tensor, index: Tensor, blocks: int, signs: tuple[bool, ...]
+) -> tuple[Tensor, Tensor] | None:
+    """``(codes, absmax)`` of packed fp32 ``x`` (rows × N, row ``i`` in the map ``signs[i]``;
+    :func:`pack_index`'s ``index`` and ``blocks`` for that many rows; absmax flat):
+    :func:`quantize_`'s torch path for all rows at once, the same bits; None where a
+    block's absmax or its reciprocal is not finite (the caller then quantizes per tensor,
+    where bitsandbytes takes such a tensor)."""
+    below, codes2, _ = _packed_tables(signs)
+    rows, n = x.shape
+    y = torch.abs(x)
+    absmax = torch.zeros(rows * blocks).scatter_reduce_(0, index, y.view(-1), "amax")
+    if bool(torch.bucketize(absmax, _absmax_bounds(), right=True).bitwise_and_(1).any()):
+        return None
+    inv = torch.reciprocal(absmax)  # inf for an all-zero block: its y are NaN, code 0
+    torch.mul(x, torch.index_select(inv, 0, index).view(rows, n), out=y)
+    key = torch.empty(rows, n, dtype=torch.int64)  # gather's index type
+    torch.bitwise_right_shift(y.view(torch.int32), 15, out=key)
+    key.bitwise_and_(0x1FFFE)  # 2 · (the upper 16 bits of y)
+    t = torch.gather(below, 1, key).sub_(y)  # < 0 (sign bit set) where y is past the step
+    key.sub_(torch.bitwise_right_shift(t.view(torch.int32), 31))  # 2 · key + [y > below]
+    return torch.gather(codes2, 1, key), absmax
+
+
 @functools.cache
 def _torch_matches_bnb() -> bool:
     """Whether the torch path reproduces the installed bitsandbytes' CPU kernels, checked
@@ -523,8 +629,11 @@ __all__ = [
     "bnb_functional",
     "code_bounds",
     "dequantize",
+    "dequantize_packed",
     "dynamic_code",
+    "pack_index",
     "quantize_",
+    "quantize_packed",
     "row_chunks",
     "use_torch",
 ]

@@ -19,20 +19,14 @@ from recipes.resolve import parse_args
 
 PROJECTED = 28  # the tiny model's attention and MLP matrices
 NS_MATMULS = 2 * 3 * 5  # Muon: 2 short × long shapes (16×128, 16×352) × 3 products × 5 steps
-# the 8-bit CPU quantizer (galore2.storage.dynamic8's torch path: absmax, table lookups,
-# the finiteness check) per concatenation of 8-bit directions; on CUDA one fused kernel
-# per 8-bit direction replaces it (within the per-matrix allowance)
-QUANTIZER_8BIT = 25 * 3  # 3 concatenations: m×16 rows, 16×n columns, the embeddings' rows
+# the 8-bit CPU quantizer (galore2.storage.dynamic8's packed torch path) runs once per
+# group's pack of 8-bit directions, within the budget: no allowance
 # Ranger21 (full rank, two groups: 3 × AdamW's is 54): AGC, centralization, normalization
 # and norm loss act per row (galore2.optim.units): each is a gather, one reduction and one
 # scale per distinct row width (two on the tiny model), a few ops on the per-row values and
 # a write-back, on top of PNM's arithmetic (its softplus denominator over one buffer)
 RANGER21_MODULES = 15
-EXTRA = {
-    "galore2_muon": NS_MATMULS,
-    "galore_adamw8bit": QUANTIZER_8BIT,
-    "ranger21": RANGER21_MODULES,
-}
+EXTRA = {"galore2_muon": NS_MATMULS, "ranger21": RANGER21_MODULES}
 UNPROJECTED = ("ranger21",)  # no projected matrix: no per-matrix allowance, no matmul
 # launches per projected matrix outside the matmuls, by design: none (APOLLO's random
 # projector keeps its small bases stacked between refreshes, galore2.optim.lowrank_batch)

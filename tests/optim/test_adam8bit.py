@@ -12,8 +12,10 @@ from torch import nn
 
 import galore2
 from galore2.core.transform import Context
+from galore2.optim import adam8bit
 from galore2.optim.adam import ScaleByAdam
 from galore2.optim.adam8bit import ScaleByAdam8bit, dequantize, quantize_
+from galore2.storage import dynamic8
 
 from ..dist import spawn
 from ..fsdp import adam8bit_fsdp_cases
@@ -459,6 +461,52 @@ def test_update_many_equals_update_loop():
         for k in sa:
             assert torch.equal(sa[k], sb[k])
     assert ["adam.exp_avg.absmax" in s for s in a] == [True, False, True]
+
+
+@pytest.mark.parametrize("pack", [None, 5000], ids=["one_pack", "split_packs"])
+def test_packed_update_many_bitwise_equals_update_loop(monkeypatch, pack):
+    """foreach=True on the CPU packs every 8-bit direction of a step, whatever its blocked
+    axis (rows of 600, 100 and 16; columns of 16 and 257: short and straddling blocks), into
+    one dequantize / step / quantize: the same directions and state bits as per tensor,
+    including an all-zero block and the fallback of a pack whose absmax is not finite or
+    has no finite reciprocal (bitsandbytes per tensor)."""
+    if pack is not None:  # packs of at most 5000 elements: each 8-bit tensor alone here
+        monkeypatch.setattr(adam8bit, "_PACK", pack)
+    group = {"betas": (0.9, 0.999), "eps": 1e-8, "state_dtype": "float32", "foreach": True}
+    t = ScaleByAdam8bit()
+    shapes = [(8, 600), (16, 16), (64, 100), (300, 16), (16, 300), (16, 300), (257, 20)]
+    layouts = ["param", "param", "param", "rows", "cols", "cols", "cols"]
+    ctxs = [Context(param=torch.zeros(s), index=i, layout=lay)
+            for i, (s, lay) in enumerate(zip(shapes, layouts, strict=True))]  # fmt: skip
+    a = [{} for _ in shapes]
+    for s, st, c in zip(shapes, a, ctxs, strict=True):
+        t.init(torch.Size(s), c.param, group, st, c)
+    assert [int(s["adam.block_dim"]) if "adam.block_dim" in s else None for s in a] == [
+        1, None, 1, 1, 0, 0, 0]  # fmt: skip
+    b = [{k: v.clone() for k, v in st.items()} for st in a]
+    packed = []  # what each packed quantization returned (None: the fallback)
+    real = dynamic8.quantize_packed
+    monkeypatch.setattr(
+        dynamic8, "quantize_packed", lambda *a: packed.append(real(*a)) or packed[-1]
+    )
+    gen = torch.Generator().manual_seed(0)
+    for step in range(5):
+        us = [torch.randn(s, generator=gen) * 10.0**step for s in shapes]
+        us[2][0] = 0.0  # an all-zero block (absmax 0) up to the last step
+        if step == 4:  # a block of absmax 1e-40 (its reciprocal overflows); an inf
+            us[2][0], us[3][5, 3] = 1e-39, float("inf")
+        batched = t.update_many(us, a, group, ctxs)
+        looped = [t.update(u, st, group, c) for u, st, c in zip(us, b, ctxs, strict=True)]
+        for x, y in zip(batched, looped, strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+        for sa, sb in zip(a, b, strict=True):
+            for k in sa:
+                torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=0, equal_nan=True)
+        if step == 3:
+            assert float(a[2]["adam.exp_avg.absmax"][0, 0]) == 0.0
+    # the last step falls back where the tiny block (tensor 2) and the inf (tensor 3) are
+    last = [True] if pack is None else [False, True, True, False, False, False]
+    assert [p is None for p in packed] == [False] * 4 * len(last) + last
 
 
 def test_missing_bitsandbytes_raises_clear_import_error(monkeypatch):

@@ -14,7 +14,8 @@ from tools.batch_reference import CONFIGS, TOL, params, run
 
 # the default run: one config per batched rule; the variants under -m slow
 FAST = ("fira", "fira_reference", "apollo", "apollo_mini", "galore_muon", "galore_muon_polar",
-        "galore_adamw8bit", "galore_adafactor_8bit", "galore_adafactor_beta1")  # fmt: skip
+        "galore_adamw8bit", "galore_adafactor_8bit", "galore_adafactor_beta1",
+        "galore_adafactor_relative")  # fmt: skip
 CASES = [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in sorted(CONFIGS)]
 
 
