@@ -20,6 +20,7 @@ state is first seen (or replaced: a refresh that reallocates moments, a resume).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -118,6 +119,14 @@ class _Bucket:
         return self.stacked if self.stacked is not None else torch.stack(self.tensors)
 
 
+_entry = dict.__getitem__
+
+
+def _pick(states: list[State], owners: list[int]) -> list[State]:
+    """``states[i]`` for each ``i`` of ``owners``."""
+    return list(map(states.__getitem__, owners))
+
+
 class Snapshot:
     """The ``keys`` of ``states`` (``(parameter index, key)`` pairs), saved by :meth:`save`
     and put back by :meth:`restore` where a parameter's flag says so.
@@ -132,6 +141,8 @@ class Snapshot:
 
     def __init__(self, states: list[State], keys: list[tuple[int, str]], pack: bool) -> None:
         self.keys = keys
+        self.owners = [i for i, _ in keys]
+        self.names = [k for _, k in keys]
         self.tensors = [states[i][k] for i, k in keys]
         self.lengths = [len(s) for s in states]
         self.buckets = [
@@ -148,7 +159,8 @@ class Snapshot:
             return False
         if any(b.stacked is not None and not b.packed() for b in self.buckets):
             return False
-        return all(states[i][k] is t for (i, k), t in zip(self.keys, self.tensors, strict=True))
+        return all(map(operator.is_, map(_entry, _pick(states, self.owners), self.names),
+                       self.tensors))  # fmt: skip
 
     def save(self) -> None:
         """Copy the tensors' current values (one ``clone`` or ``stack`` per bucket)."""
