@@ -17,6 +17,11 @@ and after every group has been updated:
    computes :class:`Stats` once per step (all-reduced across ranks for sharded
    parameters).
 
+On the batched path (``foreach``: accelerators, or ``foreach=True``) each module gets a
+whole batch at once (``apply_many``; the default loops over ``apply_``), and the batches of
+groups that give a module the same option values (its ``batch_key``) are merged, so the
+decay and no-decay groups of a model are one batch for AGC or norm loss.
+
 Both kinds keep their state (if any) as tensors in the parameter's state dict, under
 keys prefixed with their name, created once in ``init`` — like :class:`Transform`.
 Gradient transforms modify ``.grad`` in place (as ``clip_grad_norm_`` does): a skipped

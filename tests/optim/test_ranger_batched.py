@@ -55,7 +55,7 @@ def test_batched_equals_per_tensor(cls, switches):
     for b, l_, p0 in zip(
         batched.parameters(), looped.parameters(), start.parameters(), strict=True
     ):
-        assert (b.detach() - p0.detach()).abs().max() > 1e-3  # it trained
+        assert (b.detach() - p0.detach()).abs().max() > 1e-4  # it trained
         torch.testing.assert_close(b.detach(), l_.detach(), rtol=0, atol=1e-6)
     if cls is galore2.GaLoreRanger21:
         assert all(r["refreshes"] == 3 for r in opt_b.refresh_stats().values())
