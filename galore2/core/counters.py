@@ -30,7 +30,7 @@ MAX_PACKS = 16  # per key: batches of a step (groups × devices) rarely number m
 class _Pack:
     """One 1-D int64 tensor and the 0-d counters that are views of its entries."""
 
-    __slots__ = ("counters", "packed")
+    __slots__ = ("addresses", "counters", "packed")
 
     def __init__(self, counters: list[Tensor]) -> None:
         self.packed = torch.stack(counters)  # the current values, one copy
@@ -38,11 +38,16 @@ class _Pack:
         for i, t in enumerate(counters):  # t becomes a view of packed[i], keeping its value
             t.set_(storage, i, (), ())
         self.counters = counters
+        self.addresses = list(map(Tensor.data_ptr, counters))
 
     def holds(self, states: Sequence[State], key: str) -> bool:
-        """Are ``state[key]`` of ``states`` still its counters, in order (by identity)?"""
-        return len(states) == len(self.counters) and all(
-            map(operator.is_, map(operator.itemgetter(key), states), self.counters)
+        """Are ``state[key]`` of ``states`` still its counters, in order (by identity), each
+        still a view of this pack (no other pack — of another module, another batch — has
+        re-pointed it since)?"""
+        return (
+            len(states) == len(self.counters)
+            and all(map(operator.is_, map(operator.itemgetter(key), states), self.counters))
+            and list(map(Tensor.data_ptr, self.counters)) == self.addresses
         )
 
 

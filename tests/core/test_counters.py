@@ -109,3 +109,16 @@ def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _steps(opt: torch.optim.Optimizer) -> list[int]:
     return [int(opt.state[p][KEY]) for p in _params(opt)]
+
+
+def test_two_modules_packing_the_same_counters_never_count_stale():
+    """Two :class:`Counters` (two modules reading one key) re-pointing the same counters in
+    turn: each advance still counts every counter once (a pack re-pointed by another is
+    rebuilt, not reused)."""
+    a, b, _ = states = _states(0, 0, 0)
+    first, second = Counters(), Counters()
+    first.advance(states, KEY)
+    second.advance([a, b], KEY)  # re-points a and b at another module's pack
+    assert first.advance(states, KEY) == [3, 3, 2]
+    assert second.advance([a, b], KEY) == [4, 4]
+    assert [int(s[KEY]) for s in states] == [4, 4, 2]

@@ -1,7 +1,7 @@
 """Every update rule's batched path (``foreach=True``: Fira's residual, APOLLO's scaling and
 the norm-growth limiter, Muon's stacked Newton–Schulz and polar factor, Adafactor's factored
 statistics, 8-bit moments concatenated per block layout) gives the per-tensor path's weights
-(``foreach=False``) within 1e-6 over 12 steps with three refreshes, on matrices of both
+(``foreach=False``) within 1e-6 (5e-6 for an exact-SVD variant, ``tools.batch_reference.LOOSE``) over 12 steps with three refreshes, on matrices of both
 orientations with same-shape repeats (``tools.batch_reference``'s configs)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from galore2.optim.muon import newton_schulz, polar
-from tools.batch_reference import CONFIGS, TOL, params, run
+from tools.batch_reference import CONFIGS, params, run, tolerance
 
 # the default run: one config per batched rule; the variants under -m slow
 FAST = ("fira", "fira_reference", "apollo", "apollo_mini", "galore_muon", "galore_muon_polar",
@@ -35,7 +35,7 @@ def test_batched_path_equals_per_tensor_path(name, one_thread):
     start = params()
     assert max(float((a - p).abs().max()) for a, p in zip(looped, start, strict=True)) > 1e-2
     for b, l_ in zip(batched, looped, strict=True):
-        torch.testing.assert_close(b, l_, rtol=0, atol=TOL)
+        torch.testing.assert_close(b, l_, rtol=0, atol=tolerance(name))
 
 
 @pytest.mark.parametrize("fn", [newton_schulz, polar], ids=["newton_schulz", "polar"])
