@@ -92,7 +92,14 @@ CONFIGS: dict[str, Make] = {
 }
 
 
-def run(make: Make, foreach: bool, steps: int = STEPS) -> list[torch.Tensor]:
+def run(
+    make: Make,
+    foreach: bool,
+    steps: int = STEPS,
+    between: Callable[[int, torch.optim.Optimizer, list[torch.Tensor]], None] | None = None,
+) -> list[torch.Tensor]:
+    """The weights after ``steps`` steps on seeded weight-dependent gradients;
+    ``between(step, opt, params)`` runs after each step (a test's intervention)."""
     ps = params()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -102,6 +109,8 @@ def run(make: Make, foreach: bool, steps: int = STEPS) -> list[torch.Tensor]:
             for p in ps:
                 p.grad = torch.randn(p.shape, generator=g) + 0.5 * p.detach()
             opt.step()
+            if between is not None:
+                between(step, opt, ps)
     return [p.detach().clone() for p in ps]
 
 

@@ -152,6 +152,17 @@ class Transform:
         None if it keeps no second moment."""
         return None
 
+    def update_rest(
+        self, out: list[Tensor | None], us: list[Tensor], states: list[State], group: Group,
+        ctxs: list[Context],
+    ) -> list[Tensor]:  # fmt: skip
+        """``out`` (a batched :meth:`update_many`'s results) with every entry it left None
+        computed by :meth:`update`, one tensor at a time (8-bit moments, for instance)."""
+        for i, (u, state, ctx) in enumerate(zip(us, states, ctxs, strict=True)):
+            if out[i] is None:
+                out[i] = self.update(u, state, group, ctx)  # type: ignore[assignment]
+        return out  # type: ignore[return-value]
+
     def reset(self, state: State, group: Group) -> None:
         """Forget accumulated statistics (moments and their step counts)."""
         for key in (*self.linear_keys, *self.quadratic_keys):

@@ -420,10 +420,7 @@ class ScaleByAdam(Transform):
             results = batch([us[i] for i in plain], [states[i] for i in plain], group)
             for i, r in zip(plain, results, strict=True):
                 out[i] = r
-        for i, (u, state, ctx) in enumerate(zip(us, states, ctxs, strict=True)):
-            if out[i] is None:
-                out[i] = self.update(u, state, group, ctx)
-        return out  # type: ignore[return-value]
+        return self.update_rest(out, us, states, group, ctxs)
 
     def _batch(
         self, us: list[Tensor], states: list[State], group: Group

@@ -215,10 +215,7 @@ class ScaleByPNM(Transform):
             results = self._foreach([us[i] for i in batch], [states[i] for i in batch], group, t)
             for i, r in zip(batch, results, strict=True):
                 out[i] = r
-        for i, (u, state, ctx) in enumerate(zip(us, states, ctxs, strict=True)):
-            if out[i] is None:
-                out[i] = self.update(u, state, group, ctx)
-        return out  # type: ignore[return-value]
+        return self.update_rest(out, us, states, group, ctxs)
 
     def _foreach(self, us: list[Tensor], states: list[State], group: Group, t: int) -> list[Tensor]:
         """:meth:`_step`'s math over tensors (moments of one dtype) whose counters were

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from galore2._numerics import mix_seed
 from galore2.projectors.random import RandomProjector, gaussian_basis
 from recipes.model import build_model
 from recipes.resolve import parse_args
-from tools.batch_reference import CONFIGS, TOL, params
+from tools.batch_reference import CONFIGS, TOL, params, run
 
 KEYS = ("galore_adamw", "galore2_fira", "galore2_apollo", "galore2_apollo_mini")
 
@@ -76,30 +75,12 @@ def test_stacks_per_step_one_per_shape_batch_for_gradients_and_results(key):
     assert counts.ops["stack"] <= 2 * batches + len(opt.param_groups) + limiter, counts.ops
 
 
-def _run(
-    make: Callable[[list[torch.Tensor], bool], torch.optim.Optimizer],
-    foreach: bool,
-    steps: int,
-    between: Callable[[int, torch.optim.Optimizer, list[torch.Tensor]], None] | None = None,
-) -> list[torch.Tensor]:
-    ps = params()
-    opt = make(ps, foreach)
-    for step in range(steps):
-        g = torch.Generator().manual_seed(100 + step)
-        for p in ps:
-            p.grad = torch.randn(p.shape, generator=g) + 0.5 * p.detach()
-        opt.step()
-        if between is not None:
-            between(step, opt, ps)
-    return [p.detach().clone() for p in ps]
-
-
 def _same(make, steps, between=None) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        looped = _run(make, False, steps, between)
-        batched = _run(make, True, steps, between)
+        looped = run(make, False, steps, between)
+        batched = run(make, True, steps, between)
     finally:
         torch.set_num_threads(threads)
     start = params()
