@@ -131,14 +131,10 @@ class CentralizeGradient(GradientTransform):
     ) -> None:
         """:meth:`apply_` over a batch: every row mean by one segment reduction, subtracted
         by one foreach kernel."""
-        rows = [i for i, g in enumerate(grads) if g.dim() >= 2]
-        together, alone = batchable([grads[i] for i in rows], [ctxs[i] for i in rows])
-        for j in alone:
-            i = rows[j]
-            self.apply_(grads[i], group, states[i], ctxs[i])
-        if not together:
+        gs = _batched_rest(self, [i for i, g in enumerate(grads) if g.dim() >= 2],
+                           grads, group, states, ctxs)  # fmt: skip
+        if not gs:
             return
-        gs = [grads[rows[j]] for j in together]
         lay = layout(gs)
         values = lay.gather([gs], acc_dtype(gs[0]))
         for region in lay.regions(values):
@@ -194,14 +190,10 @@ class NormalizeGradient(GradientTransform):
     ) -> None:
         """:meth:`apply_` over a batch: the means by one segment reduction, the centred
         norms by one foreach norm (σ = ‖g − mean‖/√N), the division by one foreach kernel."""
-        some = [i for i, c in enumerate(ctxs) if c.global_shape.numel() > 1]
-        together, alone = batchable([grads[i] for i in some], [ctxs[i] for i in some])
-        for j in alone:
-            i = some[j]
-            self.apply_(grads[i], group, states[i], ctxs[i])
-        if not together:
+        gs = _batched_rest(self, [i for i, c in enumerate(ctxs) if c.global_shape.numel() > 1],
+                           grads, group, states, ctxs)  # fmt: skip
+        if not gs:
             return
-        gs = [grads[some[j]] for j in together]
         lay = layout(gs)
         values = lay.gather([gs], acc_dtype(gs[0]))
         # a tensor's rows have one width: its mean is the mean of its row means
@@ -219,3 +211,16 @@ def _row_norms(region: Tensor) -> Tensor:
 
 def _row_means(region: Tensor) -> Tensor:
     return region.mean(dim=-1)
+
+
+def _batched_rest(
+    module: GradientTransform, picked: list[int], grads: list[Tensor], group: Group,
+    states: list[State], ctxs: list[Context],
+) -> list[Tensor]:  # fmt: skip
+    """Of ``grads[picked]``, those a batch can hold (see :func:`.units.batchable`); the
+    others get ``module.apply_`` now, one at a time."""
+    together, alone = batchable([grads[i] for i in picked], [ctxs[i] for i in picked])
+    for j in alone:
+        i = picked[j]
+        module.apply_(grads[i], group, states[i], ctxs[i])
+    return [grads[picked[j]] for j in together]
