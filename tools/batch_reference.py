@@ -33,7 +33,9 @@ STEPS, GAP, TOL = 12, 5, 1e-6
 #: configs whose exact-SVD refreshes amplify the batched combine's last-bit differences
 #: (1 ulp at step 0 becomes ~2e-6 after two SVD refreshes of slightly different gradients;
 #: the same settings with GaLoreAdamW already drifted 4.3e-6 before issue 27's batching)
-LOOSE = {"fira_scale": 5e-6}
+#: Ranger21's batched modules (row statistics per row width) end a few ulps apart on weights
+#: of magnitude ~5 after 12 steps (1e-6 is 2 ulps there; relative difference ≤ 5e-7)
+LOOSE = {"fira_scale": 5e-6, "ranger21": 5e-6, "galore_ranger21": 5e-6}
 
 
 def tolerance(name: str) -> float:

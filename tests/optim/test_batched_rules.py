@@ -1,7 +1,7 @@
 """Every update rule's batched path (``foreach=True``: Fira's residual, APOLLO's scaling and
 the norm-growth limiter, Muon's stacked Newton–Schulz and polar factor, Adafactor's factored
 statistics, 8-bit moments concatenated per block layout) gives the per-tensor path's weights
-(``foreach=False``) within 1e-6 (5e-6 for an exact-SVD variant, ``tools.batch_reference.LOOSE``) over 12 steps with three refreshes, on matrices of both
+(``foreach=False``) within 1e-6 (5e-6 for an exact-SVD variant and Ranger21, ``tools.batch_reference.LOOSE``) over 12 steps with three refreshes, on matrices of both
 orientations with same-shape repeats (``tools.batch_reference``'s configs)."""
 
 from __future__ import annotations
