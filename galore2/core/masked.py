@@ -8,7 +8,9 @@ stacked into one ``(k, *shape)`` buffer and one ``masked_fill_`` with the bucket
 flags broadcast over each tensor (``(k, 1, …)``: no per-element mask) zeroes the unusable
 ones (the chain sees views of the buffer). The state of a group's local tensors is packed
 once per bucket into such a buffer (its tensors become views of it, keeping identity and
-values), so a snapshot is one ``clone`` and a restore one ``where`` into the buffer. A
+values; tensors another owner stacked already are viewed as that stack instead: see
+:mod:`~galore2.core.packing`), so a snapshot is one ``clone`` and a restore one ``where``
+into the buffer. A
 bucket's flags are picked from the group's by one ``index_select`` with an index made once.
 No tensor is made from host data after the first step and nothing is read back, so the
 step can be captured in a CUDA graph.
@@ -25,6 +27,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from . import packing
 
 State = dict[str, Tensor]
 
@@ -81,42 +85,65 @@ def masked_grads(grads: list[Tensor], bad: Tensor) -> list[Tensor]:
     return out
 
 
-def _packable(ts: Sequence[Tensor]) -> bool:
-    """Can these tensors be re-pointed at one buffer without changing what they alias?"""
-    return (
-        len(ts) > 1
-        and all(t.is_contiguous() for t in ts)
-        and len({t.untyped_storage().data_ptr() for t in ts}) == len(ts)
-    )
-
-
 class _Bucket:
-    """The snapshot's same-shape tensors (of one device and dtype) and their flags;
-    ``stacked``: the ``(k, *shape)`` buffer they are views of, when packed (see
-    :class:`Snapshot`), or None."""
+    """Same-shape tensors of the snapshot (one device and dtype) and their flags;
+    ``stacked``: the ``(k, *shape)`` tensor whose entries they are (a view of a stack they
+    already form, or the buffer they were packed into), or None (saved by a ``stack``)."""
 
-    __slots__ = ("flags", "stacked", "tensors")
+    __slots__ = ("addresses", "flags", "stacked", "tensors")
 
-    def __init__(self, ts: list[Tensor], owners: list[int], flags: int, pack: bool) -> None:
+    def __init__(self, ts: list[Tensor], owners: list[int], flags: int, stacked: Tensor | None):
         self.tensors = ts
         self.flags = _flags_for(owners, flags, ts[0].dim(), ts[0].device)
-        self.stacked: Tensor | None = None
-        if pack and _packable(ts):
-            stacked = torch.stack(ts)
-            storage, n = stacked.untyped_storage(), ts[0].numel()
-            for j, t in enumerate(ts):  # t keeps its identity and value
-                t.set_(storage, j * n, t.shape, t.stride())
-            self.stacked = stacked
+        self.stacked = stacked
+        self.addresses = packing.addresses(ts)
 
     def packed(self) -> bool:
-        """Still packed (nothing re-pointed its first tensor since)?"""
-        return self.stacked is not None and self.tensors[0].untyped_storage().data_ptr() == (
-            self.stacked.untyped_storage().data_ptr()
-        )
+        """Are its tensors still where they were (nothing re-pointed one since)?"""
+        return packing.addresses(self.tensors) == self.addresses
 
     def values(self) -> Tensor:
-        """The current values, stacked (the buffer itself when packed, else a copy)."""
+        """The current values, stacked (the stack itself when there is one, else a copy)."""
         return self.stacked if self.stacked is not None else torch.stack(self.tensors)
+
+
+def _split(
+    ts: list[Tensor], idx: list[int], pack: bool, ours: set[int], made: set[int]
+) -> list[tuple[list[int], Tensor | None]]:
+    """The positions ``idx`` of ``ts`` (one shape) as (positions, stack or None) parts: the
+    tensors that share a storage and form a stack there (another owner packed them, see
+    :mod:`~galore2.core.packing`; in storage order) viewed as it, those that own their
+    storage or sit in a storage of ``ours`` (a previous snapshot's) packed together (with
+    ``pack``; their new buffer's storage goes into ``made``), the rest unstacked."""
+    by_storage: dict[int, list[int]] = {}
+    for j in idx:
+        by_storage.setdefault(ts[j].untyped_storage().data_ptr(), []).append(j)
+    parts: list[tuple[list[int], Tensor | None]] = []
+    loose: list[int] = []
+    rest: list[int] = []
+    for ptr, same in by_storage.items():
+        if ptr in ours:
+            loose += same
+            continue
+        if len(same) == 1:
+            (loose if packing.owns_storage(ts[same[0]]) else rest).append(same[0])
+            continue
+        same.sort(key=lambda j: ts[j].storage_offset())
+        view = packing.stacked_view([ts[j] for j in same])
+        if view is None:
+            rest += same
+        else:
+            parts.append((same, view))
+    if pack and len(loose) > 1:
+        loose.sort()
+        stacked = packing.pack([ts[j] for j in loose])
+        made.add(stacked.untyped_storage().data_ptr())
+        parts.append((loose, stacked))
+    else:
+        rest += loose
+    if rest:
+        parts.append((sorted(rest), None))
+    return parts
 
 
 _entry = dict.__getitem__
@@ -139,15 +166,21 @@ class Snapshot:
     One snapshot per group (the optimizer replaces a group's), so no tensor is packed twice.
     """
 
-    def __init__(self, states: list[State], keys: list[tuple[int, str]], pack: bool) -> None:
+    def __init__(
+        self, states: list[State], keys: list[tuple[int, str]], pack: bool,
+        previous: Snapshot | None = None,
+    ) -> None:  # fmt: skip
         self.keys = keys
         self.owners = [i for i, _ in keys]
         self.names = [k for _, k in keys]
         self.tensors = [states[i][k] for i, k in keys]
         self.lengths = [len(s) for s in states]
+        ours = previous.packs if previous is not None else set()
+        self.packs: set[int] = set()  # the buffers it packed (a later snapshot may repack)
         self.buckets = [
-            _Bucket([self.tensors[j] for j in idx], [keys[j][0] for j in idx], len(states), pack)
+            _Bucket([self.tensors[j] for j in part], [keys[j][0] for j in part], len(states), st)
             for idx in _buckets(self.tensors)
+            for part, st in _split(self.tensors, idx, pack, ours, self.packs)
         ]
         self.saved: list[Tensor] = []
 
@@ -157,7 +190,7 @@ class Snapshot:
             return False
         if any(len(s) != n for s, n in zip(states, self.lengths, strict=True)):
             return False
-        if any(b.stacked is not None and not b.packed() for b in self.buckets):
+        if not all(b.packed() for b in self.buckets):
             return False
         return all(map(operator.is_, map(_entry, _pick(states, self.owners), self.names),
                        self.tensors))  # fmt: skip

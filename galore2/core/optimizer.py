@@ -696,7 +696,9 @@ class ChainOptimizer(torch.optim.Optimizer):
                 if t.device == device and not _counter(t) and key not in self._device_counters
             ]
             local = not any(c.placement.distributed for c in batch.ctxs)
-            snapshot = self._snapshots[batch.key] = Snapshot(batch.states, kept, pack=local)
+            snapshot = self._snapshots[batch.key] = Snapshot(
+                batch.states, kept, pack=local, previous=snapshot
+            )
         snapshot.save()
         self._run_live(batch, batch.params, batch.states, batch.ctxs, grads,
                        masks=(okf.unbind(), decays))  # fmt: skip

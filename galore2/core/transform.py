@@ -58,6 +58,36 @@ class LowRankUpdate:
         return out if self.scale == 1.0 else out.mul_(self.scale)
 
 
+class StackedState(dict):
+    """The state of a *stacked entry* of a batch: ``k`` same-shape directions as one
+    ``(k, *shape)`` tensor (GaLore's projected gradients of one shape batch), whose state
+    tensors are ``(k, *shape)`` stacks of the ``k`` states' own (see
+    :mod:`~galore2.core.packing`): writing them writes each state. ``members``: those
+    states, in order; whatever is not stacked (step counters) is read and written there.
+    Only a transform whose :meth:`Transform.stacks` says yes is given one."""
+
+    __slots__ = ("members",)
+
+    def __init__(self, stacks: dict[str, Tensor], members: list[State]) -> None:
+        super().__init__(stacks)
+        self.members = members
+
+
+def members(states: list[State]) -> tuple[list[State], list[int]]:
+    """The states of a batch with every :class:`StackedState` replaced by its members, and
+    where each entry's run of them starts (an entry ``i`` covers ``starts[i]`` to
+    ``starts[i + 1]``; one more start at the end)."""
+    flat: list[State] = []
+    starts = [0]
+    for s in states:
+        if type(s) is StackedState:
+            flat += s.members
+        else:
+            flat.append(s)
+        starts.append(len(flat))
+    return flat, starts
+
+
 @dataclass
 class Context:
     """What a transform may need besides the direction: the parameter and bookkeeping."""
@@ -92,6 +122,13 @@ class Transform:
     renamed_keys: ClassVar[dict[str, str]] = {}
     linear_keys: ClassVar[tuple[str, ...]] = ()
     quadratic_keys: ClassVar[tuple[str, ...]] = ()
+
+    def stacks(self, group: Group, device: torch.device) -> bool:
+        """Can :meth:`update_many` take stacked entries (a :class:`StackedState` with a
+        ``(k, *shape)`` direction: each of its ``k`` slices updated as its member's tensor
+        would be, by the same elementwise ops) for ``group``'s tensors on ``device``? The
+        keys stacked are :attr:`linear_keys` and :attr:`quadratic_keys`; default: no."""
+        return False
 
     def validate(self, group: Group) -> None:
         """Checks that involve several of this transform's keys (each key alone was checked
@@ -205,7 +242,7 @@ def run_chain(
 ) -> list[Tensor | LowRankUpdate]:
     """Thread directions through ``chain``: one tensor alone (the CPU path, no list
     machinery) or a batch through each transform's :meth:`Transform.update_many`."""
-    if len(us) == 1:
+    if len(us) == 1 and type(states[0]) is not StackedState:
         u: Tensor | LowRankUpdate = us[0]
         for t in chain:
             u = t.update(dense(u), states[0], group, ctxs[0])

@@ -57,7 +57,7 @@ from .. import _numerics
 from ..core.counters import Counters
 from ..core.options import Bool, Option, Pair, Real
 from ..core.state import counter, counter_on
-from ..core.transform import Context, Group, State, Transform
+from ..core.transform import Context, Group, State, Transform, members
 from ..kernels.dispatch import run_kernel
 from ..storage import dynamic8
 from ..storage.dtype import STATE_DTYPE, warn_float16
@@ -186,6 +186,26 @@ def _corrections(beta1: float, beta2: float, eps: float, t: Any) -> tuple[Any, A
     return bias_correction1 / math.sqrt(1 - beta2**t), bias_correction1 * eps
 
 
+def _per_entry(
+    scale: Tensor, shift: Tensor, starts: list[int], us: list[Tensor]
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Per entry of a batch with stacked entries (``starts``:
+    :func:`~galore2.core.transform.members`'), its (scale, shift) from the members' 1-D
+    ``scale`` and ``shift``: a 0-d view for a plain entry, a ``(k, 1, …)`` view that
+    broadcasts over a stacked entry's ``(k, *shape)`` direction."""
+    scales, shifts = [], []
+    for i, u in enumerate(us):
+        a, b = starts[i], starts[i + 1]
+        if b - a == 1:  # a plain entry (or a stack of one): a 0-d value broadcasts
+            scales.append(scale[a])
+            shifts.append(shift[a])
+            continue
+        shape = (b - a,) + (1,) * (u.dim() - 1)
+        scales.append(scale[a:b].view(shape))
+        shifts.append(shift[a:b].view(shape))
+    return scales, shifts
+
+
 def count_step(state: State, group: Group, device: torch.device) -> int | Tensor:
     """Count a step in ``adam.step`` and return the new count ``t``: a Python int read from
     the CPU counter, or with ``capturable=True`` the counter itself, kept on ``device`` (the
@@ -242,6 +262,13 @@ class ScaleByAdam(Transform):
         if group.get("compile"):
             return "compile=True compiles inside the step: capture without it"
         return None
+
+    def stacks(self, group: Group, device: torch.device) -> bool:
+        """Stacked entries where :meth:`update_many` runs its foreach kernels (Adam is
+        elementwise; a stack's members may count different steps): not with ``compile=True``
+        or on the CPU without ``foreach``. 8-bit moments of small directions are plain
+        tensors and stack; quantized ones do not (the stacking checks the tensors)."""
+        return not group.get("compile") and (device.type != "cpu" or bool(group.get("foreach")))
 
     def complex_problem(self, group: Group) -> str | None:
         """Adam is elementwise: on a complex parameter's real view it is
@@ -432,26 +459,30 @@ class ScaleByAdam(Transform):
         exp_avgs = [s["adam.exp_avg"] for s in states]
         exp_avg_sqs = [s["adam.exp_avg_sq"] for s in states]
         us = [u if u.dtype == m.dtype else u.to(m.dtype) for u, m in zip(us, exp_avgs, strict=True)]
+        # a stacked entry's step counters are its members' (see StackedState)
+        counted, starts = members(states)
         if group.get("capturable"):  # device counters: every tensor's corrections at once
             device = exp_avgs[0].device
-            for s in states:
+            for s in counted:
                 s["adam.step"] = counter_on(s["adam.step"], device)
-            steps = [s["adam.step"] for s in states]
+            steps = [s["adam.step"] for s in counted]
             torch._foreach_add_(steps, 1)
             # both β's powers by one pow (float64: the int64 counts are promoted), then
             # (1 − β₁ᵗ)/√(1 − β₂ᵗ) and (1 − β₁ᵗ)·eps: five kernels for the whole batch
             betas = _numerics.constants((beta1, beta2), torch.float64, device).view(2, 1)
             bc = torch.rsub(torch.pow(betas, torch.stack(steps)), 1)
             scale, shift = bc[0] / bc[1].sqrt(), bc[0] * group["eps"]
-            return exp_avgs, exp_avg_sqs, us, list(scale.unbind()), list(shift.unbind())
-        if self._counters.packed(states, "adam.step") is None:  # not all host counters?
-            for s in states:  # a capturable state, now not: its device counters come back
+            if len(counted) == len(states):  # no stacked entry
+                return exp_avgs, exp_avg_sqs, us, list(scale.unbind()), list(shift.unbind())
+            return exp_avgs, exp_avg_sqs, us, *_per_entry(scale, shift, starts, us)
+        if self._counters.packed(counted, "adam.step") is None:  # not all host counters?
+            for s in counted:  # a capturable state, now not: its device counters come back
                 s["adam.step"] = counter_on(s["adam.step"], _CPU)
-        steps = self._counters.advance(states, "adam.step")  # host counters: one add, one read
+        steps = self._counters.advance(counted, "adam.step")  # host counters: one add, one read
         first = steps[0]
         if steps.count(first) == len(steps):  # the usual step: one count for the whole batch
             scale, shift = _corrections(beta1, beta2, group["eps"], first)
-            return exp_avgs, exp_avg_sqs, us, [scale] * len(steps), [shift] * len(steps)
+            return exp_avgs, exp_avg_sqs, us, [scale] * len(states), [shift] * len(states)
         known: dict[int, tuple[float, float]] = {}
         scales, shifts = [], []
         for t in steps:
@@ -460,7 +491,13 @@ class ScaleByAdam(Transform):
                 found = known[t] = _corrections(beta1, beta2, group["eps"], t)
             scales.append(found[0])
             shifts.append(found[1])
-        return exp_avgs, exp_avg_sqs, us, scales, shifts
+        if len(counted) == len(states):
+            return exp_avgs, exp_avg_sqs, us, scales, shifts
+        device = exp_avgs[0].device
+        return exp_avgs, exp_avg_sqs, us, *_per_entry(
+            torch.tensor(scales, dtype=torch.float64, device=device),
+            torch.tensor(shifts, dtype=torch.float64, device=device), starts, us,
+        )  # fmt: skip
 
     def _foreach(self, us: list[Tensor], states: list[State], group: Group) -> list[Tensor]:
         beta1, beta2 = group["betas"]
@@ -469,7 +506,7 @@ class ScaleByAdam(Transform):
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, us, us, value=1 - beta2)
         denoms = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_mul_(denoms, scale)
+        torch._foreach_mul_(denoms, scale)  # floats, or tensors that broadcast (stacks)
         torch._foreach_add_(denoms, shift)
         return list(torch._foreach_div(exp_avgs, denoms))
 

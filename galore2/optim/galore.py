@@ -54,6 +54,7 @@ from ..core.transform import (
     Context,
     Group,
     LowRankUpdate,
+    StackedState,
     State,
     Transform,
     dense,
@@ -331,22 +332,27 @@ class GaLore(Transform):
         for i in singles:
             projections[i], inner_in[i] = self._project(us[i], states[i], group, ctxs[i])
         projector = get_projector(group["projector"])
+        keys = self._stack_keys(group, us[0].device) if plan.batches else None
         stacks: list[_Stacked] = []
         for batch, rest in live:
             G, B, R = batch.project(us, projector, group["proj_precision"], rest)
             idx = batch.idx if rest is None else [batch.idx[j] for j in rest]
-            for i, r in zip(idx, R.unbind(0), strict=True):
-                inner_in[i] = r
-            stacks.append(_Stacked(batch, idx, G, B, R))
-        results = run_chain(self.inner, inner_in, states, group, ctxs)
+            stacked = batch.stacked_state(keys) if keys is not None and rest is None else None
+            if stacked is None:  # its matrices go through the chain one by one
+                for i, r in zip(idx, R.unbind(0), strict=True):
+                    inner_in[i] = r
+            stacks.append(_Stacked(batch, idx, G, B, R, stacked))
+        results, stacked_out, order = self._run_inner(inner_in, states, group, ctxs, stacks)
         out: list[Tensor | LowRankUpdate] = list(results)
         if residual.active(group):
-            done = self._combine_many(projections, stacks, results, us, inner_in, states, group)
+            done = self._combine_many(
+                projections, stacks, stacked_out, results, us, inner_in, states, group, order
+            )
         else:
             done = {}
             factor = group["scale"] * _decay(group)
-            for st in stacks:
-                Ns = [dense(results[i]) for i in st.idx]
+            for st, N in zip(stacks, stacked_out, strict=True):
+                Ns = N if N is not None else [dense(results[i]) for i in st.idx]
                 dtype = ctxs[st.idx[0]].param.dtype
                 spent = st.G if st.G.dtype == dtype else None  # G is projected already
                 deltas = lowrank_batch.back(st.batch.kind, st.B, Ns, dtype, factor, spent)
@@ -358,9 +364,53 @@ class GaLore(Transform):
         for st in stacks:
             for i in st.idx:
                 out[i] = done[i]
+        if keys is not None and due is not None:  # stack the refreshed batches' state now,
+            for batch in plan.batches:  # so that next step's state is as it will stay
+                batch.stacked_state(keys)
         if stacks:  # the batched matrices' GaLore steps (per-tensor ones counted their own)
             lowrank_batch.advance_counters(self._counters, plan.batched, "galore.step", skip)
         return out
+
+    def _stack_keys(self, group: Group, device: torch.device) -> tuple[str, ...] | None:
+        """The inner chain's state keys a shape batch stacks (every transform's
+        ``linear_keys`` and ``quadratic_keys``), or None when one of them does not take
+        stacked entries (:meth:`~galore2.core.transform.Transform.stacks`)."""
+        if not all(t.stacks(group, device) for t in self.inner):
+            return None
+        return tuple(k for t in self.inner for k in (*t.linear_keys, *t.quadratic_keys))
+
+    def _run_inner(
+        self, inner_in: list[Tensor], states: list[State], group: Group, ctxs: list[Context],
+        stacks: list[_Stacked],
+    ) -> tuple[list[Any], list[Tensor | None], list[int]]:  # fmt: skip
+        """The inner chain over the directions, each shape batch with a stacked state as one
+        stacked entry (its ``R``; the last entries of the chain's lists). Returns the
+        per-tensor results (None for a stacked batch's matrices), each batch's stacked result
+        (or None), and the order in which the chain saw the states (with stacks expanded)."""
+        stacked = [st for st in stacks if st.state is not None]
+        if not stacked:
+            return run_chain(self.inner, inner_in, states, group, ctxs), [None] * len(stacks), (
+                list(range(len(states)))
+            )  # fmt: skip
+        skip = set()
+        for st in stacked:
+            skip.update(st.idx)
+        order = [i for i in range(len(states)) if i not in skip]
+        res = run_chain(
+            self.inner,
+            [inner_in[i] for i in order] + [st.R for st in stacked],
+            [states[i] for i in order] + [st.state for st in stacked],  # type: ignore[misc]
+            group,
+            [ctxs[i] for i in order] + [ctxs[st.idx[0]] for st in stacked],
+        )
+        results: list[Any] = [None] * len(states)
+        for i, r in zip(order, res, strict=False):
+            results[i] = r
+        tail = iter(res[len(order) :])
+        stacked_out = [dense(next(tail)) if st.state is not None else None for st in stacks]
+        for st in stacked:
+            order += st.idx
+        return results, stacked_out, order
 
     def _batch_plan(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
@@ -390,8 +440,8 @@ class GaLore(Transform):
 
     def _combine_many(
         self, projections: dict[int, Projection], stacks: list[_Stacked],
-        N: list[Tensor | LowRankUpdate], us: list[Tensor], R: list[Tensor],
-        states: list[State], group: Group,
+        stacked_out: list[Tensor | None], N: list[Tensor | LowRankUpdate], us: list[Tensor],
+        R: list[Tensor], states: list[State], group: Group, counted: list[int],
     ) -> dict[int, Tensor]:  # fmt: skip
         """Fira / APOLLO of the whole (unsharded) matrices of a batch at once
         (:func:`.residual.combine_buckets`): the shape batches' stacks as they are, the
@@ -405,11 +455,14 @@ class GaLore(Transform):
         if not stacks and len(idx) < 2:
             return {}
         fira = group["residual"] != "none"
-        biases = self._biases(states, group)  # every state's: one read of packed counters
+        # every state's, in the order the inner chain counted them: one read of packed counters
+        biases: list[Any] = [None] * len(states)
+        for i, b in zip(counted, self._biases([states[i] for i in counted], group), strict=True):
+            biases[i] = b
         buckets, order = [], []
-        for st in stacks:
+        for st, stacked in zip(stacks, stacked_out, strict=True):
             st_states = [states[i] for i in st.idx]
-            Ns = torch.stack([dense(N[i]) for i in st.idx])
+            Ns = stacked if stacked is not None else torch.stack([dense(N[i]) for i in st.idx])
             B = st.B if fira else None
             buckets.append(residual.Bucket(st.batch.kind.left, st.G, st.R, Ns, B, st_states,
                                            [biases[i] for i in st.idx]))  # fmt: skip
@@ -647,6 +700,7 @@ class _Stacked(NamedTuple):
     G: Tensor  # the stacked gradients
     B: Tensor  # the stacked bases, as stored
     R: Tensor  # the stacked projected gradients
+    state: StackedState | None  # the inner chain's state of them as one stacked entry
 
 
 #: 2**64 / golden ratio: consecutive indices land far apart in every window (Fibonacci hashing)

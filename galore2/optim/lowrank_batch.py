@@ -45,13 +45,15 @@ Results equal the per-matrix path up to the matmul's summation order (within 1e-
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..core import packing
 from ..core.counters import Counters
-from ..core.transform import Context, State
+from ..core.transform import Context, StackedState, State
 from ..projectors import Projector, get_projector
 from ..projectors.base import projection_precision
 from ..projectors.random import RandomProjector
@@ -99,8 +101,8 @@ class ShapeBatch:
         rank: the group's rank (the random projector's basis columns).
     """
 
-    __slots__ = ("device", "dtype", "held", "idx", "kind", "rank", "rows", "stack", "states",
-                 "versions")  # fmt: skip
+    __slots__ = ("device", "dtype", "held", "idx", "inner", "kind", "rank", "rows", "stack",
+                 "states", "versions")  # fmt: skip
 
     def __init__(
         self, kind: type[Projection], idx: list[int], states: list[State], dtype: torch.dtype,
@@ -111,6 +113,7 @@ class ShapeBatch:
         self.stack: Tensor | None = None  # the kept stack of bases
         self.held: list[Tensor] = []  # the state tensors ``stack`` was read from
         self.versions: list[int] = []  # and their versions then
+        self.inner: _InnerStacks | None = None  # the inner chain's stacked state
 
     def _hold(self, key: str) -> None:
         self.held = [s[key] for s in self.states]
@@ -149,6 +152,17 @@ class ShapeBatch:
             self.stack = stacked
         return stacked
 
+    def stacked_state(self, keys: tuple[str, ...]) -> StackedState | None:
+        """The inner chain's state of the whole batch as one stacked entry (its ``keys``
+        stacked: :mod:`~galore2.core.packing` views them, or packs them once), or None when
+        they cannot stack (a quantized moment, mixed shapes or dtypes). Kept while the
+        states hold the same tensors at the same addresses."""
+        kept = self.inner
+        if kept is not None and kept.keys == keys and kept.holds(self.states):
+            return kept.state
+        self.inner = _InnerStacks.build(self.states, keys)
+        return self.inner.state if self.inner is not None else None
+
     def project(
         self, us: list[Tensor], projector: Projector, precision: str, live: list[int] | None
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -168,6 +182,43 @@ class ShapeBatch:
         with context:
             R = self.kind.project_stack(X, Y)
         return G, B, (R if R.dtype == dtype else R.to(dtype))
+
+
+class _InnerStacks:
+    """A batch's :class:`~galore2.core.transform.StackedState` and what it was made of (the
+    stacked state tensors and where they were)."""
+
+    __slots__ = ("addresses", "keys", "state", "tensors")
+
+    def __init__(self, keys: tuple[str, ...], state: StackedState, tensors: list[Tensor]):
+        self.keys, self.state, self.tensors = keys, state, tensors
+        self.addresses = packing.addresses(tensors)
+
+    @staticmethod
+    def build(states: list[State], keys: tuple[str, ...]) -> _InnerStacks | None:
+        lists = [[s[key] for s in states] for key in keys]
+        for ts in lists:
+            first = ts[0]
+            if not first.is_floating_point() or any(
+                type(t) is not Tensor or t.shape != first.shape or t.dtype != first.dtype
+                for t in ts
+            ):
+                return None
+        stacks = packing.as_stacks(lists)
+        if stacks is None:
+            return None
+        state = StackedState(dict(zip(keys, stacks, strict=True)), states)
+        return _InnerStacks(keys, state, [t for ts in lists for t in ts])
+
+    def holds(self, states: list[State]) -> bool:
+        """Are the stacked tensors still the states' (by identity), where they were?"""
+        ts = self.tensors
+        k = len(states)
+        for j, key in enumerate(self.keys):
+            if not all(map(operator.is_, map(operator.itemgetter(key), states),
+                           ts[j * k : (j + 1) * k])):  # fmt: skip
+                return False
+        return packing.addresses(ts) == self.addresses
 
 
 class BatchPlan:
@@ -264,14 +315,18 @@ def advance_counters(
 
 
 def back(
-    kind: type[Projection], B: Tensor, Ns: list[Tensor], dtype: torch.dtype, factor: float,
-    out: Tensor | None = None,
+    kind: type[Projection], B: Tensor, Ns: list[Tensor] | Tensor, dtype: torch.dtype,
+    factor: float, out: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """Dense updates ``P·(factor·N)`` (left) or ``(factor·N)·Qᵀ`` (right) in ``dtype``, one
     ``bmm`` (the factor scales the r-row stack, not the m×n result), stacked — into ``out``
-    when given (a spent stack of the same shape and dtype: no new gradient-size buffer)."""
-    N = torch.stack(Ns)  # a new tensor: scaled in place
-    N, B = (N if N.dtype == dtype else N.to(dtype)), (B if B.dtype == dtype else B.to(dtype))
+    when given (a spent stack of the same shape and dtype: no new gradient-size buffer).
+    ``Ns``: the low-rank updates, or their stack (the inner chain's: never written)."""
+    owned = not isinstance(Ns, Tensor)
+    N = torch.stack(Ns) if owned else Ns  # type: ignore[arg-type]
+    if N.dtype != dtype:
+        N, owned = N.to(dtype), True
+    B = B if B.dtype == dtype else B.to(dtype)
     if factor != 1.0:
-        N.mul_(factor)
+        N = N.mul_(factor) if owned else N.mul(factor)
     return kind.back_stack(N, B, out)

@@ -1,0 +1,106 @@
+"""Same-shape state tensors as one stack: a view when they already are, a pack when not.
+
+A batched step works per stack of same-shape tensors (one op per stack, not per tensor): a
+``(k, *shape)`` tensor whose entries *are* the tensors, so writing the stack writes them.
+When ``k`` tensors lie at equally spaced offsets of one storage (contiguous, in order),
+:func:`stacked_view` is that stack, made by one ``as_strided`` with no copy. When they
+do not, :func:`pack` makes it so: it copies them into one new ``(k, *shape)`` buffer and
+re-points each (``Tensor.set_``) at its entry, so each keeps its identity (the same object
+in its state dict), its value, shape and strides — ``optimizer.state``, ``state_dict()``
+and checkpoints see nothing new (``torch.save`` writes a shared storage once).
+
+A stack is valid while its tensors are still where it saw them: :func:`addresses` records
+them, and the user of a stack compares them every step (:class:`Stack`), since another
+owner (a refresh that replaces a tensor, ``load_state_dict``, another stack) may re-point or
+replace one. Whoever packs must not pack tensors that are already viewed as a stack by
+someone else's stack that it can view as they are (they would ping-pong): :func:`as_stack`
+views first and packs only when it cannot; a snapshot of many tensors views what is
+stacked already and packs only tensors that own their storage (:func:`owns_storage`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def stacked_view(ts: Sequence[Tensor]) -> Tensor | None:
+    """The ``(k, *shape)`` view whose entries are ``ts`` (same shape, dtype and device,
+    contiguous, equally spaced in one storage, in order), or None when they are not."""
+    first = ts[0]
+    if not first.is_contiguous():
+        return None
+    n, offset = first.numel(), first.storage_offset()
+    ptr = first.untyped_storage().data_ptr()
+    gap = ts[1].storage_offset() - offset if len(ts) > 1 else n
+    if gap < n:  # overlapping (or out of order): not a stack
+        return None
+    for j, t in enumerate(ts):
+        if (
+            t.untyped_storage().data_ptr() != ptr
+            or t.storage_offset() != offset + j * gap
+            or t.shape != first.shape
+            or t.dtype != first.dtype
+            or not t.is_contiguous()
+        ):
+            return None
+    return first.as_strided((len(ts), *first.shape), (gap, *first.stride()), offset)
+
+
+def owns_storage(t: Tensor) -> bool:
+    """Is ``t`` the whole of its storage (nothing else can alias it through a view)?"""
+    return (
+        t.is_contiguous()
+        and t.storage_offset() == 0
+        and (t.untyped_storage().nbytes() == t.numel() * t.element_size())
+    )
+
+
+def pack(ts: Sequence[Tensor]) -> Tensor:
+    """Re-point ``ts`` (same shape) at the entries of one new ``(k, *shape)`` buffer holding
+    their values (see the module docstring) and return it."""
+    return pack_many([ts])[0]
+
+
+def pack_many(lists: Sequence[Sequence[Tensor]]) -> list[Tensor]:
+    """:func:`pack` of each list of same-shape tensors, all in one new buffer (one list's
+    stack after another: a snapshot sorting them by storage offset sees one stack where
+    their shapes agree); the stacks."""
+    sizes = [len(ts) * ts[0].numel() for ts in lists]
+    buffer = torch.empty(sum(sizes), dtype=lists[0][0].dtype, device=lists[0][0].device)
+    storage, out, start = buffer.untyped_storage(), [], 0
+    for ts, size in zip(lists, sizes, strict=True):
+        stacked = buffer[start : start + size].view(len(ts), *ts[0].shape)
+        torch.stack(list(ts), out=stacked)
+        n = ts[0].numel()
+        for j, t in enumerate(ts):  # t keeps its identity, value, shape and strides
+            t.set_(storage, start + j * n, t.shape, t.stride())
+        out.append(stacked)
+        start += size
+    return out
+
+
+def addresses(ts: Sequence[Tensor]) -> list[int]:
+    """Where each of ``ts`` is now (compare a later call's answer to see a re-pointing)."""
+    return list(map(Tensor.data_ptr, ts))
+
+
+def as_stacks(lists: Sequence[Sequence[Tensor]]) -> list[Tensor] | None:
+    """Each list of same-shape tensors as one stack: views when each list is one already,
+    else all packed into one buffer (:func:`pack_many`; when each tensor is contiguous and
+    of one dtype and device), else None. Packing moves a tensor off a storage it may share
+    with others: only for state tensors whose sharing is a cache's (another stack), never
+    an alias the state means."""
+    views = [stacked_view(ts) for ts in lists]
+    if all(v is not None for v in views):
+        return views  # type: ignore[return-value]
+    first = lists[0][0]
+    if all(
+        t.is_contiguous() and t.dtype == first.dtype and t.device == first.device
+        for ts in lists
+        for t in ts
+    ):
+        return pack_many(lists)
+    return None

@@ -1,0 +1,194 @@
+"""galore2.core.packing: same-shape tensors as one stack (a view, or packed once), and the
+stacked entries GaLore's inner chain runs on (one op per shape batch, not per matrix)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import galore2
+from galore2.core import packing
+from galore2.core.transform import StackedState
+
+
+def _tensors(k: int = 4, shape: tuple[int, ...] = (3, 5)) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(shape, generator=gen) for _ in range(k)]
+
+
+def test_pack_keeps_identity_and_values_and_the_stack_writes_them():
+    ts = _tensors()
+    ids, values = list(map(id, ts)), [t.clone() for t in ts]
+    stack = packing.pack(ts)
+    assert list(map(id, ts)) == ids
+    assert all(torch.equal(t, v) for t, v in zip(ts, values, strict=True))
+    assert {t.untyped_storage().data_ptr() for t in ts} == {stack.untyped_storage().data_ptr()}
+    stack.mul_(2.0)
+    assert all(torch.equal(t, 2 * v) for t, v in zip(ts, values, strict=True))
+    ts[1].add_(1.0)  # and a tensor's write is the stack's
+    assert torch.equal(stack[1], 2 * values[1] + 1)
+
+
+def test_stacked_view_is_a_view_only_of_equally_spaced_tensors():
+    buffer = torch.arange(60.0)
+    ts = [buffer[i * 15 : i * 15 + 15].view(3, 5) for i in range(4)]
+    view = packing.stacked_view(ts)
+    assert view is not None and view.shape == (4, 3, 5)
+    assert view.data_ptr() == buffer.data_ptr()
+    view[2].zero_()
+    assert torch.count_nonzero(ts[2]) == 0
+    every_other = [buffer[i * 20 : i * 20 + 10].view(2, 5) for i in range(3)]  # gaps: fine
+    assert torch.equal(packing.stacked_view(every_other)[1], buffer[20:30].view(2, 5))
+    assert packing.stacked_view([ts[0], ts[2], ts[1]]) is None  # out of order
+    assert packing.stacked_view([buffer[0:15].view(3, 5), buffer[5:20].view(3, 5)]) is None
+    assert packing.stacked_view(_tensors()) is None  # separate storages
+    assert packing.stacked_view([ts[0], buffer[15:25].view(2, 5)]) is None  # shapes differ
+
+
+def test_as_stacks_views_what_is_stacked_and_packs_the_rest_into_one_buffer():
+    a, b = _tensors(3), _tensors(3)
+    stacks = packing.as_stacks([a, b])
+    assert stacks is not None
+    storages = {t.untyped_storage().data_ptr() for t in a + b}
+    assert len(storages) == 1  # both lists in one buffer
+    again = packing.as_stacks([a, b])  # already stacks: views, nothing moved
+    assert again is not None and [s.data_ptr() for s in again] == [s.data_ptr() for s in stacks]
+    assert packing.as_stacks([[t.t() for t in _tensors(2)]]) is None  # not contiguous
+
+
+def test_packed_state_saves_and_loads_with_weights_only():
+    ts = _tensors()
+    packing.pack(ts)
+    buf = io.BytesIO()
+    torch.save({i: {"m": t} for i, t in enumerate(ts)}, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=True)
+    assert all(torch.equal(back[i]["m"], t) for i, t in enumerate(ts))
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[torch.nn.Linear(12, 12, bias=False) for _ in range(4)])
+
+
+def _grads(model: torch.nn.Module, step: int) -> None:
+    gen = torch.Generator().manual_seed(step)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def _galore(model: torch.nn.Module, **kw) -> torch.optim.Optimizer:
+    return galore2.GaLoreAdamW(model.parameters(), lr=1e-2, rank=4, update_proj_gap=50, **kw)
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_galore_inner_chain_runs_a_shape_batch_as_one_stacked_entry(capturable, monkeypatch):
+    """The four same-shape matrices' Adam moments end up one stack (views of one buffer),
+    Adam sees one stacked entry for them, and the weights equal the per-tensor path's."""
+    seen = []
+    real = galore2.optim.adam.ScaleByAdam.update_many
+
+    def spy(self, us, states, group, ctxs):
+        seen.append([type(s) is StackedState for s in states])
+        return real(self, us, states, group, ctxs)
+
+    monkeypatch.setattr(galore2.optim.adam.ScaleByAdam, "update_many", spy)
+    batched, single = _model(), _model()
+    ob = _galore(batched, foreach=True, capturable=capturable)
+    os_ = _galore(single, foreach=False)
+    for step in range(4):
+        _grads(batched, step)
+        _grads(single, step)
+        ob.step()
+        os_.step()
+    assert seen[-1] == [True]  # one stacked entry for the four matrices
+    states = [ob.state[p] for p in batched.parameters()]
+    ptrs = {s[k].untyped_storage().data_ptr() for s in states for k in ("adam.exp_avg",
+                                                                       "adam.exp_avg_sq")}  # fmt: skip
+    assert len(ptrs) == 1
+    for p, q in zip(batched.parameters(), single.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    for p, q in zip(batched.parameters(), single.parameters(), strict=True):
+        for key in ("adam.exp_avg", "adam.exp_avg_sq", "adam.step"):
+            torch.testing.assert_close(ob.state[p][key].cpu(), os_.state[q][key], rtol=0,
+                                       atol=1e-6)  # fmt: skip
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_a_stack_whose_members_count_different_steps_corrects_each_by_its_own(capturable):
+    """Members of one stacked entry with different Adam step counts (a reset, a parameter
+    added later) get each its own bias correction, as on the per-tensor path."""
+    batched, single = _model(), _model()
+    ob = _galore(batched, foreach=True, capturable=capturable)
+    os_ = _galore(single, foreach=False)
+    for step in range(3):
+        _grads(batched, step)
+        _grads(single, step)
+        ob.step()
+        os_.step()
+    for opt, model in ((ob, batched), (os_, single)):
+        second = list(model.parameters())[1]
+        opt.state[second]["adam.step"].fill_(7)  # in place: the stack still holds
+    for step in range(3, 5):
+        _grads(batched, step)
+        _grads(single, step)
+        ob.step()
+        os_.step()
+    for p, q in zip(batched.parameters(), single.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    steps = [int(ob.state[p]["adam.step"]) for p in batched.parameters()]
+    assert steps == [5, 9, 5, 5]
+
+
+def test_a_replaced_state_tensor_is_stacked_again():
+    """``load_state_dict`` replaces the state tensors: the next step stacks the new ones
+    (the old stack is not written), and the run goes on as the uninterrupted one."""
+    a, b = _model(), _model()
+    oa, ob = _galore(a, foreach=True), _galore(b, foreach=True)
+    for step in range(3):
+        _grads(a, step)
+        _grads(b, step)
+        oa.step()
+        ob.step()
+    buf = io.BytesIO()
+    torch.save(ob.state_dict(), buf)
+    buf.seek(0)
+    ob.load_state_dict(torch.load(buf, weights_only=True))
+    for step in range(3, 6):
+        _grads(a, step)
+        _grads(b, step)
+        oa.step()
+        ob.step()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_capturable_masking_puts_back_a_stacked_members_state():
+    """``capturable=True`` with a non-finite gradient on one matrix of a stacked shape batch:
+    its weights and moments (entries of the batch's stacks, saved and restored by the
+    snapshot through views of them) are put back; the others step as the per-tensor
+    optimizer's that skips that matrix."""
+    capt_model, twin = _model(), _model()
+    capt, skip = _galore(capt_model, foreach=True, capturable=True), _galore(twin, foreach=False)
+    for step in range(3):
+        _grads(capt_model, step)
+        _grads(twin, step)
+        capt.step()
+        skip.step()
+    bad = list(capt_model.parameters())[2]
+    weights = bad.detach().clone()
+    moments = {k: v.clone() for k, v in capt.state[bad].items() if v.is_floating_point()}
+    _grads(capt_model, 3)
+    _grads(twin, 3)
+    bad.grad[1, 1] = float("nan")
+    list(twin.parameters())[2].grad[1, 1] = float("nan")
+    capt.step()
+    skip.step()
+    assert torch.equal(bad, weights)
+    for key, value in moments.items():
+        assert torch.equal(capt.state[bad][key], value), key
+    for p, q in zip(capt_model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    assert capt.nonfinite_skips == skip.nonfinite_skips == 1
