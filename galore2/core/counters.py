@@ -58,10 +58,13 @@ class Counters:
         self._packs: dict[tuple[str, int, int], _Pack] = {}
         self._owner: dict[int, tuple[str, int, int]] = {}  # id(counter) → its pack's key
 
-    def packed(self, states: Sequence[State], key: str) -> Tensor | None:
+    def packed(
+        self, states: Sequence[State], key: str, device: torch.device = _CPU
+    ) -> Tensor | None:
         """The 1-D int64 tensor whose entries are ``state[key]`` of ``states`` in order
         (writes to it are writes to the counters), or None when one of them is not a 0-d
-        int64 CPU tensor (a device counter of a capturable step) or is shared by two states."""
+        int64 tensor on ``device`` (the CPU: host counters; a capturable step's device
+        counters are packed on their device alike) or is shared by two states."""
         if not states:
             return None
         ident = (key, len(states), id(states[0][key]))
@@ -70,7 +73,7 @@ class Counters:
             return pack.packed
         counters = [s[key] for s in states]
         if len({id(t) for t in counters}) != len(counters) or not all(
-            t.device == _CPU and t.dtype == torch.int64 and t.dim() == 0 for t in counters
+            t.device == device and t.dtype == torch.int64 and t.dim() == 0 for t in counters
         ):
             return None
         if len(self._packs) >= MAX_PACKS:

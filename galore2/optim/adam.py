@@ -194,11 +194,12 @@ def _per_entry(
     ``scale`` and ``shift``: a 0-d view for a plain entry, a ``(k, 1, …)`` view that
     broadcasts over a stacked entry's ``(k, *shape)`` direction."""
     scales, shifts = [], []
+    each_scale, each_shift = scale.unbind(), shift.unbind()  # 0-d views, one call each
     for i, u in enumerate(us):
         a, b = starts[i], starts[i + 1]
         if b - a == 1:  # a plain entry (or a stack of one): a 0-d value broadcasts
-            scales.append(scale[a])
-            shifts.append(shift[a])
+            scales.append(each_scale[a])
+            shifts.append(each_shift[a])
             continue
         shape = (b - a,) + (1,) * (u.dim() - 1)
         scales.append(scale[a:b].view(shape))
@@ -463,22 +464,34 @@ class ScaleByAdam(Transform):
         counted, starts = members(states)
         if group.get("capturable"):  # device counters: every tensor's corrections at once
             device = exp_avgs[0].device
-            for s in counted:
-                s["adam.step"] = counter_on(s["adam.step"], device)
-            steps = [s["adam.step"] for s in counted]
-            torch._foreach_add_(steps, 1)
+            packed = self._counters.packed(counted, "adam.step", device)
+            if packed is None:  # not all on the device yet (or shared): moved, then packed
+                for s in counted:
+                    s["adam.step"] = counter_on(s["adam.step"], device)
+                packed = self._counters.packed(counted, "adam.step", device)
+            if packed is not None:  # one add for the batch's counters
+                stacked = packed.add_(1)
+            else:
+                steps = [s["adam.step"] for s in counted]
+                torch._foreach_add_(steps, 1)
+                stacked = torch.stack(steps)
             # both β's powers by one pow (float64: the int64 counts are promoted), then
             # (1 − β₁ᵗ)/√(1 − β₂ᵗ) and (1 − β₁ᵗ)·eps: five kernels for the whole batch
             betas = _numerics.constants((beta1, beta2), torch.float64, device).view(2, 1)
-            bc = torch.rsub(torch.pow(betas, torch.stack(steps)), 1)
+            bc = torch.rsub(torch.pow(betas, stacked), 1)
             scale, shift = bc[0] / bc[1].sqrt(), bc[0] * group["eps"]
             if len(counted) == len(states):  # no stacked entry
                 return exp_avgs, exp_avg_sqs, us, list(scale.unbind()), list(shift.unbind())
             return exp_avgs, exp_avg_sqs, us, *_per_entry(scale, shift, starts, us)
-        if self._counters.packed(counted, "adam.step") is None:  # not all host counters?
+        packed = self._counters.packed(counted, "adam.step")
+        if packed is None:  # not all host counters?
             for s in counted:  # a capturable state, now not: its device counters come back
                 s["adam.step"] = counter_on(s["adam.step"], _CPU)
-        steps = self._counters.advance(counted, "adam.step")  # host counters: one add, one read
+            packed = self._counters.packed(counted, "adam.step")
+        if packed is not None:  # host counters: one add, one read
+            steps = packed.add_(1).tolist()
+        else:  # shared counters (the same tensor in two states): one by one
+            steps = self._counters.advance(counted, "adam.step")
         first = steps[0]
         if steps.count(first) == len(steps):  # the usual step: one count for the whole batch
             scale, shift = _corrections(beta1, beta2, group["eps"], first)

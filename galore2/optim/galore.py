@@ -60,6 +60,7 @@ from ..core.transform import (
     dense,
     init_chain,
     run_chain,
+    walk,
 )
 from ..projectors import (
     FULL,
@@ -354,7 +355,9 @@ class GaLore(Transform):
             for st, N in zip(stacks, stacked_out, strict=True):
                 Ns = N if N is not None else [dense(results[i]) for i in st.idx]
                 dtype = ctxs[st.idx[0]].param.dtype
-                spent = st.G if st.G.dtype == dtype else None  # G is projected already
+                # G is projected already: its buffer takes the update (when it is a
+                # temporary stack, not a view of the gradients)
+                spent = st.G if st.G.dtype == dtype and st.G._base is None else None
                 deltas = lowrank_batch.back(st.batch.kind, st.B, Ns, dtype, factor, spent)
                 done.update(zip(st.idx, deltas.unbind(0), strict=True))
         for i, p in projections.items():
@@ -372,12 +375,13 @@ class GaLore(Transform):
         return out
 
     def _stack_keys(self, group: Group, device: torch.device) -> tuple[str, ...] | None:
-        """The inner chain's state keys a shape batch stacks (every transform's
-        ``linear_keys`` and ``quadratic_keys``), or None when one of them does not take
+        """The inner chain's state keys a shape batch may stack (every transform's
+        ``linear_keys`` and ``quadratic_keys``, wrapped ones' too: those its states hold
+        are stacked), or None when one of them does not take
         stacked entries (:meth:`~galore2.core.transform.Transform.stacks`)."""
         if not all(t.stacks(group, device) for t in self.inner):
             return None
-        return tuple(k for t in self.inner for k in (*t.linear_keys, *t.quadratic_keys))
+        return tuple(k for t in walk(self.inner) for k in (*t.linear_keys, *t.quadratic_keys))
 
     def _run_inner(
         self, inner_in: list[Tensor], states: list[State], group: Group, ctxs: list[Context],
@@ -465,7 +469,8 @@ class GaLore(Transform):
             Ns = stacked if stacked is not None else torch.stack([dense(N[i]) for i in st.idx])
             B = st.B if fira else None
             buckets.append(residual.Bucket(st.batch.kind.left, st.G, st.R, Ns, B, st_states,
-                                           [biases[i] for i in st.idx]))  # fmt: skip
+                                           [biases[i] for i in st.idx],
+                                           owned=st.G._base is None))  # fmt: skip
             order.append(st.idx)
         keyed: dict[tuple[Any, ...], list[int]] = {}
         for i in idx:

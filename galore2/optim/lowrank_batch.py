@@ -158,7 +158,7 @@ class ShapeBatch:
         they cannot stack (a quantized moment, mixed shapes or dtypes). Kept while the
         states hold the same tensors at the same addresses."""
         kept = self.inner
-        if kept is not None and kept.keys == keys and kept.holds(self.states):
+        if kept is not None and kept.asked == keys and kept.holds(self.states):
             return kept.state
         self.inner = _InnerStacks.build(self.states, keys)
         return self.inner.state if self.inner is not None else None
@@ -168,14 +168,20 @@ class ShapeBatch:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(the stacked gradients G, the stacked bases B as stored, R = PᵀG or G·Q): one
         ``bmm`` at the group's ``proj_precision``, R in the gradients' dtype (as
-        :meth:`Projector.project` does per matrix). ``live``: the positions (in :attr:`idx`)
+        :meth:`Projector.project` does per matrix). G is a new stack, or a view of the
+        gradients when they are one already (check ``G._base``: then not to be written). ``live``: the positions (in :attr:`idx`)
         that project this step (None: all)."""
         B = self.bases(projector)
         idx = self.idx
         if live is not None:
             B = B[torch.tensor(live, device=B.device)]
             idx = [idx[j] for j in live]
-        G = torch.stack([us[i] for i in idx])
+        listed = [us[i] for i in idx]
+        # the gradients as they are when they form a stack (the masked copies of a
+        # capturable step): no copy; the caller must then not write G
+        G = packing.stacked_view(listed)
+        if G is None:
+            G = torch.stack(listed)
         dtype = self.dtype
         at, context = projection_precision(G, precision)
         X, Y = (G if G.dtype == at else G.to(at)), (B if B.dtype == at else B.to(at))
@@ -188,14 +194,20 @@ class _InnerStacks:
     """A batch's :class:`~galore2.core.transform.StackedState` and what it was made of (the
     stacked state tensors and where they were)."""
 
-    __slots__ = ("addresses", "keys", "state", "tensors")
+    __slots__ = ("addresses", "asked", "keys", "state", "tensors")
 
-    def __init__(self, keys: tuple[str, ...], state: StackedState, tensors: list[Tensor]):
-        self.keys, self.state, self.tensors = keys, state, tensors
+    def __init__(
+        self, asked: tuple[str, ...], keys: tuple[str, ...], state: StackedState,
+        tensors: list[Tensor],
+    ) -> None:  # fmt: skip
+        self.asked, self.keys, self.state, self.tensors = asked, keys, state, tensors
         self.addresses = packing.addresses(tensors)
 
     @staticmethod
-    def build(states: list[State], keys: tuple[str, ...]) -> _InnerStacks | None:
+    def build(states: list[State], asked: tuple[str, ...]) -> _InnerStacks | None:
+        keys = tuple(k for k in asked if k in states[0])  # those of the chain's pick
+        if not keys or any(k not in s for s in states for k in keys):
+            return None
         lists = [[s[key] for s in states] for key in keys]
         for ts in lists:
             first = ts[0]
@@ -208,7 +220,7 @@ class _InnerStacks:
         if stacks is None:
             return None
         state = StackedState(dict(zip(keys, stacks, strict=True)), states)
-        return _InnerStacks(keys, state, [t for ts in lists for t in ts])
+        return _InnerStacks(asked, keys, state, [t for ts in lists for t in ts])
 
     def holds(self, states: list[State]) -> bool:
         """Are the stacked tensors still the states' (by identity), where they were?"""

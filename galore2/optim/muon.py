@@ -44,7 +44,7 @@ from torch import Tensor
 from .._numerics import constants
 from ..core.options import Bool, Choice, Int, Option, Real
 from ..core.state import counter
-from ..core.transform import Context, Group, State, Transform, complex_problem
+from ..core.transform import Context, Group, StackedState, State, Transform, complex_problem
 from ..placement import Placement
 from ..storage.dtype import STATE_DTYPE, STATE_DTYPES
 from .adam import ScaleByAdam
@@ -167,17 +167,24 @@ class ScaleByMuon(Transform):
             ortho = ortho.mT
         return ortho * _adjust(rows, cols, group)
 
+    def stacks(self, group: Group, device: torch.device) -> bool:
+        """Stacked entries (GaLore's shape batches): their momenta are elementwise and their
+        orthogonalization runs on stacks anyway."""
+        return True
+
     def update_many(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
     ) -> list[Tensor]:
         """Batched :meth:`update`: the momenta by foreach kernels, the orthogonalization of
         whole directions of the same shape (and dtype, device) on their stack — one ``bmm``
-        per product of the Newton–Schulz iteration, one batched ``eigh`` for ``polar`` —
-        and sharded directions one by one (their Gram matrices are all-reduced)."""
+        per product of the Newton–Schulz iteration, one batched ``eigh`` for ``polar``; a
+        stacked entry is its matrices' stack already — and sharded directions one by one
+        (their Gram matrices are all-reduced)."""
         whole = [
             i
             for i, (s, c) in enumerate(zip(states, ctxs, strict=True))
-            if not c.placement.distributed
+            if type(s) is StackedState  # a shape batch of local matrices (k × r × n)
+            or not c.placement.distributed
             or _sharded_dim(int(s["muon.split_dim"]), c.placement) is None
         ]
         out: list[Tensor | None] = [None] * len(us)
@@ -191,30 +198,46 @@ class ScaleByMuon(Transform):
               for u, b in zip((us[i] for i in whole), bufs, strict=True)]  # fmt: skip
         torch._foreach_lerp_(bufs, xs, 1 - beta)
         xs = list(torch._foreach_lerp(xs, bufs, beta)) if group["nesterov"] else bufs
-        # work on short × long: an m×r direction joins the r×m ones, transposed
+        # work on short × long: an m×r direction joins the r×m ones, transposed; a stacked
+        # entry (k × r × n) is k matrices of the bucket at once
         buckets: dict[tuple[Any, ...], list[int]] = {}
-        tall = [x.shape[0] > x.shape[1] for x in xs]
+        tall = [x.shape[-2] > x.shape[-1] for x in xs]
         for j, x in enumerate(xs):
-            short_long = tuple(sorted(x.shape))
+            short_long = tuple(sorted(x.shape[-2:]))
             buckets.setdefault((short_long, x.dtype, x.device), []).append(j)
         for js in buckets.values():
-            X = torch.stack([xs[j].mT if tall[j] else xs[j] for j in js])
+            parts = [xs[j].mT if tall[j] else xs[j] for j in js]
+            counts = [p.shape[0] if p.dim() == 3 else 1 for p in parts]
+            if len(parts) == 1 and parts[0].dim() == 3:
+                X = parts[0]
+            elif all(p.dim() == 2 for p in parts):
+                X = torch.stack(parts)
+            else:
+                X = torch.cat([p if p.dim() == 3 else p.unsqueeze(0) for p in parts])
             if group["orthogonalize"] == "polar":
                 ortho = polar(X)
             else:
                 ortho = newton_schulz(X, group["ns_steps"])
             # the adjustment of "original" depends on which side is longer: a bucket may
             # hold two (one per shape)
-            shapes = {tuple(xs[j].shape) for j in js}
-            adjust = {shape: _adjust(*shape, group) for shape in shapes}
+            shapes = [tuple(xs[j].shape[-2:]) for j in js]
+            adjust = {shape: _adjust(*shape, group) for shape in set(shapes)}
             if len(set(adjust.values())) == 1:
                 ortho.mul_(next(iter(adjust.values())))
             else:
-                per = tuple(adjust[tuple(xs[j].shape)] for j in js)
+                per = tuple(adjust[sh] for sh, n in zip(shapes, counts, strict=True)
+                            for _ in range(n))  # fmt: skip
                 ortho.mul_(constants(per, ortho.dtype, ortho.device).view(-1, 1, 1))
-            # views of each matrix, both ways round, made by two calls
-            for j, o, t in zip(js, ortho.unbind(), ortho.mT.unbind(), strict=True):
-                out[whole[j]] = t if tall[j] else o
+            if len(js) == len(X) and all(p.dim() == 2 for p in parts):
+                # views of each matrix, both ways round, made by two calls
+                for j, o, t in zip(js, ortho.unbind(), ortho.mT.unbind(), strict=True):
+                    out[whole[j]] = t if tall[j] else o
+                continue
+            start = 0
+            for j, p, n in zip(js, parts, counts, strict=True):
+                o = ortho[start : start + n] if p.dim() == 3 else ortho[start]
+                out[whole[j]] = o.mT if tall[j] else o
+                start += n
         return out  # type: ignore[return-value]
 
 
@@ -250,6 +273,10 @@ class MuonOrAdam(Transform):
 
     def complex_problem(self, group: Group) -> str | None:
         return complex_problem(self) if group["rank"] is not None else None
+
+    def stacks(self, group: Group, device: torch.device) -> bool:
+        """Stacked entries where both of its rules take them (a stack holds one's state)."""
+        return self.muon.stacks(group, device) and self.adam.stacks(group, device)
 
     def _pick(self, state: State) -> Transform:
         return self.muon if "muon.momentum" in state else self.adam

@@ -211,6 +211,7 @@ class Bucket(NamedTuple):
     B: Tensor | None  # the bases on their side (P: k × m × r, Q: k × n × r); None for APOLLO
     states: list[dict[str, Tensor]]
     biases: list[float | Tensor]  # each matrix's inner bias correction (see _limit)
+    owned: bool = True  # G is a temporary of the step (else, a view of the caller's: kept)
 
 
 def combine_many(
@@ -276,11 +277,15 @@ def combine_buckets(buckets: list[Bucket], group: dict[str, Any], decay: float) 
     S, norms = [], []
     for b, r, phi, d in zip(buckets, Rs, phis, dims, strict=True):
         Gs = b.G.float()
+        kept = not b.owned and Gs.data_ptr() == b.G.data_ptr()  # not to be written
         if scale_type is None:  # Fira: the residual G − P·R ("fira_reference": G − α·P·R)
             Bs = b.B.float()  # type: ignore[union-attr]
             c = -alpha if group["residual"] == "fira_reference" else -1.0  # as in combine()
-            # in place: the stack of gradients is a temporary (no second m×n buffer)
-            Gs = Gs.baddbmm_(Bs, r, alpha=c) if b.left else Gs.baddbmm_(r, Bs.mT, alpha=c)
+            # in place when the stack of gradients is a temporary (no second m×n buffer)
+            bmm = torch.baddbmm if kept else torch.Tensor.baddbmm_
+            Gs = bmm(Gs, Bs, r, alpha=c) if b.left else bmm(Gs, r, Bs.mT, alpha=c)
+        elif kept:  # APOLLO scales S in place: a copy of the caller's stack
+            Gs = Gs.clone()
         S.append(Gs)  # APOLLO: the raw gradient
         if limit:  # ‖φ ⊙ S‖ from the channels' norms of S, φ applied in float64
             norms.append(_scaled_norm(Gs, phi, d))

@@ -192,3 +192,45 @@ def test_capturable_masking_puts_back_a_stacked_members_state():
     for p, q in zip(capt_model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
     assert capt.nonfinite_skips == skip.nonfinite_skips == 1
+
+
+@pytest.mark.parametrize("preset", ["GaLoreAdamW", "Fira", "APOLLO"])
+def test_gradients_that_are_views_of_one_buffer_are_read_not_written(preset):
+    """Gradients that already form a stack (views of one flat buffer, as DDP's bucket views
+    are) are projected as that stack, without a copy, and never written: after the step
+    they hold what the backward left, and the weights equal those of separate gradients."""
+    viewed, separate = _model(), _model()
+    make = getattr(galore2, preset)
+    kw = {"lr": 1e-2, "rank": 4, "update_proj_gap": 50, "foreach": True}
+    ov, os_ = make(viewed.parameters(), **kw), make(separate.parameters(), **kw)
+    for step in range(3):
+        _grads(separate, step)
+        flat = torch.cat([p.grad.flatten() for p in separate.parameters()])
+        kept = flat.clone()
+        start = 0
+        for p in viewed.parameters():
+            p.grad = flat[start : start + p.numel()].view(p.shape)
+            start += p.numel()
+        ov.step()
+        os_.step()
+        assert torch.equal(flat, kept)
+    for p, q in zip(viewed.parameters(), separate.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_a_stack_re_pointed_by_someone_else_is_made_again():
+    """When another owner moves the stacked moments (re-points them at a buffer of its
+    own), the next step stacks them where they now are: the moments keep being updated."""
+    a, b = _model(), _model()
+    oa, ob = _galore(a, foreach=True), _galore(b, foreach=False)
+    for step in range(6):
+        _grads(a, step)
+        _grads(b, step)
+        oa.step()
+        ob.step()
+        if step == 2:  # reversed order: not a view of the old stack
+            packing.pack([oa.state[p]["adam.exp_avg"] for p in reversed(list(a.parameters()))])
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+        torch.testing.assert_close(oa.state[p]["adam.exp_avg"], ob.state[q]["adam.exp_avg"],
+                                   rtol=0, atol=1e-6)  # fmt: skip
