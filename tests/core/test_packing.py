@@ -79,6 +79,14 @@ def _grads(model: torch.nn.Module, step: int) -> None:
         p.grad = torch.randn(p.shape, generator=gen)
 
 
+def _steps(steps: range, *runs: tuple[torch.nn.Module, torch.optim.Optimizer]) -> None:
+    """Each (model, optimizer) of ``runs`` steps on the same seeded gradients."""
+    for step in steps:
+        for model, opt in runs:
+            _grads(model, step)
+            opt.step()
+
+
 def _galore(model: torch.nn.Module, **kw) -> torch.optim.Optimizer:
     return galore2.GaLoreAdamW(model.parameters(), lr=1e-2, rank=4, update_proj_gap=50, **kw)
 
@@ -98,11 +106,7 @@ def test_galore_inner_chain_runs_a_shape_batch_as_one_stacked_entry(capturable, 
     batched, single = _model(), _model()
     ob = _galore(batched, foreach=True, capturable=capturable)
     os_ = _galore(single, foreach=False)
-    for step in range(4):
-        _grads(batched, step)
-        _grads(single, step)
-        ob.step()
-        os_.step()
+    _steps(range(4), (batched, ob), (single, os_))
     assert seen[-1] == [True]  # one stacked entry for the four matrices
     states = [ob.state[p] for p in batched.parameters()]
     ptrs = {s[k].untyped_storage().data_ptr() for s in states for k in ("adam.exp_avg",
@@ -123,19 +127,11 @@ def test_a_stack_whose_members_count_different_steps_corrects_each_by_its_own(ca
     batched, single = _model(), _model()
     ob = _galore(batched, foreach=True, capturable=capturable)
     os_ = _galore(single, foreach=False)
-    for step in range(3):
-        _grads(batched, step)
-        _grads(single, step)
-        ob.step()
-        os_.step()
+    _steps(range(3), (batched, ob), (single, os_))
     for opt, model in ((ob, batched), (os_, single)):
         second = list(model.parameters())[1]
         opt.state[second]["adam.step"].fill_(7)  # in place: the stack still holds
-    for step in range(3, 5):
-        _grads(batched, step)
-        _grads(single, step)
-        ob.step()
-        os_.step()
+    _steps(range(3, 5), (batched, ob), (single, os_))
     for p, q in zip(batched.parameters(), single.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
     steps = [int(ob.state[p]["adam.step"]) for p in batched.parameters()]
@@ -147,20 +143,12 @@ def test_a_replaced_state_tensor_is_stacked_again():
     (the old stack is not written), and the run goes on as the uninterrupted one."""
     a, b = _model(), _model()
     oa, ob = _galore(a, foreach=True), _galore(b, foreach=True)
-    for step in range(3):
-        _grads(a, step)
-        _grads(b, step)
-        oa.step()
-        ob.step()
+    _steps(range(3), (a, oa), (b, ob))
     buf = io.BytesIO()
     torch.save(ob.state_dict(), buf)
     buf.seek(0)
     ob.load_state_dict(torch.load(buf, weights_only=True))
-    for step in range(3, 6):
-        _grads(a, step)
-        _grads(b, step)
-        oa.step()
-        ob.step()
+    _steps(range(3, 6), (a, oa), (b, ob))
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q)
 
@@ -172,11 +160,7 @@ def test_capturable_masking_puts_back_a_stacked_members_state():
     optimizer's that skips that matrix."""
     capt_model, twin = _model(), _model()
     capt, skip = _galore(capt_model, foreach=True, capturable=True), _galore(twin, foreach=False)
-    for step in range(3):
-        _grads(capt_model, step)
-        _grads(twin, step)
-        capt.step()
-        skip.step()
+    _steps(range(3), (capt_model, capt), (twin, skip))
     bad = list(capt_model.parameters())[2]
     weights = bad.detach().clone()
     moments = {k: v.clone() for k, v in capt.state[bad].items() if v.is_floating_point()}
@@ -223,13 +207,10 @@ def test_a_stack_re_pointed_by_someone_else_is_made_again():
     own), the next step stacks them where they now are: the moments keep being updated."""
     a, b = _model(), _model()
     oa, ob = _galore(a, foreach=True), _galore(b, foreach=False)
-    for step in range(6):
-        _grads(a, step)
-        _grads(b, step)
-        oa.step()
-        ob.step()
-        if step == 2:  # reversed order: not a view of the old stack
-            packing.pack([oa.state[p]["adam.exp_avg"] for p in reversed(list(a.parameters()))])
+    _steps(range(3), (a, oa), (b, ob))
+    # re-pointed in reversed order: not a view of the old stack
+    packing.pack([oa.state[p]["adam.exp_avg"] for p in reversed(list(a.parameters()))])
+    _steps(range(3, 6), (a, oa), (b, ob))
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
         torch.testing.assert_close(oa.state[p]["adam.exp_avg"], ob.state[q]["adam.exp_avg"],
