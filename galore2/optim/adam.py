@@ -194,12 +194,15 @@ def _per_entry(
     ``scale`` and ``shift``: a 0-d view for a plain entry, a ``(k, 1, …)`` view that
     broadcasts over a stacked entry's ``(k, *shape)`` direction."""
     scales, shifts = [], []
-    each_scale, each_shift = scale.unbind(), shift.unbind()  # 0-d views, one call each
+    lead = 0  # the plain entries before the first stack: their 0-d views by one call each
+    while lead < len(us) and starts[lead + 1] - starts[lead] == 1:
+        lead += 1
+    each_scale, each_shift = scale[:lead].unbind(), shift[:lead].unbind()
     for i, u in enumerate(us):
         a, b = starts[i], starts[i + 1]
         if b - a == 1:  # a plain entry (or a stack of one): a 0-d value broadcasts
-            scales.append(each_scale[a])
-            shifts.append(each_shift[a])
+            scales.append(each_scale[a] if i < lead else scale[a])
+            shifts.append(each_shift[a] if i < lead else shift[a])
             continue
         shape = (b - a,) + (1,) * (u.dim() - 1)
         scales.append(scale[a:b].view(shape))
