@@ -216,8 +216,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "muon_param_layout",
         "galore2/optim/muon.py",
-        'sharded = _sharded_dim(int(state["muon.split_dim"]), ctx.placement)',
-        "sharded = 0 if ctx.placement.distributed else None",
+        'return _sharded_dim(int(state["muon.split_dim"]), placement)',
+        "return 0",
         ("tests/fsdp/test_fsdp_lowrank.py::test_lowrank_modules_match_single_process",),
         "FSDP: Muon splits every direction on dim 0 (update's context: the parameter's layout)",
     ),
