@@ -65,6 +65,11 @@ class NormLoss(ParamTransform):
     name = "norm_loss"
     options = (NORM_LOSS_FACTOR, NORM_LOSS_EPS)
 
+    def capture_problem(self, group: Group) -> str | None:
+        """None: the unit norms and factors are computed by device ops only, so a step can replay from a CUDA graph
+        (:mod:`galore2.core.capture`)."""
+        return None
+
     def apply_(self, group: Group, state: State, ctx: Context, stats: Stats | None) -> None:
         """Pull each unit of the weight ``ctx.param`` toward norm 1, in place."""
         factor = float(NORM_LOSS_FACTOR.of(group))
@@ -123,6 +128,11 @@ class StableWeightDecay(ParamTransform):
     name = "swd"
     needs_stats = True
     owns_weight_decay = True
+
+    def capture_problem(self, group: Group) -> str | None:
+        """None: σ and the decay factor stay on the device by device ops only, so a step can replay from a CUDA graph
+        (:mod:`galore2.core.capture`)."""
+        return None
 
     def uses_stats(self, group: Group) -> bool:
         """σ is read only where the decay is not 0."""
@@ -218,6 +228,15 @@ class Lookahead(ParamTransform):
             self.slow_dtype = None
         else:
             raise ValueError(f"slow_dtype must be None or 'bfloat16', got {slow_dtype!r}")
+
+    def capture_problem(self, group: Group) -> str | None:
+        """Refused (:mod:`galore2.core.capture`): whether a step synchronizes the slow
+        weights is decided on the host from ``lookahead.step``, so a captured graph would
+        repeat the branch of the step it recorded at every replay."""
+        return (
+            "Lookahead decides on the host which steps synchronize its slow weights (every "
+            "lookahead_k-th): a graph would replay one branch; use use_lookahead=False"
+        )
 
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
