@@ -521,6 +521,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/core/test_capture_ready.py",),
         "capturable foreach Adam: the second bias correction is not square-rooted",
     ),
+    Mutation(
+        "capturable_pnm_parity",
+        "galore2/optim/pnm.py",
+        "c_pos, c_neg = torch.where(odd, c_a, c_p), torch.where(odd, c_p, c_a)",
+        "c_pos, c_neg = c_a, c_p",
+        ("tests/core/test_capture_rules.py",),
+        "capturable PNM: exp_avg always weighted as the active buffer (parity of t ignored)",
+    ),
+    Mutation(
+        "capturable_adafactor_rho",
+        "galore2/optim/adafactor.py",
+        "factor = t.sqrt_().reciprocal_().div_(lr).clamp_(max=1.0)",
+        "factor = t.sqrt_().reciprocal_().div_(lr)",
+        ("tests/core/test_capture_rules.py",),
+        "capturable Adafactor: ρ_t = 1/√t even above lr (min(lr, ·) dropped)",
+    ),
 )
 
 
