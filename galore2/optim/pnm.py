@@ -367,7 +367,8 @@ class ScaleByPNM(Transform):
             sums = torch.stack(torch._foreach_norm([s["pnm.exp_avg_sq"] for s in states], 1))
             total = sums.to(torch.float64) / torch.rsub(torch.pow(group["betas"][1], td), 1)
             return total.masked_fill_(td.eq(0), 0.0).sum()
-        steps = {int(s["pnm.step"]) for s in states}
+        packed = self._counters.packed(states, "pnm.step")  # the step's pack: one read
+        steps = set(packed.tolist()) if packed is not None else {int(s["pnm.step"]) for s in states}
         if len(steps) != 1:
             return None
         t = steps.pop()
