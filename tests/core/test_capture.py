@@ -65,7 +65,7 @@ def test_needs_cuda_tensors():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("preset", ["GaLoreAdamW", "Fira"])
+@pytest.mark.parametrize("preset", ["GaLoreAdamW", "Fira", "GaLoreMuon", "GaLoreAdafactor"])
 def test_replayed_steps_are_bitwise_the_eager_ones(preset):
     torch.manual_seed(0)
     model = torch.nn.Sequential(
