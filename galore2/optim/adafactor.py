@@ -15,11 +15,12 @@ State per direction of shape (…, m, n), in ``state_dtype``:
   8-bit blockwise, ~1 byte per element, updated in fp32 (:mod:`galore2.storage.moments`);
 * three int64 scalars: ``adafactor.step`` (t, drives ρ_t),
   ``adafactor.moment_step`` (k, the age of the second-moment estimate, drives β̂₂; equal
-  to t unless the estimate was restarted, see reset/rotate below) — both on the CPU, or
-  with ``capturable=True`` on the direction's device, where ρ_t and β̂₂ are then computed
-  by device ops (no host read: the step can replay from a CUDA graph, see
-  :mod:`galore2.core.capture`) — and ``adafactor.split_dim`` (on the CPU) (which dim of the direction FSDP splits, from the state layout:
+  to t unless the estimate was restarted, see reset/rotate below) and
+  ``adafactor.split_dim`` (which dim of the direction FSDP splits, from the state layout:
   row/column means over a split dim and RMS(U) are all-reduced over the shard group).
+  All three on the CPU, except with ``capturable=True``: then t and k are on the
+  direction's device and ρ_t and β̂₂ are computed there by device ops (no host read: the
+  step can replay from a CUDA graph, see :mod:`galore2.core.capture`).
 
 The arithmetic follows ``torch.optim.Adafactor`` (its single-tensor path), so a plain
 group matches it to rounding. Per step, with G the direction (−G under ``maximize``)::

@@ -6,9 +6,10 @@ State per element of the direction: 3 values in ``state_dtype`` (``pnm.exp_avg``
 ``pnm.neg_exp_avg``, ``pnm.exp_avg_sq``), 4 with ``amsgrad`` (``pnm.max_exp_avg_sq``),
 plus one int64 step counter (``pnm.step``: on the CPU; with ``capturable=True`` on the
 direction's device, and every step's coefficients computed there from it — no host read,
-so the step can replay from a CUDA graph, see :mod:`galore2.core.capture`). ``moments="dynamic8"`` (Ranger21's
-``moments_8bit``) stores the moments of large directions 8-bit blockwise instead, ~1 byte
-per element each, updated in fp32 (see :mod:`galore2.storage.moments`).
+so the step can replay from a CUDA graph, see :mod:`galore2.core.capture`).
+``moments="dynamic8"`` (Ranger21's ``moments_8bit``) stores the moments of large
+directions 8-bit blockwise instead, ~1 byte per element each, updated in fp32 (see
+:mod:`galore2.storage.moments`).
 
 Math at step t (1-based), with (β₁, β₂) = ``betas``, β₀ = ``pnm_beta0`` (default 1)::
 
