@@ -67,6 +67,10 @@ class ScaleByAdam8bit(ScaleByAdam):
         steps = (
             self._counters.advance([states[i] for i in packable], "adam.step") if packable else []
         )
+        # their blocked axes (host scalars that never change) by one read as well
+        axes = self._counters.packed([states[i] for i in packable], AXIS) if packable else None
+        dims = dict(zip(packable, axes.tolist() if axes is not None else
+                        [int(states[i][AXIS]) for i in packable], strict=True))  # fmt: skip
         packs: dict[tuple[Any, ...], list[int]] = {}
         for i, t in zip(packable, steps, strict=True):
             packs.setdefault((t - 1, us[i].device, us[i].dtype), []).append(i)
@@ -74,7 +78,7 @@ class ScaleByAdam8bit(ScaleByAdam):
         for key, idx in packs.items():
             for part in _split(idx, [states[i]["adam.exp_avg"].numel() for i in idx]):
                 done = _step_packed([us[i] for i in part], [states[i] for i in part], group,
-                                    key[0])  # fmt: skip
+                                    key[0], [dims[i] for i in part])  # fmt: skip
                 for i, r in zip(part, done, strict=True):
                     out[i] = r
         rest = [i for i, r in enumerate(out) if r is None]
@@ -113,12 +117,16 @@ def _split(idx: list[int], sizes: list[int]) -> list[list[int]]:
     return runs
 
 
-def _step_packed(us: list[Tensor], states: list[State], group: Group, step: int) -> list[Tensor]:
+def _step_packed(
+    us: list[Tensor], states: list[State], group: Group, step: int, dims: list[int]
+) -> list[Tensor]:
     """One 8-bit Adam step of directions whose states were at ``step`` (their counters
-    already advanced), packed (see :meth:`ScaleByAdam8bit.update_many`)."""
+    already advanced) and whose moments are blocked along ``dims``, packed (see
+    :meth:`ScaleByAdam8bit.update_many`)."""
     m_key, v_key = "adam.exp_avg", "adam.exp_avg_sq"
     layout = tuple(
-        (s[m_key].shape[0], s[m_key].numel() // s[m_key].shape[0], int(s[AXIS])) for s in states
+        (s[m_key].shape[0], s[m_key].numel() // s[m_key].shape[0], dim)
+        for s, dim in zip(states, dims, strict=True)
     )
     index, blocks = dynamic8.pack_index(layout, rows=2)
     sizes = [s[m_key].numel() for s in states]
