@@ -13,11 +13,14 @@ State per direction of shape (…, m, n), in ``state_dtype``:
   that the small-tensor rule allows (≥ 4096 elements, ≥2-D, a blocked axis longer than 1:
   the momentum of a large direction, a long factor of a batched direction) are stored
   8-bit blockwise, ~1 byte per element, updated in fp32 (:mod:`galore2.storage.moments`);
-* three int64 CPU scalars: ``adafactor.step`` (t, drives ρ_t),
+* three int64 scalars: ``adafactor.step`` (t, drives ρ_t),
   ``adafactor.moment_step`` (k, the age of the second-moment estimate, drives β̂₂; equal
   to t unless the estimate was restarted, see reset/rotate below) and
   ``adafactor.split_dim`` (which dim of the direction FSDP splits, from the state layout:
   row/column means over a split dim and RMS(U) are all-reduced over the shard group).
+  All three on the CPU, except with ``capturable=True``: then t and k are on the
+  direction's device and ρ_t and β̂₂ are computed there by device ops (no host read: the
+  step can replay from a CUDA graph, see :mod:`galore2.core.capture`).
 
 The arithmetic follows ``torch.optim.Adafactor`` (its single-tensor path), so a plain
 group matches it to rounding. Per step, with G the direction (−G under ``maximize``)::
@@ -69,8 +72,9 @@ import torch
 from torch import Tensor
 
 from .._numerics import constants
+from ..core.counters import Counters
 from ..core.options import Bool, Option, Optional, Pair, Real
-from ..core.state import counter
+from ..core.state import counter, counter_on
 from ..core.transform import Context, Group, State, Transform
 from ..storage.dtype import STATE_DTYPE, warn_float16
 from ..storage.moments import (
@@ -110,6 +114,8 @@ SCALE_PARAMETER = Option(
 OPTIONS = (BETA2_DECAY, EPS, D, BETA1, RELATIVE_STEP, SCALE_PARAMETER, STATE_DTYPE)
 
 
+_CPU = torch.device("cpu")
+_COUNTS = ("adafactor.step", "adafactor.moment_step")
 _MOMENTS = ("adafactor.row_var", "adafactor.col_var", "adafactor.variance", "adafactor.exp_avg")
 
 
@@ -134,8 +140,10 @@ def _sharded_dim(ctx: Context, state: State) -> int | None:
     Read from ``adafactor.split_dim``, recorded at init from ``ctx.layout`` (update's
     context carries the parameter's layout, not the low-rank direction's).
     """
+    if not ctx.placement.distributed:
+        return None
     dim = int(state["adafactor.split_dim"])
-    return None if dim < 0 or not ctx.placement.distributed else dim
+    return None if dim < 0 else dim
 
 
 def _global_size(u: Tensor, dim: int, sharded: int | None, ctx: Context) -> int:
@@ -177,6 +185,29 @@ def _col_sq(u: Tensor) -> Tensor:
     return out
 
 
+def _device_counts(
+    states: list[State], group: Group, dtype: torch.dtype
+) -> tuple[Tensor | None, list[Tensor]]:
+    """Count a step in the device counters of ``states`` (``capturable=True``) and return,
+    by device ops (no host read), ρ_t/lr per tensor as a 1-D float64 tensor — min(1, (1/√t)/lr):
+    the host path's factor, 1 where ρ_t = lr; None without ``relative_step`` or with lr = 0
+    (ρ_t = lr) — and each tensor's lerp weight 1 − β̂₂ = k^beta2_decay, 0-d in ``dtype``
+    (the host's double arithmetic, then rounded as a Python weight is)."""
+    device = states[0][_moment(states[0])].device
+    for s in states:
+        for key in _COUNTS:
+            s[key] = counter_on(s[key], device)
+    counters = [s[key] for key in _COUNTS for s in states]
+    torch._foreach_add_(counters, 1)
+    t, k = torch.stack(counters).to(torch.float64).view(2, len(states)).unbind()
+    weights = torch.pow(k, group["beta2_decay"]).to(dtype)
+    lr = float(group["lr"])
+    factor = None
+    if RELATIVE_STEP.of(group) and lr > 0:
+        factor = t.sqrt_().reciprocal_().div_(lr).clamp_(max=1.0)
+    return factor, list(weights.unbind())
+
+
 class ScaleByAdafactor(Transform):
     """Adafactor (torch.optim.Adafactor's conventions); see the module docstring.
 
@@ -197,10 +228,20 @@ class ScaleByAdafactor(Transform):
     }
     linear_keys = ("adafactor.exp_avg",)
     second_keys = ("adafactor.row_var", "adafactor.col_var", "adafactor.variance")
+    #: kept on the direction's device with ``capturable=True`` (see :func:`_device_counts`)
+    device_counters = _COUNTS
 
     def __init__(self, *, moments: str = "state_dtype") -> None:
         """``moments``: moment storage, ``"state_dtype"`` or ``"dynamic8"`` (8-bit blockwise)."""
         self.moments = check_moments(moments)
+        self._counters = Counters()  # host step counters packed per batch
+
+    def capture_problem(self, group: Group) -> str | None:
+        """Why a step of this rule cannot replay from a CUDA graph (None: it can; see
+        :mod:`galore2.core.capture`): 8-bit moments quantize through host-side paths."""
+        if self.moments != "state_dtype":
+            return "Adafactor's 8-bit moments are not captured (their quantizers read the host)"
+        return None
 
     def __repr__(self) -> str:
         return f"ScaleByAdafactor(moments={self.moments!r})"
@@ -238,9 +279,11 @@ class ScaleByAdafactor(Transform):
             allocate("adafactor.variance", tuple(shape), ctx.layout, False)
         if BETA1.of(group) is not None:
             allocate("adafactor.exp_avg", tuple(shape), ctx.layout, True)
-        state["adafactor.step"] = counter()
+        # capturable: both step counters on the direction's device (see _device_counts)
+        device = ctx.param.device if group.get("capturable") else _CPU
+        state["adafactor.step"] = counter_on(counter(), device)
         state["adafactor.split_dim"] = counter(_SPLIT_DIM[ctx.layout])
-        state["adafactor.moment_step"] = counter()
+        state["adafactor.moment_step"] = counter_on(counter(), device)
 
     # ---- update ------------------------------------------------------------------
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
@@ -278,13 +321,14 @@ class ScaleByAdafactor(Transform):
             else:
                 out[i] = self.update(u, state, group, ctx)
         buckets: dict[tuple[Any, ...], list[int]] = {}
-        if batched:  # every step count in one host read (CPU counters)
-            counts = torch.stack(
-                [states[i][k] for k in ("adafactor.step", "adafactor.moment_step") for i in batched]
-            ).tolist()
+        if batched:
             eps1 = group["eps"][0]
-            for j, i in enumerate(batched):
-                steps = (counts[j], counts[len(batched) + j])
+            sts = [states[i] for i in batched]
+            if group.get("capturable"):  # device counters, advanced in _step_many
+                counts = [()] * len(batched)
+            else:  # host counters: advanced now, one add and one read per key when packed
+                counts = list(zip(*(self._advance(sts, key) for key in _COUNTS), strict=True))
+            for i, steps in zip(batched, counts, strict=True):
                 key = self._bucket(us[i], states[i], ctxs[i], steps, eps1)
                 buckets.setdefault(key, []).append(i)
         if buckets:
@@ -295,11 +339,19 @@ class ScaleByAdafactor(Transform):
                 [[ctxs[i] for i in idx] for idx in idxs],
                 [key[-1] for key in buckets],
                 group,
+                None if group.get("capturable") else [key[-3:-1] for key in buckets],
             )
             for idx, results in zip(idxs, done, strict=True):
                 for i, r in zip(idx, results, strict=True):
                     out[i] = r
         return out  # type: ignore[return-value]
+
+    def _advance(self, states: list[State], key: str) -> list[int]:
+        """Count a step in the host counters ``key`` of ``states``; their new values."""
+        if self._counters.packed(states, key) is None:
+            for s in states:  # a capturable state, now not: its device counters come back
+                s[key] = counter_on(s[key], _CPU)
+        return self._counters.advance(states, key)
 
     @staticmethod
     def _batchable(state: State, group: Group, ctx: Context) -> bool:
@@ -313,8 +365,8 @@ class ScaleByAdafactor(Transform):
     def _bucket(
         u: Tensor, state: State, ctx: Context, steps: tuple[int, int], eps1: float | None
     ) -> tuple[Any, ...]:
-        """The stack a batchable direction joins (its step counts given); its last entry is
-        eps1."""
+        """The stack a batchable direction joins (its host step counts given, or none: device
+        counters); its last entry is eps1, the two before it the step counts."""
         if eps1 is None:
             eps1 = _machine_eps(ctx.param.dtype)
         factored = "adafactor.row_var" in state
@@ -328,6 +380,7 @@ class ScaleByAdafactor(Transform):
         ctxs: list[list[Context]],
         eps1s: list[float],
         group: Group,
+        counts: list[tuple[int, int]] | None,
     ) -> list[list[Tensor]]:
         """:meth:`_step` of each bucket (same shape, dtypes, device, steps, eps1), stacked.
 
@@ -335,17 +388,20 @@ class ScaleByAdafactor(Transform):
         clamp, ``rsqrt`` and the product with U run once over that, and each bucket's V̂
         lands in its slice of one flat buffer (``bmm`` of the stacked factors, or the stack
         of its unfactored variances). Per bucket: the row and column means, the stacks of R
-        and C, V̂ = R·C / mean(R) and the scaling; per tensor nothing."""
+        and C, V̂ = R·C / mean(R) and the scaling; per tensor nothing.
+
+        ``counts``: each bucket's (t, k), the host counters already advanced; None: device
+        counters (``capturable=True``), advanced here, ρ_t and β̂₂ per tensor by device ops."""
         if len({sts[0][_moment(sts[0])].dtype for sts in states}) > 1:  # one dtype per flat
-            return [ScaleByAdafactor._step_many([b], [sts], [cs], [e], group)[0]
-                    for b, sts, cs, e in zip(us, states, ctxs, eps1s, strict=True)]  # fmt: skip
+            return [ScaleByAdafactor._step_many([b], [sts], [cs], [e], group,
+                                                None if counts is None else [c])[0]
+                    for b, sts, cs, e, c in zip(us, states, ctxs, eps1s,
+                                                counts or [None] * len(us), strict=True)]  # fmt: skip
         lr, eps2 = float(group["lr"]), group["eps"][1]
         beta1 = BETA1.of(group)
         every = [s for sts in states for s in sts]
-        # host counters, one call
-        torch._foreach_add_([s[k] for k in ("adafactor.step", "adafactor.moment_step")
-                             for s in every], 1)  # fmt: skip
         dtype = states[0][0][_moment(states[0][0])].dtype
+        device_counts = None if counts is not None else _device_counts(every, group, dtype)
         U = torch.cat([u.reshape(-1) for bucket in us for u in bucket])
         U = U if U.dtype == dtype else U.to(dtype)
         square = U * U
@@ -354,17 +410,14 @@ class ScaleByAdafactor(Transform):
         # the moment updates: one foreach lerp per distinct weight (equal moment steps share it)
         lerps: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
         slices: list[tuple[Tensor, Tensor, Tensor]] = []  # each bucket's U, U², V̂ (stacked)
-        start = 0
+        # device counters: one foreach lerp, each tensor's own weight (a 0-d device tensor)
+        device_lerps: tuple[list[Tensor], list[Tensor], list[Tensor]] = ([], [], [])
+        start = done = 0
         for bucket, sts in zip(us, states, strict=True):
             shape = (len(bucket), *bucket[0].shape)
             end = start + math.prod(shape)
             slices.append(tuple(t[start:end].view(shape) for t in (U, square, var_flat)))
             start = end
-            rho = lr
-            if RELATIVE_STEP.of(group):
-                rho = min(lr, 1 / (float(int(sts[0]["adafactor.step"])) ** 0.5))
-            factors.append(rho / lr if rho < lr else 1.0)
-            weight = float(int(sts[0]["adafactor.moment_step"])) ** group["beta2_decay"]
             sq = slices[-1][1]
             if "adafactor.row_var" in sts[0]:  # (g·g).mean(dim)
                 pairs = (
@@ -373,12 +426,27 @@ class ScaleByAdafactor(Transform):
                 )
             else:
                 pairs = (("adafactor.variance", sq),)
+            if device_counts is not None:
+                for key, new in pairs:
+                    device_lerps[0].extend(s[key] for s in sts)
+                    device_lerps[1].extend(new.unbind())
+                    device_lerps[2].extend(device_counts[1][done : done + len(sts)])
+                done += len(sts)
+                continue
+            t, k = counts[len(slices) - 1]
+            rho = lr
+            if RELATIVE_STEP.of(group):
+                rho = min(lr, 1 / (float(t) ** 0.5))
+            factors.append(rho / lr if rho < lr else 1.0)
+            weight = float(k) ** group["beta2_decay"]
             to, frm = lerps.setdefault(weight, ([], []))
             for key, new in pairs:
                 to += [s[key] for s in sts]
                 frm += new.unbind()
         for weight, (to, frm) in lerps.items():
             torch._foreach_lerp_(to, frm, weight)
+        if device_counts is not None:
+            torch._foreach_lerp_(*device_lerps)
         for sts, eps1, (_, _, var) in zip(states, eps1s, slices, strict=True):
             if "adafactor.row_var" in sts[0]:
                 R = torch.stack([s["adafactor.row_var"] for s in sts])
@@ -406,10 +474,12 @@ class ScaleByAdafactor(Transform):
             rms = torch.div(rms, constants(sizes, torch.float64, device)).clamp_(min=eps2)
             scale.mul_(rms)
         start = 0
-        for (_, _, var), factor in zip(slices, factors, strict=True):
+        for (_, _, var), factor in zip(slices, factors or [1.0] * len(slices), strict=True):
             if factor != 1.0:  # ρ_t/lr where ρ_t < lr (see _step)
                 scale[start : start + var.shape[0]].mul_(factor)
             start += var.shape[0]
+        if device_counts is not None and device_counts[0] is not None:
+            scale.mul_(device_counts[0])  # (× 1 exactly where ρ_t = lr)
         scale = scale.to(dtype)  # (as _step's 0-d scale multiplies in the moments' dtype)
         start = 0
         for _, _, var in slices:
@@ -439,13 +509,20 @@ class ScaleByAdafactor(Transform):
         if eps1 is None:
             eps1 = torch.finfo(ctx.param.dtype).eps
         lr = float(group["lr"])
-        state["adafactor.step"] += 1
-        state["adafactor.moment_step"] += 1
         rho = lr
-        if RELATIVE_STEP.of(group):
-            rho = min(lr, 1 / (float(int(state["adafactor.step"])) ** 0.5))
+        factor: Tensor | None = None  # ρ_t/lr from a device counter (capturable)
+        weight: float | Tensor
+        if group.get("capturable"):  # device counters: ρ_t/lr and 1 − β̂₂ by device ops
+            factor, (weight,) = _device_counts([state], group, moment.dtype)
+        else:
+            for key in _COUNTS:  # a capturable state, now not: its counters come back
+                state[key] = counter_on(state[key], _CPU)
+            state["adafactor.step"] += 1
+            state["adafactor.moment_step"] += 1
+            if RELATIVE_STEP.of(group):
+                rho = min(lr, 1 / (float(int(state["adafactor.step"])) ** 0.5))
+            weight = float(int(state["adafactor.moment_step"])) ** group["beta2_decay"]  # 1 − β̂₂
         scale_parameter = SCALE_PARAMETER.of(group)
-        weight = float(int(state["adafactor.moment_step"])) ** group["beta2_decay"]  # 1 − β̂₂
 
         sharded = _sharded_dim(ctx, state)
         param_sq = None  # Σθ² of this rank's shard, reduced with the moment statistics
@@ -481,6 +558,8 @@ class ScaleByAdafactor(Transform):
         scale = param_scale / clip
         if rho < lr:  # α_t/lr = max(eps2, RMS(θ))·ρ_t/lr; ρ_t = lr otherwise (lr = 0 included)
             scale = scale * (rho / lr)
+        if factor is not None:  # the same from the device counter (× 1 where ρ_t = lr)
+            scale = scale * factor[0]
         update.mul_(scale)
         if beta1 is None:
             return update
@@ -492,7 +571,7 @@ class ScaleByAdafactor(Transform):
     def _factored(
         u: Tensor,
         views: dict[str, Tensor],
-        weight: float,
+        weight: float | Tensor,
         eps1: float,
         sharded: int | None,
         param_sq: Tensor | None,
@@ -556,8 +635,16 @@ class ScaleByAdafactor(Transform):
         n·ΣR over this rank's rows, using mean(R) = mean(C) = mean(V̂). Replicated
         factors (GaLore's full side under FSDP) are counted once per rank, like Adam's.
         """
+        if group.get("capturable"):  # a device counter: no host read (0 before a step)
+            empty = state["adafactor.moment_step"].eq(0)
+            return self._sum(state).masked_fill_(empty, 0.0)
         if int(state["adafactor.moment_step"]) == 0:
             return torch.zeros((), dtype=torch.float64)
+        return self._sum(state)
+
+    @staticmethod
+    def _sum(state: State) -> Tensor:
+        """Σ V̂ of :meth:`second_moment_sum` (a step taken)."""
         if "adafactor.variance" in state:
             return state["adafactor.variance"].sum(dtype=torch.float64)
         row_var = stored_format(state, "adafactor.row_var", False).view(state, "adafactor.row_var")

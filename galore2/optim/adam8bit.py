@@ -57,16 +57,28 @@ class ScaleByAdam8bit(ScaleByAdam):
         cpu_loop = us and us[0].device.type == "cpu" and not group.get("foreach")
         if not us or cpu_loop or group.get("capturable"):
             return super().update_many(us, states, group, ctxs)
+        packable = [
+            i
+            for i, (state, ctx) in enumerate(zip(states, ctxs, strict=True))
+            if not ctx.placement.distributed and _packable(state)
+        ]
+        # every one of them steps below: their host counters advanced now (one add, one
+        # read when packed, see galore2.core.counters), packs formed by the new counts
+        steps = (
+            self._counters.advance([states[i] for i in packable], "adam.step") if packable else []
+        )
+        # their blocked axes (host scalars that never change) by one read as well
+        axes = self._counters.packed([states[i] for i in packable], AXIS) if packable else None
+        dims = dict(zip(packable, axes.tolist() if axes is not None else
+                        [int(states[i][AXIS]) for i in packable], strict=True))  # fmt: skip
         packs: dict[tuple[Any, ...], list[int]] = {}
-        for i, (u, state, ctx) in enumerate(zip(us, states, ctxs, strict=True)):
-            key = None if ctx.placement.distributed else _pack_key(u, state)
-            if key is not None:
-                packs.setdefault(key, []).append(i)
+        for i, t in zip(packable, steps, strict=True):
+            packs.setdefault((t - 1, us[i].device, us[i].dtype), []).append(i)
         out: list[Tensor | None] = [None] * len(us)
         for key, idx in packs.items():
             for part in _split(idx, [states[i]["adam.exp_avg"].numel() for i in idx]):
                 done = _step_packed([us[i] for i in part], [states[i] for i in part], group,
-                                    key[0])  # fmt: skip
+                                    key[0], [dims[i] for i in part])  # fmt: skip
                 for i, r in zip(part, done, strict=True):
                     out[i] = r
         rest = [i for i, r in enumerate(out) if r is None]
@@ -83,15 +95,13 @@ _PACK = 1 << 21  # elements per pack and moment (bounded temporaries: ~50 bytes 
 _SIGNS = (True, False)  # the packed rows: first moments (signed map), second (unsigned)
 
 
-def _pack_key(u: Tensor, state: State) -> tuple[Any, ...] | None:
-    """Which pack an 8-bit direction joins (None: it steps alone): its step, device and
-    dtype."""
+def _packable(state: State) -> bool:
+    """Does an 8-bit direction step in a pack (else alone)? Packs are formed by its step
+    count, device and dtype."""
     if not is_quantized(state, "adam.exp_avg"):
-        return None
+        return False
     codes = state["adam.exp_avg"]
-    if not dynamic8.use_torch(codes) or not all(state[k].is_contiguous() for k in _KEYS):
-        return None
-    return int(state["adam.step"]), u.device, u.dtype
+    return dynamic8.use_torch(codes) and all(state[k].is_contiguous() for k in _KEYS)
 
 
 def _split(idx: list[int], sizes: list[int]) -> list[list[int]]:
@@ -107,12 +117,16 @@ def _split(idx: list[int], sizes: list[int]) -> list[list[int]]:
     return runs
 
 
-def _step_packed(us: list[Tensor], states: list[State], group: Group, step: int) -> list[Tensor]:
-    """One 8-bit Adam step of directions whose states are at ``step``, packed (see
+def _step_packed(
+    us: list[Tensor], states: list[State], group: Group, step: int, dims: list[int]
+) -> list[Tensor]:
+    """One 8-bit Adam step of directions whose states were at ``step`` (their counters
+    already advanced) and whose moments are blocked along ``dims``, packed (see
     :meth:`ScaleByAdam8bit.update_many`)."""
     m_key, v_key = "adam.exp_avg", "adam.exp_avg_sq"
     layout = tuple(
-        (s[m_key].shape[0], s[m_key].numel() // s[m_key].shape[0], int(s[AXIS])) for s in states
+        (s[m_key].shape[0], s[m_key].numel() // s[m_key].shape[0], dim)
+        for s, dim in zip(states, dims, strict=True)
     )
     index, blocks = dynamic8.pack_index(layout, rows=2)
     sizes = [s[m_key].numel() for s in states]
@@ -120,7 +134,6 @@ def _step_packed(us: list[Tensor], states: list[State], group: Group, step: int)
     codes = torch.cat([s[k].view(-1) for k in (m_key, v_key) for s in states]).view(2, n)
     absmax = torch.cat([s[k + ".absmax"].view(-1) for k in (m_key, v_key) for s in states])
     x = dynamic8.dequantize_packed(codes, absmax, index, _SIGNS)
-    torch._foreach_add_([s["adam.step"] for s in states], 1)  # host counters, one call
     u = torch.cat([u.reshape(-1) for u in us])
     out = ScaleByAdam._arith(u, x[0], x[1], step + 1, group)
     packed = dynamic8.quantize_packed(x, index, blocks, _SIGNS)

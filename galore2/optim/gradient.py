@@ -72,6 +72,11 @@ class AdaptiveGradientClipping(GradientTransform):
     name = "agc"
     options = (AGC_CLIP, AGC_EPS)
 
+    def capture_problem(self, group: Group) -> str | None:
+        """None: the clipping factors are computed by device ops only, so a step can replay from a CUDA graph
+        (:mod:`galore2.core.capture`)."""
+        return None
+
     def apply_(self, grad: Tensor, group: Group, state: State, ctx: Context) -> None:
         """Clip each unit of ``grad`` in place to ``agc_clip`` times its weight's norm."""
         clip = float(AGC_CLIP.of(group))
@@ -119,6 +124,11 @@ class CentralizeGradient(GradientTransform):
 
     name = "gc"
 
+    def capture_problem(self, group: Group) -> str | None:
+        """None: the row means are subtracted by device ops only, so a step can replay from a CUDA graph
+        (:mod:`galore2.core.capture`)."""
+        return None
+
     def apply_(self, grad: Tensor, group: Group, state: State, ctx: Context) -> None:
         """Subtract each row's mean from ``grad`` in place (≤1-D gradients unchanged)."""
         if grad.dim() < 2:
@@ -158,6 +168,11 @@ class NormalizeGradient(GradientTransform):
 
     name = "gn"
     options = (GN_EPS,)
+
+    def capture_problem(self, group: Group) -> str | None:
+        """None: the standard deviation is computed and applied by device ops only, so a step can replay from a CUDA graph
+        (:mod:`galore2.core.capture`)."""
+        return None
 
     def apply_(self, grad: Tensor, group: Group, state: State, ctx: Context) -> None:
         """Divide ``grad`` in place by its population std plus ``gn_eps`` (global under FSDP)."""

@@ -120,6 +120,14 @@ def _sharded_dim(split: int, placement: Placement) -> int | None:
     return None if split < 0 or not placement.distributed else split
 
 
+def _split_of(state: State, placement: Placement) -> int | None:
+    """:func:`_sharded_dim` of a direction's recorded ``muon.split_dim``: read (a host
+    counter) only in a distributed run."""
+    if not placement.distributed:
+        return None
+    return _sharded_dim(int(state["muon.split_dim"]), placement)
+
+
 class ScaleByMuon(Transform):
     """Orthogonalized momentum of a 2-D direction; see the module docstring."""
 
@@ -127,6 +135,18 @@ class ScaleByMuon(Transform):
     options = (MOMENTUM, NESTEROV, ORTHOGONALIZE, NS_STEPS, ADJUST_LR_FN, STATE_DTYPE)
     kinds: ClassVar[dict[str, str]] = {"muon.momentum": "moments", "muon.split_dim": "other"}
     linear_keys = ("muon.momentum",)
+
+    def capture_problem(self, group: Group) -> str | None:
+        """Why a step of this rule cannot replay from a CUDA graph (None: it can; see
+        :mod:`galore2.core.capture`). Muon keeps no step counter: its Newton–Schulz step is
+        device arithmetic only; ``orthogonalize="polar"`` is refused (``torch.linalg.eigh``
+        checks its convergence on the host)."""
+        if group["orthogonalize"] == "polar":
+            return (
+                "Muon's orthogonalize='polar' is not captured (torch.linalg.eigh reads its "
+                "convergence flag on the host)"
+            )
+        return None
 
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
@@ -154,7 +174,7 @@ class ScaleByMuon(Transform):
         u = u.to(buf.dtype)
         buf.lerp_(u, 1 - beta)
         x = u.lerp(buf, beta) if group["nesterov"] else buf
-        sharded = _sharded_dim(int(state["muon.split_dim"]), ctx.placement)
+        sharded = _split_of(state, ctx.placement)
         rows, cols = _global_2d(x, sharded, ctx)
         transpose = rows > cols  # work on short × long
         X = x.mT if transpose else x
@@ -184,8 +204,7 @@ class ScaleByMuon(Transform):
             i
             for i, (s, c) in enumerate(zip(states, ctxs, strict=True))
             if type(s) is StackedState  # a shape batch of local matrices (k × r × n)
-            or not c.placement.distributed
-            or _sharded_dim(int(s["muon.split_dim"]), c.placement) is None
+            or _split_of(s, c.placement) is None
         ]
         out: list[Tensor | None] = [None] * len(us)
         for i in sorted(set(range(len(us))) - set(whole)):
@@ -277,6 +296,10 @@ class MuonOrAdam(Transform):
     def stacks(self, group: Group, device: torch.device) -> bool:
         """Stacked entries where both of its rules take them (a stack holds one's state)."""
         return self.muon.stacks(group, device) and self.adam.stacks(group, device)
+
+    def capture_problem(self, group: Group) -> str | None:
+        """None: the choice is by state keys; Muon and Adam answer for themselves (``walk``)."""
+        return None
 
     def _pick(self, state: State) -> Transform:
         return self.muon if "muon.momentum" in state else self.adam

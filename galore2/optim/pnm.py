@@ -4,9 +4,12 @@ Acts on: whatever direction it is given — the full gradient in a plain group,
 the projected r×n (or m×r) gradient inside :class:`~galore2.optim.galore.GaLore`.
 State per element of the direction: 3 values in ``state_dtype`` (``pnm.exp_avg``,
 ``pnm.neg_exp_avg``, ``pnm.exp_avg_sq``), 4 with ``amsgrad`` (``pnm.max_exp_avg_sq``),
-plus one int64 step counter on the CPU (``pnm.step``). ``moments="dynamic8"`` (Ranger21's
-``moments_8bit``) stores the moments of large directions 8-bit blockwise instead, ~1 byte
-per element each, updated in fp32 (see :mod:`galore2.storage.moments`).
+plus one int64 step counter (``pnm.step``: on the CPU; with ``capturable=True`` on the
+direction's device, and every step's coefficients computed there from it — no host read,
+so the step can replay from a CUDA graph, see :mod:`galore2.core.capture`).
+``moments="dynamic8"`` (Ranger21's ``moments_8bit``) stores the moments of large
+directions 8-bit blockwise instead, ~1 byte per element each, updated in fp32 (see
+:mod:`galore2.storage.moments`).
 
 Math at step t (1-based), with (β₁, β₂) = ``betas``, β₀ = ``pnm_beta0`` (default 1)::
 
@@ -47,8 +50,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import _numerics
+from ..core.counters import Counters
 from ..core.options import Bool, Option, Real
-from ..core.state import counter
+from ..core.state import counter, counter_on
 from ..core.transform import Context, Group, State, Transform
 from ..storage.dtype import STATE_DTYPE, warn_float16
 from ..storage.moments import (
@@ -91,6 +96,7 @@ def _corrections(t: int, beta1: float, adamd: bool) -> tuple[float, float]:
     return 1.0 - a**n_active, (1.0 - a**n_passive if n_passive else 0.0)
 
 
+_CPU = torch.device("cpu")
 AXIS = "pnm.block_dim"  # the blocked axis of every 8-bit moment (same shape and layout)
 
 
@@ -114,6 +120,8 @@ class ScaleByPNM(Transform):
     }
     linear_keys = ("pnm.exp_avg", "pnm.neg_exp_avg")
     quadratic_keys: tuple[str, ...] = ("pnm.exp_avg_sq",)
+    #: kept on the direction's device with ``capturable=True`` (see :meth:`_captured`)
+    device_counters = ("pnm.step",)
 
     def __init__(
         self,
@@ -127,6 +135,14 @@ class ScaleByPNM(Transform):
         self.moments = check_moments(moments)
         if self.amsgrad:
             self.quadratic_keys = ("pnm.exp_avg_sq", "pnm.max_exp_avg_sq")
+        self._counters = Counters()  # host step counters packed per batch
+
+    def capture_problem(self, group: Group) -> str | None:
+        """Why a step of this rule cannot replay from a CUDA graph (None: it can; see
+        :mod:`galore2.core.capture`): 8-bit moments quantize through host-side paths."""
+        if self.moments != "state_dtype":
+            return "PNM's 8-bit moments are not captured (their quantizers read the host)"
+        return None
 
     def __repr__(self) -> str:
         return (
@@ -153,7 +169,10 @@ class ScaleByPNM(Transform):
                 self.moments, tuple(shape), ctx.layout, group["state_dtype"], signed
             )
             fmt.allocate(state, key, tuple(shape), ctx.layout, zeros, AXIS)
-        state["pnm.step"] = counter()
+        # capturable: counted on the direction's device (see _captured)
+        state["pnm.step"] = (
+            counter_on(counter(), ctx.param.device) if group.get("capturable") else counter()
+        )
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
         """Update the moments with ``u`` and return the positive-negative momentum direction."""
@@ -167,12 +186,15 @@ class ScaleByPNM(Transform):
         return out
 
     def _step(self, u: Tensor, views: dict[str, Tensor], state: State, group: Group) -> Tensor:
+        if group.get("capturable"):
+            return self._captured([u], [views], [state], group)[0]
         exp_avg, neg_exp_avg = views["pnm.exp_avg"], views["pnm.neg_exp_avg"]
         exp_avg_sq = views["pnm.exp_avg_sq"]
         if u.dtype != exp_avg.dtype:
             u = u.to(exp_avg.dtype)
         beta1, beta2 = group["betas"]
         beta0 = float(PNM_BETA0.of(group))
+        state["pnm.step"] = counter_on(state["pnm.step"], _CPU)  # a capturable state, now not
         state["pnm.step"] += 1
         t = int(state["pnm.step"])
         active, passive = (exp_avg, neg_exp_avg) if t % 2 == 1 else (neg_exp_avg, exp_avg)
@@ -205,17 +227,103 @@ class ScaleByPNM(Transform):
             return [self.update(u, s, group, c) for u, s, c in zip(us, states, ctxs, strict=True)]
         out: list[Tensor | None] = [None] * len(us)
         plain = [i for i, s in enumerate(states) if not is_quantized(s, "pnm.exp_avg")]
-        counters = [states[i]["pnm.step"] for i in plain]
-        if counters:
-            torch._foreach_add_(counters, 1)  # host counters, one call
+        if group.get("capturable"):  # device counters: one batch per moment dtype
+            by_dtype: dict[torch.dtype, list[int]] = {}
+            for i in plain:
+                by_dtype.setdefault(states[i]["pnm.exp_avg_sq"].dtype, []).append(i)
+            for batch in by_dtype.values():
+                views = [{k: states[i][k] for k, _ in self._keys()} for i in batch]
+                results = self._captured([us[i] for i in batch], views,
+                                         [states[i] for i in batch], group)  # fmt: skip
+                for i, r in zip(batch, results, strict=True):
+                    out[i] = r
+            return self.update_rest(out, us, states, group, ctxs)
+        plain_states = [states[i] for i in plain]
+        if plain and self._counters.packed(plain_states, "pnm.step") is None:
+            for s in plain_states:  # a capturable state, now not: its counters come back
+                s["pnm.step"] = counter_on(s["pnm.step"], _CPU)
+        # host counters: one add and one read when packed
+        steps = self._counters.advance(plain_states, "pnm.step") if plain else []
         by_step: dict[tuple[int, torch.dtype], list[int]] = {}  # usually one batch for all
-        for i, t in zip(plain, map(int, counters), strict=True):
+        for i, t in zip(plain, steps, strict=True):
             by_step.setdefault((t, states[i]["pnm.exp_avg_sq"].dtype), []).append(i)
         for (t, _), batch in by_step.items():
             results = self._foreach([us[i] for i in batch], [states[i] for i in batch], group, t)
             for i, r in zip(batch, results, strict=True):
                 out[i] = r
         return self.update_rest(out, us, states, group, ctxs)
+
+    def _coefficients(self, steps: Tensor, group: Group, dtype: torch.dtype) -> list[Tensor]:
+        """Per tensor, from its advanced device counter (``steps``, 1-D int64) by device ops:
+        the lerp weights of ``exp_avg`` and ``neg_exp_avg`` (1 − β₁² for the active buffer,
+        0 for the passive one), their coefficients in the numerator (the active one's
+        (1 + β₀)/(norm·bc_a), the passive one's −β₀/(norm·bc_p), 0 while it is empty) and
+        √(1 − β₂ᵗ): five 1-D tensors, the first four in ``dtype``, the last float64 — the
+        host path's double arithmetic (:func:`_corrections`), on the device."""
+        beta1, beta2 = group["betas"]
+        beta0 = float(PNM_BETA0.of(group))
+        a = beta1 * beta1
+        norm = math.sqrt((1 + beta0) ** 2 + beta0**2)
+        device = steps.device
+        odd = steps.remainder(2).bool()
+        if self.adamd:  # no first-moment correction: 1, and 0 for an empty passive buffer
+            bc_a = torch.ones_like(steps, dtype=torch.float64)
+            bc_p = steps.ge(2).to(torch.float64)
+        else:
+            halves = torch.stack([steps.add(1), steps]).div_(2, rounding_mode="floor")
+            bc = torch.rsub(torch.pow(_numerics.constants((a,), torch.float64, device), halves), 1)
+            bc_a, bc_p = bc.unbind()
+        c = _numerics.constants((1 + beta0, -beta0), torch.float64, device)
+        c_a = torch.div(c[0], bc_a.mul(norm))
+        c_p = torch.div(c[1], bc_p.mul(norm)).masked_fill_(bc_p.eq(0), 0.0)
+        if beta0 == 0:
+            c_p.zero_()
+        w = odd.to(torch.float64).mul_(1 - a)
+        w_neg = torch.rsub(odd.to(torch.float64), 1).mul_(1 - a)
+        c_pos, c_neg = torch.where(odd, c_a, c_p), torch.where(odd, c_p, c_a)
+        bc2 = torch.rsub(torch.pow(beta2, steps.to(torch.float64)), 1).sqrt_()
+        return [w.to(dtype), w_neg.to(dtype), c_pos.to(dtype), c_neg.to(dtype), bc2]
+
+    def _captured(
+        self, us: list[Tensor], views: list[dict[str, Tensor]], states: list[State], group: Group
+    ) -> list[Tensor]:
+        """:meth:`_step`'s math with device counters (``capturable=True``) over tensors whose
+        moments (``views``) share a dtype: both momenta lerp with device weights (0 for the
+        passive one, which leaves it as it was), so nothing depends on the host's parity of
+        ``t``. No host read, no tensor made from host data after the first step."""
+        device = views[0]["pnm.exp_avg"].device
+        for s in states:
+            s["pnm.step"] = counter_on(s["pnm.step"], device)
+        counters = [s["pnm.step"] for s in states]
+        torch._foreach_add_(counters, 1)
+        exp_avgs = [v["pnm.exp_avg"] for v in views]
+        neg_exp_avgs = [v["pnm.neg_exp_avg"] for v in views]
+        exp_avg_sqs = [v["pnm.exp_avg_sq"] for v in views]
+        dtype = exp_avgs[0].dtype
+        us = [u if u.dtype == dtype else u.to(dtype) for u in us]
+        _, beta2 = group["betas"]
+        w_pos, w_neg, c_pos, c_neg, bc2 = (
+            list(x.unbind()) for x in self._coefficients(torch.stack(counters), group, dtype)
+        )
+        torch._foreach_lerp_(exp_avgs, us, w_pos)
+        torch._foreach_lerp_(neg_exp_avgs, us, w_neg)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, us, us, value=1 - beta2)
+        v = exp_avg_sqs
+        if self.amsgrad:
+            v = [x["pnm.max_exp_avg_sq"] for x in views]
+            torch._foreach_maximum_(v, exp_avg_sqs)
+        out = torch._foreach_mul(exp_avgs, c_pos)
+        torch._foreach_addcmul_(out, neg_exp_avgs, c_neg)
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, bc2)
+        if self.softplus:
+            sp_beta = float(SOFTPLUS_BETA.of(group))
+            denom = [F.softplus(d, beta=sp_beta) for d in denom]
+        else:
+            torch._foreach_add_(denom, group["eps"])
+        torch._foreach_div_(out, denom)
+        return list(out)
 
     def _foreach(self, us: list[Tensor], states: list[State], group: Group, t: int) -> list[Tensor]:
         """:meth:`_step`'s math over tensors (moments of one dtype) whose counters were
@@ -255,7 +363,13 @@ class ScaleByPNM(Transform):
         step counts: the caller sums per tensor)."""
         if any(is_quantized(s, "pnm.exp_avg_sq") for s in states):
             return None
-        steps = {int(s["pnm.step"]) for s in states}
+        if group.get("capturable"):  # device counters: each sum corrected by its own count
+            td = torch.stack([s["pnm.step"] for s in states]).to(torch.float64)
+            sums = torch.stack(torch._foreach_norm([s["pnm.exp_avg_sq"] for s in states], 1))
+            total = sums.to(torch.float64) / torch.rsub(torch.pow(group["betas"][1], td), 1)
+            return total.masked_fill_(td.eq(0), 0.0).sum()
+        packed = self._counters.packed(states, "pnm.step")  # the step's pack: one read
+        steps = set(packed.tolist()) if packed is not None else {int(s["pnm.step"]) for s in states}
         if len(steps) != 1:
             return None
         t = steps.pop()
@@ -266,6 +380,11 @@ class ScaleByPNM(Transform):
 
     def second_moment_sum(self, state: State, group: Group) -> Tensor | None:
         """Σ v / (1 − β₂^t) of the EMA ``pnm.exp_avg_sq`` (not the amsgrad max), float64."""
+        if group.get("capturable"):  # a device counter: no host read
+            v = stored_format(state, "pnm.exp_avg_sq", False).view(state, "pnm.exp_avg_sq", AXIS)
+            td = state["pnm.step"].to(torch.float64)
+            total = v.sum(dtype=torch.float64) / torch.rsub(torch.pow(group["betas"][1], td), 1)
+            return total.masked_fill_(td.eq(0), 0.0)
         t = int(state["pnm.step"])
         if t == 0:
             return torch.zeros((), dtype=torch.float64)

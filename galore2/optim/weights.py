@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .._numerics import generator_for, mix_seed
+from ..core.counters import Counters
 from ..core.modules import ParamTransform, Stats
 from ..core.options import Choice, Int, Option, Optional, Real
 from ..core.state import counter
@@ -64,6 +65,11 @@ class NormLoss(ParamTransform):
 
     name = "norm_loss"
     options = (NORM_LOSS_FACTOR, NORM_LOSS_EPS)
+
+    def capture_problem(self, group: Group) -> str | None:
+        """None: the unit norms and factors are computed by device ops only, so a step can replay from a CUDA graph
+        (:mod:`galore2.core.capture`)."""
+        return None
 
     def apply_(self, group: Group, state: State, ctx: Context, stats: Stats | None) -> None:
         """Pull each unit of the weight ``ctx.param`` toward norm 1, in place."""
@@ -123,6 +129,11 @@ class StableWeightDecay(ParamTransform):
     name = "swd"
     needs_stats = True
     owns_weight_decay = True
+
+    def capture_problem(self, group: Group) -> str | None:
+        """None: σ and the decay factor stay on the device by device ops only, so a step can replay from a CUDA graph
+        (:mod:`galore2.core.capture`)."""
+        return None
 
     def uses_stats(self, group: Group) -> bool:
         """σ is read only where the decay is not 0."""
@@ -218,6 +229,16 @@ class Lookahead(ParamTransform):
             self.slow_dtype = None
         else:
             raise ValueError(f"slow_dtype must be None or 'bfloat16', got {slow_dtype!r}")
+        self._counters = Counters()  # host step counters packed per batch
+
+    def capture_problem(self, group: Group) -> str | None:
+        """Refused (:mod:`galore2.core.capture`): whether a step synchronizes the slow
+        weights is decided on the host from ``lookahead.step``, so a captured graph would
+        repeat the branch of the step it recorded at every replay."""
+        return (
+            "Lookahead decides on the host which steps synchronize its slow weights (every "
+            "lookahead_k-th): a graph would replay one branch; use use_lookahead=False"
+        )
 
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
@@ -243,15 +264,15 @@ class Lookahead(ParamTransform):
     ) -> None:
         """:meth:`apply_` over a batch: the counters by one host add; slow weights in the
         parameters' dtype are synchronized by two foreach kernels (bfloat16 ones per tensor)."""
-        counters = [state["lookahead.step"] for state in states]
-        torch._foreach_add_(counters, 1)
+        # host counters: one add and one read when packed (galore2.core.counters)
+        steps = self._counters.advance(states, "lookahead.step")
         k = int(LOOKAHEAD_K.of(group))
-        due = [i for i, step in enumerate(map(int, counters)) if step % k == 0]
+        due = [i for i, step in enumerate(steps) if step % k == 0]
         if not due:
             return
         if self.slow_dtype is not None or len(due) == 1:
             for i in due:
-                self._sync(group, states[i], ctxs[i], int(counters[i]))
+                self._sync(group, states[i], ctxs[i], steps[i])
             return
         slows = [states[i]["lookahead.slow"] for i in due]
         ws = [ctxs[i].param for i in due]

@@ -34,7 +34,8 @@ def _groups(model):
         (lambda m: galore2.GaLoreAdamW(_groups(m), capturable=True, compile=True),
          "compile=True"),
         (lambda m: galore2.APOLLO(_groups(m), capturable=True), "random projector"),
-        (lambda m: galore2.GaLoreAdafactor(_groups(m), capturable=True), "not known to replay"),
+        (lambda m: galore2.GaLoreAdafactor(_groups(m), capturable=True, moments_8bit=True),
+         "8-bit moments"),
         (lambda m: galore2.Ranger21(m.parameters(), capturable=True, num_iterations=10),
          "LR schedule"),
     ],
@@ -64,7 +65,7 @@ def test_needs_cuda_tensors():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("preset", ["GaLoreAdamW", "Fira"])
+@pytest.mark.parametrize("preset", ["GaLoreAdamW", "Fira", "GaLoreMuon", "GaLoreAdafactor"])
 def test_replayed_steps_are_bitwise_the_eager_ones(preset):
     torch.manual_seed(0)
     model = torch.nn.Sequential(

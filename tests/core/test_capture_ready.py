@@ -2,9 +2,11 @@
 
 * no device→host read: no ``_local_scalar_dense`` (``int()``, ``float()``, ``.item()``) of any
   tensor but the host-resident schedule counters (0-d int64 state that stays on the CPU on
-  every device: ``galore.step``…). Adam's ``adam.step`` is *not* one of them with
-  ``capturable=True``: it lives on the parameters' device and the bias corrections are
-  computed there, so reading it fails the test;
+  every device: ``galore.step``…). The rules' step counters (Adam's ``adam.step``, PNM's
+  ``pnm.step``, Adafactor's ``adafactor.step`` and ``adafactor.moment_step``: each
+  module's ``device_counters``) are *not* among them with ``capturable=True``: they live on
+  the parameters' device and what depends on them is computed there, so reading one fails
+  the test;
 * no tensor created on the host: no op that makes a tensor from Python data
   (``lift_fresh``: ``torch.tensor(...)``; ``scalar_tensor``: ``torch.where(c, x, 0.0)``) and
   no factory without a ``device`` (``torch.zeros(())`` lands on the CPU on any machine);
@@ -52,12 +54,13 @@ class HostWatch(TorchDispatchMode):
 
 
 def host_counters(opt: torch.optim.Optimizer) -> set[int]:
-    """Data pointers of the state's host-resident counters (never ``adam.step`` here)."""
+    """Data pointers of the state's host-resident counters (never a rule's step counter,
+    ``device_counters``: ``adam.step``, ``pnm.step``, ``adafactor.step``…)."""
     return {
         t.data_ptr()
         for s in opt.state.values()
         for k, t in s.items()
-        if t.dim() == 0 and not t.is_floating_point() and k != "adam.step"
+        if t.dim() == 0 and not t.is_floating_point() and k not in opt._device_counters
     }
 
 
@@ -87,14 +90,47 @@ def _step_watched(key: str, **options) -> tuple[HostWatch, torch.optim.Optimizer
         ("galore_adamw", {}),  # per tensor (the CPU's default)
         ("galore2_fira", {"foreach": True}),  # the limiter reads Adam's bias correction
         ("galore2_muon", {"foreach": True}),
+        ("galore2_muon", {}),
+        ("galore_adafactor", {"foreach": True}),  # ρ_t, β̂₂ from the device counters
+        ("galore_adafactor", {}),
+        ("galore_adafactor", {"relative_step": False, "beta1": 0.9}),
+        ("ranger21", {"foreach": True}),  # PNM's corrections and parity on the device
+        ("ranger21", {"amsgrad": True, "adamd": True}),
+        ("galore_ranger21", {"foreach": True}),
     ],
 )
 def test_capturable_step_reads_nothing_and_makes_no_host_tensor(key, options):
     watch, opt = _step_watched(key, **options)
     assert watch.reads == [], watch.reads
     assert watch.made == [], watch.made
-    steps = [s["adam.step"] for s in opt.state.values() if "adam.step" in s]
+    keys = ("adam.step", "pnm.step", "adafactor.step")
+    steps = [t for s in opt.state.values() for k, t in s.items() if k in keys]
+    assert steps and all(t.dtype == torch.int64 for t in steps)
     assert all(int(t) == 3 for t in steps)  # counted on the device, every step
+
+
+@pytest.mark.parametrize(
+    "key,counter",
+    [("galore_adafactor", "adafactor.step"), ("ranger21", "pnm.step")],
+)
+def test_a_read_of_a_rules_counter_is_seen(key, counter):
+    """The watch sees the per-tensor host path read Adafactor's and PNM's counters
+    (``int()``) when the step is not capturable: the test above can fail."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tiny_model()
+        opt = contender_maker(key)(model)
+        for step in range(2):
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            if step == 0:
+                opt.step()
+                continue
+            watch = HostWatch(host_counters(opt))
+            with watch:
+                opt.step()
+    assert any(counter in s for s in opt.state.values())
+    assert watch.reads
 
 
 def test_a_read_of_adams_counter_is_seen():
