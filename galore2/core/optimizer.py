@@ -860,7 +860,7 @@ def apply_masked(
     decays: list[Tensor] | None,
 ) -> None:
     """``p ← decay·p − lr·mask·u`` with ``mask`` (1 or 0) and ``decay`` 0-d device tensors per
-    parameter (the masked step, ``capturable=True``): dense updates by two foreach kernels,
+    parameter (the masked step, ``capturable=True``): dense updates by three foreach kernels,
     low-rank ones by their factor ``B`` times the mask and one fused matmul each. Updates are
     finite (a masked parameter stepped on a zero gradient), so ``u·0`` is 0."""
     dense = [i for i, u in enumerate(updates) if not isinstance(u, LowRankUpdate)]
@@ -868,10 +868,10 @@ def apply_masked(
         ps = [params[i] for i in dense]
         if decays is not None:
             torch._foreach_mul_(ps, [decays[i] for i in dense])
-        # p + (−lr·u)·mask in one kernel (mask exactly 1 or 0): the same bits as the host
-        # path's p − lr·u where usable, p where masked
-        torch._foreach_addcmul_(ps, [updates[i] for i in dense], [masks[i] for i in dense],  # type: ignore[misc]
-                                value=-lr)  # fmt: skip
+        # u·mask, then p − lr·(u·mask): the same bits as the host path's p − lr·u where usable
+        # (one addcmul would round (−lr·u)·mask apart from add's fused p + α·u: not the bits)
+        us = torch._foreach_mul([updates[i] for i in dense], [masks[i] for i in dense])  # type: ignore[misc]
+        torch._foreach_add_(ps, us, alpha=-lr)
     for p, u, mask, i in zip(params, updates, masks, range(len(params)), strict=True):
         if isinstance(u, LowRankUpdate):
             if decays is not None:
