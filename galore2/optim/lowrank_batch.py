@@ -21,6 +21,13 @@ counters of the batched matrices (see :meth:`BatchPlan.due`); a matrix due for a
 leaves its batch for that step and takes the per-tensor path (:meth:`GaLore._project`),
 which refreshes it.
 
+**Stacked entries**: where every rule of the inner chain takes them
+(:meth:`~galore2.core.transform.Transform.stacks`), a batch goes through the inner chain as
+one entry — its k × r × n stack of projected gradients, with a
+:class:`~galore2.core.transform.StackedState` whose moments are k × r × n stacks of the
+matrices' own (:meth:`ShapeBatch.stacked_state`, packed once by :mod:`galore2.core.packing`)
+— so a rule's kernels run once per shape, not once per matrix.
+
 **Stacked bases** (:class:`ShapeBatch`): a basis changes only at a refresh, so a batch
 keeps its bases stacked (up to :data:`MAX_CACHED_BYTES` per batch: where a step is
 launch-bound), and re-stacks them when one of the stored tensors was replaced or written
