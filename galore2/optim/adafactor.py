@@ -82,6 +82,7 @@ from ..storage.moments import (
     is_quantized,
     moment_format,
     moment_kinds,
+    moments_capture_problem,
     reset_moments,
     stored_format,
 )
@@ -239,9 +240,7 @@ class ScaleByAdafactor(Transform):
     def capture_problem(self, group: Group) -> str | None:
         """Why a step of this rule cannot replay from a CUDA graph (None: it can; see
         :mod:`galore2.core.capture`): 8-bit moments quantize through host-side paths."""
-        if self.moments != "state_dtype":
-            return "Adafactor's 8-bit moments are not captured (their quantizers read the host)"
-        return None
+        return moments_capture_problem(self.moments, "Adafactor")
 
     def __repr__(self) -> str:
         return f"ScaleByAdafactor(moments={self.moments!r})"

@@ -67,6 +67,7 @@ from ..storage.moments import (
     is_quantized,
     moment_format,
     moment_kinds,
+    moments_capture_problem,
     reset_moments,
     rotate_moments,
     stored_format,
@@ -261,8 +262,9 @@ class ScaleByAdam(Transform):
         """Why a step of this rule cannot replay from a CUDA graph (None: it can; see
         :mod:`galore2.core.capture`): 8-bit moments quantize through host-side paths, and
         ``compile=True`` compiles inside the step."""
-        if self.moments != "state_dtype":
-            return "8-bit moments are not captured (their quantizers read the host)"
+        problem = moments_capture_problem(self.moments, "Adam")
+        if problem is not None:
+            return problem
         if group.get("compile"):
             return "compile=True compiles inside the step: capture without it"
         return None

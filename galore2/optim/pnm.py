@@ -61,6 +61,7 @@ from ..storage.moments import (
     is_quantized,
     moment_format,
     moment_kinds,
+    moments_capture_problem,
     reset_moments,
     rotate_moments,
     stored_format,
@@ -140,9 +141,7 @@ class ScaleByPNM(Transform):
     def capture_problem(self, group: Group) -> str | None:
         """Why a step of this rule cannot replay from a CUDA graph (None: it can; see
         :mod:`galore2.core.capture`): 8-bit moments quantize through host-side paths."""
-        if self.moments != "state_dtype":
-            return "PNM's 8-bit moments are not captured (their quantizers read the host)"
-        return None
+        return moments_capture_problem(self.moments, "PNM")
 
     def __repr__(self) -> str:
         return (
@@ -307,12 +306,7 @@ class ScaleByPNM(Transform):
         )
         torch._foreach_lerp_(exp_avgs, us, w_pos)
         torch._foreach_lerp_(neg_exp_avgs, us, w_neg)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, us, us, value=1 - beta2)
-        v = exp_avg_sqs
-        if self.amsgrad:
-            v = [x["pnm.max_exp_avg_sq"] for x in views]
-            torch._foreach_maximum_(v, exp_avg_sqs)
+        v = self._second_moments(exp_avg_sqs, us, beta2, views)
         out = torch._foreach_mul(exp_avgs, c_pos)
         torch._foreach_addcmul_(out, neg_exp_avgs, c_neg)
         denom = torch._foreach_sqrt(v)
@@ -325,6 +319,19 @@ class ScaleByPNM(Transform):
         torch._foreach_div_(out, denom)
         return list(out)
 
+    def _second_moments(
+        self, exp_avg_sqs: list[Tensor], us: list[Tensor], beta2: float, states: list[State]
+    ) -> list[Tensor]:
+        """v ← β₂·v + (1 − β₂)·u² by foreach kernels; the v the denominators read (AMSGrad:
+        the running maxima in ``states``, updated)."""
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, us, us, value=1 - beta2)
+        if not self.amsgrad:
+            return exp_avg_sqs
+        v = [s["pnm.max_exp_avg_sq"] for s in states]
+        torch._foreach_maximum_(v, exp_avg_sqs)
+        return v
+
     def _foreach(self, us: list[Tensor], states: list[State], group: Group, t: int) -> list[Tensor]:
         """:meth:`_step`'s math over tensors (moments of one dtype) whose counters were
         advanced to ``t``; the denominators (softplus: no foreach kernel) over one buffer."""
@@ -336,12 +343,7 @@ class ScaleByPNM(Transform):
         beta0 = float(PNM_BETA0.of(group))
         active, passive = (exp_avgs, neg_exp_avgs) if t % 2 == 1 else (neg_exp_avgs, exp_avgs)
         torch._foreach_lerp_(active, us, 1 - beta1 * beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, us, us, value=1 - beta2)
-        v = exp_avg_sqs
-        if self.amsgrad:
-            v = [s["pnm.max_exp_avg_sq"] for s in states]
-            torch._foreach_maximum_(v, exp_avg_sqs)
+        v = self._second_moments(exp_avg_sqs, us, beta2, states)
         bc_active, bc_passive = _corrections(t, beta1, self.adamd)
         norm = math.sqrt((1 + beta0) ** 2 + beta0**2)
         out = torch._foreach_mul(active, (1 + beta0) / (norm * bc_active))

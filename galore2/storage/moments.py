@@ -56,6 +56,14 @@ def check_moments(moments: str) -> str:
     return moments
 
 
+def moments_capture_problem(moments: str, rule: str) -> str | None:
+    """Why ``rule``'s step cannot replay from a CUDA graph because of its moment storage
+    (None: it can): 8-bit moments quantize through host-side paths."""
+    if moments == "state_dtype":
+        return None
+    return f"{rule}'s 8-bit moments are not captured (their quantizers read the host)"
+
+
 def moment_format(
     moments: str, shape: tuple[int, ...], layout: str, state_dtype: str, signed: bool
 ) -> TensorFormat:
