@@ -7,15 +7,16 @@ When ``k`` tensors lie at equally spaced offsets of one storage (contiguous, in 
 do not, :func:`pack` makes it so: it copies them into one new ``(k, *shape)`` buffer and
 re-points each (``Tensor.set_``) at its entry, so each keeps its identity (the same object
 in its state dict), its value, shape and strides — ``optimizer.state``, ``state_dict()``
-and checkpoints see nothing new (``torch.save`` writes a shared storage once).
+and checkpoints see nothing new (``torch.save`` of a state dict writes a shared storage
+once; of one such tensor alone, the whole buffer; DCP writes each tensor at its size).
 
 A stack is valid while its tensors are still where it saw them: :func:`addresses` records
-them, and the user of a stack compares them every step (:class:`Stack`), since another
-owner (a refresh that replaces a tensor, ``load_state_dict``, another stack) may re-point or
-replace one. Whoever packs must not pack tensors that are already viewed as a stack by
-someone else's stack that it can view as they are (they would ping-pong): :func:`as_stack`
-views first and packs only when it cannot; a snapshot of many tensors views what is
-stacked already and packs only tensors that own their storage (:func:`owns_storage`).
+them, and the user of a stack compares them every step, since another owner (a refresh that
+replaces a tensor, ``load_state_dict``, another stack) may re-point or replace one. Two
+packers must not take turns re-packing the same tensors: :func:`as_stacks` views first and
+packs only when it cannot; a snapshot of many tensors (:mod:`galore2.core.masked`) views
+what is stacked already and packs only tensors that own their storage
+(:func:`owns_storage`) or that it packed itself.
 """
 
 from __future__ import annotations
