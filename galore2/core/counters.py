@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from . import packing
 from .transform import State
 
 _CPU = torch.device("cpu")
@@ -33,10 +34,7 @@ class _Pack:
     __slots__ = ("addresses", "counters", "packed")
 
     def __init__(self, counters: list[Tensor]) -> None:
-        self.packed = torch.stack(counters)  # the current values, one copy
-        storage = self.packed.untyped_storage()
-        for i, t in enumerate(counters):  # t becomes a view of packed[i], keeping its value
-            t.set_(storage, i, (), ())
+        self.packed = packing.pack(counters)  # each t a view of packed[i], keeping its value
         self.counters = counters
         self.addresses = list(map(Tensor.data_ptr, counters))
 

@@ -469,11 +469,7 @@ class ScaleByAdam(Transform):
         counted, starts = members(states)
         if group.get("capturable"):  # device counters: every tensor's corrections at once
             device = exp_avgs[0].device
-            packed = self._counters.packed(counted, "adam.step", device)
-            if packed is None:  # not all on the device yet (or shared): moved, then packed
-                for s in counted:
-                    s["adam.step"] = counter_on(s["adam.step"], device)
-                packed = self._counters.packed(counted, "adam.step", device)
+            packed = self._packed_steps(counted, device)
             if packed is not None:  # one add for the batch's counters
                 stacked = packed.add_(1)
             else:
@@ -488,11 +484,7 @@ class ScaleByAdam(Transform):
             if len(counted) == len(states):  # no stacked entry
                 return exp_avgs, exp_avg_sqs, us, list(scale.unbind()), list(shift.unbind())
             return exp_avgs, exp_avg_sqs, us, *_per_entry(scale, shift, starts, us)
-        packed = self._counters.packed(counted, "adam.step")
-        if packed is None:  # not all host counters?
-            for s in counted:  # a capturable state, now not: its device counters come back
-                s["adam.step"] = counter_on(s["adam.step"], _CPU)
-            packed = self._counters.packed(counted, "adam.step")
+        packed = self._packed_steps(counted, _CPU)
         if packed is not None:  # host counters: one add, one read
             steps = packed.add_(1).tolist()
         else:  # shared counters (the same tensor in two states): one by one
@@ -516,6 +508,18 @@ class ScaleByAdam(Transform):
             torch.tensor(scales, dtype=torch.float64, device=device),
             torch.tensor(shifts, dtype=torch.float64, device=device), starts, us,
         )  # fmt: skip
+
+    def _packed_steps(self, states: list[State], device: torch.device) -> Tensor | None:
+        """The ``adam.step`` counters of ``states`` packed on ``device`` (the CPU: host
+        counters; capturable: the parameters' device), counters on the other side moved
+        there first (a group's ``capturable`` changed, a checkpoint loaded them onto the
+        CPU); None when two states share a counter."""
+        packed = self._counters.packed(states, "adam.step", device)
+        if packed is None:
+            for s in states:
+                s["adam.step"] = counter_on(s["adam.step"], device)
+            packed = self._counters.packed(states, "adam.step", device)
+        return packed
 
     def _foreach(self, us: list[Tensor], states: list[State], group: Group) -> list[Tensor]:
         beta1, beta2 = group["betas"]
