@@ -483,11 +483,19 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "stacked_grads_written",
-        "galore2/optim/galore.py",
-        "spent = st.G if st.G.dtype == dtype and st.G._base is None else None",
-        "spent = st.G if st.G.dtype == dtype else None",
+        "galore2/core/packing.py",
+        "return base is None or _SCRATCH.get(id(base)) is base",
+        "return True",
         ("tests/core/test_packing.py",),
         "the back-projection is written into gradients that were viewed as a stack",
+    ),
+    Mutation(
+        "masked_update_stack_unmasked",
+        "galore2/core/masked.py",
+        "masked = view.masked_fill_(flags, 0.0)",
+        "masked = view",
+        ("tests/core/test_packing.py", "tests/core/test_capturable.py"),
+        "a capturable step applies a masked parameter's update when it is an entry of a stack",
     ),
     Mutation(
         "stacked_grads_written_fira",

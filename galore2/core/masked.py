@@ -44,16 +44,21 @@ def _buckets(tensors: Sequence[Tensor]) -> list[list[int]]:
 class _Flags:
     """A bucket's flags, picked from the group's and shaped ``(k, 1, …)`` to broadcast over
     its stacked tensors: a view when the bucket is every parameter in order, else one
-    ``index_select`` by an index tensor made once on the device."""
+    ``index_select`` by an index tensor made once on the device (and reused for the same
+    flags tensor: the gradients' bucket and its updates' stack pick them once a step)."""
 
     def __init__(self, owners: Sequence[int], flags: int, ndim: int, device: torch.device):
         every = list(owners) == list(range(flags))
         self.index = None if every else torch.tensor(list(owners)).to(device)
         self.shape = (len(owners),) + (1,) * ndim
+        self.last: tuple[Tensor, Tensor] | None = None
 
     def __call__(self, flags: Tensor) -> Tensor:
+        if self.last is not None and self.last[0] is flags:
+            return self.last[1]
         picked = flags if self.index is None else flags.index_select(0, self.index)
-        return picked.view(self.shape)
+        self.last = (flags, picked.view(self.shape))
+        return self.last[1]
 
 
 _FLAGS: dict[tuple, _Flags] = {}
@@ -74,15 +79,57 @@ def _flags_for(owners: Sequence[int], flags: int, ndim: int, device: torch.devic
 def masked_grads(grads: list[Tensor], bad: Tensor) -> list[Tensor]:
     """Copies of ``grads`` with those of parameters flagged in ``bad`` (a bool per gradient,
     on their device) all zeros: per bucket of same-shape gradients, one ``stack`` and one
-    ``masked_fill_`` (plus an ``index_select`` of its flags); the copies are its views."""
+    ``masked_fill_`` (plus an ``index_select`` of its flags); the copies are its views, and
+    the buffer is the step's :func:`~galore2.core.packing.scratch` (GaLore back-projects
+    into it, as into a stack of gradients it made: no second gradient-size buffer)."""
     out = list(grads)
     for idx in _buckets(grads):
         first = grads[idx[0]]
-        stacked = torch.stack([grads[i] for i in idx])
+        stacked = packing.scratch(torch.stack([grads[i] for i in idx]))
         stacked.masked_fill_(_flags_for(idx, len(grads), first.dim(), first.device)(bad), 0.0)
         for i, piece in zip(idx, stacked.unbind(), strict=True):
             out[i] = piece
     return out
+
+
+def masked_updates(
+    updates: list[Tensor], bad: Tensor, ok: Tensor, positions: list[int]
+) -> list[Tensor]:
+    """``updates[j]``, or zeros where ``bad[positions[j]]`` (the batch's flags, one per
+    parameter): one ``masked_fill`` per run of updates that are entries of one stack
+    (GaLore's back-projection of a shape batch: its flags are those :func:`masked_grads`
+    picked for the gradients' bucket), one foreach multiply by ``ok`` (1.0 / 0.0) for the rest.
+    A stack the step made (:func:`~galore2.core.packing.writable`) is masked in place; others
+    are new tensors (an update may be a state tensor). Where usable, the same bits."""
+    out: list[Tensor | None] = [None] * len(updates)
+    by_storage: dict[tuple[int, torch.Size], list[int]] = {}
+    for j, u in enumerate(updates):
+        if u._base is not None:
+            by_storage.setdefault((u.untyped_storage().data_ptr(), u.shape), []).append(j)
+    for same in by_storage.values():
+        if len(same) < 2:
+            continue
+        same.sort(key=lambda j: updates[j].storage_offset())
+        view = packing.stacked_view([updates[j] for j in same])
+        if view is None:
+            continue
+        first = updates[same[0]]
+        owners = [positions[j] for j in same]
+        flags = _flags_for(owners, bad.numel(), first.dim(), first.device)(bad)
+        # in place when the stack is the step's own (GaLore's back-projection), else a copy
+        if packing.writable(view):
+            masked = view.masked_fill_(flags, 0.0)
+        else:
+            masked = view.masked_fill(flags, 0.0)
+        for j, piece in zip(same, masked.unbind(), strict=True):
+            out[j] = piece
+    rest = [j for j, u in enumerate(out) if u is None]
+    if rest:
+        oks = ok.unbind()
+        products = torch._foreach_mul([updates[j] for j in rest], [oks[positions[j]] for j in rest])
+        for j, u in zip(rest, products, strict=True):
+            out[j] = u
+    return out  # type: ignore[return-value]
 
 
 class _Bucket:

@@ -45,7 +45,7 @@ from .. import _numerics
 from ..fsdp.detect import is_dtensor  # cheap: imports nothing distributed
 from ..kernels.dispatch import run_kernel
 from ..placement import LOCAL, Placement
-from .masked import Snapshot, masked_grads
+from .masked import Snapshot, masked_grads, masked_updates
 from .modules import (
     GradientTransform,
     LRSchedule,
@@ -701,7 +701,7 @@ class ChainOptimizer(torch.optim.Optimizer):
             )
         snapshot.save()
         self._run_live(batch, batch.params, batch.states, batch.ctxs, grads,
-                       masks=(okf.unbind(), decays))  # fmt: skip
+                       masks=(bad, okf, decays))  # fmt: skip
         snapshot.restore(bad)
         return [(batch.given, s, c) for s, c in zip(batch.states, batch.ctxs, strict=True)]
 
@@ -712,10 +712,11 @@ class ChainOptimizer(torch.optim.Optimizer):
         states: list[dict[str, Tensor]],
         ctxs: list[Context],
         grads: list[Tensor],
-        masks: tuple[Sequence[Tensor], Sequence[Tensor] | None] | None = None,
+        masks: tuple[Tensor, Tensor, Sequence[Tensor] | None] | None = None,
     ) -> list[tuple[dict[str, Any], dict[str, Tensor], Context]]:
         """The chain and the updates of ``params`` (all usable, or ``masks``: each one's
-        update mask and decay factor as 0-d device tensors), batched per ``foreach``."""
+        flags, bool and 1.0 / 0.0 device vectors, and each one's decay factor as a 0-d device
+        tensor), batched per ``foreach``."""
         group = batch.group
         lr = float(group["lr"])
         decay = 1.0 - lr * group["weight_decay"]
@@ -732,9 +733,9 @@ class ChainOptimizer(torch.optim.Optimizer):
             if masks is None:
                 apply_updates(ps, outs, lr, decay)
                 continue
-            okfs, decays = masks
+            bad, okf, decays = masks
             apply_masked(
-                ps, outs, lr, [okfs[i] for i in chunk],
+                ps, outs, lr, (bad, okf), chunk,
                 None if decays is None else [decays[i] for i in chunk],
             )  # fmt: skip
         return [(batch.given, state, ctx) for state, ctx in zip(states, ctxs, strict=True)]
@@ -856,13 +857,16 @@ def apply_masked(
     params: list[Tensor],
     updates: list[Tensor | LowRankUpdate],
     lr: float,
-    masks: list[Tensor],
+    flags: tuple[Tensor, Tensor],
+    positions: list[int],
     decays: list[Tensor] | None,
 ) -> None:
-    """``p ← decay·p − lr·mask·u`` with ``mask`` (1 or 0) and ``decay`` 0-d device tensors per
-    parameter (the masked step, ``capturable=True``): dense updates by three foreach kernels,
-    low-rank ones by their factor ``B`` times the mask and one fused matmul each. Updates are
-    finite (a masked parameter stepped on a zero gradient), so ``u·0`` is 0."""
+    """``p ← decay·p − lr·mask·u`` with ``mask = ok[position]`` (``flags``: the batch's
+    ``bad`` and ``ok`` = 1.0 / 0.0 on the device) and ``decay`` a 0-d device tensor per parameter (the masked step,
+    ``capturable=True``): dense updates masked per stack they form (:func:`masked_updates`)
+    and applied by foreach kernels, low-rank ones by their factor ``B`` times the mask and one
+    fused matmul each. Updates are finite (a masked parameter stepped on a zero gradient), so
+    ``u·0`` is 0."""
     dense = [i for i, u in enumerate(updates) if not isinstance(u, LowRankUpdate)]
     if dense:
         ps = [params[i] for i in dense]
@@ -870,13 +874,15 @@ def apply_masked(
             torch._foreach_mul_(ps, [decays[i] for i in dense])
         # u·mask, then p − lr·(u·mask): the same bits as the host path's p − lr·u where usable
         # (one addcmul would round (−lr·u)·mask apart from add's fused p + α·u: not the bits)
-        us = torch._foreach_mul([updates[i] for i in dense], [masks[i] for i in dense])  # type: ignore[misc]
+        us = masked_updates([updates[i] for i in dense], *flags, [positions[i] for i in dense])  # type: ignore[misc]
         torch._foreach_add_(ps, us, alpha=-lr)
-    for p, u, mask, i in zip(params, updates, masks, range(len(params)), strict=True):
+    oks = None
+    for p, u, i in zip(params, updates, range(len(params)), strict=True):
         if isinstance(u, LowRankUpdate):
+            oks = flags[1].unbind() if oks is None else oks
             if decays is not None:
                 p.mul_(decays[i])
-            apply_update(p, LowRankUpdate(u.A, u.B * mask, u.shape, u.scale), lr, 1.0)
+            apply_update(p, LowRankUpdate(u.A, u.B * oks[positions[i]], u.shape, u.scale), lr, 1.0)
 
 
 def apply_update(p: Tensor, u: Tensor | LowRankUpdate, lr: float, decay: float) -> None:

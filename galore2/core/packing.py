@@ -21,10 +21,15 @@ what is stacked already and packs only tensors that own their storage
 
 from __future__ import annotations
 
+import operator
+import weakref
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+#: Buffers a step made for itself and may overwrite once read (see :func:`scratch`).
+_SCRATCH: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
 
 
 def stacked_view(ts: Sequence[Tensor]) -> Tensor | None:
@@ -34,20 +39,30 @@ def stacked_view(ts: Sequence[Tensor]) -> Tensor | None:
     if not first.is_contiguous():
         return None
     n, offset = first.numel(), first.storage_offset()
-    ptr = first.untyped_storage().data_ptr()
     gap = ts[1].storage_offset() - offset if len(ts) > 1 else n
     if gap < n:  # overlapping (or out of order): not a stack
         return None
-    for j, t in enumerate(ts):
-        if (
-            t.untyped_storage().data_ptr() != ptr
-            or t.storage_offset() != offset + j * gap
-            or t.shape != first.shape
-            or t.dtype != first.dtype
-            or not t.is_contiguous()
-        ):
-            return None
-    return first.as_strided((len(ts), *first.shape), (gap, *first.stride()), offset)
+    # checked list by list (C-level maps: this runs for every batch every step); an address
+    # inside the first tensor's storage is in that storage
+    k, size, shape = len(ts), first.element_size(), first.shape
+    dtype, device = first.dtype, first.device
+    if (offset + (k - 1) * gap + n) * size > first.untyped_storage().nbytes():
+        return None
+    start = first.data_ptr()
+    if (
+        list(map(Tensor.data_ptr, ts)) != list(range(start, start + k * gap * size, gap * size))
+        or any(s != shape for s in map(_shape, ts))
+        or any(d != dtype for d in map(_dtype, ts))
+        or any(d != device for d in map(_device, ts))
+        or not all(map(Tensor.is_contiguous, ts))
+    ):
+        return None
+    return first.as_strided((k, *shape), (gap, *first.stride()), offset)
+
+
+_shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
+_device = operator.attrgetter("device")
 
 
 def owns_storage(t: Tensor) -> bool:
@@ -81,6 +96,22 @@ def pack_many(lists: Sequence[Sequence[Tensor]]) -> list[Tensor]:
         out.append(stacked)
         start += size
     return out
+
+
+def scratch(buffer: Tensor) -> Tensor:
+    """Mark ``buffer`` as the step's own temporary (the masked gradient copies of a
+    capturable step): a consumer that has read all of it may write its result there, as
+    into a stack it made itself (:func:`writable`). Returns ``buffer``."""
+    _SCRATCH[id(buffer)] = buffer
+    return buffer
+
+
+def writable(t: Tensor) -> bool:
+    """May a consumer that made or was handed ``t`` overwrite it? Yes when ``t`` is not a
+    view (a new stack), or is a view of a :func:`scratch` buffer; no for a view of anything
+    else (the gradients themselves, when they form a stack already)."""
+    base = t._base
+    return base is None or _SCRATCH.get(id(base)) is base
 
 
 def addresses(ts: Sequence[Tensor]) -> list[int]:

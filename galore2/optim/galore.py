@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from .._numerics import mix_seed
+from ..core import packing
 from ..core.counters import Counters
 from ..core.options import Bool, Choice, Int, Option, Optional, Real
 from ..core.state import counter
@@ -357,7 +358,7 @@ class GaLore(Transform):
                 dtype = ctxs[st.idx[0]].param.dtype
                 # G is projected already: its buffer takes the update (when it is a
                 # temporary stack, not a view of the gradients)
-                spent = st.G if st.G.dtype == dtype and st.G._base is None else None
+                spent = st.G if st.G.dtype == dtype and packing.writable(st.G) else None
                 deltas = lowrank_batch.back(st.batch.kind, st.B, Ns, dtype, factor, spent)
                 done.update(zip(st.idx, deltas.unbind(0), strict=True))
         for i, p in projections.items():
@@ -470,7 +471,7 @@ class GaLore(Transform):
             B = st.B if fira else None
             buckets.append(residual.Bucket(st.batch.kind.left, st.G, st.R, Ns, B, st_states,
                                            [biases[i] for i in st.idx],
-                                           owned=st.G._base is None))  # fmt: skip
+                                           owned=packing.writable(st.G)))  # fmt: skip
             order.append(st.idx)
         keyed: dict[tuple[Any, ...], list[int]] = {}
         for i in idx:

@@ -348,4 +348,5 @@ def back(
     B = B if B.dtype == dtype else B.to(dtype)
     if factor != 1.0:
         N = N.mul_(factor) if owned else N.mul(factor)
-    return kind.back_stack(N, B, out)
+    # the step's own buffer: a consumer may write it (the masked step zeroes masked entries)
+    return packing.scratch(kind.back_stack(N, B, out))
