@@ -226,6 +226,9 @@ def arg_parser() -> argparse.ArgumentParser:
     timing.add_argument("--rounds", type=int, default=None,
                         help="step_time, compile_step, overhead: interleaved timing rounds "
                         "(10; overhead: 15)")  # fmt: skip
+    timing.add_argument("--processes", type=int, default=None,
+                        help="overhead: fresh processes timed one after another, their "
+                        "median and range reported (3; --quick: 1)")  # fmt: skip
     timing.add_argument("--warmup", type=int, default=None,
                         help="kernels: untimed calls first (10)")  # fmt: skip
     timing.add_argument("--json", dest="json_path", metavar="PATH", default=None,
