@@ -176,8 +176,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=ROUNDS)
     ap.add_argument("--keys", nargs="*", default=None, help="contender keys (default: every row)")
     ap.add_argument("--no-time", action="store_true", help="kernel counts only")
-    ap.add_argument("--processes", type=int, default=1,
-                    help="fresh processes to time in, one after another (median, range)")
+    ap.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="fresh processes to time in, one after another (median, range)",
+    )
     args = ap.parse_args(argv)
     with quiet_peers():
         chosen = makers(tuple(args.keys) if args.keys else None)
