@@ -15,15 +15,18 @@ bucket's flags are picked from the group's by one ``index_select`` with an index
 No tensor is made from host data after the first step and nothing is read back, so the
 step can be captured in a CUDA graph.
 
-Memory: the gradients are copied once (the masked copy the chain sees), and the state once
-more for the duration of the step (the snapshot); packing copies it once when a group's
+Memory: the gradients are copied once (the masked copy the chain sees, which GaLore's
+back-projection then reuses), and the state once more for the duration of the step (the
+snapshot) — not the state a rule masks itself, given each direction's flag
+(:meth:`~galore2.core.transform.Transform.masked_keys`, ``Context.mask``: Adam's float32
+moments, which are most of it); packing copies it once when a group's
 state is first seen (or replaced: a refresh that reallocates moments, a resume).
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -132,6 +135,30 @@ def masked_updates(
     return out  # type: ignore[return-value]
 
 
+def derive(masks: Sequence[Tensor], fn: Callable[[Tensor], Tensor]) -> list[Tensor]:
+    """``fn`` (elementwise) of each of ``masks`` (the :attr:`~galore2.core.transform.Context.mask`
+    of a batch's directions), computed once per contiguous tensor they are views of (the
+    batch's flags; GaLore's stacked flags) and viewed per mask: a few kernels per batch,
+    not per direction."""
+    done: dict[int, tuple[Tensor, Tensor]] = {}
+    out = []
+    for m in masks:
+        base = m if m._base is None else m._base
+        if not base.is_contiguous():
+            out.append(fn(m))
+            continue
+        found = done.get(id(base))
+        if found is None:
+            found = done[id(base)] = (base, fn(base).contiguous())
+        src, result = found
+        if m is src:
+            out.append(result)
+            continue
+        offset = m.storage_offset() - src.storage_offset() + result.storage_offset()
+        out.append(result.as_strided(m.shape, m.stride(), offset))
+    return out
+
+
 class _Bucket:
     """Same-shape tensors of the snapshot (one device and dtype) and their flags;
     ``stacked``: the ``(k, *shape)`` tensor whose entries they are (a view of a stack they
@@ -215,9 +242,10 @@ class Snapshot:
 
     def __init__(
         self, states: list[State], keys: list[tuple[int, str]], pack: bool,
-        previous: Snapshot | None = None,
+        previous: Snapshot | None = None, skipped: frozenset[str] = frozenset(),
     ) -> None:  # fmt: skip
         self.keys = keys
+        self.skipped = skipped  # the keys left out: the chain masks them itself
         self.owners = [i for i, _ in keys]
         self.names = [k for _, k in keys]
         self.tensors = [states[i][k] for i, k in keys]

@@ -666,7 +666,9 @@ class ChainOptimizer(torch.optim.Optimizer):
         """``capturable=True``: no host read and no tensor created on the host. Every parameter
         steps on its gradient with an unusable one replaced by zeros; the weights and device
         state of those masked out are put back from a snapshot (see
-        :mod:`galore2.core.nonfinite`).
+        :mod:`galore2.core.nonfinite`) — but for the state the chain's rules mask themselves
+        (:meth:`~galore2.core.transform.Transform.masked_keys`; each direction's flag is its
+        ``ctx.mask`` while the chain runs), which is neither copied nor put back.
 
         The flags stay one stacked device tensor: the skips are counted by one add per batch;
         the gradients are masked and the state is saved and restored a few kernels per
@@ -686,22 +688,33 @@ class ChainOptimizer(torch.optim.Optimizer):
             torch.add(bad.to(torch.float32), okf, alpha=decay).unbind() if decay != 1.0 else None
         )
         grads = masked_grads(batch.grads, bad)
+        # state the chain's rules mask themselves (Context.mask) is neither copied nor put back
+        skipped = frozenset(k for m in self._chain for k in m.masked_keys(group))
         snapshot = self._snapshots.get(batch.key)
-        if snapshot is None or not snapshot.fits(batch.states):
+        if snapshot is None or not snapshot.fits(batch.states) or snapshot.skipped != skipped:
             device = batch.params[0].device if batch.params else None
             kept = [
                 (i, key)
                 for i, state in enumerate(batch.states)
                 for key, t in state.items()
-                if t.device == device and not _counter(t) and key not in self._device_counters
+                if t.device == device
+                and not _counter(t)
+                and key not in self._device_counters
+                and key not in skipped
             ]
             local = not any(c.placement.distributed for c in batch.ctxs)
             snapshot = self._snapshots[batch.key] = Snapshot(
-                batch.states, kept, pack=local, previous=snapshot
+                batch.states, kept, pack=local, previous=snapshot, skipped=skipped
             )
         snapshot.save()
-        self._run_live(batch, batch.params, batch.states, batch.ctxs, grads,
-                       masks=(bad, okf, decays))  # fmt: skip
+        for ctx, flag in zip(batch.ctxs, okf.unbind(), strict=True):
+            ctx.mask = flag
+        try:
+            self._run_live(batch, batch.params, batch.states, batch.ctxs, grads,
+                           masks=(bad, okf, decays))  # fmt: skip
+        finally:
+            for ctx in batch.ctxs:
+                ctx.mask = None
         snapshot.restore(bad)
         return [(batch.given, s, c) for s, c in zip(batch.states, batch.ctxs, strict=True)]
 

@@ -99,6 +99,11 @@ class Context:
     layout: str = "param"  # how state allocated for this direction is laid out (see Placement)
     shape: torch.Size | None = None  # the parameter's global shape (None: param.shape)
     refreshed: bool = False  # a group-level prepare() already ran this step's refresh
+    #: a masked (``capturable=True``) step's flag for this direction: 1.0 where its gradient
+    #: is usable, 0.0 where it was masked, a float32 device tensor that broadcasts over the
+    #: direction (0-d; ``(k, 1, …)`` for a stacked entry); None on other steps. A rule that
+    #: lists keys in :meth:`Transform.masked_keys` leaves them unchanged where it is 0.0.
+    mask: Tensor | None = None
 
     @property
     def global_shape(self) -> torch.Size:
@@ -122,6 +127,12 @@ class Transform:
     renamed_keys: ClassVar[dict[str, str]] = {}
     linear_keys: ClassVar[tuple[str, ...]] = ()
     quadratic_keys: ClassVar[tuple[str, ...]] = ()
+
+    def masked_keys(self, group: Group) -> tuple[str, ...]:
+        """State keys this rule leaves bitwise unchanged for a direction whose
+        :attr:`Context.mask` is 0.0 (a masked step, ``capturable=True``): the step then does
+        not copy and put them back (see :mod:`galore2.core.masked`). Default: none."""
+        return ()
 
     def stacks(self, group: Group, device: torch.device) -> bool:
         """Can :meth:`update_many` take stacked entries (a :class:`StackedState` with a

@@ -55,6 +55,7 @@ from torch import Tensor
 
 from .. import _numerics
 from ..core.counters import Counters
+from ..core.masked import derive
 from ..core.options import Bool, Option, Pair, Real
 from ..core.state import counter, counter_on
 from ..core.transform import Context, Group, State, Transform, members
@@ -228,6 +229,24 @@ def count_step(state: State, group: Group, device: torch.device) -> int | Tensor
 _CPU = torch.device("cpu")
 
 
+def _masked_weights(
+    masks: list[Tensor], dtype: torch.dtype, beta1: float, beta2: float
+) -> tuple[list[Tensor], list[Tensor]]:
+    """A masked step's (lerp weight, second-moment decay) per direction from its flag:
+    (1 − β₁, β₂) where 1, (0, 1) where 0 — in the moments' dtype, the values the host path's
+    Python floats take there (so the usable directions keep the host path's bits). A few
+    kernels per batch (:func:`~galore2.core.masked.derive`)."""
+
+    def weight(flag: Tensor) -> Tensor:
+        return flag.to(dtype).mul(1 - beta1)
+
+    def decay(flag: Tensor) -> Tensor:
+        flag = flag.to(dtype)
+        return torch.mul(flag, beta2).add_(torch.rsub(flag, 1))
+
+    return derive(masks, weight), derive(masks, decay)
+
+
 AXIS = "adam.block_dim"  # the blocked axis of both 8-bit moments (same shape and layout)
 
 
@@ -269,6 +288,18 @@ class ScaleByAdam(Transform):
             return "compile=True compiles inside the step: capture without it"
         return None
 
+    def masked_keys(self, group: Group) -> tuple[str, ...]:
+        """Both moments, when they are float32 or float64 tensors and the step is eager
+        (no ``compile``): a masked direction's lerp weight is 0 and its second moment's
+        decay 1, so they keep their bits (a zero gradient adds 0). Not for bfloat16 moments
+        (a lerp by a tensor weight rounds apart from one by a Python float there: the
+        snapshot keeps those bitwise equal to the host path) nor 8-bit ones."""
+        if self.moments != "state_dtype" or group.get("compile"):
+            return ()
+        if group["state_dtype"] not in ("float32", "float64"):
+            return ()
+        return (*self.linear_keys, *self.quadratic_keys)
+
     def stacks(self, group: Group, device: torch.device) -> bool:
         """Stacked entries where :meth:`update_many` runs its foreach kernels (Adam is
         elementwise; a stack's members may count different steps): not with ``compile=True``
@@ -307,7 +338,10 @@ class ScaleByAdam(Transform):
         if not is_quantized(state, "adam.exp_avg"):
             if group.get("compile"):
                 return self._compiled_step(u, state, group)
-            return self._step(u, state["adam.exp_avg"], state["adam.exp_avg_sq"], state, group)
+            return self._step(
+                u, state["adam.exp_avg"], state["adam.exp_avg_sq"], state, group,
+                None if ctx is None else ctx.mask,
+            )  # fmt: skip
         m_fmt = stored_format(state, "adam.exp_avg", True)
         v_fmt = stored_format(state, "adam.exp_avg_sq", False)
         assert isinstance(m_fmt, Dynamic8Format) and isinstance(v_fmt, Dynamic8Format)
@@ -391,10 +425,14 @@ class ScaleByAdam(Transform):
         return out.view(u.shape)
 
     @staticmethod
-    def _step(u: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, state: State, group: Group) -> Tensor:
-        """One Adam step on the moments ``exp_avg``, ``exp_avg_sq`` (updated in place)."""
+    def _step(
+        u: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, state: State, group: Group,
+        mask: Tensor | None = None,
+    ) -> Tensor:  # fmt: skip
+        """One Adam step on the moments ``exp_avg``, ``exp_avg_sq`` (updated in place; not
+        where ``mask``, a masked step's flag, is 0)."""
         t = count_step(state, group, u.device)
-        return ScaleByAdam._arith(u, exp_avg, exp_avg_sq, t, group)
+        return ScaleByAdam._arith(u, exp_avg, exp_avg_sq, t, group, mask=mask)
 
     @staticmethod
     def _arith(
@@ -404,14 +442,22 @@ class ScaleByAdam(Transform):
         t: int | Tensor,
         group: Group,
         out: Tensor | None = None,
+        mask: Tensor | None = None,
     ) -> Tensor:
-        """Step ``t`` of Adam's arithmetic on the moments (updated in place); the direction
-        goes to ``out`` when given. ``t``: a host int, or a device counter (capturable)."""
+        """Step ``t`` of Adam's arithmetic on the moments (updated in place; where ``mask``
+        is 0, left as they are); the direction goes to ``out`` when given. ``t``: a host
+        int, or a device counter (capturable)."""
         if u.dtype != exp_avg.dtype:
             u = u.to(exp_avg.dtype)
         beta1, beta2 = group["betas"]
-        exp_avg.lerp_(u, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(u, u, value=1 - beta2)
+        if mask is None:
+            exp_avg.lerp_(u, 1 - beta1)
+            exp_avg_sq.mul_(beta2)
+        else:
+            (w,), (d,) = _masked_weights([mask], exp_avg.dtype, beta1, beta2)
+            exp_avg.lerp_(u, w)
+            exp_avg_sq.mul_(d)
+        exp_avg_sq.addcmul_(u, u, value=1 - beta2)
         if isinstance(t, Tensor):  # float64 device scalars, the same values (see _corrections)
             scale, shift = _corrections(beta1, beta2, group["eps"], t)
         else:
@@ -449,8 +495,15 @@ class ScaleByAdam(Transform):
         plain = [i for i, s in enumerate(states) if not is_quantized(s, "adam.exp_avg")]
         out: list[Tensor | None] = [None] * len(us)
         if plain:
-            batch = self._compiled_foreach if group.get("compile") else self._foreach
-            results = batch([us[i] for i in plain], [states[i] for i in plain], group)
+            if group.get("compile"):
+                results = self._compiled_foreach(
+                    [us[i] for i in plain], [states[i] for i in plain], group
+                )
+            else:
+                results = self._foreach(
+                    [us[i] for i in plain], [states[i] for i in plain], group,
+                    [ctxs[i].mask for i in plain],
+                )  # fmt: skip
             for i, r in zip(plain, results, strict=True):
                 out[i] = r
         return self.update_rest(out, us, states, group, ctxs)
@@ -521,11 +574,20 @@ class ScaleByAdam(Transform):
             packed = self._counters.packed(states, "adam.step", device)
         return packed
 
-    def _foreach(self, us: list[Tensor], states: list[State], group: Group) -> list[Tensor]:
+    def _foreach(
+        self, us: list[Tensor], states: list[State], group: Group, masks: list[Tensor | None]
+    ) -> list[Tensor]:
+        """:meth:`_arith` by foreach kernels (``masks``: each direction's flag of a masked
+        step, or None)."""
         beta1, beta2 = group["betas"]
         exp_avgs, exp_avg_sqs, us, scale, shift = self._batch(us, states, group)
-        torch._foreach_lerp_(exp_avgs, us, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
+        if masks and masks[0] is not None:  # a masked step: every direction has its flag
+            ws, ds = _masked_weights(masks, exp_avgs[0].dtype, beta1, beta2)  # type: ignore[arg-type]
+            torch._foreach_lerp_(exp_avgs, us, ws)
+            torch._foreach_mul_(exp_avg_sqs, ds)
+        else:
+            torch._foreach_lerp_(exp_avgs, us, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, us, us, value=1 - beta2)
         denoms = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_mul_(denoms, scale)  # floats, or tensors that broadcast (stacks)

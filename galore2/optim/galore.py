@@ -375,6 +375,16 @@ class GaLore(Transform):
             lowrank_batch.advance_counters(self._counters, plan.batched, "galore.step", skip)
         return out
 
+    def masked_keys(self, group: Group) -> tuple[str, ...]:
+        """The inner rules' (each direction's flag reaches them: a stacked entry's as the
+        stack of its members'), unless a refresh rewrites their state
+        (``moments_on_refresh`` other than ``"keep"``: a masked direction's moments would be
+        reset or rotated with a basis the snapshot then puts back). Its own state (bases,
+        schedule) is not masked: the snapshot keeps it."""
+        if group["moments_on_refresh"] != "keep":
+            return ()
+        return tuple(k for t in self.inner for k in t.masked_keys(group))
+
     def _stack_keys(self, group: Group, device: torch.device) -> tuple[str, ...] | None:
         """The inner chain's state keys a shape batch may stack (every transform's
         ``linear_keys`` and ``quadratic_keys``, wrapped ones' too: those its states hold
@@ -406,7 +416,7 @@ class GaLore(Transform):
             [inner_in[i] for i in order] + [st.R for st in stacked],
             [states[i] for i in order] + [st.state for st in stacked],  # type: ignore[misc]
             group,
-            [ctxs[i] for i in order] + [ctxs[st.idx[0]] for st in stacked],
+            [ctxs[i] for i in order] + _stacked_ctxs(stacked, ctxs),
         )
         results: list[Any] = [None] * len(states)
         for i, r in zip(order, res, strict=False):
@@ -744,6 +754,23 @@ def _current_gap(state: State, group: Group) -> int:
     if group["adaptive_refresh"] and "galore.gap" in state:
         return max(int(state["galore.gap"]), group["update_proj_gap"])
     return group["update_proj_gap"]
+
+
+def _stacked_ctxs(stacked: list[_Stacked], ctxs: list[Context]) -> list[Context]:
+    """The context of each stacked entry: its first member's, with (a masked step) the
+    members' flags as its ``mask`` — ``(k, 1, 1)`` views of one stack of every stacked
+    member's flag (one kernel; the rules derive their weights from it once)."""
+    firsts = [ctxs[st.idx[0]] for st in stacked]
+    if firsts[0].mask is None:
+        return firsts
+    flags = torch.stack([ctxs[i].mask for st in stacked for i in st.idx])  # type: ignore[misc]
+    out, start = [], 0
+    for st, first in zip(stacked, firsts, strict=True):
+        k = len(st.idx)
+        mask = flags[start : start + k].view(k, *(1,) * (st.R.dim() - 1))
+        out.append(replace(first, mask=mask))
+        start += k
+    return out
 
 
 def _decay(group: Group) -> float:

@@ -297,6 +297,10 @@ class MuonOrAdam(Transform):
         """Stacked entries where both of its rules take them (a stack holds one's state)."""
         return self.muon.stacks(group, device) and self.adam.stacks(group, device)
 
+    def masked_keys(self, group: Group) -> tuple[str, ...]:
+        """Adam's (its directions get their flags; Muon's momentum is the snapshot's)."""
+        return self.adam.masked_keys(group)
+
     def capture_problem(self, group: Group) -> str | None:
         """None: the choice is by state keys; Muon and Adam answer for themselves (``walk``)."""
         return None

@@ -43,8 +43,12 @@ def _grads(model: TinyNet, step: int) -> None:
 
 @pytest.mark.parametrize("foreach", [None, True])  # per tensor; batched (galore2.core.masked)
 @pytest.mark.parametrize("bad", [float("nan"), 1e30])  # NaN, and a sum of squares overflowing
-def test_masked_step_equals_skip(bad, foreach):
-    settings = {"rank": 4, "update_proj_gap": 2, "weight_decay": 0.1, "lr": 1e-2}
+# "keep": Adam masks its moments itself; "project": a refresh rotates them, so the snapshot
+# saves and puts them back (the masked step here is a refresh step)
+@pytest.mark.parametrize("mode", ["keep", "project"])
+def test_masked_step_equals_skip(bad, foreach, mode):
+    settings = {"rank": 4, "update_proj_gap": 2, "weight_decay": 0.1, "lr": 1e-2,
+                "moments_on_refresh": mode}  # fmt: skip
     model, twin, capt, skip = capturable_twins(foreach, **settings)
     for step in range(3):  # the same trajectory to rounding
         _grads(model, step)
@@ -74,6 +78,21 @@ def test_masked_step_equals_skip(bad, foreach):
     order = [id(p) for g in capt.param_groups for p in g["params"]]
     saved = capt.state_dict()["state"][order.index(id(model.mid.weight))]
     assert int(saved[SKIPS]) == 1
+
+
+@pytest.mark.parametrize(("mode", "saved"), [("keep", False), ("reset", True), ("project", True)])
+def test_the_snapshot_leaves_out_what_adam_masks_itself(mode, saved):
+    """Adam's float32 moments are masked by Adam (``masked_keys``): the masked step neither
+    copies nor puts them back — unless a refresh may reset or rotate them."""
+    model = TinyNet()
+    opt = galore2.GaLoreAdamW(
+        galore_groups(model, rank=4, moments_on_refresh=mode), foreach=True, capturable=True
+    )
+    _grads(model, 0)
+    opt.step()
+    names = {name for snapshot in opt._snapshots.values() for name in snapshot.names}
+    assert names & {"proj.left", "proj.right"}  # the bases are the snapshot's
+    assert ("adam.exp_avg" in names) is saved and ("adam.exp_avg_sq" in names) is saved
 
 
 def test_capturable_refuses_raise():
@@ -119,7 +138,9 @@ def test_packed_state_is_invisible_to_checkpoints_and_copies():
     bitwise as the original does, each on its own buffer."""
     import io
 
-    settings = {"rank": 4, "update_proj_gap": 2, "lr": 1e-2}
+    # moments reset at a refresh: the snapshot holds Adam's moments too (with "keep", Adam
+    # masks them itself and only the bases, three shapes here, are the snapshot's)
+    settings = {"rank": 4, "update_proj_gap": 2, "lr": 1e-2, "moments_on_refresh": "reset"}
     model, twin, capt, _ = capturable_twins(True, **settings)
     for step in range(3):
         _grads(model, step)
