@@ -516,10 +516,18 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "stacked_mask_first_member",
         "galore2/optim/galore.py",
-        "out.append(replace(first, mask=mask))",
+        "out.append(replace(first, mask=view))",
         "out.append(first)",
         ("tests/core/test_packing.py",),
         "a stacked entry's moments are masked by its first member's flag only",
+    ),
+    Mutation(
+        "flag_pick_stale",
+        "galore2/core/masked.py",
+        "self.last[0] is flags and self.last[1] == flags._version:",
+        "self.last[0] is flags:",
+        ("tests/core/test_packing.py",),
+        "a stacked entry's flags picked from the flag buffer are last step's",
     ),
     Mutation(
         "stacked_grads_written_fira",

@@ -54,14 +54,15 @@ class _Flags:
         every = list(owners) == list(range(flags))
         self.index = None if every else torch.tensor(list(owners)).to(device)
         self.shape = (len(owners),) + (1,) * ndim
-        self.last: tuple[Tensor, Tensor] | None = None
+        self.last: tuple[Tensor, int, Tensor] | None = None
 
     def __call__(self, flags: Tensor) -> Tensor:
-        if self.last is not None and self.last[0] is flags:
-            return self.last[1]
+        # the same flags, unwritten since (a buffer rewritten in place bumps its version)
+        if self.last is not None and self.last[0] is flags and self.last[1] == flags._version:
+            return self.last[2]
         picked = flags if self.index is None else flags.index_select(0, self.index)
-        self.last = (flags, picked.view(self.shape))
-        return self.last[1]
+        self.last = (flags, flags._version, picked.view(self.shape))
+        return self.last[2]
 
 
 _FLAGS: dict[tuple, _Flags] = {}
@@ -77,6 +78,32 @@ def _flags_for(owners: Sequence[int], flags: int, ndim: int, device: torch.devic
             _FLAGS.clear()
         found = _FLAGS[key] = _Flags(owners, flags, ndim, device)
     return found
+
+
+class FlagBuffer:
+    """A batch's usable flags as 1.0 / 0.0 in one float32 device buffer, rewritten each
+    masked step by one copy, and its 0-d entries made once: what each direction's
+    ``Context.mask`` is during the chain (no per-direction op per step; the same tensors
+    every step, as a captured graph wants)."""
+
+    __slots__ = ("buffer", "entries")
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.buffer = torch.empty(n, dtype=torch.float32, device=device)
+        self.entries = self.buffer.unbind()
+
+    def fits(self, ok: Tensor) -> bool:
+        return ok.shape == self.buffer.shape and ok.device == self.buffer.device
+
+    def write(self, ok: Tensor) -> Tensor:
+        """The buffer, holding ``ok`` (bool) as 1.0 / 0.0."""
+        return self.buffer.copy_(ok)
+
+
+def pick(flags: Tensor, at: Sequence[int]) -> Tensor:
+    """``flags[at]`` by one ``index_select`` with a cached index tensor (made once per
+    ``at``; the whole vector itself when ``at`` is every position in order)."""
+    return _flags_for(at, flags.numel(), 0, flags.device)(flags)
 
 
 def masked_grads(grads: list[Tensor], bad: Tensor) -> list[Tensor]:

@@ -45,7 +45,7 @@ from .. import _numerics
 from ..fsdp.detect import is_dtensor  # cheap: imports nothing distributed
 from ..kernels.dispatch import run_kernel
 from ..placement import LOCAL, Placement
-from .masked import Snapshot, masked_grads, masked_updates
+from .masked import FlagBuffer, Snapshot, masked_grads, masked_updates
 from .modules import (
     GradientTransform,
     LRSchedule,
@@ -162,6 +162,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         # per group (its id()): (state mapping, items, lists) of the last _gather
         self._gather_cache: dict[int, tuple[Any, list, tuple[list, ...]]] = {}
         self._snapshots: dict[int, Snapshot] = {}  # capturable: per group, see _run_masked
+        self._flag_buffers: dict[int, FlagBuffer] = {}  # likewise
         # capturable: skips counted on the device, per batch of parameters (their ids)
         self._pending_skips: dict[tuple[int, ...], tuple[list[Tensor], Tensor]] = {}
         self._where: tuple[int, dict[int, tuple[dict[str, Any], int]]] | None = None
@@ -682,7 +683,10 @@ class ChainOptimizer(torch.optim.Optimizer):
         self._count_skips(batch.owners, bad)
         lr = float(group["lr"])
         decay = 1.0 - lr * group["weight_decay"]
-        okf = ok.to(torch.float32)
+        flags = self._flag_buffers.get(batch.key)
+        if flags is None or not flags.fits(ok):
+            flags = self._flag_buffers[batch.key] = FlagBuffer(ok.numel(), ok.device)
+        okf = flags.write(ok)
         # ok·decay + (1 − ok): float32(decay) where usable, exactly 1 where masked
         decays = (
             torch.add(bad.to(torch.float32), okf, alpha=decay).unbind() if decay != 1.0 else None
@@ -707,7 +711,7 @@ class ChainOptimizer(torch.optim.Optimizer):
                 batch.states, kept, pack=local, previous=snapshot, skipped=skipped
             )
         snapshot.save()
-        for ctx, flag in zip(batch.ctxs, okf.unbind(), strict=True):
+        for ctx, flag in zip(batch.ctxs, flags.entries, strict=True):
             ctx.mask = flag
         try:
             self._run_live(batch, batch.params, batch.states, batch.ctxs, grads,

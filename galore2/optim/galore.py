@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from .._numerics import mix_seed
-from ..core import packing
+from ..core import masked, packing
 from ..core.counters import Counters
 from ..core.options import Bool, Choice, Int, Option, Optional, Real
 from ..core.state import counter
@@ -758,17 +758,23 @@ def _current_gap(state: State, group: Group) -> int:
 
 def _stacked_ctxs(stacked: list[_Stacked], ctxs: list[Context]) -> list[Context]:
     """The context of each stacked entry: its first member's, with (a masked step) the
-    members' flags as its ``mask`` — ``(k, 1, 1)`` views of one stack of every stacked
-    member's flag (one kernel; the rules derive their weights from it once)."""
+    members' flags as its ``mask`` — ``(k, 1, 1)`` views of one pick of every stacked
+    member's flag from the batch's flags (one ``index_select``; the rules derive their
+    weights from it once)."""
     firsts = [ctxs[st.idx[0]] for st in stacked]
-    if firsts[0].mask is None:
+    mask = firsts[0].mask
+    if mask is None:
         return firsts
-    flags = torch.stack([ctxs[i].mask for st in stacked for i in st.idx])  # type: ignore[misc]
+    base = mask if mask._base is None else mask._base
+    # each flag's place in the batch's flags (its 0-d view's offset), picked by a cached index
+    at = [ctxs[i].mask.storage_offset() - base.storage_offset()  # type: ignore[union-attr]
+          for st in stacked for i in st.idx]  # fmt: skip
+    flags = masked.pick(base, at)
     out, start = [], 0
     for st, first in zip(stacked, firsts, strict=True):
         k = len(st.idx)
-        mask = flags[start : start + k].view(k, *(1,) * (st.R.dim() - 1))
-        out.append(replace(first, mask=mask))
+        view = flags[start : start + k].view(k, *(1,) * (st.R.dim() - 1))
+        out.append(replace(first, mask=view))
         start += k
     return out
 

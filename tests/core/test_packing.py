@@ -153,21 +153,30 @@ def test_a_replaced_state_tensor_is_stacked_again():
         assert torch.equal(p, q)
 
 
-def test_capturable_masking_puts_back_a_stacked_members_state():
-    """``capturable=True`` with a non-finite gradient on one matrix of a stacked shape batch:
-    its weights and moments (entries of the batch's stacks, saved and restored by the
-    snapshot through views of them) are put back; the others step as the per-tensor
+def _mixed_model(seed: int = 0) -> torch.nn.Module:
+    """Four 12×12 matrices with a 12×8 one between them: the shape batch is not every
+    parameter in order (its flags are picked from the group's)."""
+    torch.manual_seed(seed)
+    sizes = [(12, 12), (12, 12), (8, 12), (12, 8), (12, 12)]
+    return torch.nn.Sequential(*[torch.nn.Linear(i, o, bias=False) for i, o in sizes])
+
+
+@pytest.mark.parametrize(("make", "at"), [(_model, 2), (_mixed_model, 4)], ids=["batch", "mixed"])
+def test_capturable_masking_puts_back_a_stacked_members_state(make, at):
+    """``capturable=True`` with a non-finite gradient on one matrix of a stacked shape batch
+    (after clean masked steps): its weights and moments (entries of the batch's stacks,
+    which Adam masks itself) stay as they were; the others step as the per-tensor
     optimizer's that skips that matrix."""
-    capt_model, twin = _model(), _model()
+    capt_model, twin = make(), make()
     capt, skip = _galore(capt_model, foreach=True, capturable=True), _galore(twin, foreach=False)
     _steps(range(3), (capt_model, capt), (twin, skip))
-    bad = list(capt_model.parameters())[2]
+    bad = list(capt_model.parameters())[at]
     weights = bad.detach().clone()
     moments = {k: v.clone() for k, v in capt.state[bad].items() if v.is_floating_point()}
     _grads(capt_model, 3)
     _grads(twin, 3)
     bad.grad[1, 1] = float("nan")
-    list(twin.parameters())[2].grad[1, 1] = float("nan")
+    list(twin.parameters())[at].grad[1, 1] = float("nan")
     capt.step()
     skip.step()
     assert torch.equal(bad, weights)
