@@ -40,9 +40,9 @@ def test_foreach_true_runs_the_foreach_kernels_on_cpu(monkeypatch):
     calls = []
     original = ScaleByAdam._foreach
 
-    def spy(self, us, states, group):
+    def spy(self, us, states, group, masks):
         calls.append(len(us))
-        return original(self, us, states, group)
+        return original(self, us, states, group, masks)
 
     monkeypatch.setattr(ScaleByAdam, "_foreach", spy)
     model = TinyNet()
