@@ -36,8 +36,8 @@ refresh schedule, other rules' step counts) advance for a masked parameter as fo
 others, while its weights and other state are put back; the step copies the device
 state of the stepped parameters (transient memory of one more copy of it, see
 :mod:`galore2.core.masked`), but for the state a rule masks itself (Adam's float32
-moments: :meth:`~galore2.core.transform.Transform.masked_keys`); skips are counted on the device and added to
-``nonfinite.skips`` when :attr:`ChainOptimizer.nonfinite_skips` or ``state_dict()`` is read
+moments: :meth:`~galore2.core.transform.Transform.masked_keys`); skips are counted on the
+device and added to ``nonfinite.skips`` when :attr:`ChainOptimizer.nonfinite_skips` or ``state_dict()`` is read
 (one read there). Refresh steps still read each basis's certificate.
 :class:`galore2.CapturedStep` replays such steps from a CUDA graph.
 

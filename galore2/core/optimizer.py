@@ -879,8 +879,8 @@ def apply_masked(
     decays: list[Tensor] | None,
 ) -> None:
     """``p ← decay·p − lr·mask·u`` with ``mask = ok[position]`` (``flags``: the batch's
-    ``bad`` and ``ok`` = 1.0 / 0.0 on the device) and ``decay`` a 0-d device tensor per parameter (the masked step,
-    ``capturable=True``): dense updates masked per stack they form (:func:`masked_updates`)
+    ``bad`` and ``ok`` = 1.0 / 0.0 on the device) and ``decay`` a 0-d device tensor per
+    parameter (the masked step, ``capturable=True``): dense updates masked per stack they form (:func:`masked_updates`)
     and applied by foreach kernels, low-rank ones by their factor ``B`` times the mask and one
     fused matmul each. Updates are finite (a masked parameter stepped on a zero gradient), so
     ``u·0`` is 0."""

@@ -40,7 +40,7 @@ def stacked_view(ts: Sequence[Tensor]) -> Tensor | None:
         return None
     n, offset = first.numel(), first.storage_offset()
     gap = ts[1].storage_offset() - offset if len(ts) > 1 else n
-    if gap < n:  # overlapping (or out of order): not a stack
+    if gap < n or gap == 0:  # overlapping, out of order or empty: not a stack
         return None
     # checked list by list (C-level maps: this runs for every batch every step); an address
     # inside the first tensor's storage is in that storage

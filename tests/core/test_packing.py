@@ -45,6 +45,8 @@ def test_stacked_view_is_a_view_only_of_equally_spaced_tensors():
     assert packing.stacked_view([buffer[0:15].view(3, 5), buffer[5:20].view(3, 5)]) is None
     assert packing.stacked_view(_tensors()) is None  # separate storages
     assert packing.stacked_view([ts[0], buffer[15:25].view(2, 5)]) is None  # shapes differ
+    assert packing.stacked_view([ts[0], buffer[15:30].double().view(3, 5)]) is None  # storages
+    assert packing.stacked_view([buffer[:0], buffer[:0]]) is None  # empty: nothing to stack
 
 
 def test_as_stacks_views_what_is_stacked_and_packs_the_rest_into_one_buffer():
