@@ -522,6 +522,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a stacked entry's moments are masked by its first member's flag only",
     ),
     Mutation(
+        "adam_mask_bf16",
+        "galore2/optim/adam.py",
+        "if ctx is None or ctx.mask is None or not self.masked_keys(group):",
+        "if ctx is None or ctx.mask is None:",
+        ("tests/core/test_capture_ready.py",),
+        "Adam masks bfloat16 moments by tensor weights: capturable runs leave the host bits",
+    ),
+    Mutation(
         "flag_pick_stale",
         "galore2/core/masked.py",
         "self.last[0] is flags and self.last[1] == flags._version:",

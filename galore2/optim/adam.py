@@ -300,6 +300,13 @@ class ScaleByAdam(Transform):
             return ()
         return (*self.linear_keys, *self.quadratic_keys)
 
+    def _mask(self, ctx: Context | None, group: Group) -> Tensor | None:
+        """The direction's flag when this rule masks its moments itself (:meth:`masked_keys`),
+        else None (the snapshot puts them back, and the arithmetic stays the host path's)."""
+        if ctx is None or ctx.mask is None or not self.masked_keys(group):
+            return None
+        return ctx.mask
+
     def stacks(self, group: Group, device: torch.device) -> bool:
         """Stacked entries where :meth:`update_many` runs its foreach kernels (Adam is
         elementwise; a stack's members may count different steps): not with ``compile=True``
@@ -340,7 +347,7 @@ class ScaleByAdam(Transform):
                 return self._compiled_step(u, state, group)
             return self._step(
                 u, state["adam.exp_avg"], state["adam.exp_avg_sq"], state, group,
-                None if ctx is None else ctx.mask,
+                self._mask(ctx, group),
             )  # fmt: skip
         m_fmt = stored_format(state, "adam.exp_avg", True)
         v_fmt = stored_format(state, "adam.exp_avg_sq", False)
@@ -502,7 +509,7 @@ class ScaleByAdam(Transform):
             else:
                 results = self._foreach(
                     [us[i] for i in plain], [states[i] for i in plain], group,
-                    [ctxs[i].mask for i in plain],
+                    [self._mask(ctxs[i], group) for i in plain],
                 )  # fmt: skip
             for i, r in zip(plain, results, strict=True):
                 out[i] = r

@@ -46,19 +46,23 @@ def _grads(model: TinyNet, step: int) -> None:
 # "keep": Adam masks its moments itself; "project": a refresh rotates them, so the snapshot
 # saves and puts them back (the masked step here is a refresh step)
 @pytest.mark.parametrize("mode", ["keep", "project"])
-def test_masked_step_equals_skip(bad, foreach, mode):
+# the masked step: a plain one (the 4th), a refresh step (the 5th: GaLore refreshes at steps
+# 1, 3, 5 here; the basis made from the masked gradient must be put back)
+@pytest.mark.parametrize("clean", [3, 4])
+def test_masked_step_equals_skip(bad, foreach, mode, clean):
     settings = {"rank": 4, "update_proj_gap": 2, "weight_decay": 0.1, "lr": 1e-2,
                 "moments_on_refresh": mode}  # fmt: skip
     model, twin, capt, skip = capturable_twins(foreach, **settings)
-    for step in range(3):  # the same trajectory to rounding
+    for step in range(clean):  # the same trajectory to rounding
         _grads(model, step)
         _grads(twin, step)
         capt.step()
         skip.step()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     moments = {k: v.clone() for k, v in capt.state[model.mid.weight].items()}
-    _grads(model, 3)
-    _grads(twin, 3)
+    refreshes = int(capt.state[model.mid.weight]["galore.refreshes"])
+    _grads(model, clean)
+    _grads(twin, clean)
     model.mid.weight.grad[0, 0] = bad
     twin.mid.weight.grad[0, 0] = bad
     capt.step()
@@ -68,8 +72,11 @@ def test_masked_step_equals_skip(bad, foreach, mode):
         if value.is_floating_point():
             assert torch.equal(value, moments[key]), key
     # Adam's step (a counter, on the device) advances as the host counters do; skip's not
-    assert int(capt.state[model.mid.weight]["adam.step"]) == 4
-    assert int(skip.state[twin.mid.weight]["adam.step"]) == 3
+    assert int(capt.state[model.mid.weight]["adam.step"]) == clean + 1
+    assert int(skip.state[twin.mid.weight]["adam.step"]) == clean
+    # on the 5th step the others refresh; the masked one's zero gradient gives no basis, so
+    # its refresh waits (and its old basis is the snapshot's to keep)
+    assert int(capt.state[model.mid.weight]["galore.refreshes"]) == refreshes
     for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
         if name != "mid.weight":
@@ -93,6 +100,25 @@ def test_the_snapshot_leaves_out_what_adam_masks_itself(mode, saved):
     names = {name for snapshot in opt._snapshots.values() for name in snapshot.names}
     assert names & {"proj.left", "proj.right"}  # the bases are the snapshot's
     assert ("adam.exp_avg" in names) is saved and ("adam.exp_avg_sq" in names) is saved
+
+
+@pytest.mark.parametrize("foreach", [None, True])
+def test_the_snapshot_puts_back_what_adam_does_not_mask(foreach):
+    """bfloat16 moments are the snapshot's (not ``masked_keys``): after a masked step they
+    hold their values bitwise, the bases too."""
+    settings = {"rank": 4, "update_proj_gap": 2, "lr": 1e-2, "state_dtype": "bfloat16"}
+    model, _, capt, _ = capturable_twins(foreach, **settings)
+    for step in range(3):
+        _grads(model, step)
+        capt.step()
+    saved = {k: v.clone() for k, v in capt.state[model.mid.weight].items()}
+    _grads(model, 3)
+    model.mid.weight.grad[0, 0] = float("nan")
+    capt.step()
+    for key, value in capt.state[model.mid.weight].items():
+        if value.is_floating_point():
+            assert torch.equal(value, saved[key]), key
+    assert capt.state[model.mid.weight]["adam.exp_avg"].dtype == torch.bfloat16
 
 
 def test_capturable_refuses_raise():

@@ -150,8 +150,21 @@ def test_a_read_of_adams_counter_is_seen():
     assert watch.reads
 
 
-@pytest.mark.parametrize("foreach", [None, True])
-def test_device_counters_give_the_host_counters_bits(foreach):
+# bfloat16 moments: Adam leaves their masking to the snapshot (a lerp by a tensor weight
+# rounds apart from one by a Python float there), so they keep the host path's bits too —
+# per tensor; batched, the device corrections (float64 tensors, cast to bfloat16 by the
+# foreach multiply where the host's Python floats are not) round apart already (known gap)
+@pytest.mark.parametrize(
+    ("foreach", "state_dtype"),
+    [
+        (None, "float32"),
+        (True, "float32"),
+        (None, "bfloat16"),
+        pytest.param(True, "bfloat16", marks=pytest.mark.xfail(
+            strict=True, reason="device bias corrections round apart in bfloat16 foreach")),
+    ],
+)  # fmt: skip
+def test_device_counters_give_the_host_counters_bits(foreach, state_dtype):
     """Without unusable gradients a capturable run is bitwise the default one over its first
     steps: the float64 bias corrections computed from the device counter equal the host's
     Python floats there (for some large step counts the device's ``pow`` may differ from
@@ -159,7 +172,8 @@ def test_device_counters_give_the_host_counters_bits(foreach):
     (Without weight decay: the host path folds the decay into the low-rank update's fused
     ``addmm_`` as ``beta``, a host scalar the masked path cannot use, so with decay the bits
     depend on how the BLAS applies ``beta``.)"""
-    settings = {"rank": 4, "update_proj_gap": 2, "weight_decay": 0.0, "lr": 1e-2}
+    settings = {"rank": 4, "update_proj_gap": 2, "weight_decay": 0.0, "lr": 1e-2,
+                "state_dtype": state_dtype}  # fmt: skip
     model, twin, capt, host = capturable_twins(foreach, **settings)
     for step in range(5):
         for m in (model, twin):
