@@ -524,8 +524,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "adam_mask_bf16",
         "galore2/optim/adam.py",
-        "if ctx is None or ctx.mask is None or not self.masked_keys(group):",
-        "if ctx is None or ctx.mask is None:",
+        "if masks and masks[0] is not None and self.masked_keys(group):",
+        "if masks and masks[0] is not None:",
         ("tests/core/test_capture_ready.py",),
         "Adam masks bfloat16 moments by tensor weights: capturable runs leave the host bits",
     ),

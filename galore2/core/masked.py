@@ -123,23 +123,24 @@ def masked_grads(grads: list[Tensor], bad: Tensor) -> list[Tensor]:
 
 
 def masked_updates(
-    updates: list[Tensor], bad: Tensor, ok: Tensor, positions: list[int]
+    updates: list[Tensor], bad: Tensor, oks: Sequence[Tensor], positions: list[int]
 ) -> list[Tensor]:
     """``updates[j]``, or zeros where ``bad[positions[j]]`` (the batch's flags, one per
     parameter): one ``masked_fill`` per run of updates that are entries of one stack
     (GaLore's back-projection of a shape batch: its flags are those :func:`masked_grads`
-    picked for the gradients' bucket), one foreach multiply by ``ok`` (1.0 / 0.0) for the rest.
+    picked for the gradients' bucket), one foreach multiply by ``oks`` (each parameter's 0-d
+    1.0 / 0.0) for the rest.
     A stack the step made (:func:`~galore2.core.packing.writable`) is masked in place; others
     are new tensors (an update may be a state tensor). Where usable, the same bits."""
     out: list[Tensor | None] = [None] * len(updates)
-    by_storage: dict[tuple[int, torch.Size], list[int]] = {}
+    views: dict[torch.Size, list[int]] = {}
     for j, u in enumerate(updates):
         if u._base is not None:
-            by_storage.setdefault((u.untyped_storage().data_ptr(), u.shape), []).append(j)
-    for same in by_storage.values():
+            views.setdefault(u.shape, []).append(j)
+    runs = [same for idx in views.values() for same in packing.by_storage(updates, idx).values()]
+    for same in runs:
         if len(same) < 2:
             continue
-        same.sort(key=lambda j: updates[j].storage_offset())
         view = packing.stacked_view([updates[j] for j in same])
         if view is None:
             continue
@@ -155,11 +156,17 @@ def masked_updates(
             out[j] = piece
     rest = [j for j, u in enumerate(out) if u is None]
     if rest:
-        oks = ok.unbind()
         products = torch._foreach_mul([updates[j] for j in rest], [oks[positions[j]] for j in rest])
         for j, u in zip(rest, products, strict=True):
             out[j] = u
     return out  # type: ignore[return-value]
+
+
+def usable_or_one(flags: Tensor, value: float) -> Tensor:
+    """``value`` where ``flags`` (1.0 / 0.0) is 1, exactly 1 where it is 0, in ``flags``'
+    dtype: a factor that leaves a masked direction's tensor as it is (a decay, a moment's
+    β₂). Where usable it is the dtype's rounding of ``value``, as a Python float's is."""
+    return torch.add(torch.rsub(flags, 1), flags, alpha=value)
 
 
 def derive(masks: Sequence[Tensor], fn: Callable[[Tensor], Tensor]) -> list[Tensor]:
@@ -216,20 +223,16 @@ def _split(
     :mod:`~galore2.core.packing`; in storage order) viewed as it, those that own their
     storage or sit in a storage of ``ours`` (a previous snapshot's) packed together (with
     ``pack``; their new buffer's storage goes into ``made``), the rest unstacked."""
-    by_storage: dict[int, list[int]] = {}
-    for j in idx:
-        by_storage.setdefault(ts[j].untyped_storage().data_ptr(), []).append(j)
     parts: list[tuple[list[int], Tensor | None]] = []
     loose: list[int] = []
     rest: list[int] = []
-    for ptr, same in by_storage.items():
+    for ptr, same in packing.by_storage(ts, idx).items():
         if ptr in ours:
             loose += same
             continue
         if len(same) == 1:
             (loose if packing.owns_storage(ts[same[0]]) else rest).append(same[0])
             continue
-        same.sort(key=lambda j: ts[j].storage_offset())
         view = packing.stacked_view([ts[j] for j in same])
         if view is None:
             rest += same

@@ -45,7 +45,7 @@ from .. import _numerics
 from ..fsdp.detect import is_dtensor  # cheap: imports nothing distributed
 from ..kernels.dispatch import run_kernel
 from ..placement import LOCAL, Placement
-from .masked import FlagBuffer, Snapshot, masked_grads, masked_updates
+from .masked import FlagBuffer, Snapshot, masked_grads, masked_updates, usable_or_one
 from .modules import (
     GradientTransform,
     LRSchedule,
@@ -687,10 +687,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         if flags is None or not flags.fits(ok):
             flags = self._flag_buffers[batch.key] = FlagBuffer(ok.numel(), ok.device)
         okf = flags.write(ok)
-        # ok·decay + (1 − ok): float32(decay) where usable, exactly 1 where masked
-        decays = (
-            torch.add(bad.to(torch.float32), okf, alpha=decay).unbind() if decay != 1.0 else None
-        )
+        decays = usable_or_one(okf, decay).unbind() if decay != 1.0 else None
         grads = masked_grads(batch.grads, bad)
         # state the chain's rules mask themselves (Context.mask) is neither copied nor put back
         skipped = frozenset(k for m in self._chain for k in m.masked_keys(group))
@@ -715,7 +712,7 @@ class ChainOptimizer(torch.optim.Optimizer):
             ctx.mask = flag
         try:
             self._run_live(batch, batch.params, batch.states, batch.ctxs, grads,
-                           masks=(bad, okf, decays))  # fmt: skip
+                           masks=(bad, flags.entries, decays))  # fmt: skip
         finally:
             for ctx in batch.ctxs:
                 ctx.mask = None
@@ -729,11 +726,11 @@ class ChainOptimizer(torch.optim.Optimizer):
         states: list[dict[str, Tensor]],
         ctxs: list[Context],
         grads: list[Tensor],
-        masks: tuple[Tensor, Tensor, Sequence[Tensor] | None] | None = None,
+        masks: tuple[Tensor, Sequence[Tensor], Sequence[Tensor] | None] | None = None,
     ) -> list[tuple[dict[str, Any], dict[str, Tensor], Context]]:
         """The chain and the updates of ``params`` (all usable, or ``masks``: each one's
-        flags, bool and 1.0 / 0.0 device vectors, and each one's decay factor as a 0-d device
-        tensor), batched per ``foreach``."""
+        flags as a bool device vector and as 0-d 1.0 / 0.0 device tensors, and each one's decay
+        factor as a 0-d device tensor), batched per ``foreach``."""
         group = batch.group
         lr = float(group["lr"])
         decay = 1.0 - lr * group["weight_decay"]
@@ -750,9 +747,9 @@ class ChainOptimizer(torch.optim.Optimizer):
             if masks is None:
                 apply_updates(ps, outs, lr, decay)
                 continue
-            bad, okf, decays = masks
+            bad, oks, decays = masks
             apply_masked(
-                ps, outs, lr, (bad, okf), chunk,
+                ps, outs, lr, (bad, oks), chunk,
                 None if decays is None else [decays[i] for i in chunk],
             )  # fmt: skip
         return [(batch.given, state, ctx) for state, ctx in zip(states, ctxs, strict=True)]
@@ -874,12 +871,12 @@ def apply_masked(
     params: list[Tensor],
     updates: list[Tensor | LowRankUpdate],
     lr: float,
-    flags: tuple[Tensor, Tensor],
+    flags: tuple[Tensor, Sequence[Tensor]],
     positions: list[int],
     decays: list[Tensor] | None,
 ) -> None:
-    """``p ← decay·p − lr·mask·u`` with ``mask = ok[position]`` (``flags``: the batch's
-    ``bad`` and ``ok`` = 1.0 / 0.0 on the device) and ``decay`` a 0-d device tensor per
+    """``p ← decay·p − lr·mask·u`` with ``mask = oks[position]`` (``flags``: the batch's
+    ``bad`` vector and ``oks``, each parameter's 0-d 1.0 / 0.0, on the device) and ``decay`` a 0-d device tensor per
     parameter (the masked step, ``capturable=True``): dense updates masked per stack they form (:func:`masked_updates`)
     and applied by foreach kernels, low-rank ones by their factor ``B`` times the mask and one
     fused matmul each. Updates are finite (a masked parameter stepped on a zero gradient), so
@@ -893,10 +890,9 @@ def apply_masked(
         # (one addcmul would round (−lr·u)·mask apart from add's fused p + α·u: not the bits)
         us = masked_updates([updates[i] for i in dense], *flags, [positions[i] for i in dense])  # type: ignore[misc]
         torch._foreach_add_(ps, us, alpha=-lr)
-    oks = None
+    oks = flags[1]
     for p, u, i in zip(params, updates, range(len(params)), strict=True):
         if isinstance(u, LowRankUpdate):
-            oks = flags[1].unbind() if oks is None else oks
             if decays is not None:
                 p.mul_(decays[i])
             apply_update(p, LowRankUpdate(u.A, u.B * oks[positions[i]], u.shape, u.scale), lr, 1.0)

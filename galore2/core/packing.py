@@ -65,6 +65,18 @@ _dtype = operator.attrgetter("dtype")
 _device = operator.attrgetter("device")
 
 
+def by_storage(ts: Sequence[Tensor], idx: Sequence[int]) -> dict[int, list[int]]:
+    """The positions ``idx`` of ``ts`` by the storage each tensor is in (its address), each
+    list in storage order: the runs :func:`stacked_view` may see as a stack."""
+    runs: dict[int, list[int]] = {}
+    for j in idx:
+        runs.setdefault(ts[j].untyped_storage().data_ptr(), []).append(j)
+    for same in runs.values():
+        if len(same) > 1:
+            same.sort(key=lambda j: ts[j].storage_offset())
+    return runs
+
+
 def owns_storage(t: Tensor) -> bool:
     """Is ``t`` the whole of its storage (nothing else can alias it through a view)?"""
     return (

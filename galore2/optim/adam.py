@@ -55,7 +55,7 @@ from torch import Tensor
 
 from .. import _numerics
 from ..core.counters import Counters
-from ..core.masked import derive
+from ..core.masked import derive, usable_or_one
 from ..core.options import Bool, Option, Pair, Real
 from ..core.state import counter, counter_on
 from ..core.transform import Context, Group, State, Transform, members
@@ -241,8 +241,7 @@ def _masked_weights(
         return flag.to(dtype).mul(1 - beta1)
 
     def decay(flag: Tensor) -> Tensor:
-        flag = flag.to(dtype)
-        return torch.mul(flag, beta2).add_(torch.rsub(flag, 1))
+        return usable_or_one(flag.to(dtype), beta2)
 
     return derive(masks, weight), derive(masks, decay)
 
@@ -300,12 +299,14 @@ class ScaleByAdam(Transform):
             return ()
         return (*self.linear_keys, *self.quadratic_keys)
 
-    def _mask(self, ctx: Context | None, group: Group) -> Tensor | None:
-        """The direction's flag when this rule masks its moments itself (:meth:`masked_keys`),
+    def _masks(self, ctxs: list[Context | None], group: Group) -> list[Tensor | None]:
+        """Each direction's flag when this rule masks its moments itself (:meth:`masked_keys`),
         else None (the snapshot puts them back, and the arithmetic stays the host path's)."""
-        if ctx is None or ctx.mask is None or not self.masked_keys(group):
-            return None
-        return ctx.mask
+        masks = [None if c is None else c.mask for c in ctxs]
+        # a masked step sets every direction's flag (none is set on other steps)
+        if masks and masks[0] is not None and self.masked_keys(group):
+            return masks
+        return [None] * len(ctxs)
 
     def stacks(self, group: Group, device: torch.device) -> bool:
         """Stacked entries where :meth:`update_many` runs its foreach kernels (Adam is
@@ -347,7 +348,7 @@ class ScaleByAdam(Transform):
                 return self._compiled_step(u, state, group)
             return self._step(
                 u, state["adam.exp_avg"], state["adam.exp_avg_sq"], state, group,
-                self._mask(ctx, group),
+                self._masks([ctx], group)[0],
             )  # fmt: skip
         m_fmt = stored_format(state, "adam.exp_avg", True)
         v_fmt = stored_format(state, "adam.exp_avg_sq", False)
@@ -509,7 +510,7 @@ class ScaleByAdam(Transform):
             else:
                 results = self._foreach(
                     [us[i] for i in plain], [states[i] for i in plain], group,
-                    [self._mask(ctxs[i], group) for i in plain],
+                    self._masks([ctxs[i] for i in plain], group),
                 )  # fmt: skip
             for i, r in zip(plain, results, strict=True):
                 out[i] = r
