@@ -492,10 +492,26 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "masked_update_stack_unmasked",
         "galore2/core/masked.py",
-        "masked = view.masked_fill_(flags, 0.0)",
+        "masked = _zeroed(view, pick, flags, packing.writable(view))",
         "masked = view",
         ("tests/core/test_packing.py", "tests/core/test_capturable.py"),
         "a capturable step applies a masked parameter's update when it is an entry of a stack",
+    ),
+    Mutation(
+        "premasked_back_unmasked",
+        "galore2/optim/lowrank_batch.py",
+        "scale = mask if factor == 1.0 else mask * factor",
+        "scale = mask.clamp(min=1.0) if factor == 1.0 else mask.clamp(min=1.0) * factor",
+        ("tests/core/test_packing.py", "tests/core/test_capturable.py"),
+        "a capturable step's back-projection of a stack is marked masked but was not masked",
+    ),
+    Mutation(
+        "derived_stale",
+        "galore2/core/masked.py",
+        "                fn(base, out=result)",
+        "                pass",
+        ("tests/core/test_packing.py", "tests/core/test_capturable.py"),
+        "a capturable step's Adam weights kept from an earlier step's flags",
     ),
     Mutation(
         "adam_mask_ignored_batched",
@@ -596,8 +612,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "device_bias_correction",
         "galore2/optim/adam.py",
-        'scale, shift = bc[0] / bc[1].sqrt(), bc[0] * group["eps"]',
-        'scale, shift = bc[0] / bc[1], bc[0] * group["eps"]',
+        "torch.div(bc[0], bc[1].sqrt(), out=both[0])",
+        "torch.div(bc[0], bc[1], out=both[0])",
         ("tests/core/test_capture_ready.py",),
         "capturable foreach Adam: the second bias correction is not square-rooted",
     ),

@@ -45,7 +45,14 @@ from .. import _numerics
 from ..fsdp.detect import is_dtensor  # cheap: imports nothing distributed
 from ..kernels.dispatch import run_kernel
 from ..placement import LOCAL, Placement
-from .masked import FlagBuffer, Snapshot, masked_grads, masked_updates, usable_or_one
+from .masked import (
+    FlagBuffer,
+    Snapshot,
+    masked_grads,
+    masked_updates,
+    premasked_clear,
+    usable_or_one,
+)
 from .modules import (
     GradientTransform,
     LRSchedule,
@@ -165,6 +172,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         self._flag_buffers: dict[int, FlagBuffer] = {}  # likewise
         # capturable: skips counted on the device, per batch of parameters (their ids)
         self._pending_skips: dict[tuple[int, ...], tuple[list[Tensor], Tensor]] = {}
+        self._skip_keys: dict[int, tuple[int, ...]] = {}  # per group: its last batch's key
         self._where: tuple[int, dict[int, tuple[dict[str, Any], int]]] | None = None
         self._settings = Settings(self.declared, walk(self._all_modules))
 
@@ -568,6 +576,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         cached = self._gathered(key, items)
         if cached is not None:  # the same parameters as last step: no per-parameter Python
             batch.owners, batch.params, batch.states, batch.ctxs = cached
+            batch.reused = True
             grads = [g for _, g, _ in items]
             if group["maximize"]:
                 grads = list(torch._foreach_neg(grads)) if len(grads) > 1 else [-grads[0]]
@@ -680,15 +689,15 @@ class ChainOptimizer(torch.optim.Optimizer):
         if ok is None:  # nonfinite="ignore": nothing to mask
             return self._run_live(batch, batch.params, batch.states, batch.ctxs, batch.grads)
         bad = ~ok
-        self._count_skips(batch.owners, bad)
+        self._count_skips(batch, bad)
         lr = float(group["lr"])
         decay = 1.0 - lr * group["weight_decay"]
         flags = self._flag_buffers.get(batch.key)
         if flags is None or not flags.fits(ok):
             flags = self._flag_buffers[batch.key] = FlagBuffer(ok.numel(), ok.device)
-        okf = flags.write(ok)
+        okf = flags.write(ok, bad, batch.reused)
         decays = usable_or_one(okf, decay).unbind() if decay != 1.0 else None
-        grads = masked_grads(batch.grads, bad)
+        grads = masked_grads(batch.grads, flags)
         # state the chain's rules mask themselves (Context.mask) is neither copied nor put back
         skipped = frozenset(k for m in self._chain for k in m.masked_keys(group))
         snapshot = self._snapshots.get(batch.key)
@@ -710,10 +719,12 @@ class ChainOptimizer(torch.optim.Optimizer):
         snapshot.save()
         for ctx, flag in zip(batch.ctxs, flags.entries, strict=True):
             ctx.mask = flag
+        premasked_clear()
         try:
             self._run_live(batch, batch.params, batch.states, batch.ctxs, grads,
-                           masks=(bad, flags.entries, decays))  # fmt: skip
+                           masks=(flags, decays))  # fmt: skip
         finally:
+            premasked_clear()
             for ctx in batch.ctxs:
                 ctx.mask = None
         snapshot.restore(bad)
@@ -726,11 +737,11 @@ class ChainOptimizer(torch.optim.Optimizer):
         states: list[dict[str, Tensor]],
         ctxs: list[Context],
         grads: list[Tensor],
-        masks: tuple[Tensor, Sequence[Tensor], Sequence[Tensor] | None] | None = None,
+        masks: tuple[FlagBuffer, Sequence[Tensor] | None] | None = None,
     ) -> list[tuple[dict[str, Any], dict[str, Tensor], Context]]:
-        """The chain and the updates of ``params`` (all usable, or ``masks``: each one's
-        flags as a bool device vector and as 0-d 1.0 / 0.0 device tensors, and each one's decay
-        factor as a 0-d device tensor), batched per ``foreach``."""
+        """The chain and the updates of ``params`` (all usable, or ``masks``: the batch's
+        :class:`~galore2.core.masked.FlagBuffer` and each parameter's decay factor as a 0-d
+        device tensor), batched per ``foreach``."""
         group = batch.group
         lr = float(group["lr"])
         decay = 1.0 - lr * group["weight_decay"]
@@ -747,20 +758,22 @@ class ChainOptimizer(torch.optim.Optimizer):
             if masks is None:
                 apply_updates(ps, outs, lr, decay)
                 continue
-            bad, oks, decays = masks
+            flags, decays = masks
             apply_masked(
-                ps, outs, lr, (bad, oks), chunk,
+                ps, outs, lr, flags, chunk,
                 None if decays is None else [decays[i] for i in chunk],
             )  # fmt: skip
         return [(batch.given, state, ctx) for state, ctx in zip(states, ctxs, strict=True)]
 
-    def _count_skips(self, owners: list[Tensor], bad: Tensor) -> None:
+    def _count_skips(self, batch: _Batch, bad: Tensor) -> None:
         """Add a batch's masked parameters to the skips counted on the device: one add into
         a counter per batch of parameters (flushed by :meth:`_flush_skips`)."""
-        key = tuple(map(id, owners))
+        key = self._skip_keys.get(batch.key) if batch.reused else None
+        if key is None:
+            key = self._skip_keys[batch.key] = tuple(map(id, batch.owners))
         found = self._pending_skips.get(key)
         if found is None:
-            self._pending_skips[key] = (list(owners), bad.to(torch.int32))
+            self._pending_skips[key] = (list(batch.owners), bad.to(torch.int32))
         else:
             found[1].add_(bad)
 
@@ -805,6 +818,7 @@ class _Batch:
     ctxs: list[Context] = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)
     flags: Tensor | None = None  # usable gradients, on the device (None: not checked)
+    reused: bool = False  # the same parameters (at the same indices) as last step's batch
 
 
 _IS_SPARSE = operator.attrgetter("is_sparse")
@@ -871,12 +885,12 @@ def apply_masked(
     params: list[Tensor],
     updates: list[Tensor | LowRankUpdate],
     lr: float,
-    flags: tuple[Tensor, Sequence[Tensor]],
+    flags: FlagBuffer,
     positions: list[int],
     decays: list[Tensor] | None,
 ) -> None:
-    """``p ← decay·p − lr·mask·u`` with ``mask = oks[position]`` (``flags``: the batch's
-    ``bad`` vector and ``oks``, each parameter's 0-d 1.0 / 0.0, on the device) and ``decay`` a 0-d device tensor per
+    """``p ← decay·p − lr·mask·u`` with ``mask = flags.entries[position]`` (the batch's
+    flags: each parameter's 0-d 1.0 / 0.0, on the device) and ``decay`` a 0-d device tensor per
     parameter (the masked step, ``capturable=True``): dense updates masked per stack they form (:func:`masked_updates`)
     and applied by foreach kernels, low-rank ones by their factor ``B`` times the mask and one
     fused matmul each. Updates are finite (a masked parameter stepped on a zero gradient), so
@@ -888,9 +902,9 @@ def apply_masked(
             torch._foreach_mul_(ps, [decays[i] for i in dense])
         # u·mask, then p − lr·(u·mask): the same bits as the host path's p − lr·u where usable
         # (one addcmul would round (−lr·u)·mask apart from add's fused p + α·u: not the bits)
-        us = masked_updates([updates[i] for i in dense], *flags, [positions[i] for i in dense])  # type: ignore[misc]
+        us = masked_updates([updates[i] for i in dense], flags, [positions[i] for i in dense])  # type: ignore[misc]
         torch._foreach_add_(ps, us, alpha=-lr)
-    oks = flags[1]
+    oks = flags.entries
     for p, u, i in zip(params, updates, range(len(params)), strict=True):
         if isinstance(u, LowRankUpdate):
             if decays is not None:

@@ -237,13 +237,14 @@ def _masked_weights(
     Python floats take there (so the usable directions keep the host path's bits). A few
     kernels per batch (:func:`~galore2.core.masked.derive`)."""
 
-    def weight(flag: Tensor) -> Tensor:
-        return flag.to(dtype).mul(1 - beta1)
+    def weight(flag: Tensor, out: Tensor | None = None) -> Tensor:
+        return torch.mul(flag.to(dtype), 1 - beta1, out=out)
 
-    def decay(flag: Tensor) -> Tensor:
-        return usable_or_one(flag.to(dtype), beta2)
+    def decay(flag: Tensor, out: Tensor | None = None) -> Tensor:
+        return usable_or_one(flag.to(dtype), beta2, out=out)
 
-    return derive(masks, weight), derive(masks, decay)
+    names = (f"adam.weight {dtype} {beta1!r}", f"adam.decay {dtype} {beta2!r}")
+    return derive(masks, weight, names[0]), derive(masks, decay, names[1])
 
 
 AXIS = "adam.block_dim"  # the blocked axis of both 8-bit moments (same shape and layout)
@@ -541,7 +542,16 @@ class ScaleByAdam(Transform):
             # (1 − β₁ᵗ)/√(1 − β₂ᵗ) and (1 − β₁ᵗ)·eps: five kernels for the whole batch
             betas = _numerics.constants((beta1, beta2), torch.float64, device).view(2, 1)
             bc = torch.rsub(torch.pow(betas, stacked), 1)
-            scale, shift = bc[0] / bc[1].sqrt(), bc[0] * group["eps"]
+            both = torch.empty_like(bc)
+            torch.div(bc[0], bc[1].sqrt(), out=both[0])
+            torch.mul(bc[0], group["eps"], out=both[1])
+            dtype = exp_avgs[0].dtype
+            if dtype in (torch.float32, torch.float64):
+                # in the moments' dtype, where the host path's Python floats act (its
+                # rounding of the float64 values): the same bits, and a foreach multiply by
+                # float32 0-d tensors is ~2.5x faster on the CPU than by float64 ones
+                both = both.to(dtype)
+            scale, shift = both[0], both[1]
             if len(counted) == len(states):  # no stacked entry
                 return exp_avgs, exp_avg_sqs, us, list(scale.unbind()), list(shift.unbind())
             return exp_avgs, exp_avg_sqs, us, *_per_entry(scale, shift, starts, us)

@@ -344,7 +344,7 @@ class GaLore(Transform):
                 for i, r in zip(idx, R.unbind(0), strict=True):
                     inner_in[i] = r
             stacks.append(_Stacked(batch, idx, G, B, R, stacked))
-        results, stacked_out, order = self._run_inner(inner_in, states, group, ctxs, stacks)
+        results, stacked_out, order, masks = self._run_inner(inner_in, states, group, ctxs, stacks)
         out: list[Tensor | LowRankUpdate] = list(results)
         if residual.active(group):
             done = self._combine_many(
@@ -353,13 +353,13 @@ class GaLore(Transform):
         else:
             done = {}
             factor = group["scale"] * _decay(group)
-            for st, N in zip(stacks, stacked_out, strict=True):
+            for st, N, mask in zip(stacks, stacked_out, masks, strict=True):
                 Ns = N if N is not None else [dense(results[i]) for i in st.idx]
                 dtype = ctxs[st.idx[0]].param.dtype
                 # G is projected already: its buffer takes the update (when it is a
                 # temporary stack, not a view of the gradients)
                 spent = st.G if st.G.dtype == dtype and packing.writable(st.G) else None
-                deltas = lowrank_batch.back(st.batch.kind, st.B, Ns, dtype, factor, spent)
+                deltas = lowrank_batch.back(st.batch.kind, st.B, Ns, dtype, factor, spent, mask)
                 done.update(zip(st.idx, deltas.unbind(0), strict=True))
         for i, p in projections.items():
             out[i] = done[i] if i in done else self._back(
@@ -397,35 +397,41 @@ class GaLore(Transform):
     def _run_inner(
         self, inner_in: list[Tensor], states: list[State], group: Group, ctxs: list[Context],
         stacks: list[_Stacked],
-    ) -> tuple[list[Any], list[Tensor | None], list[int]]:  # fmt: skip
+    ) -> tuple[list[Any], list[Tensor | None], list[int], list[Tensor | None]]:  # fmt: skip
         """The inner chain over the directions, each shape batch with a stacked state as one
         stacked entry (its ``R``; the last entries of the chain's lists). Returns the
         per-tensor results (None for a stacked batch's matrices), each batch's stacked result
-        (or None), and the order in which the chain saw the states (with stacks expanded)."""
+        (or None), the order in which the chain saw the states (with stacks expanded), and
+        each batch's stacked mask (a masked step's ``(k, 1, 1)`` flags of a stacked entry;
+        else None)."""
         stacked = [st for st in stacks if st.state is not None]
+        none: list[Tensor | None] = [None] * len(stacks)
         if not stacked:
-            return run_chain(self.inner, inner_in, states, group, ctxs), [None] * len(stacks), (
+            return run_chain(self.inner, inner_in, states, group, ctxs), none, (
                 list(range(len(states)))
-            )  # fmt: skip
+            ), none  # fmt: skip
         skip = set()
         for st in stacked:
             skip.update(st.idx)
         order = [i for i in range(len(states)) if i not in skip]
+        entries = _stacked_ctxs(stacked, ctxs)
         res = run_chain(
             self.inner,
             [inner_in[i] for i in order] + [st.R for st in stacked],
             [states[i] for i in order] + [st.state for st in stacked],  # type: ignore[misc]
             group,
-            [ctxs[i] for i in order] + _stacked_ctxs(stacked, ctxs),
+            [ctxs[i] for i in order] + entries,
         )
         results: list[Any] = [None] * len(states)
         for i, r in zip(order, res, strict=False):
             results[i] = r
         tail = iter(res[len(order) :])
         stacked_out = [dense(next(tail)) if st.state is not None else None for st in stacks]
+        masked = iter([c.mask for c in entries])
+        masks = [next(masked) if st.state is not None else None for st in stacks]
         for st in stacked:
             order += st.idx
-        return results, stacked_out, order
+        return results, stacked_out, order, masks
 
     def _batch_plan(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]

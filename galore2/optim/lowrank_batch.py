@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core import packing
+from ..core import masked, packing
 from ..core.counters import Counters
 from ..core.transform import Context, StackedState, State
 from ..projectors import Projector, get_projector
@@ -335,17 +335,29 @@ def advance_counters(
 
 def back(
     kind: type[Projection], B: Tensor, Ns: list[Tensor] | Tensor, dtype: torch.dtype,
-    factor: float, out: Tensor | None = None,
+    factor: float, out: Tensor | None = None, mask: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """Dense updates ``P·(factor·N)`` (left) or ``(factor·N)·Qᵀ`` (right) in ``dtype``, one
     ``bmm`` (the factor scales the r-row stack, not the m×n result), stacked — into ``out``
     when given (a spent stack of the same shape and dtype: no new gradient-size buffer).
-    ``Ns``: the low-rank updates, or their stack (the inner chain's: never written)."""
+    ``Ns``: the low-rank updates, or their stack (the inner chain's: never written).
+
+    ``mask`` (a masked step's ``(k, 1, 1)`` flags, 1.0 / 0.0, of a float32 stack): the
+    factor is the flags times ``factor``, so a masked matrix's update is 0 (its finite N
+    times 0) and the others keep their bits; the result is then marked
+    :func:`~galore2.core.masked.premasked` (the step does not mask it again: the r-row
+    stack is masked instead of the m×n result)."""
     owned = not isinstance(Ns, Tensor)
     N = torch.stack(Ns) if owned else Ns  # type: ignore[arg-type]
     if N.dtype != dtype:
         N, owned = N.to(dtype), True
     B = B if B.dtype == dtype else B.to(dtype)
+    if mask is not None and N.dtype == mask.dtype:
+        # factor·1.0 rounds as the scalar factor does: the same bits where usable
+        scale = mask if factor == 1.0 else mask * factor
+        N = N.mul_(scale) if owned else N.mul(scale)
+        # the step's own buffer: a consumer may write it
+        return masked.premasked(packing.scratch(kind.back_stack(N, B, out)))
     if factor != 1.0:
         N = N.mul_(factor) if owned else N.mul(factor)
     # the step's own buffer: a consumer may write it (the masked step zeroes masked entries)

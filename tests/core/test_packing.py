@@ -163,14 +163,18 @@ def _mixed_model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(i, o, bias=False) for i, o in sizes])
 
 
+@pytest.mark.parametrize("preset", ["GaLoreAdamW", "Fira", "APOLLO"])
 @pytest.mark.parametrize(("make", "at"), [(_model, 2), (_mixed_model, 4)], ids=["batch", "mixed"])
-def test_capturable_masking_puts_back_a_stacked_members_state(make, at):
+def test_capturable_masking_puts_back_a_stacked_members_state(make, at, preset):
     """``capturable=True`` with a non-finite gradient on one matrix of a stacked shape batch
     (after clean masked steps): its weights and moments (entries of the batch's stacks,
     which Adam masks itself) stay as they were; the others step as the per-tensor
-    optimizer's that skips that matrix."""
+    optimizer's that skips that matrix. GaLoreAdamW masks the low-rank stack before its
+    back-projection; Fira's and APOLLO's dense updates are masked as a stack."""
     capt_model, twin = make(), make()
-    capt, skip = _galore(capt_model, foreach=True, capturable=True), _galore(twin, foreach=False)
+    kw = {"lr": 1e-2, "rank": 4, "update_proj_gap": 50}
+    capt = getattr(galore2, preset)(capt_model.parameters(), foreach=True, capturable=True, **kw)
+    skip = getattr(galore2, preset)(twin.parameters(), foreach=False, **kw)
     _steps(range(3), (capt_model, capt), (twin, skip))
     bad = list(capt_model.parameters())[at]
     weights = bad.detach().clone()
