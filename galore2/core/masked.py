@@ -290,10 +290,14 @@ class _Bucket:
     ``stacked``: the ``(k, *shape)`` tensor whose entries they are (a view of a stack they
     already form, or the buffer they were packed into), or None (saved by a ``stack``)."""
 
-    __slots__ = ("addresses", "flags", "stacked", "tensors")
+    __slots__ = ("addresses", "flags", "keys", "stacked", "tensors")
 
-    def __init__(self, ts: list[Tensor], owners: list[int], flags: int, stacked: Tensor | None):
+    def __init__(
+        self, ts: list[Tensor], owners: list[int], flags: int, stacked: Tensor | None,
+        keys: frozenset[str],
+    ) -> None:  # fmt: skip
         self.tensors = ts
+        self.keys = keys  # the state keys its tensors are under
         self.flags = _flags_for(owners, flags, ts[0].dim(), ts[0].device)
         self.stacked = stacked
         self.addresses = packing.addresses(ts)
@@ -375,11 +379,17 @@ class Snapshot:
         ours = previous.packs if previous is not None else set()
         self.packs: set[int] = set()  # the buffers it packed (a later snapshot may repack)
         self.buckets = [
-            _Bucket([self.tensors[j] for j in part], [keys[j][0] for j in part], len(states), st)
+            _Bucket(
+                [self.tensors[j] for j in part],
+                [keys[j][0] for j in part],
+                len(states),
+                st,
+                frozenset(self.names[j] for j in part),
+            )
             for idx in _buckets(self.tensors)
             for part, st in _split(self.tensors, idx, pack, ours, self.packs)
         ]
-        self.saved: list[Tensor] = []
+        self.saved: list[Tensor | None] = []
 
     def fits(self, states: list[State]) -> bool:
         """Are these the states (and state tensors) it was built for, still packed?"""
@@ -392,15 +402,20 @@ class Snapshot:
         return all(map(operator.is_, map(_entry, _pick(states, self.owners), self.names),
                        self.tensors))  # fmt: skip
 
-    def save(self) -> None:
-        """Copy the tensors' current values (one ``clone`` or ``stack`` per bucket)."""
-        self.saved = [b.stacked.clone() if b.stacked is not None else b.values()
+    def save(self, skip: frozenset[str] = frozenset()) -> None:
+        """Copy the tensors' current values (one ``clone`` or ``stack`` per bucket), but
+        those of buckets whose keys are all in ``skip`` (this step's
+        :meth:`~galore2.core.transform.Transform.step_masked_keys`: not saved, not put back)."""
+        self.saved = [None if b.keys <= skip
+                      else b.stacked.clone() if b.stacked is not None else b.values()
                       for b in self.buckets]  # fmt: skip
 
     def restore(self, bad: Tensor) -> None:
         """Put back the saved values of the parameters flagged in ``bad``; the others keep
         their current values (bitwise: a select, not arithmetic)."""
         for b, saved in zip(self.buckets, self.saved, strict=True):
+            if saved is None:  # unchanged where masked this step
+                continue
             current = b.values()
             torch.where(b.flags(bad), saved, current, out=current)
             if b.stacked is None:  # a copy: write it back

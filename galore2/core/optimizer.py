@@ -716,7 +716,9 @@ class ChainOptimizer(torch.optim.Optimizer):
             snapshot = self._snapshots[batch.key] = Snapshot(
                 batch.states, kept, pack=local, previous=snapshot, skipped=skipped
             )
-        snapshot.save()
+        # and what the rules know they leave unchanged this step (GaLore's bases between refreshes)
+        snapshot.save(skipped.union(*(m.step_masked_keys(batch.states, group, batch.ctxs)
+                                      for m in self._chain)))  # fmt: skip
         for ctx, flag in zip(batch.ctxs, flags.entries, strict=True):
             ctx.mask = flag
         premasked_clear()

@@ -134,6 +134,15 @@ class Transform:
         not copy and put them back (see :mod:`galore2.core.masked`). Default: none."""
         return ()
 
+    def step_masked_keys(
+        self, states: list[State], group: Group, ctxs: list[Context]
+    ) -> frozenset[str]:
+        """:meth:`masked_keys` for this step of ``states`` (known on the host before the
+        chain runs): a rule may add keys it writes for none of them this step (GaLore: its
+        bases on a step where no matrix is due for a refresh). The masked step saves and
+        puts back none of them this step. Default: :meth:`masked_keys`."""
+        return frozenset(self.masked_keys(group))
+
     def stacks(self, group: Group, device: torch.device) -> bool:
         """Can :meth:`update_many` take stacked entries (a :class:`StackedState` with a
         ``(k, *shape)`` direction: each of its ``k`` slices updated as its member's tensor

@@ -385,6 +385,29 @@ class GaLore(Transform):
             return ()
         return tuple(k for t in self.inner for k in t.masked_keys(group))
 
+    def step_masked_keys(
+        self, states: list[State], group: Group, ctxs: list[Context]
+    ) -> frozenset[str]:
+        """:meth:`masked_keys`, and on a step where none of ``states`` is due for a refresh
+        (their host counters, read as :meth:`update_many` reads them: these lists' batch
+        plan must be last step's) what only a refresh writes — the bases, the subspace
+        similarity — and the inner rules' masked keys whatever ``moments_on_refresh`` (only
+        a refresh resets or rotates moments). Unknown (a new plan): :meth:`masked_keys`."""
+        static = frozenset(self.masked_keys(group))
+        plan = self.__dict__.get("_plans", {}).get((len(states), id(states[0]) if states else 0))
+        if plan is None or not plan.holds(states, ctxs):
+            return static
+        for i in plan.singles:
+            s = states[i]
+            if "galore.next_refresh" in s and int(s["galore.step"]) >= int(
+                s["galore.next_refresh"]
+            ):
+                return static
+        if plan.batches and plan.due(self._counters) is not None:
+            return static
+        inner = (k for t in self.inner for k in t.masked_keys(group))
+        return static.union(_REFRESH_ONLY, inner)
+
     def _stack_keys(self, group: Group, device: torch.device) -> tuple[str, ...] | None:
         """The inner chain's state keys a shape batch may stack (every transform's
         ``linear_keys`` and ``quadratic_keys``, wrapped ones' too: those its states hold
@@ -783,6 +806,10 @@ def _stacked_ctxs(stacked: list[_Stacked], ctxs: list[Context]) -> list[Context]
         out.append(replace(first, mask=view))
         start += k
     return out
+
+
+#: the state only a refresh writes (see GaLore.step_masked_keys)
+_REFRESH_ONLY = frozenset((*PROJECTOR_KINDS, "galore.similarity"))
 
 
 def _decay(group: Group) -> float:

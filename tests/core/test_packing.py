@@ -230,3 +230,32 @@ def test_a_stack_re_pointed_by_someone_else_is_made_again():
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
         torch.testing.assert_close(oa.state[p]["adam.exp_avg"], ob.state[q]["adam.exp_avg"],
                                    rtol=0, atol=1e-6)  # fmt: skip
+
+
+@pytest.mark.parametrize("projector", ["svd", "random"])
+def test_capturable_masking_on_a_refresh_step_puts_back_a_stacked_members_basis(projector):
+    """A masked step that is a refresh step (refreshes at steps 1, 3, 5 here) of a stacked
+    shape batch: the masked matrix's basis (a random projector's seed too) and all its
+    state stay as they were — its zero gradient makes no basis (its refresh waits), and the
+    snapshot saves the bases on a refresh step (between refreshes it saves none:
+    GaLore.step_masked_keys) — and the others match the skip."""
+    kw = {"lr": 1e-2, "rank": 4, "update_proj_gap": 2, "projector": projector}
+    capt_model, twin = _model(), _model()
+    capt = galore2.GaLoreAdamW(capt_model.parameters(), foreach=True, capturable=True, **kw)
+    skip = galore2.GaLoreAdamW(twin.parameters(), foreach=False, **kw)
+    _steps(range(4), (capt_model, capt), (twin, skip))
+    bad = list(capt_model.parameters())[1]
+    weights = bad.detach().clone()
+    state = {k: v.clone() for k, v in capt.state[bad].items()}
+    _grads(capt_model, 4)
+    _grads(twin, 4)
+    bad.grad[0, 0] = float("nan")
+    list(twin.parameters())[1].grad[0, 0] = float("nan")
+    capt.step()
+    skip.step()
+    assert torch.equal(bad, weights)
+    for key, value in state.items():
+        if value.is_floating_point() or key == "proj.seed":
+            assert torch.equal(capt.state[bad][key], value), key
+    for p, q in zip(capt_model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
