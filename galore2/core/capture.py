@@ -180,15 +180,16 @@ class CapturedStep:
         ]
 
     def _refresh_due(self) -> bool:
-        """Would the next step refresh a basis (or create state)? Then it runs eagerly."""
+        """Would the next step refresh a basis (a module's ``refresh_due(state, group)``:
+        GaLore's schedule) or create state? Then it runs eagerly."""
         opt = self.optimizer
+        askers = [m.refresh_due for m in walk(opt._all_modules) if hasattr(m, "refresh_due")]
         for g in opt.param_groups:
             for p in g["params"]:
                 state = opt.state.get(p)
                 if not state:
                     return True
-                due = state.get("galore.next_refresh")
-                if due is not None and int(state["galore.step"]) >= int(due):
+                if any(ask(state, g) for ask in askers):
                     return True
         return False
 

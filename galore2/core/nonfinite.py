@@ -143,6 +143,8 @@ class NonFinitePolicy:
 
     options: ClassVar[tuple[Option, ...]] = (NONFINITE, CAPTURABLE)
     kinds: ClassVar[dict[str, str]] = {SKIPS: "other"}
+    #: made at a parameter's first skip: a checkpoint may lack it
+    optional_keys: ClassVar[frozenset[str]] = frozenset({SKIPS})
 
     @staticmethod
     def validate(group: dict[str, Any]) -> None:

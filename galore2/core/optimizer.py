@@ -68,6 +68,7 @@ from .resume import (
     compare_groups,
     compare_state,
     known_prefixes,
+    optional_keys,
     refusal,
 )
 from .state import counter
@@ -445,8 +446,8 @@ class ChainOptimizer(torch.optim.Optimizer):
                 )
                 for pid, (index, group, p) in zip(saved_ids, self._indexed_params(), strict=True)
             )
-            known = known_prefixes([NonFinitePolicy, *walk(self._all_modules)])
-            problems = compare_state(owner, known, items)
+            modules = [NonFinitePolicy, *walk(self._all_modules)]
+            problems = compare_state(owner, known_prefixes(modules), optional_keys(modules), items)
             if problems:
                 raise refusal(owner, problems)
         current = [dict(g) for g in self.param_groups]

@@ -21,7 +21,7 @@ dtypes. Refused, naming the parameter's index (and name), shape and the keys: ke
 modules this optimizer does not have (another optimizer's state), missing keys, another
 shape (the parameter changed) or dtype (e.g. 8-bit moments on one side only). Extra keys
 of this optimizer's own modules are kept (``adafactor.exp_avg`` after ``beta1`` was
-switched off); keys a module creates on demand (:data:`OPTIONAL`) may be missing. A
+switched off); keys a module creates on demand (its ``optional_keys``) may be missing. A
 DTensor is compared by its global shape; a plain tensor saved for a DTensor state (or the
 reverse) by key and dtype only.
 """
@@ -36,8 +36,6 @@ from torch import Tensor
 from ..fsdp.detect import is_dtensor
 from .options import Option
 
-#: state keys that may be missing from a checkpoint (created on demand at the next step)
-OPTIONAL = frozenset({"galore.gap", "galore.streak", "galore.similarity", "nonfinite.skips"})
 #: group options owned by LR schedulers: the checkpoint's value is restored (torch's rule)
 SCHEDULED = frozenset({"lr"})
 _SHOWN = 6  # problems listed in a refusal before "... and N more"
@@ -87,9 +85,11 @@ def _dtype(t: Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _param_problems(saved: Mapping[str, Any], expected: Mapping[str, Tensor]) -> list[str]:
+def _param_problems(
+    saved: Mapping[str, Any], expected: Mapping[str, Tensor], optional: set[str]
+) -> list[str]:
     problems = []
-    missing = sorted(set(expected) - set(saved) - OPTIONAL)
+    missing = sorted(set(expected) - set(saved) - optional)
     if missing:
         problems.append(f"missing {', '.join(missing)}")
     for key in sorted(set(expected) & set(saved)):
@@ -117,16 +117,24 @@ def known_prefixes(modules: Iterable[Any]) -> set[str]:
     return {_prefix(k) for m in modules for k in getattr(m, "kinds", {})}
 
 
+def optional_keys(modules: Iterable[Any]) -> set[str]:
+    """The state keys ``modules`` create on demand (their ``optional_keys``): a checkpoint
+    may lack them (they are made at the next step)."""
+    return {k for m in modules for k in getattr(m, "optional_keys", ())}
+
+
 def compare_state(
     owner: str,
     known: set[str],
+    optional: set[str],
     items: Iterable[
         tuple[Callable[[], str], Mapping[str, Any], Callable[[], Mapping[str, Tensor]]]
     ],
 ) -> list[str]:
     """The lines of a refusal for the parameters ``items``: (its description, saved state with
     today's key names, a function building the state this optimizer would create);
-    ``known``: the key prefixes of this optimizer's modules (:func:`known_prefixes`)."""
+    ``known``: the key prefixes of this optimizer's modules (:func:`known_prefixes`),
+    ``optional``: the keys they create on demand (:func:`optional_keys`)."""
     foreign: set[str] = set()
     foreign_params: list[str] = []
     lines: list[str] = []
@@ -139,7 +147,7 @@ def compare_state(
             foreign_params.append(what())
             continue
         expected = make()
-        problems = _param_problems(saved, expected)
+        problems = _param_problems(saved, expected, optional)
         if problems:
             lines.append(f"{what()}: {'; '.join(problems)}")
     if foreign:

@@ -672,6 +672,12 @@ class GaLore(Transform):
         )
         return True
 
+    def refresh_due(self, state: State, group: Group) -> bool:
+        """Is a projected parameter due for a refresh at its next step (its host counters)?
+        A :class:`~galore2.core.capture.CapturedStep` runs that step eagerly."""
+        due = state.get("galore.next_refresh")
+        return due is not None and int(state["galore.step"]) >= int(due)
+
     def refresh_stats(self, state: State, group: Group) -> dict[str, float] | None:
         """A projected parameter's refreshes so far, its current gap between refreshes (it
         varies with ``adaptive_refresh``) and the last measured subspace overlap (NaN if
@@ -686,6 +692,11 @@ class GaLore(Transform):
             "gap": int(gap) if gap is not None else int(group["update_proj_gap"]),
             "similarity": float(sim) if sim is not None else float("nan"),
         }
+
+    #: state it creates on demand (``adaptive_refresh``): a checkpoint may lack them
+    optional_keys: ClassVar[frozenset[str]] = frozenset(
+        {"galore.gap", "galore.streak", "galore.similarity"}
+    )
 
     # ---- changed settings ----------------------------------------------------------
     #: the options whose change :meth:`options_changed` must see (the schedule caches them
