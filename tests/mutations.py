@@ -532,7 +532,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "stacked_mask_first_member",
         "galore2/optim/galore.py",
-        "out.append(replace(first, mask=view))",
+        "out.append(first.with_mask(view))",
         "out.append(first)",
         ("tests/core/test_packing.py",),
         "a stacked entry's moments are masked by its first member's flag only",

@@ -145,71 +145,59 @@ def masked_grads(grads: list[Tensor], flags: FlagBuffer) -> list[Tensor]:
     return out
 
 
-#: Update stacks a rule masked already in the running masked step (see :func:`premasked`):
-#: by address, (k, entry shape, entry strides). Emptied by the step (:func:`premasked_clear`).
-_PREMASKED: dict[int, tuple[int, torch.Size, tuple[int, ...], int]] = {}
+#: Updates a rule masked already in the running masked step (see :func:`premasked`), by
+#: ``id`` (held, so that no other tensor takes the id). Emptied by the step
+#: (:func:`premasked_clear`).
+_PREMASKED: dict[int, Tensor] = {}
 
 
 def premasked(stack: Tensor) -> Tensor:
     """Mark ``stack`` (a ``(k, …)`` stack of updates made in a masked step) as zero already
     where its parameters are masked — GaLore's back-projection of a low-rank stack it masked
-    (:func:`~galore2.optim.lowrank_batch.back`): :func:`masked_updates` leaves its entries
-    as they are. Returns ``stack``."""
-    _PREMASKED[stack.data_ptr()] = (
-        stack.shape[0],
-        stack.shape[1:],
-        stack.stride()[1:],
-        stack.stride(0) * stack.element_size(),
-    )
+    (:func:`~galore2.optim.lowrank_batch.back`): its :func:`entries` are left as they are
+    by :func:`masked_updates`. Returns ``stack``."""
+    _PREMASKED[id(stack)] = stack
     return stack
 
 
+def entries(stack: Tensor) -> tuple[Tensor, ...]:
+    """``stack.unbind(0)``: the updates of its matrices, marked :func:`premasked` when it is."""
+    pieces = stack.unbind(0)
+    if id(stack) in _PREMASKED:
+        _PREMASKED.update(zip(map(id, pieces), pieces, strict=True))
+    return pieces
+
+
 def premasked_clear() -> None:
-    """Forget the stacks marked :func:`premasked` (a masked step starts and ends with it)."""
+    """Forget the updates marked :func:`premasked` (a masked step starts and ends with it)."""
     _PREMASKED.clear()
-
-
-def _is_premasked(pieces: list[Tensor]) -> bool:
-    """Are ``pieces`` (same-shape updates in one storage, in storage order) exactly the
-    entries of a :func:`premasked` stack, in order?"""
-    found = _PREMASKED.get(pieces[0].data_ptr())
-    if found is None or len(pieces) != found[0]:
-        return False
-    k, shape, stride, step = found
-    start = pieces[0].data_ptr()
-    return (
-        list(map(Tensor.data_ptr, pieces)) == list(range(start, start + k * step, step))
-        and all(s == shape for s in map(_shape, pieces))
-        and all(s == stride for s in map(Tensor.stride, pieces))
-    )
-
-
-_shape = operator.attrgetter("shape")
 
 
 def masked_updates(updates: list[Tensor], flags: FlagBuffer, positions: list[int]) -> list[Tensor]:
     """``updates[j]``, or zeros where parameter ``positions[j]`` is flagged unusable in
-    ``flags`` (the batch's): one masking (:func:`_zeroed`) per run of updates that are entries of one stack
+    ``flags`` (the batch's) — as they are when :func:`premasked` — : one masking
+    (:func:`_zeroed`) per run of updates that are entries of one stack
     (GaLore's back-projection of a shape batch: its flags are those :func:`masked_grads`
     picked for the gradients' bucket), one foreach multiply by each parameter's 0-d
     1.0 / 0.0 (``flags.entries``) for the rest.
     A stack the step made (:func:`~galore2.core.packing.writable`) is masked in place; others
     are new tensors (an update may be a state tensor). Where usable, the same bits."""
-    out: list[Tensor | None] = [None] * len(updates)
+    out: list[Tensor | None] = list(updates)
+    todo = [j for j, u in enumerate(updates) if id(u) not in _PREMASKED]  # zero where masked
+    if not todo:
+        return out  # type: ignore[return-value]
+    for j in todo:
+        out[j] = None
     views: dict[torch.Size, list[int]] = {}
-    for j, u in enumerate(updates):
+    for j in todo:
+        u = updates[j]
         if u._base is not None:
             views.setdefault(u.shape, []).append(j)
     runs = [same for idx in views.values() for same in packing.by_storage(updates, idx).values()]
     for same in runs:
         if len(same) < 2:
             continue
-        pieces = [updates[j] for j in same]
-        if _is_premasked(pieces):  # zero where masked already
-            for j, u in zip(same, pieces, strict=True):
-                out[j] = u
-            continue
-        view = packing.stacked_view(pieces)
+        view = packing.stacked_view([updates[j] for j in same])
         if view is None:
             continue
         first = updates[same[0]]
@@ -219,7 +207,7 @@ def masked_updates(updates: list[Tensor], flags: FlagBuffer, positions: list[int
         masked = _zeroed(view, pick, flags, packing.writable(view))
         for j, piece in zip(same, masked.unbind(), strict=True):
             out[j] = piece
-    rest = [j for j, u in enumerate(out) if u is None]
+    rest = [j for j in todo if out[j] is None]
     if rest:
         oks = flags.entries
         products = torch._foreach_mul([updates[j] for j in rest], [oks[positions[j]] for j in rest])

@@ -105,6 +105,14 @@ class Context:
     #: lists keys in :meth:`Transform.masked_keys` leaves them unchanged where it is 0.0.
     mask: Tensor | None = None
 
+    def with_mask(self, mask: Tensor | None) -> Context:
+        """A copy with ``mask`` (``dataclasses.replace``'s result, without its per-field
+        ``__init__``: a masked step makes one per stacked entry per step)."""
+        out = object.__new__(Context)
+        out.__dict__.update(self.__dict__)
+        out.mask = mask
+        return out
+
     @property
     def global_shape(self) -> torch.Size:
         """The parameter's global shape (``shape`` when set, else the local parameter's)."""

@@ -360,7 +360,7 @@ class GaLore(Transform):
                 # temporary stack, not a view of the gradients)
                 spent = st.G if st.G.dtype == dtype and packing.writable(st.G) else None
                 deltas = lowrank_batch.back(st.batch.kind, st.B, Ns, dtype, factor, spent, mask)
-                done.update(zip(st.idx, deltas.unbind(0), strict=True))
+                done.update(zip(st.idx, masked.entries(deltas), strict=True))
         for i, p in projections.items():
             out[i] = done[i] if i in done else self._back(
                 dense(results[i]), states[i], group, p, ctxs[i], us[i], inner_in[i]
@@ -450,8 +450,8 @@ class GaLore(Transform):
             results[i] = r
         tail = iter(res[len(order) :])
         stacked_out = [dense(next(tail)) if st.state is not None else None for st in stacks]
-        masked = iter([c.mask for c in entries])
-        masks = [next(masked) if st.state is not None else None for st in stacks]
+        entry_masks = iter([c.mask for c in entries])
+        masks = [next(entry_masks) if st.state is not None else None for st in stacks]
         for st in stacked:
             order += st.idx
         return results, stacked_out, order, masks
@@ -814,7 +814,7 @@ def _stacked_ctxs(stacked: list[_Stacked], ctxs: list[Context]) -> list[Context]
     for st, first in zip(stacked, firsts, strict=True):
         k = len(st.idx)
         view = flags[start : start + k].view(k, *(1,) * (st.R.dim() - 1))
-        out.append(replace(first, mask=view))
+        out.append(first.with_mask(view))
         start += k
     return out
 
