@@ -44,10 +44,11 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "galore_decay_order",
         "galore2/optim/galore.py",
-        'return 1.0 - float(group["lr"]) * group["weight_decay"]',
-        "return 1.0",
+        "    takes_decay = True  # folds",
+        "    takes_decay = False  # folds",
         ("tests/optim/test_reference_galore_torch.py",),
-        "projected matrices decay before the update instead of after it (fold dropped)",
+        "projected matrices decay before the update instead of after it (GaLore is not "
+        "handed the step's decay factor: fold dropped)",
     ),
     Mutation(
         "galore_scale",

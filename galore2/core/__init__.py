@@ -3,7 +3,7 @@
 option declarations."""
 
 from .capture import CapturedStep
-from .modules import GradientTransform, ParamTransform
+from .modules import DecoupledWeightDecay, GradientTransform, ParamTransform
 from .optimizer import ChainOptimizer
 from .per_layer import PerLayerUpdates, per_layer
 from .transform import Context, LowRankUpdate, Transform
@@ -12,6 +12,7 @@ __all__ = [
     "CapturedStep",
     "ChainOptimizer",
     "Context",
+    "DecoupledWeightDecay",
     "GradientTransform",
     "LowRankUpdate",
     "ParamTransform",

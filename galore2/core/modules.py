@@ -7,7 +7,9 @@ A :class:`ChainOptimizer` step runs, per parameter group:
    before GaLore projects the gradient, so inside GaLore they still see the full
    gradient;
 2. the moment chain (Adam, PNM..., wrapped in GaLore for projected matrices) and the
-   update ``p ← decay·p − lr·u``;
+   update ``p ← decay·p − lr·u``, ``decay = 1 − lr·λ`` the factor of the optimizer's
+   :class:`DecoupledWeightDecay` (1 without one; GaLore folds it into a projected
+   matrix's update too, see :mod:`galore2.optim.galore`);
 
 and after every group has been updated:
 
@@ -38,7 +40,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .options import Option
+from .options import Option, Real
 from .state import counter
 from .transform import Context, Group, State, Transform, complex_problem, walk
 
@@ -98,9 +100,6 @@ class ParamTransform:
     #: True when :meth:`apply_` needs :class:`Stats` over all parameters (not available to
     #: per-layer updates, which step one parameter at a time).
     needs_stats: ClassVar[bool] = False
-    #: True when this module applies the group's ``weight_decay`` itself, replacing the
-    #: optimizer's decoupled decay (stable weight decay).
-    owns_weight_decay: ClassVar[bool] = False
 
     def validate(self, group: Group) -> None:
         """Checks that involve several of this module's keys (single keys: ``options``)."""
@@ -135,6 +134,49 @@ class ParamTransform:
         default loops; modules override it with ``torch._foreach_*`` kernels."""
         for state, ctx in zip(states, ctxs, strict=True):
             self.apply_(group, state, ctx, stats)
+
+
+WEIGHT_DECAY = Option(
+    "weight_decay", 0.0, Real(low=0.0), "decoupled weight decay λ: p ← p·(1 − lr·λ)"
+)
+
+
+class DecoupledWeightDecay:
+    """Decoupled weight decay (Loshchilov & Hutter, AdamW): ``p ← p·(1 − lr·λ)``.
+
+    Acts on: every parameter of the step, fused with the update — the optimizer applies
+    ``p ← decay·p − lr·u`` with this module's :meth:`factor` (the decay-then-update order
+    of ``torch.optim.AdamW``; one ``addmm_`` ``beta`` for a low-rank update). The chain
+    receives the same factor (``decay=`` of a transform with ``takes_decay``): GaLore
+    folds it into a projected matrix's update, galore-torch's decay-after order. State per
+    element: 0. Group key: ``weight_decay`` (λ, default 0); ``lr`` is the group's
+    (scheduled) learning rate.
+
+    A :class:`ChainOptimizer` has one unless built with ``decay=None``; a weight module
+    that reads ``weight_decay`` itself (stable weight decay) replaces it.
+    """
+
+    name: ClassVar[str] = "weight_decay"
+    options: ClassVar[tuple[Option, ...]] = (WEIGHT_DECAY,)
+    kinds: ClassVar[dict[str, str]] = {}
+
+    def validate(self, group: Group) -> None:
+        """Nothing beyond ``weight_decay``'s own check."""
+
+    def complex_problem(self, group: Group) -> str | None:
+        """None: a real factor scales the real and imaginary parts alike."""
+        return None
+
+    def capture_problem(self, group: Group) -> str | None:
+        """None: a Python float per group, frozen into a captured graph like ``lr``
+        (:mod:`galore2.core.capture`)."""
+        return None
+
+    @staticmethod
+    def factor(group: Group) -> float:
+        """``1 − lr·λ`` of ``group`` (its scheduled ``lr``): what the step multiplies the
+        weights by before the update."""
+        return 1.0 - float(group["lr"]) * group["weight_decay"]
 
 
 def second_moment_sum(chain: list, state: State, group: Group) -> Tensor | None:

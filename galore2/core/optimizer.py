@@ -8,8 +8,10 @@ defaults; the step below is shared, never copied. Per parameter, a step is:
 3. gradient modules act on the full gradient, in place (AGC, centralization...);
 4. check: the non-finite policy (:mod:`galore2.core.nonfinite`) decides which
    parameters are updated;
-5. chain: ``u = chain(grad)``; apply: decoupled weight decay ``p ← p·(1 − lr·λ)``,
-   ``p ← p − lr·u`` (the decay-then-update order of ``torch.optim.AdamW``);
+5. chain: ``u = chain(grad)``; apply: ``p ← decay·p − lr·u``, ``decay = 1 − lr·λ`` the
+   factor of the optimizer's :class:`~galore2.core.modules.DecoupledWeightDecay` (the
+   decay-then-update order of ``torch.optim.AdamW``; 1 without one), which the chain
+   receives too (GaLore folds it into a projected matrix's update);
 6. weight modules act on the updated weights (norm loss, lookahead...).
 
 Options: every group key is declared once, by the module that reads it
@@ -54,6 +56,8 @@ from .masked import (
     usable_or_one,
 )
 from .modules import (
+    WEIGHT_DECAY,
+    DecoupledWeightDecay,
     GradientTransform,
     LRSchedule,
     ParamTransform,
@@ -61,7 +65,7 @@ from .modules import (
     run_param_transforms,
 )
 from .nonfinite import SKIPS, NonFinitePolicy, read_flags
-from .options import Bool, LearningRate, Option, Optional, Real, closest, collect, hints, resolve
+from .options import Bool, LearningRate, Option, Optional, closest, collect, hints, resolve
 from .resume import (
     SCHEDULED,
     Settings,
@@ -75,9 +79,6 @@ from .state import counter
 from .transform import Context, LowRankUpdate, Transform, init_chain, run_chain, state_kind, walk
 
 LR = Option("lr", 1e-3, LearningRate(), "learning rate (LR schedulers write it every step)")
-WEIGHT_DECAY = Option(
-    "weight_decay", 0.0, Real(low=0.0), "decoupled weight decay λ: p ← p·(1 − lr·λ)"
-)
 MAXIMIZE = Option("maximize", False, Bool(), "maximize the objective instead of minimizing it")
 FOREACH = Option(
     "foreach",
@@ -92,6 +93,9 @@ FOREACH = Option(
 PASSTHROUGH_KEYS = frozenset({"params", "initial_lr", "param_names", "name"})
 
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
+#: ``decay="auto"`` (the default of :class:`ChainOptimizer`): decoupled weight decay,
+#: unless a weight module reads ``weight_decay`` itself (stable weight decay replaces it)
+AUTO = "auto"
 
 
 class ChainOptimizer(torch.optim.Optimizer):
@@ -101,18 +105,23 @@ class ChainOptimizer(torch.optim.Optimizer):
     module declares raises ``TypeError``. A preset lists in :attr:`modules` every module
     class its constructor may put in the chain, so that :meth:`declared_options` knows its
     options before it is built (recipes and integrations enumerate them from there).
+
+    ``decay`` is the decoupled weight decay module (it declares ``weight_decay``; the step
+    applies its factor ``1 − lr·λ`` with the update and hands it to the chain). ``"auto"``:
+    a :class:`~galore2.core.modules.DecoupledWeightDecay`, unless a weight module in
+    ``param_transforms`` reads ``weight_decay`` itself (``StableWeightDecay``, which
+    replaces it); ``None``: no decoupled decay (the chain receives 1.0).
     """
 
     #: options of the optimizer loop itself
     options: ClassVar[tuple[Option, ...]] = (
         LR,
-        WEIGHT_DECAY,
         MAXIMIZE,
         FOREACH,
         *NonFinitePolicy.options,
     )
     #: module classes (or instances) a preset may chain; their options are its options
-    modules: ClassVar[tuple[Any, ...]] = ()
+    modules: ClassVar[tuple[Any, ...]] = (DecoupledWeightDecay,)
     #: constructor switches of a preset (not group keys), declared like options
     construct_options: ClassVar[tuple[Option, ...]] = ()
     #: what to say about a key this optimizer does not have (e.g. Adam's ``betas`` given
@@ -131,11 +140,13 @@ class ChainOptimizer(torch.optim.Optimizer):
         grad_transforms: Sequence[GradientTransform] = (),
         param_transforms: Sequence[ParamTransform] = (),
         schedule: LRSchedule | None = None,
+        decay: DecoupledWeightDecay | str | None = AUTO,
     ) -> None:
         self._chain = list(chain)
         self._schedule = schedule
         self._grad_transforms = list(grad_transforms)
         self._param_transforms = list(param_transforms)
+        self._decay = _decay_module(decay, self._param_transforms)
         self._derive()
         unknown = sorted(set(defaults) - set(self.declared))
         if unknown:
@@ -155,6 +166,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         self._all_modules = [
             *self._grad_transforms,
             *self._chain,
+            *([self._decay] if self._decay is not None else []),
             *self._param_transforms,
             *([self._schedule] if self._schedule is not None else []),
         ]
@@ -164,7 +176,6 @@ class ChainOptimizer(torch.optim.Optimizer):
         self._device_counters = frozenset(
             k for m in walk(self._all_modules) for k in getattr(m, "device_counters", ())
         )
-        self._owns_decay = any(t.owns_weight_decay for t in self._param_transforms)
         self._placements: dict[int, Placement] = {}
         self._contexts: dict[int, Context] = {}  # plain parameters' contexts, by id()
         # per group (its id()): (state mapping, items, lists) of the last _gather
@@ -180,7 +191,7 @@ class ChainOptimizer(torch.optim.Optimizer):
     # ---- copy.deepcopy, pickle ---------------------------------------------------
     #: instance attributes that travel with a copy besides torch's (defaults, state,
     #: param_groups); everything else is derived again (:meth:`_derive`)
-    _PICKLED = ("_chain", "_schedule", "_grad_transforms", "_param_transforms", "_warned")
+    _PICKLED = ("_chain", "_schedule", "_decay", "_grad_transforms", "_param_transforms", "_warned")
 
     def __getstate__(self) -> dict[str, Any]:
         """torch keeps only defaults, state and groups; the modules travel too, and
@@ -196,6 +207,8 @@ class ChainOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         if "_chain" in state:  # not when torch's load_state_dict calls it with two keys
+            if "_decay" not in state:  # pickled by a release whose loop applied the decay
+                self._decay = _decay_module(AUTO, self._param_transforms)
             self._derive()
 
     def _hints(self, keys: Sequence[str]) -> str:
@@ -570,10 +583,7 @@ class ChainOptimizer(torch.optim.Optimizer):
                 **group,
                 "lr": self._schedule.step_lr(group, [self.state[p] for *_, p in items]),
             }
-        given = group  # parameter modules see the group as given (with the scheduled lr)
-        if self._owns_decay:  # a parameter module (stable weight decay) applies the decay
-            group = {**group, "weight_decay": 0.0}
-        batch = _Batch(group, given, key)
+        batch = _Batch(group, key)
         cached = self._gathered(key, items)
         if cached is not None:  # the same parameters as last step: no per-parameter Python
             batch.owners, batch.params, batch.states, batch.ctxs = cached
@@ -691,8 +701,7 @@ class ChainOptimizer(torch.optim.Optimizer):
             return self._run_live(batch, batch.params, batch.states, batch.ctxs, batch.grads)
         bad = ~ok
         self._count_skips(batch, bad)
-        lr = float(group["lr"])
-        decay = 1.0 - lr * group["weight_decay"]
+        decay = self._decay_factor(group)
         flags = self._flag_buffers.get(batch.key)
         if flags is None or not flags.fits(ok):
             flags = self._flag_buffers[batch.key] = FlagBuffer(ok.numel(), ok.device)
@@ -731,7 +740,7 @@ class ChainOptimizer(torch.optim.Optimizer):
             for ctx in batch.ctxs:
                 ctx.mask = None
         snapshot.restore(bad)
-        return [(batch.given, s, c) for s, c in zip(batch.states, batch.ctxs, strict=True)]
+        return [(group, s, c) for s, c in zip(batch.states, batch.ctxs, strict=True)]
 
     def _run_live(
         self,
@@ -747,7 +756,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         device tensor), batched per ``foreach``."""
         group = batch.group
         lr = float(group["lr"])
-        decay = 1.0 - lr * group["weight_decay"]
+        decay = self._decay_factor(group)
         self._chain[0].prepare(grads, states, group, ctxs)
         for chunk in _chunks(params, group.get("foreach")):
             outs = run_chain(
@@ -756,6 +765,7 @@ class ChainOptimizer(torch.optim.Optimizer):
                 [states[i] for i in chunk],
                 group,
                 [ctxs[i] for i in chunk],
+                decay,
             )
             ps = [params[i] for i in chunk]
             if masks is None:
@@ -766,7 +776,11 @@ class ChainOptimizer(torch.optim.Optimizer):
                 ps, outs, lr, flags, chunk,
                 None if decays is None else [decays[i] for i in chunk],
             )  # fmt: skip
-        return [(batch.given, state, ctx) for state, ctx in zip(states, ctxs, strict=True)]
+        return [(group, state, ctx) for state, ctx in zip(states, ctxs, strict=True)]
+
+    def _decay_factor(self, group: dict[str, Any]) -> float:
+        """This step's decoupled decay factor of ``group`` (1.0 without a decay module)."""
+        return 1.0 if self._decay is None else self._decay.factor(group)
 
     def _count_skips(self, batch: _Batch, bad: Tensor) -> None:
         """Add a batch's masked parameters to the skips counted on the device: one add into
@@ -812,8 +826,7 @@ class ChainOptimizer(torch.optim.Optimizer):
 class _Batch:
     """A group's parameters of one step, gathered before the chain runs (see ``_gather``)."""
 
-    group: dict[str, Any]  # as the chain sees it (scheduled lr; decay 0 if a module owns it)
-    given: dict[str, Any]  # as parameter modules see it
+    group: dict[str, Any]  # the parameters' group (with the scheduled lr, if any)
     key: int = 0  # the group's id(): what caches of its lists are keyed by
     owners: list[Tensor] = field(default_factory=list)  # the parameters themselves
     params: list[Tensor] = field(default_factory=list)  # their local tensors
@@ -831,6 +844,25 @@ _GRAD = operator.itemgetter(1)
 def _counter(t: Tensor) -> bool:
     """A host-resident step counter (0-d integer on the CPU), whatever the parameters' device."""
     return t.dim() == 0 and not t.is_floating_point() and t.device.type == "cpu"
+
+
+def _decay_module(
+    decay: DecoupledWeightDecay | str | None, param_transforms: Sequence[ParamTransform]
+) -> DecoupledWeightDecay | None:
+    """The optimizer's decoupled decay module for its ``decay`` argument. Two modules
+    reading ``weight_decay`` would both decay the weights: a weight module that reads it
+    (stable weight decay) replaces the decoupled one."""
+    own = [t.name for t in param_transforms if WEIGHT_DECAY in t.options]
+    if decay == AUTO:
+        return None if own else DecoupledWeightDecay()
+    if decay is not None and not isinstance(decay, DecoupledWeightDecay):
+        raise TypeError(f"decay must be a DecoupledWeightDecay, None or {AUTO!r}, got {decay!r}")
+    if decay is not None and own:
+        raise ValueError(
+            f"{', '.join(own)} applies weight_decay itself (it replaces decoupled weight "
+            "decay): build the optimizer with decay=None"
+        )
+    return decay
 
 
 def _describe(index: int, group: dict[str, Any], p: Tensor) -> str:

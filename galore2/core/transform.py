@@ -21,6 +21,11 @@ Contract (like optax's ``(init, update)`` pairs):
   direction's coordinates (first-order: rotate like the direction; second-order:
   rotate with squared coefficients). A subspace change (GaLore refresh) uses
   them; ``reset`` re-initialises them through :meth:`reset`.
+* ``takes_decay``: a transform that sets it receives the step's decoupled weight decay
+  factor ``1 − lr·λ`` as ``update(..., decay=)`` / ``update_many(..., decay=)`` (one
+  float per call; 1.0 when the optimizer has no
+  :class:`~galore2.core.modules.DecoupledWeightDecay`): GaLore folds it into a projected
+  matrix's update. Others never see it.
 """
 
 from __future__ import annotations
@@ -135,6 +140,9 @@ class Transform:
     renamed_keys: ClassVar[dict[str, str]] = {}
     linear_keys: ClassVar[tuple[str, ...]] = ()
     quadratic_keys: ClassVar[tuple[str, ...]] = ()
+    #: True when :meth:`update` and :meth:`update_many` take the step's decoupled decay
+    #: factor as a keyword ``decay`` (see :func:`run_chain`)
+    takes_decay: ClassVar[bool] = False
 
     def masked_keys(self, group: Group) -> tuple[str, ...]:
         """State keys this rule leaves bitwise unchanged for a direction whose
@@ -267,17 +275,27 @@ def run_chain(
     states: list[State],
     group: Group,
     ctxs: list[Context],
+    decay: float = 1.0,
 ) -> list[Tensor | LowRankUpdate]:
     """Thread directions through ``chain``: one tensor alone (the CPU path, no list
-    machinery) or a batch through each transform's :meth:`Transform.update_many`."""
+    machinery) or a batch through each transform's :meth:`Transform.update_many`.
+    ``decay``: the step's decoupled weight decay factor, handed to the transforms that
+    take it (:attr:`Transform.takes_decay`)."""
     if len(us) == 1 and type(states[0]) is not StackedState:
         u: Tensor | LowRankUpdate = us[0]
         for t in chain:
-            u = t.update(dense(u), states[0], group, ctxs[0])
+            if t.takes_decay:
+                u = t.update(dense(u), states[0], group, ctxs[0], decay=decay)
+            else:
+                u = t.update(dense(u), states[0], group, ctxs[0])
         return [u]
     out: list[Tensor | LowRankUpdate] = list(us)
     for t in chain:
-        out = t.update_many([dense(u) for u in out], states, group, ctxs)
+        ins = [dense(u) for u in out]
+        if t.takes_decay:
+            out = t.update_many(ins, states, group, ctxs, decay=decay)
+        else:
+            out = t.update_many(ins, states, group, ctxs)
     return out
 
 

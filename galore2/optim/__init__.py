@@ -1,7 +1,7 @@
 """The update rules and modules optimizers are built from: per-tensor transforms (Adam,
 Adafactor, PNM, GaLore), gradient modules, weight modules and the Ranger21 schedules."""
 
-from ..core.modules import GradientTransform, ParamTransform
+from ..core.modules import DecoupledWeightDecay, GradientTransform, ParamTransform
 from ..core.optimizer import ChainOptimizer
 from ..core.transform import Context, Transform
 from .adafactor import ScaleByAdafactor
@@ -26,6 +26,7 @@ __all__ = [
     "CentralizeGradient",
     "ChainOptimizer",
     "Context",
+    "DecoupledWeightDecay",
     "FullProjection",
     "GaLore",
     "GradientTransform",

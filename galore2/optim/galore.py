@@ -185,6 +185,7 @@ class GaLore(Transform):
 
     name = "galore"
     options = OPTIONS
+    takes_decay = True  # folds the step's decoupled decay into projected updates (_back)
     kinds: ClassVar[dict[str, str]] = {
         "galore.side": "other",
         "galore.step": "other",
@@ -294,19 +295,23 @@ class GaLore(Transform):
         low, layout = projection.low_shape, projection.layout
         init_chain(self.inner, low, ref, group, state, replace(ctx, layout=layout))
 
-    def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor | LowRankUpdate:
+    def update(
+        self, u: Tensor, state: State, group: Group, ctx: Context, decay: float = 1.0
+    ) -> Tensor | LowRankUpdate:
         """Refresh the basis when due, project ``u``, run the inner chain and project its result
-        back (a :class:`~galore2.core.transform.LowRankUpdate`, or a dense tensor).
+        back (a :class:`~galore2.core.transform.LowRankUpdate`, or a dense tensor), times
+        ``decay`` (the step's decoupled weight decay factor 1 − lr·λ, see :meth:`_back`).
         """
         if int(state["galore.side"]) == NONE:  # plain: full-rank inner update
             return run_chain(self.inner, [u], [state], group, [ctx])[0]
         projection, R = self._project(u, state, group, ctx)
         (N,) = run_chain(self.inner, [R], [state], group, [ctx])
-        return self._back(dense(N), state, group, projection, ctx, u, R)
+        return self._back(dense(N), state, group, projection, ctx, u, R, decay)
 
     def update_many(
-        self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
-    ) -> list[Tensor | LowRankUpdate]:
+        self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context],
+        decay: float = 1.0,
+    ) -> list[Tensor | LowRankUpdate]:  # fmt: skip
         """Batched :meth:`update`: one inner-chain run over plain and projected directions;
         same-shape matrices projected, combined and back-projected per shape batch
         (:mod:`.lowrank_batch`, whose plan of the lists is reused between steps)."""
@@ -348,22 +353,23 @@ class GaLore(Transform):
         out: list[Tensor | LowRankUpdate] = list(results)
         if residual.active(group):
             done = self._combine_many(
-                projections, stacks, stacked_out, results, us, inner_in, states, group, order
-            )
+                projections, stacks, stacked_out, results, us, inner_in, states, group, order,
+                decay,
+            )  # fmt: skip
         else:
             done = {}
-            factor = group["scale"] * _decay(group)
+            scale = group["scale"] * decay  # α·(1 − lr·λ), as _back's
             for st, N, mask in zip(stacks, stacked_out, masks, strict=True):
                 Ns = N if N is not None else [dense(results[i]) for i in st.idx]
                 dtype = ctxs[st.idx[0]].param.dtype
                 # G is projected already: its buffer takes the update (when it is a
                 # temporary stack, not a view of the gradients)
                 spent = st.G if st.G.dtype == dtype and packing.writable(st.G) else None
-                deltas = lowrank_batch.back(st.batch.kind, st.B, Ns, dtype, factor, spent, mask)
+                deltas = lowrank_batch.back(st.batch.kind, st.B, Ns, dtype, scale, spent, mask)
                 done.update(zip(st.idx, masked.entries(deltas), strict=True))
         for i, p in projections.items():
             out[i] = done[i] if i in done else self._back(
-                dense(results[i]), states[i], group, p, ctxs[i], us[i], inner_in[i]
+                dense(results[i]), states[i], group, p, ctxs[i], us[i], inner_in[i], decay
             )  # fmt: skip
         for st in stacks:
             for i in st.idx:
@@ -485,7 +491,7 @@ class GaLore(Transform):
     def _combine_many(
         self, projections: dict[int, Projection], stacks: list[_Stacked],
         stacked_out: list[Tensor | None], N: list[Tensor | LowRankUpdate], us: list[Tensor],
-        R: list[Tensor], states: list[State], group: Group, counted: list[int],
+        R: list[Tensor], states: list[State], group: Group, counted: list[int], decay: float,
     ) -> dict[int, Tensor]:  # fmt: skip
         """Fira / APOLLO of the whole (unsharded) matrices of a batch at once
         (:func:`.residual.combine_buckets`): the shape batches' stacks as they are, the
@@ -527,7 +533,7 @@ class GaLore(Transform):
                 st_states, [biases[i] for i in same],
             ))  # fmt: skip
             order.append(same)
-        out = residual.combine_buckets(buckets, group, _decay(group))
+        out = residual.combine_buckets(buckets, group, decay)
         n_stacked = sum(len(st.idx) for st in stacks)
         done: dict[int, Tensor] = {}
         for same, s in zip(order, out, strict=True):
@@ -563,14 +569,14 @@ class GaLore(Transform):
 
     def _back(
         self, N: Tensor, state: State, group: Group, projection: Projection, ctx: Context,
-        u: Tensor, R: Tensor,
+        u: Tensor, R: Tensor, decay: float,
     ) -> LowRankUpdate | Tensor:  # fmt: skip
         # The optimizer decays before applying an update (torch.optim.AdamW's order). For a
         # projected matrix GaLore decays *after* it (galore-torch, GaLore 2 paper):
-        # (W − lr·u)(1 − lr·λ) = W(1 − lr·λ) − lr·(1 − lr·λ)·u, so fold (1 − lr·λ) in here,
-        # as a scalar of the low-rank update (applied inside the optimizer's addmm_).
+        # (W − lr·u)(1 − lr·λ) = W(1 − lr·λ) − lr·(1 − lr·λ)·u, so fold ``decay`` = 1 − lr·λ
+        # (the step's factor, 1.0 without decoupled decay) in here, as a scalar of the
+        # low-rank update (applied inside the optimizer's addmm_).
         shape = u.shape
-        decay = _decay(group)
         factor = group["scale"] * decay
         if projection.side != TUCKER and residual.active(group):  # Fira / APOLLO: dense
             return self._combine(N, state, group, projection, u, R).mul_(decay).view(shape)
@@ -821,11 +827,6 @@ def _stacked_ctxs(stacked: list[_Stacked], ctxs: list[Context]) -> list[Context]
 
 #: the state only a refresh writes (see GaLore.step_masked_keys)
 _REFRESH_ONLY = frozenset((*PROJECTOR_KINDS, "galore.similarity"))
-
-
-def _decay(group: Group) -> float:
-    """1 − lr·λ, the decay factor GaLore folds into a projected matrix's update (see _back)."""
-    return 1.0 - float(group["lr"]) * group["weight_decay"]
 
 
 def _init_adaptive(state: State, group: Group) -> None:

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .._numerics import generator_for, mix_seed
 from ..core.counters import Counters
-from ..core.modules import ParamTransform, Stats
+from ..core.modules import WEIGHT_DECAY, ParamTransform, Stats
 from ..core.options import Choice, Int, Option, Optional, Real
 from ..core.state import counter
 from ..core.transform import Context, Group, State
@@ -116,8 +116,10 @@ class StableWeightDecay(ParamTransform):
     ``w ← w·(1 − lr·λ/σ)`` with λ = the group's ``weight_decay``, lr the group's
     (scheduled) learning rate and σ = √(Σ v̂ / Σ numel) over *all* parameters stepped this
     step (:func:`galore2.core.modules.compute_stats`; GaLore's low-rank v̂ are summed as
-    stored and divided by the full element count). It replaces the optimizer's decoupled
-    decay (``owns_weight_decay``). Order: σ needs this step's second moments of every
+    stored and divided by the full element count). It replaces the optimizer's
+    :class:`~galore2.core.modules.DecoupledWeightDecay` (it reads the same ``weight_decay``
+    option: an optimizer with this module has no decoupled decay, and GaLore folds no
+    decay into its updates). Order: σ needs this step's second moments of every
     parameter, so the decay comes *after* the update — ``p ← (p − lr·u)·(1 − lr·λ/σ)``,
     galore-torch's decay-after order (``torch.optim.AdamW`` decays before).
 
@@ -127,8 +129,8 @@ class StableWeightDecay(ParamTransform):
     """
 
     name = "swd"
+    options = (WEIGHT_DECAY,)  # the decoupled decay's option: this module replaces it
     needs_stats = True
-    owns_weight_decay = True
 
     def capture_problem(self, group: Group) -> str | None:
         """None: σ and the decay factor stay on the device by device ops only, so a step can replay from a CUDA graph

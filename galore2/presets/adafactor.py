@@ -6,6 +6,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..core.modules import DecoupledWeightDecay
 from ..core.optimizer import ChainOptimizer, ParamsT
 from ..optim.adafactor import ScaleByAdafactor
 from ..optim.galore import GaLore
@@ -44,7 +45,7 @@ class GaLoreAdafactor(ChainOptimizer):
             optimizer's lifetime, like Ranger21's.
     """
 
-    modules = (GaLore, ScaleByAdafactor)
+    modules = (GaLore, ScaleByAdafactor, DecoupledWeightDecay)
     construct_options = (MOMENTS_8BIT,)
     option_hints: ClassVar[dict[str, str]] = {
         "betas": "betas is not a GaLoreAdafactor key: Adafactor's second-moment decay is "

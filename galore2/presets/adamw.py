@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..core.modules import DecoupledWeightDecay
 from ..core.optimizer import ChainOptimizer, ParamsT
 from ..core.transform import Transform
 from ..optim.adam import ScaleByAdam
@@ -36,7 +37,7 @@ class GaLoreAdamW(ChainOptimizer):
             table of the GaLore options guide, generated from it). Unknown names raise ``TypeError``.
     """
 
-    modules = (GaLore, ScaleByAdam)
+    modules = (GaLore, ScaleByAdam, DecoupledWeightDecay)
     #: the Adam transform run inside GaLore (at the low-rank shape for projected matrices)
     adam_transform: ClassVar[type[Transform]] = ScaleByAdam
 
@@ -88,5 +89,5 @@ class GaLoreAdamW8bit(GaLoreAdamW):
     ``ImportError``, while ``import galore2`` does not need it.
     """
 
-    modules = (GaLore, ScaleByAdam8bit)
+    modules = (GaLore, ScaleByAdam8bit, DecoupledWeightDecay)
     adam_transform = ScaleByAdam8bit

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
+from ..core.modules import DecoupledWeightDecay
 from ..optim.adam import ScaleByAdam
 from ..optim.galore import GaLore
 from ..optim.muon import MuonOrAdam, ScaleByMuon
@@ -86,5 +87,5 @@ class GaLoreMuon(GaLoreAdamW):
     update to AdamW's RMS, so AdamW's learning rates apply. See :mod:`galore2.optim.muon`.
     """
 
-    modules = (GaLore, MuonOrAdam, ScaleByMuon, ScaleByAdam)
+    modules = (GaLore, MuonOrAdam, ScaleByMuon, ScaleByAdam, DecoupledWeightDecay)
     adam_transform = MuonOrAdam

@@ -14,7 +14,7 @@ GaLore projection           (GaLoreRanger21 only)         basis r·min(m,n)/(m·
 PNM (``use_pnm``)           moments: full or subspace     3 (Adam without PNM: 2)
 softplus / AdamD / AMSGrad  the PNM denominator           AMSGrad: +1
 8-bit moments               (``moments_8bit``) storage    ~1 byte per moment instead of 4
-update ``p ← p − lr·u``     weights
+update ``p ← p − lr·u``     weights (+ decoupled decay)   0
 norm loss                   weights, per row              0
 stable weight decay         weights (σ over all params)   0
 lookahead                   weights, every k steps        1 (param dtype) or 0.5 (bf16)
@@ -39,12 +39,15 @@ optimizer built with the same switch (``load_state_dict`` refuses the other, nam
 8-bit keys it misses or finds).
 Decay order: stable weight decay is applied after the update (σ needs this step's
 second moments of every parameter), the order galore-torch uses for projected matrices.
+It replaces decoupled weight decay (:class:`~galore2.core.modules.DecoupledWeightDecay`,
+which ``use_stable_weight_decay=False`` chains instead): both read ``weight_decay``.
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from ..core.modules import DecoupledWeightDecay
 from ..core.optimizer import ChainOptimizer, ParamsT
 from ..core.options import Bool, Option
 from ..optim.adam import ScaleByAdam
@@ -85,6 +88,7 @@ class _Ranger21Base(ChainOptimizer):
         *(m for _, m in GRADIENT_SWITCHES),
         ScaleByPNM,
         ScaleByAdam,
+        DecoupledWeightDecay,
         *(m for _, m in WEIGHT_SWITCHES),
         WarmupWarmdown,
     )
@@ -152,6 +156,8 @@ class _Ranger21Base(ChainOptimizer):
                 if switches[o.name]
             ],
             schedule=schedule,
+            # stable weight decay replaces the decoupled decay
+            decay=None if switches["use_stable_weight_decay"] else DecoupledWeightDecay(),
         )
 
 

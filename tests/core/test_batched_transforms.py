@@ -52,15 +52,17 @@ def test_update_many_equals_update_loop(transform):
     shapes = [(6, 9), (9, 6), (7,), (5, 5), (4, 2, 3)]
     _, states, ctxs = _setup(transform, shapes)
     states_loop = copy.deepcopy(states)
+    # the step's decoupled decay factor, for GaLore (which folds it into projected updates)
+    decay = {"decay": 1 - GROUP["lr"] * GROUP["weight_decay"]} if transform.takes_decay else {}
     for step in range(5):
         grads = [torch.randn(s) for s in shapes]
         if step == 3:
             grads[1][0, 0] = float("nan")
-        batched = transform.update_many(grads, states, GROUP, ctxs)
+        batched = transform.update_many(grads, states, GROUP, ctxs, **decay)
         looped = []
         for g, s, c in zip(grads, states_loop, ctxs, strict=True):
             try:
-                looped.append(transform.update(g, s, GROUP, c))
+                looped.append(transform.update(g, s, GROUP, c, **decay))
             except Exception:
                 looped.append(None)
         for b, l_ in zip(batched, looped, strict=True):
