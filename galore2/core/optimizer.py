@@ -250,6 +250,13 @@ class ChainOptimizer(torch.optim.Optimizer):
         NonFinitePolicy.validate(group)
         for module in walk(self._all_modules):
             module.validate(group)
+        if group.get("weight_decay") and not any(
+            WEIGHT_DECAY in m.options for m in walk(self._all_modules)
+        ):  # accepted (a preset's switched-off module declares it) but read by no module
+            raise ValueError(
+                f"{type(self).__name__}: weight_decay={group['weight_decay']!r} would be ignored: "
+                "no module applies it (decay=None); use weight_decay=0.0, or decay='auto'"
+            )
         self._check_complex(group)
         super().add_param_group(group)
 

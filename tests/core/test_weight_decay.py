@@ -49,6 +49,10 @@ def test_chain_optimizer_has_decoupled_decay_unless_a_weight_module_reads_weight
         )  # fmt: skip
     with pytest.raises(TypeError, match="decay must be"):
         ChainOptimizer([p], [ScaleByAdam()], ADAM, decay=0.1)  # type: ignore[arg-type]
+    # no module would apply it: refused, not ignored (0.0 is fine)
+    with pytest.raises(ValueError, match=r"weight_decay=0.1 would be ignored"):
+        ChainOptimizer([p], [ScaleByAdam()], {**ADAM, "weight_decay": 0.1}, decay=None)
+    assert ChainOptimizer([p], [ScaleByAdam()], {**ADAM, "weight_decay": 0.0}, decay=None)
     ranger = galore2.Ranger21([p], num_iterations=10)
     assert ranger._decay is None  # stable weight decay (the default) replaces it
     assert isinstance(
