@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -106,6 +107,42 @@ class FlagBuffer:
         if not same:
             self.buckets = None
         return self.buffer.copy_(ok)
+
+
+class MaskedStep:
+    """One batch's masked step (``capturable=True``), a context manager around its chain
+    and updates: entering saves the snapshot (but the buckets of ``skip``: this step's
+    masked keys) and gives each direction its flag (``Context.mask``); a clean exit puts
+    the masked parameters' state back; every exit clears the flags and the
+    :func:`premasked` marks. ``grads``: the masked gradients the chain steps on;
+    ``decays``: each parameter's decay factor (0-d, exactly 1 where masked; None: no decay)."""
+
+    __slots__ = ("ctxs", "decays", "flags", "grads", "skip", "snapshot")
+
+    def __init__(
+        self, flags: FlagBuffer, snapshot: Snapshot, skip: frozenset[str],
+        grads: list[Tensor], decays: Sequence[Tensor] | None, ctxs: Sequence[Any],
+    ) -> None:  # fmt: skip
+        self.flags, self.snapshot, self.skip = flags, snapshot, skip
+        self.grads, self.decays, self.ctxs = grads, decays, ctxs
+
+    def decays_of(self, chunk: list[int]) -> list[Tensor] | None:
+        """The decay factors of the parameters at ``chunk`` (None: no decay)."""
+        return None if self.decays is None else [self.decays[i] for i in chunk]
+
+    def __enter__(self) -> MaskedStep:
+        self.snapshot.save(self.skip)
+        for ctx, flag in zip(self.ctxs, self.flags.entries, strict=True):
+            ctx.mask = flag
+        premasked_clear()
+        return self
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        premasked_clear()
+        for ctx in self.ctxs:
+            ctx.mask = None
+        if kind is None:
+            self.snapshot.restore(self.flags.bad)
 
 
 def _zeroed(x: Tensor, pick: _Flags, flags: FlagBuffer, inplace: bool) -> Tensor:

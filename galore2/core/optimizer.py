@@ -49,10 +49,10 @@ from ..kernels.dispatch import run_kernel
 from ..placement import LOCAL, Placement
 from .masked import (
     FlagBuffer,
+    MaskedStep,
     Snapshot,
     masked_grads,
     masked_updates,
-    premasked_clear,
     usable_or_one,
 )
 from .modules import (
@@ -180,7 +180,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         self._contexts: dict[int, Context] = {}  # plain parameters' contexts, by id()
         # per group (its id()): (state mapping, items, lists) of the last _gather
         self._gather_cache: dict[int, tuple[Any, list, tuple[list, ...]]] = {}
-        self._snapshots: dict[int, Snapshot] = {}  # capturable: per group, see _run_masked
+        self._snapshots: dict[int, Snapshot] = {}  # capturable: per group, see _masked_step
         self._flag_buffers: dict[int, FlagBuffer] = {}  # likewise
         # capturable: skips counted on the device, per batch of parameters (their ids)
         self._pending_skips: dict[tuple[int, ...], tuple[list[Tensor], Tensor]] = {}
@@ -667,36 +667,39 @@ class ChainOptimizer(torch.optim.Optimizer):
     def _run(
         self, batches: list[_Batch]
     ) -> list[tuple[dict[str, Any], dict[str, Tensor], Context]]:
-        """Read every batch's flags at once (the step's one host read), then per batch:
-        count skips, run the chain on the usable tensors and apply their updates. Returns
-        (group, local state, ctx) of those updated."""
+        """Read every batch's flags at once (the step's one host read), then per batch the one
+        pipeline (:meth:`_step_batch`): on the host-indexed path the usable tensors, picked
+        by index; on the masked path (``capturable=True``) every tensor, the unusable ones
+        masked (:class:`~galore2.core.masked.MaskedStep`). Returns (group, local state, ctx)
+        of those stepped."""
         host = [b for b in batches if not b.group["capturable"]]
         read = dict(zip(map(id, host), read_flags([b.flags for b in host]), strict=True))
         stepped = []
         for batch in batches:
-            if batch.group["capturable"]:
-                stepped += self._run_masked(batch)
+            if batch.group["capturable"] and batch.flags is not None:
+                masked = self._masked_step(batch)
+                with masked:  # the snapshot saved, each direction's flag set; put back after
+                    stepped += self._step_batch(batch, masked.grads, masked)
                 continue
-            keep = NonFinitePolicy.keep(read[id(batch)], batch.states)
-            live = [i for i, k in enumerate(keep) if k]
-            if len(live) == len(keep):  # the usual step: every parameter is usable
-                stepped += self._run_live(batch, batch.params, batch.states, batch.ctxs,
-                                          batch.grads)  # fmt: skip
-                continue
-            stepped += self._run_live(
-                batch,
-                *([xs[i] for i in live] for xs in (batch.params, batch.states, batch.ctxs,
-                                                   batch.grads)),
-            )  # fmt: skip
+            if batch.flags is not None and not batch.group["capturable"]:
+                keep = NonFinitePolicy.keep(read[id(batch)], batch.states)
+                if not all(keep):  # a selection of the usable ones, by index
+                    live = [i for i, k in enumerate(keep) if k]
+                    batch.params, batch.states, batch.ctxs, batch.grads = (
+                        [xs[i] for i in live]
+                        for xs in (batch.params, batch.states, batch.ctxs, batch.grads)
+                    )
+            stepped += self._step_batch(batch, batch.grads, None)
         return stepped
 
-    def _run_masked(self, batch: _Batch) -> list[tuple[dict[str, Any], dict[str, Tensor], Context]]:
-        """``capturable=True``: no host read and no tensor created on the host. Every parameter
-        steps on its gradient with an unusable one replaced by zeros; the weights and device
-        state of those masked out are put back from a snapshot (see
-        :mod:`galore2.core.nonfinite`) — but for the state the chain's rules mask themselves
-        (:meth:`~galore2.core.transform.Transform.masked_keys`; each direction's flag is its
-        ``ctx.mask`` while the chain runs), which is neither copied nor put back.
+    def _masked_step(self, batch: _Batch) -> MaskedStep:
+        """The masked step of ``batch`` (``capturable=True``): no host read and no tensor
+        created on the host. Every parameter steps on its gradient with an unusable one
+        replaced by zeros; the weights and device state of those masked out are put back from
+        a snapshot (see :mod:`galore2.core.nonfinite`) — but for the state the chain's rules
+        mask themselves (:meth:`~galore2.core.transform.Transform.masked_keys`; each
+        direction's flag is its ``ctx.mask`` while the chain runs), which is neither copied
+        nor put back.
 
         The flags stay one stacked device tensor: the skips are counted by one add per batch;
         the gradients are masked and the state is saved and restored a few kernels per
@@ -704,8 +707,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         mask are entries of device tensors, applied by foreach kernels (no ``torch.where``
         with a Python scalar, which would create a tensor on the host every step)."""
         group, ok = batch.group, batch.flags
-        if ok is None:  # nonfinite="ignore": nothing to mask
-            return self._run_live(batch, batch.params, batch.states, batch.ctxs, batch.grads)
+        assert ok is not None
         bad = ~ok
         self._count_skips(batch, bad)
         decay = self._decay_factor(group)
@@ -734,34 +736,18 @@ class ChainOptimizer(torch.optim.Optimizer):
                 batch.states, kept, pack=local, previous=snapshot, skipped=skipped
             )
         # and what the rules know they leave unchanged this step (GaLore's bases between refreshes)
-        snapshot.save(skipped.union(*(m.step_masked_keys(batch.states, group, batch.ctxs)
-                                      for m in self._chain)))  # fmt: skip
-        for ctx, flag in zip(batch.ctxs, flags.entries, strict=True):
-            ctx.mask = flag
-        premasked_clear()
-        try:
-            self._run_live(batch, batch.params, batch.states, batch.ctxs, grads,
-                           masks=(flags, decays))  # fmt: skip
-        finally:
-            premasked_clear()
-            for ctx in batch.ctxs:
-                ctx.mask = None
-        snapshot.restore(bad)
-        return [(group, s, c) for s, c in zip(batch.states, batch.ctxs, strict=True)]
+        now = skipped.union(*(m.step_masked_keys(batch.states, group, batch.ctxs)
+                              for m in self._chain))  # fmt: skip
+        return MaskedStep(flags, snapshot, now, grads, decays, batch.ctxs)
 
-    def _run_live(
-        self,
-        batch: _Batch,
-        params: list[Tensor],
-        states: list[dict[str, Tensor]],
-        ctxs: list[Context],
-        grads: list[Tensor],
-        masks: tuple[FlagBuffer, Sequence[Tensor] | None] | None = None,
+    def _step_batch(
+        self, batch: _Batch, grads: list[Tensor], masked: MaskedStep | None
     ) -> list[tuple[dict[str, Any], dict[str, Tensor], Context]]:
-        """The chain and the updates of ``params`` (all usable, or ``masks``: the batch's
-        :class:`~galore2.core.masked.FlagBuffer` and each parameter's decay factor as a 0-d
-        device tensor), batched per ``foreach``."""
-        group = batch.group
+        """The pipeline every batch runs: the chain's ``prepare``, then per ``foreach`` chunk
+        the chain on its directions and the updates applied — ``p ← decay·p − lr·u``, or
+        with ``masked`` the masked step's flags and per-parameter decay factors
+        (:func:`apply_masked`)."""
+        group, params, states, ctxs = batch.group, batch.params, batch.states, batch.ctxs
         lr = float(group["lr"])
         decay = self._decay_factor(group)
         self._chain[0].prepare(grads, states, group, ctxs)
@@ -775,14 +761,10 @@ class ChainOptimizer(torch.optim.Optimizer):
                 decay,
             )
             ps = [params[i] for i in chunk]
-            if masks is None:
+            if masked is None:
                 apply_updates(ps, outs, lr, decay)
-                continue
-            flags, decays = masks
-            apply_masked(
-                ps, outs, lr, flags, chunk,
-                None if decays is None else [decays[i] for i in chunk],
-            )  # fmt: skip
+            else:
+                apply_masked(ps, outs, lr, masked.flags, chunk, masked.decays_of(chunk))
         return [(group, state, ctx) for state, ctx in zip(states, ctxs, strict=True)]
 
     def _decay_factor(self, group: dict[str, Any]) -> float:
