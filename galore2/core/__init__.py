@@ -3,6 +3,7 @@
 option declarations."""
 
 from .capture import CapturedStep
+from .module import Module
 from .modules import GradientTransform, ParamTransform
 from .optimizer import ChainOptimizer
 from .per_layer import PerLayerUpdates, per_layer
@@ -14,6 +15,7 @@ __all__ = [
     "Context",
     "GradientTransform",
     "LowRankUpdate",
+    "Module",
     "ParamTransform",
     "PerLayerUpdates",
     "Transform",
