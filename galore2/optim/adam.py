@@ -338,7 +338,7 @@ class ScaleByAdam(MomentRule, Transform):
         if out is not None:  # the kernel updated codes and absmax in place
             return out
         if dynamic8.use_torch(m_codes):  # the CPU: chunk by chunk, see _update_chunks
-            return self._update_chunks(u, m_fmt, v_fmt, t, group, state)
+            return self._update_chunks(u, m_fmt, v_fmt, t, state, group)
         m = m_fmt.view(state, "adam.exp_avg", AXIS)
         v = v_fmt.view(state, "adam.exp_avg_sq", AXIS)
         out = self._arith(u, m, v, t, group)  # the direction uses the fp32 moments
@@ -356,9 +356,9 @@ class ScaleByAdam(MomentRule, Transform):
         group: Group,
     ) -> dict[str, Any]:
         """The keyword arguments of the fused 8-bit step (galore2.kernels.adam8bit): the same
-        arithmetic, codes and absmax updated in place, the fp32 direction returned (the
-        step it runs is the count the caller reaches once it ran; see
-        ``dispatch.run_kernel``)."""
+        arithmetic, codes and absmax updated in place, the fp32 direction returned. Its
+        ``step`` is the count this step reaches: the caller counts it once the kernel ran
+        or was not taken (see ``dispatch.run_kernel``)."""
         beta1, beta2 = group["betas"]
         return {
             "dim": dim,
@@ -378,8 +378,8 @@ class ScaleByAdam(MomentRule, Transform):
         m_fmt: Dynamic8Format,
         v_fmt: Dynamic8Format,
         t: int | Tensor,
-        group: Group,
         state: State,
+        group: Group,
     ) -> Tensor:
         """The 8-bit torch path of step ``t`` on the CPU (where the storage layer quantizes
         in torch), in chunks of ~2^20 elements of whole blocks
