@@ -634,6 +634,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/core/test_capture_rules.py",),
         "capturable Adafactor: ρ_t = 1/√t even above lr (min(lr, ·) dropped)",
     ),
+    # ---- the moments mixin (galore2/optim/moments.py): Adam's and PNM's shared code --------
+    Mutation(
+        "moment_rule_sum_uncorrected",
+        "galore2/optim/moments.py",
+        'return v.sum(dtype=torch.float64) / (1 - group["betas"][1] ** t)',
+        "return v.sum(dtype=torch.float64)",
+        (
+            "tests/optim/test_ranger_modules.py::"
+            "test_stable_weight_decay_reaches_every_parameter_with_sigma_from_adam_states",
+        ),
+        "stable weight decay's σ sums the second moment without its bias correction",
+    ),
+    Mutation(
+        "moment_rule_batch_counted_twice",
+        "galore2/optim/moments.py",
+        "return packed.add_(1).tolist()",
+        "return packed.add_(2).tolist()",
+        ("tests/core/test_foreach.py",),
+        "a batch's host step counters advance by two per step (its bias corrections run ahead)",
+    ),
 )
 
 

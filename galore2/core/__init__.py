@@ -3,6 +3,7 @@
 option declarations."""
 
 from .capture import CapturedStep
+from .module import Module
 from .modules import DecoupledWeightDecay, GradientTransform, ParamTransform
 from .optimizer import ChainOptimizer
 from .per_layer import PerLayerUpdates, per_layer
@@ -15,6 +16,7 @@ __all__ = [
     "DecoupledWeightDecay",
     "GradientTransform",
     "LowRankUpdate",
+    "Module",
     "ParamTransform",
     "PerLayerUpdates",
     "Transform",

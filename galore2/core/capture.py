@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from .. import _numerics
+from .module import not_known_to_replay
 from .transform import walk
 
 #: group keys the graph does not read (everything else is frozen into it)
@@ -53,7 +54,7 @@ def capture_problems(optimizer: Any) -> list[str]:
     for m in modules:
         ask = getattr(m, "capture_problem", None)
         if ask is None:
-            problems.append(f"{type(m).__name__} is not known to replay from a graph")
+            problems.append(not_known_to_replay(m))  # not a Module: no default answer
             continue
         for group in optimizer.param_groups:
             why = ask(group)

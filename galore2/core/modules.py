@@ -40,9 +40,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .module import Context, Group, Module, State
 from .options import Option, Real
 from .state import counter
-from .transform import Context, Group, State, Transform, complex_problem, walk
+from .transform import Transform, walk
 
 
 @dataclass
@@ -53,24 +54,10 @@ class Stats:
     cache: dict[Any, Tensor] = field(default_factory=dict)  # modules' values derived from it
 
 
-class GradientTransform:
+class GradientTransform(Module):
     """Acts on a parameter's full local gradient, in place, before the moment chain."""
 
     name: ClassVar[str] = "gradient"
-    options: ClassVar[tuple[Option, ...]] = ()
-    kinds: ClassVar[dict[str, str]] = {}
-
-    def validate(self, group: Group) -> None:
-        """Checks that involve several of this module's keys (single keys: ``options``)."""
-
-    def complex_problem(self, group: Group) -> str | None:
-        """Why this module cannot act on complex parameters (None: it can)."""
-        return complex_problem(self)
-
-    def init(
-        self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
-    ) -> None:
-        """Create this module's state for a parameter of global ``shape`` (default: none)."""
 
     def apply_(self, grad: Tensor, group: Group, state: State, ctx: Context) -> None:
         """Transform ``grad`` (the local gradient; ``ctx.param`` is the local weight) in place."""
@@ -91,27 +78,13 @@ class GradientTransform:
             self.apply_(grad, group, state, ctx)
 
 
-class ParamTransform:
+class ParamTransform(Module):
     """Acts on a parameter after the step's update has been applied."""
 
     name: ClassVar[str] = "param"
-    options: ClassVar[tuple[Option, ...]] = ()
-    kinds: ClassVar[dict[str, str]] = {}
     #: True when :meth:`apply_` needs :class:`Stats` over all parameters (not available to
     #: per-layer updates, which step one parameter at a time).
     needs_stats: ClassVar[bool] = False
-
-    def validate(self, group: Group) -> None:
-        """Checks that involve several of this module's keys (single keys: ``options``)."""
-
-    def complex_problem(self, group: Group) -> str | None:
-        """Why this module cannot act on complex parameters (None: it can)."""
-        return complex_problem(self)
-
-    def init(
-        self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
-    ) -> None:
-        """Create this module's state for a parameter of global ``shape`` (default: none)."""
 
     def apply_(self, group: Group, state: State, ctx: Context, stats: Stats | None) -> None:
         """Update the local weight ``ctx.param`` in place."""
@@ -335,7 +308,7 @@ def run_param_transforms(
             t.apply_many(group, states, [c for b in members for c in batches[b][2]], stats)
 
 
-class LRSchedule:
+class LRSchedule(Module):
     """A built-in learning-rate schedule: the group's ``lr`` is its peak, scaled per step.
 
     The step count lives in each parameter's state (``schedule.step``, so resuming is
@@ -344,16 +317,15 @@ class LRSchedule:
     """
 
     name: ClassVar[str] = "schedule"
-    options: ClassVar[tuple[Option, ...]] = ()
     kinds: ClassVar[dict[str, str]] = {"schedule.step": "other"}
-
-    def validate(self, group: Group) -> None:
-        """Checks that involve several of this schedule's keys (single keys: ``options``)."""
 
     def complex_problem(self, group: Group) -> str | None:
         return None  # it only scales the learning rate
 
-    def init(self, state: State) -> None:
+    def init(
+        self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
+    ) -> None:
+        """The step counter of a parameter's schedule."""
         state["schedule.step"] = counter()
 
     def lr(self, group: Group, step: int) -> float:

@@ -347,7 +347,7 @@ class ChainOptimizer(torch.optim.Optimizer):
     def _fill_state(self, state: dict[str, Tensor], group: dict[str, Any], ctx: Context) -> None:
         state[SKIPS] = counter()
         if self._schedule is not None:
-            self._schedule.init(state)
+            self._schedule.init(ctx.global_shape, ctx.param, group, state, ctx)
         for hook in (*self._grad_transforms, *self._param_transforms):
             hook.init(ctx.global_shape, ctx.param, group, state, ctx)
         init_chain(self._chain, ctx.global_shape, ctx.param, group, state, ctx)

@@ -31,17 +31,14 @@ Contract (like optax's ``(init, update)`` pairs):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from ..placement import LOCAL, Placement
-from .options import Option
-
-State = dict[str, Tensor]
-Group = dict[str, Any]
+from .module import Context, Group, Module, State
+from .module import complex_problem as complex_problem  # importable here, as before
 
 
 @dataclass
@@ -93,48 +90,10 @@ def members(states: list[State]) -> tuple[list[State], list[int]]:
     return flat, starts
 
 
-@dataclass
-class Context:
-    """What a transform may need besides the direction: the parameter and bookkeeping."""
-
-    param: Tensor  # the local parameter tensor (a shard under FSDP)
-    index: int
-    warn_once: Callable[[str], None] = field(default=lambda msg: None)
-    placement: Placement = LOCAL
-    layout: str = "param"  # how state allocated for this direction is laid out (see Placement)
-    shape: torch.Size | None = None  # the parameter's global shape (None: param.shape)
-    refreshed: bool = False  # a group-level prepare() already ran this step's refresh
-    #: a masked (``capturable=True``) step's flag for this direction: 1.0 where its gradient
-    #: is usable, 0.0 where it was masked, a float32 device tensor that broadcasts over the
-    #: direction (0-d; ``(k, 1, …)`` for a stacked entry); None on other steps. A rule that
-    #: lists keys in :meth:`Transform.masked_keys` leaves them unchanged where it is 0.0.
-    mask: Tensor | None = None
-
-    def with_mask(self, mask: Tensor | None) -> Context:
-        """A copy with ``mask`` (``dataclasses.replace``'s result, without its per-field
-        ``__init__``: a masked step makes one per stacked entry per step)."""
-        out = object.__new__(Context)
-        out.__dict__.update(self.__dict__)
-        out.mask = mask
-        return out
-
-    @property
-    def global_shape(self) -> torch.Size:
-        """The parameter's global shape (``shape`` when set, else the local parameter's)."""
-        return self.shape if self.shape is not None else self.param.shape
-
-    def zeros(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tensor:
-        """A state tensor for a direction of global ``shape``, laid out per ``self.layout``."""
-        return self.placement.zeros(shape, dtype, self.param.device, self.layout)
-
-
-class Transform:
+class Transform(Module):
     """Base class of a per-tensor update rule; see the module docstring for the contract."""
 
     name: ClassVar[str] = "transform"
-    #: the group keys this transform reads (see :mod:`galore2.core.options`)
-    options: ClassVar[tuple[Option, ...]] = ()
-    kinds: ClassVar[dict[str, str]] = {}
     #: state keys this transform wrote under other names in earlier releases (old → new);
     #: ``load_state_dict`` renames them, so older checkpoints keep loading
     renamed_keys: ClassVar[dict[str, str]] = {}
@@ -165,20 +124,6 @@ class Transform:
         would be, by the same elementwise ops) for ``group``'s tensors on ``device``? The
         keys stacked are :attr:`linear_keys` and :attr:`quadratic_keys`; default: no."""
         return False
-
-    def validate(self, group: Group) -> None:
-        """Checks that involve several of this transform's keys (each key alone was checked
-        against its :class:`~galore2.core.options.Option` already); ``ValueError`` naming them."""
-
-    def complex_problem(self, group: Group) -> str | None:
-        """Why this transform cannot update complex parameters in ``group`` (None: it can;
-        the optimizer then hands it the parameter's ``torch.view_as_real`` view)."""
-        return complex_problem(self)
-
-    def init(
-        self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
-    ) -> None:
-        """Create this transform's state for directions of ``shape`` (``ref`` gives the device)."""
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
         """The outgoing direction for incoming direction ``u`` (must not keep references to ``u``).
@@ -247,11 +192,6 @@ class Transform:
             state[key].copy_(rotate_fn(state[key], False))
         for key in self.quadratic_keys:
             state[key].copy_(rotate_fn(state[key], True).clamp_(min=0))
-
-
-def complex_problem(module: Any) -> str:
-    """The default answer of ``complex_problem``: not defined for complex parameters."""
-    return f"{type(module).__name__} is not defined for complex parameters"
 
 
 def walk(modules: Iterable[Any]) -> Iterator[Any]:

@@ -1,6 +1,7 @@
 """The update rules and modules optimizers are built from: per-tensor transforms (Adam,
 Adafactor, PNM, GaLore), gradient modules, weight modules and the Ranger21 schedules."""
 
+from ..core.module import Module
 from ..core.modules import DecoupledWeightDecay, GradientTransform, ParamTransform
 from ..core.optimizer import ChainOptimizer
 from ..core.transform import Context, Transform
@@ -33,6 +34,7 @@ __all__ = [
     "LeftProjection",
     "LinearWarmup",
     "Lookahead",
+    "Module",
     "NormLoss",
     "NormalizeGradient",
     "ParamTransform",

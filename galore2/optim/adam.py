@@ -54,25 +54,15 @@ import torch
 from torch import Tensor
 
 from .. import _numerics
-from ..core.counters import Counters
 from ..core.masked import derive, usable_or_one
 from ..core.options import Bool, Option, Pair, Real
-from ..core.state import counter, counter_on
 from ..core.transform import Context, Group, State, Transform, members
 from ..kernels.dispatch import run_kernel
 from ..storage import dynamic8
-from ..storage.dtype import STATE_DTYPE, warn_float16
+from ..storage.dtype import STATE_DTYPE
 from ..storage.dynamic8 import Dynamic8Format
-from ..storage.moments import (
-    check_moments,
-    is_quantized,
-    moment_format,
-    moment_kinds,
-    moments_capture_problem,
-    reset_moments,
-    rotate_moments,
-    stored_format,
-)
+from ..storage.moments import is_quantized, stored_format
+from .moments import MomentRule, moment_rule_kinds
 
 _BETA = Real(low=0.0, high=1.0, high_open=True)
 BETAS = Option(
@@ -212,23 +202,6 @@ def _per_entry(
     return scales, shifts
 
 
-def count_step(state: State, group: Group, device: torch.device) -> int | Tensor:
-    """Count a step in ``adam.step`` and return the new count ``t``: a Python int read from
-    the CPU counter, or with ``capturable=True`` the counter itself, kept on ``device`` (the
-    bias corrections are then computed there: a capturable step reads nothing on the host).
-    A counter on the wrong side (a checkpoint loads 0-d integers onto the CPU; a group's
-    ``capturable`` changed) is moved once."""
-    if group.get("capturable"):
-        t = state["adam.step"] = counter_on(state["adam.step"], device)
-        return t.add_(1)
-    t = state["adam.step"] = counter_on(state["adam.step"], _CPU)
-    t += 1
-    return int(t)
-
-
-_CPU = torch.device("cpu")
-
-
 def _masked_weights(
     masks: list[Tensor], dtype: torch.dtype, beta1: float, beta2: float
 ) -> tuple[list[Tensor], list[Tensor]]:
@@ -250,29 +223,30 @@ def _masked_weights(
 AXIS = "adam.block_dim"  # the blocked axis of both 8-bit moments (same shape and layout)
 
 
-class ScaleByAdam(Transform):
+class ScaleByAdam(MomentRule, Transform):
     """Adam's moments; ``moments`` picks their storage (``"state_dtype"`` or ``"dynamic8"``,
-    see the module docstring)."""
+    see the module docstring). Its step is counted once per direction and step, by
+    :meth:`~galore2.optim.moments.MomentRule.count_step` (one direction) or
+    :meth:`~galore2.optim.moments.MomentRule.count_steps` (a batch), before the path that
+    runs its arithmetic is chosen."""
 
     name = "adam"
+    label = "Adam"
+    step_key = "adam.step"
+    second_key = "adam.exp_avg_sq"
     options = (BETAS, EPS, STATE_DTYPE, COMPILE)
     # ScaleByAdam8bit kept its moments under ``adam8.*`` before storage formats were shared
     renamed_keys: ClassVar[dict[str, str]] = {
         f"adam8.{k}": f"adam.{k}"
         for k in ("exp_avg", "exp_avg.absmax", "exp_avg_sq", "exp_avg_sq.absmax", "block_dim")
     }
-    kinds: ClassVar[dict[str, str]] = {
-        **moment_kinds("adam.exp_avg", "adam.exp_avg_sq", axis=AXIS),
-        "adam.step": "other",
-    }
+    kinds: ClassVar[dict[str, str]] = moment_rule_kinds("adam", "exp_avg", "exp_avg_sq")
+    axis = AXIS
     linear_keys = ("adam.exp_avg",)
     quadratic_keys = ("adam.exp_avg_sq",)
-    #: kept on the parameters' device with ``capturable=True`` (see :func:`count_step`)
+    #: kept on the parameters' device with ``capturable=True`` (see
+    #: :meth:`~galore2.optim.moments.MomentRule.count_step`)
     device_counters = ("adam.step",)
-
-    def __init__(self, *, moments: str = "state_dtype") -> None:
-        self.moments = check_moments(moments)
-        self._counters = Counters()  # host step counters packed per batch
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(moments={self.moments!r})"
@@ -281,7 +255,7 @@ class ScaleByAdam(Transform):
         """Why a step of this rule cannot replay from a CUDA graph (None: it can; see
         :mod:`galore2.core.capture`): 8-bit moments quantize through host-side paths, and
         ``compile=True`` compiles inside the step."""
-        problem = moments_capture_problem(self.moments, "Adam")
+        problem = super().capture_problem(group)
         if problem is not None:
             return problem
         if group.get("compile"):
@@ -323,34 +297,22 @@ class ScaleByAdam(Transform):
             return "8-bit moments are not defined for complex parameters"
         return None
 
-    def init(
-        self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
-    ) -> None:
-        """Create both moments (in the storage ``moments`` picks) and the step counter."""
-
-        def zeros(s: tuple[int, ...], dtype: torch.dtype, layout: str) -> Tensor:
-            return ctx.placement.zeros(s, dtype, ctx.param.device, layout)
-
-        warn_float16(group, ctx.warn_once)
-        for key, signed in (("adam.exp_avg", True), ("adam.exp_avg_sq", False)):
-            fmt = moment_format(
-                self.moments, tuple(shape), ctx.layout, group["state_dtype"], signed
-            )
-            fmt.allocate(state, key, tuple(shape), ctx.layout, zeros, AXIS)
-        # capturable: counted on the parameters' device (see count_step)
-        state["adam.step"] = (
-            counter_on(counter(), ctx.param.device) if group.get("capturable") else counter()
-        )
-
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
         """Update both moments with ``u`` and return ``m̂ / (√v̂ + eps)``."""
-        if not is_quantized(state, "adam.exp_avg"):
-            if group.get("compile"):
-                return self._compiled_step(u, state, group)
-            return self._step(
-                u, state["adam.exp_avg"], state["adam.exp_avg_sq"], state, group,
-                self._masks([ctx], group)[0],
-            )  # fmt: skip
+        if is_quantized(state, "adam.exp_avg"):
+            return self._update_quantized(u, state, group)
+        t = self.count_step(state, group, u.device)
+        if group.get("compile"):
+            return self._compiled_step(u, t, state, group)
+        return self._arith(
+            u, state["adam.exp_avg"], state["adam.exp_avg_sq"], t, group,
+            mask=self._masks([ctx], group)[0],
+        )  # fmt: skip
+
+    def _update_quantized(self, u: Tensor, state: State, group: Group) -> Tensor:
+        """:meth:`update` of a direction with 8-bit moments: the fused kernel, else the torch
+        path (chunk by chunk on the CPU, else on fp32 copies of the moments). The step is
+        counted once the kernel ran, or was not taken."""
         m_fmt = stored_format(state, "adam.exp_avg", True)
         v_fmt = stored_format(state, "adam.exp_avg_sq", False)
         assert isinstance(m_fmt, Dynamic8Format) and isinstance(v_fmt, Dynamic8Format)
@@ -373,14 +335,14 @@ class ScaleByAdam(Transform):
                 **self._fused_args(m_fmt, v_fmt, dim, m_codes.device, state, group),
             ),
         )
+        t = self.count_step(state, group, u.device)
         if out is not None:  # the kernel updated codes and absmax in place
-            count_step(state, group, u.device)
             return out
         if dynamic8.use_torch(m_codes):  # the CPU: chunk by chunk, see _update_chunks
-            return self._update_chunks(u, m_fmt, v_fmt, state, group)
+            return self._update_chunks(u, m_fmt, v_fmt, t, state, group)
         m = m_fmt.view(state, "adam.exp_avg", AXIS)
         v = v_fmt.view(state, "adam.exp_avg_sq", AXIS)
-        out = self._step(u, m, v, state, group)  # the direction uses the fp32 moments
+        out = self._arith(u, m, v, t, group)  # the direction uses the fp32 moments
         m_fmt.store(state, "adam.exp_avg", m, AXIS)
         v_fmt.store(state, "adam.exp_avg_sq", v, AXIS)
         return out
@@ -395,8 +357,9 @@ class ScaleByAdam(Transform):
         group: Group,
     ) -> dict[str, Any]:
         """The keyword arguments of the fused 8-bit step (galore2.kernels.adam8bit): the same
-        arithmetic, codes and absmax updated in place, the fp32 direction returned (the
-        caller counts the step once it ran; see ``dispatch.run_kernel``)."""
+        arithmetic, codes and absmax updated in place, the fp32 direction returned. Its
+        ``step`` is the count this step reaches: the caller counts it once the kernel ran
+        or was not taken (see ``dispatch.run_kernel``)."""
         beta1, beta2 = group["betas"]
         return {
             "dim": dim,
@@ -412,19 +375,24 @@ class ScaleByAdam(Transform):
 
     @staticmethod
     def _update_chunks(
-        u: Tensor, m_fmt: Dynamic8Format, v_fmt: Dynamic8Format, state: State, group: Group
+        u: Tensor,
+        m_fmt: Dynamic8Format,
+        v_fmt: Dynamic8Format,
+        t: int | Tensor,
+        state: State,
+        group: Group,
     ) -> Tensor:
-        """The 8-bit torch path on the CPU (where the storage layer quantizes in torch), in
-        chunks of ~2^20 elements of whole blocks (:func:`~galore2.storage.dynamic8.row_chunks`):
-        each chunk's moments are dequantized, stepped and requantized while in cache and its
-        direction written into the fp32 result — the same elementwise arithmetic as
-        :meth:`_step` on whole fp32 moments, with no full-size fp32 copy of either moment."""
+        """The 8-bit torch path of step ``t`` on the CPU (where the storage layer quantizes
+        in torch), in chunks of ~2^20 elements of whole blocks
+        (:func:`~galore2.storage.dynamic8.row_chunks`): each chunk's moments are
+        dequantized, stepped and requantized while in cache and its direction written into
+        the fp32 result — the same elementwise arithmetic as :meth:`_arith` on whole fp32
+        moments, with no full-size fp32 copy of either moment."""
         m_codes, m_absmax, dim = m_fmt.local(state, "adam.exp_avg", AXIS)
         v_codes, v_absmax, _ = v_fmt.local(state, "adam.exp_avg_sq", AXIS)
         rows = m_codes.shape[0]
         qm, qv, u2 = m_codes.view(rows, -1), v_codes.view(rows, -1), u.reshape(rows, -1)
         out = torch.empty(u2.shape, dtype=torch.float32, device=u.device)
-        t = count_step(state, group, u.device)
         for r, b in dynamic8.row_chunks(rows, qm.shape[1], dim):
             m = dynamic8.dequantize(qm[r], m_absmax[b], dim, m_fmt.signed)
             v = dynamic8.dequantize(qv[r], v_absmax[b], dim, v_fmt.signed)
@@ -432,16 +400,6 @@ class ScaleByAdam(Transform):
             dynamic8.quantize_(m, qm[r], m_absmax[b], dim, m_fmt.signed)
             dynamic8.quantize_(v, qv[r], v_absmax[b], dim, v_fmt.signed)
         return out.view(u.shape)
-
-    @staticmethod
-    def _step(
-        u: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, state: State, group: Group,
-        mask: Tensor | None = None,
-    ) -> Tensor:  # fmt: skip
-        """One Adam step on the moments ``exp_avg``, ``exp_avg_sq`` (updated in place; not
-        where ``mask``, a masked step's flag, is 0)."""
-        t = count_step(state, group, u.device)
-        return ScaleByAdam._arith(u, exp_avg, exp_avg_sq, t, group, mask=mask)
 
     @staticmethod
     def _arith(
@@ -480,13 +438,13 @@ class ScaleByAdam(Transform):
         return torch.div(exp_avg, denom, out=denom)
 
     @staticmethod
-    def _compiled_step(u: Tensor, state: State, group: Group) -> Tensor:
-        """:meth:`_step`'s math through the compiled :func:`adam_math` (``compile=True``)."""
+    def _compiled_step(u: Tensor, t: int | Tensor, state: State, group: Group) -> Tensor:
+        """Step ``t`` of :meth:`_arith`'s math through the compiled :func:`adam_math`
+        (``compile=True``)."""
         exp_avg, exp_avg_sq = state["adam.exp_avg"], state["adam.exp_avg_sq"]
         if u.dtype != exp_avg.dtype:
             u = u.to(exp_avg.dtype)
         beta1, beta2 = group["betas"]
-        t = count_step(state, group, u.device)
         scale, shift = _corrections(beta1, beta2, group["eps"], t)
         return run_compiled(adam_math, u, exp_avg, exp_avg_sq, 1 - beta1, beta2, 1 - beta2,
                             scale, shift)  # fmt: skip
@@ -529,19 +487,13 @@ class ScaleByAdam(Transform):
         us = [u if u.dtype == m.dtype else u.to(m.dtype) for u, m in zip(us, exp_avgs, strict=True)]
         # a stacked entry's step counters are its members' (see StackedState)
         counted, starts = members(states)
-        if group.get("capturable"):  # device counters: every tensor's corrections at once
-            device = exp_avgs[0].device
-            packed = self._packed_steps(counted, device)
-            if packed is not None:  # one add for the batch's counters
-                stacked = packed.add_(1)
-            else:
-                steps = [s["adam.step"] for s in counted]
-                torch._foreach_add_(steps, 1)
-                stacked = torch.stack(steps)
+        device = exp_avgs[0].device
+        steps = self.count_steps(counted, group, device)
+        if isinstance(steps, Tensor):  # device counters (capturable): corrections at once
             # both β's powers by one pow (float64: the int64 counts are promoted), then
             # (1 − β₁ᵗ)/√(1 − β₂ᵗ) and (1 − β₁ᵗ)·eps: five kernels for the whole batch
             betas = _numerics.constants((beta1, beta2), torch.float64, device).view(2, 1)
-            bc = torch.rsub(torch.pow(betas, stacked), 1)
+            bc = torch.rsub(torch.pow(betas, steps), 1)
             both = torch.empty_like(bc)
             torch.div(bc[0], bc[1].sqrt(), out=both[0])
             torch.mul(bc[0], group["eps"], out=both[1])
@@ -555,11 +507,6 @@ class ScaleByAdam(Transform):
             if len(counted) == len(states):  # no stacked entry
                 return exp_avgs, exp_avg_sqs, us, list(scale.unbind()), list(shift.unbind())
             return exp_avgs, exp_avg_sqs, us, *_per_entry(scale, shift, starts, us)
-        packed = self._packed_steps(counted, _CPU)
-        if packed is not None:  # host counters: one add, one read
-            steps = packed.add_(1).tolist()
-        else:  # shared counters (the same tensor in two states): one by one
-            steps = self._counters.advance(counted, "adam.step")
         first = steps[0]
         if steps.count(first) == len(steps):  # the usual step: one count for the whole batch
             scale, shift = _corrections(beta1, beta2, group["eps"], first)
@@ -574,23 +521,10 @@ class ScaleByAdam(Transform):
             shifts.append(found[1])
         if len(counted) == len(states):
             return exp_avgs, exp_avg_sqs, us, scales, shifts
-        device = exp_avgs[0].device
         return exp_avgs, exp_avg_sqs, us, *_per_entry(
             torch.tensor(scales, dtype=torch.float64, device=device),
             torch.tensor(shifts, dtype=torch.float64, device=device), starts, us,
         )  # fmt: skip
-
-    def _packed_steps(self, states: list[State], device: torch.device) -> Tensor | None:
-        """The ``adam.step`` counters of ``states`` packed on ``device`` (the CPU: host
-        counters; capturable: the parameters' device), counters on the other side moved
-        there first (a group's ``capturable`` changed, a checkpoint loaded them onto the
-        CPU); None when two states share a counter."""
-        packed = self._counters.packed(states, "adam.step", device)
-        if packed is None:
-            for s in states:
-                s["adam.step"] = counter_on(s["adam.step"], device)
-            packed = self._counters.packed(states, "adam.step", device)
-        return packed
 
     def _foreach(
         self, us: list[Tensor], states: list[State], group: Group, masks: list[Tensor | None]
@@ -645,25 +579,3 @@ class ScaleByAdam(Transform):
             if t not in known:
                 known[t] = math.sqrt(1 - beta2**t) / (1 - beta1**t) if t > 0 else 1.0
         return [known[t] for t in steps]
-
-    def second_moment_sum(self, state: State, group: Group) -> Tensor | None:
-        """Σ v / (1 − β₂ᵗ) of ``adam.exp_avg_sq`` in float64 (0 before the first step)."""
-        if group.get("capturable"):  # a device counter: no host read
-            v = stored_format(state, "adam.exp_avg_sq", False).view(state, "adam.exp_avg_sq", AXIS)
-            td = state["adam.step"].to(torch.float64)
-            total = v.sum(dtype=torch.float64) / (1 - torch.pow(group["betas"][1], td))
-            return torch.where(td > 0, total, torch.zeros_like(total))
-        t = int(state["adam.step"])
-        if t == 0:
-            return torch.zeros((), dtype=torch.float64)
-        v = stored_format(state, "adam.exp_avg_sq", False).view(state, "adam.exp_avg_sq", AXIS)
-        return v.sum(dtype=torch.float64) / (1 - group["betas"][1] ** t)
-
-    def reset(self, state: State, group: Group) -> None:
-        """Zero both moments and the step counter."""
-        reset_moments(state, (*self.linear_keys, *self.quadratic_keys))
-        state["adam.step"].zero_()
-
-    def rotate(self, state: State, rotate_fn: Callable[[Tensor, bool], Tensor]) -> None:
-        """Rotate the first moment linearly, the second with squared coefficients (clamped at 0)."""
-        rotate_moments(state, self.linear_keys, self.quadratic_keys, rotate_fn, AXIS)

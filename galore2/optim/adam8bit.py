@@ -64,11 +64,10 @@ class ScaleByAdam8bit(ScaleByAdam):
         ]
         # every one of them steps below: their host counters advanced now (one add, one
         # read when packed, see galore2.core.counters), packs formed by the new counts
-        steps = (
-            self._counters.advance([states[i] for i in packable], "adam.step") if packable else []
-        )
+        counted = [states[i] for i in packable]
+        steps = self.count_steps(counted, group, us[0].device) if packable else []
         # their blocked axes (host scalars that never change) by one read as well
-        axes = self._counters.packed([states[i] for i in packable], AXIS) if packable else None
+        axes = self._counters.packed(counted, AXIS) if packable else None
         dims = dict(zip(packable, axes.tolist() if axes is not None else
                         [int(states[i][AXIS]) for i in packable], strict=True))  # fmt: skip
         packs: dict[tuple[Any, ...], list[int]] = {}

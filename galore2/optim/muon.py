@@ -42,9 +42,10 @@ import torch
 from torch import Tensor
 
 from .._numerics import constants
+from ..core.module import complex_problem
 from ..core.options import Bool, Choice, Int, Option, Real
 from ..core.state import counter
-from ..core.transform import Context, Group, StackedState, State, Transform, complex_problem
+from ..core.transform import Context, Group, StackedState, State, Transform
 from ..placement import Placement
 from ..storage.dtype import STATE_DTYPE, STATE_DTYPES
 from .adam import ScaleByAdam

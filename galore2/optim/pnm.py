@@ -43,7 +43,6 @@ Ranger21's reference stored β₀ but never used it; here it is used (β₀ = 0 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -51,22 +50,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _numerics
-from ..core.counters import Counters
 from ..core.options import Bool, Option, Real
-from ..core.state import counter, counter_on
 from ..core.transform import Context, Group, State, Transform
-from ..storage.dtype import STATE_DTYPE, warn_float16
-from ..storage.moments import (
-    check_moments,
-    is_quantized,
-    moment_format,
-    moment_kinds,
-    moments_capture_problem,
-    reset_moments,
-    rotate_moments,
-    stored_format,
-)
+from ..storage.dtype import STATE_DTYPE
+from ..storage.moments import is_quantized, stored_format
 from .adam import BETAS, EPS
+from .moments import MomentRule, moment_rule_kinds
 
 PNM_BETA0 = Option(
     "pnm_beta0", 1.0, Real(low=0.0), "β₀, the weight of the negative momentum (1: Ranger21's)"
@@ -101,7 +90,7 @@ _CPU = torch.device("cpu")
 AXIS = "pnm.block_dim"  # the blocked axis of every 8-bit moment (same shape and layout)
 
 
-class ScaleByPNM(Transform):
+class ScaleByPNM(MomentRule, Transform):
     """Positive-negative momentum over Adam's second moment (see the module docstring).
 
     Args:
@@ -112,13 +101,14 @@ class ScaleByPNM(Transform):
     """
 
     name = "pnm"
+    label = "PNM"
+    step_key = "pnm.step"
+    second_key = "pnm.exp_avg_sq"  # the EMA, not the amsgrad max
+    axis = AXIS
     options = (BETAS, EPS, STATE_DTYPE, PNM_BETA0, SOFTPLUS_BETA)
-    kinds: ClassVar[dict[str, str]] = {
-        **moment_kinds(
-            "pnm.exp_avg", "pnm.neg_exp_avg", "pnm.exp_avg_sq", "pnm.max_exp_avg_sq", axis=AXIS
-        ),
-        "pnm.step": "other",
-    }
+    kinds: ClassVar[dict[str, str]] = moment_rule_kinds(
+        "pnm", "exp_avg", "neg_exp_avg", "exp_avg_sq", "max_exp_avg_sq"
+    )
     linear_keys = ("pnm.exp_avg", "pnm.neg_exp_avg")
     quadratic_keys: tuple[str, ...] = ("pnm.exp_avg_sq",)
     #: kept on the direction's device with ``capturable=True`` (see :meth:`_captured`)
@@ -132,16 +122,10 @@ class ScaleByPNM(Transform):
         adamd: bool = False,
         moments: str = "state_dtype",
     ):
+        super().__init__(moments=moments)
         self.amsgrad, self.softplus, self.adamd = bool(amsgrad), bool(softplus), bool(adamd)
-        self.moments = check_moments(moments)
         if self.amsgrad:
             self.quadratic_keys = ("pnm.exp_avg_sq", "pnm.max_exp_avg_sq")
-        self._counters = Counters()  # host step counters packed per batch
-
-    def capture_problem(self, group: Group) -> str | None:
-        """Why a step of this rule cannot replay from a CUDA graph (None: it can; see
-        :mod:`galore2.core.capture`): 8-bit moments quantize through host-side paths."""
-        return moments_capture_problem(self.moments, "PNM")
 
     def __repr__(self) -> str:
         return (
@@ -149,35 +133,11 @@ class ScaleByPNM(Transform):
             f"moments={self.moments!r})"
         )
 
-    def _keys(self) -> tuple[tuple[str, bool], ...]:
-        """(moment key, signed) of every moment this module keeps."""
-        keys = (("pnm.exp_avg", True), ("pnm.neg_exp_avg", True), ("pnm.exp_avg_sq", False))
-        return (*keys, ("pnm.max_exp_avg_sq", False)) if self.amsgrad else keys
-
-    def init(
-        self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
-    ) -> None:
-        """Create both momenta, the second moment (+ its max: ``amsgrad``) and the step count."""
-
-        def zeros(s: tuple[int, ...], dtype: torch.dtype, layout: str) -> Tensor:
-            return ctx.placement.zeros(s, dtype, ctx.param.device, layout)
-
-        warn_float16(group, ctx.warn_once)
-        for key, signed in self._keys():
-            fmt = moment_format(
-                self.moments, tuple(shape), ctx.layout, group["state_dtype"], signed
-            )
-            fmt.allocate(state, key, tuple(shape), ctx.layout, zeros, AXIS)
-        # capturable: counted on the direction's device (see _captured)
-        state["pnm.step"] = (
-            counter_on(counter(), ctx.param.device) if group.get("capturable") else counter()
-        )
-
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
         """Update the moments with ``u`` and return the positive-negative momentum direction."""
         # each moment as a tensor to update in place: the stored one, or an fp32 copy of
         # 8-bit codes that is quantized back below
-        formats = {key: stored_format(state, key, signed) for key, signed in self._keys()}
+        formats = {key: stored_format(state, key, signed) for key, signed in self.moment_keys()}
         views = {key: fmt.view(state, key, AXIS) for key, fmt in formats.items()}
         out = self._step(u, views, state, group)
         for key, fmt in formats.items():
@@ -185,17 +145,15 @@ class ScaleByPNM(Transform):
         return out
 
     def _step(self, u: Tensor, views: dict[str, Tensor], state: State, group: Group) -> Tensor:
-        if group.get("capturable"):
-            return self._captured([u], [views], [state], group)[0]
+        t = self.count_step(state, group, views["pnm.exp_avg"].device)
+        if isinstance(t, Tensor):  # a device counter (capturable)
+            return self._captured([u], [views], t.view(1), group)[0]
         exp_avg, neg_exp_avg = views["pnm.exp_avg"], views["pnm.neg_exp_avg"]
         exp_avg_sq = views["pnm.exp_avg_sq"]
         if u.dtype != exp_avg.dtype:
             u = u.to(exp_avg.dtype)
         beta1, beta2 = group["betas"]
         beta0 = float(PNM_BETA0.of(group))
-        state["pnm.step"] = counter_on(state["pnm.step"], _CPU)  # a capturable state, now not
-        state["pnm.step"] += 1
-        t = int(state["pnm.step"])
         active, passive = (exp_avg, neg_exp_avg) if t % 2 == 1 else (neg_exp_avg, exp_avg)
         active.lerp_(u, 1 - beta1 * beta1)
         exp_avg_sq.mul_(beta2).addcmul_(u, u, value=1 - beta2)
@@ -231,18 +189,15 @@ class ScaleByPNM(Transform):
             for i in plain:
                 by_dtype.setdefault(states[i]["pnm.exp_avg_sq"].dtype, []).append(i)
             for batch in by_dtype.values():
-                views = [{k: states[i][k] for k, _ in self._keys()} for i in batch]
-                results = self._captured([us[i] for i in batch], views,
-                                         [states[i] for i in batch], group)  # fmt: skip
+                views = [{k: states[i][k] for k, _ in self.moment_keys()} for i in batch]
+                device = views[0]["pnm.exp_avg"].device
+                steps = self.count_steps([states[i] for i in batch], group, device)
+                results = self._captured([us[i] for i in batch], views, steps, group)
                 for i, r in zip(batch, results, strict=True):
                     out[i] = r
             return self.update_rest(out, us, states, group, ctxs)
-        plain_states = [states[i] for i in plain]
-        if plain and self._counters.packed(plain_states, "pnm.step") is None:
-            for s in plain_states:  # a capturable state, now not: its counters come back
-                s["pnm.step"] = counter_on(s["pnm.step"], _CPU)
         # host counters: one add and one read when packed
-        steps = self._counters.advance(plain_states, "pnm.step") if plain else []
+        steps = self.count_steps([states[i] for i in plain], group, _CPU) if plain else []
         by_step: dict[tuple[int, torch.dtype], list[int]] = {}  # usually one batch for all
         for i, t in zip(plain, steps, strict=True):
             by_step.setdefault((t, states[i]["pnm.exp_avg_sq"].dtype), []).append(i)
@@ -284,17 +239,13 @@ class ScaleByPNM(Transform):
         return [w.to(dtype), w_neg.to(dtype), c_pos.to(dtype), c_neg.to(dtype), bc2]
 
     def _captured(
-        self, us: list[Tensor], views: list[dict[str, Tensor]], states: list[State], group: Group
+        self, us: list[Tensor], views: list[dict[str, Tensor]], steps: Tensor, group: Group
     ) -> list[Tensor]:
         """:meth:`_step`'s math with device counters (``capturable=True``) over tensors whose
-        moments (``views``) share a dtype: both momenta lerp with device weights (0 for the
-        passive one, which leaves it as it was), so nothing depends on the host's parity of
-        ``t``. No host read, no tensor made from host data after the first step."""
-        device = views[0]["pnm.exp_avg"].device
-        for s in states:
-            s["pnm.step"] = counter_on(s["pnm.step"], device)
-        counters = [s["pnm.step"] for s in states]
-        torch._foreach_add_(counters, 1)
+        moments (``views``) share a dtype and whose counters were advanced to ``steps`` (1-D,
+        on their device): both momenta lerp with device weights (0 for the passive one,
+        which leaves it as it was), so nothing depends on the host's parity of ``t``. No
+        host read, no tensor made from host data after the first step."""
         exp_avgs = [v["pnm.exp_avg"] for v in views]
         neg_exp_avgs = [v["pnm.neg_exp_avg"] for v in views]
         exp_avg_sqs = [v["pnm.exp_avg_sq"] for v in views]
@@ -302,7 +253,7 @@ class ScaleByPNM(Transform):
         us = [u if u.dtype == dtype else u.to(dtype) for u in us]
         _, beta2 = group["betas"]
         w_pos, w_neg, c_pos, c_neg, bc2 = (
-            list(x.unbind()) for x in self._coefficients(torch.stack(counters), group, dtype)
+            list(x.unbind()) for x in self._coefficients(steps, group, dtype)
         )
         torch._foreach_lerp_(exp_avgs, us, w_pos)
         torch._foreach_lerp_(neg_exp_avgs, us, w_neg)
@@ -379,28 +330,6 @@ class ScaleByPNM(Transform):
             return torch.zeros((), dtype=torch.float64)
         sums = torch._foreach_norm([s["pnm.exp_avg_sq"] for s in states], 1)
         return torch.stack(sums).sum(dtype=torch.float64) / (1 - group["betas"][1] ** t)
-
-    def second_moment_sum(self, state: State, group: Group) -> Tensor | None:
-        """Σ v / (1 − β₂^t) of the EMA ``pnm.exp_avg_sq`` (not the amsgrad max), float64."""
-        if group.get("capturable"):  # a device counter: no host read
-            v = stored_format(state, "pnm.exp_avg_sq", False).view(state, "pnm.exp_avg_sq", AXIS)
-            td = state["pnm.step"].to(torch.float64)
-            total = v.sum(dtype=torch.float64) / torch.rsub(torch.pow(group["betas"][1], td), 1)
-            return total.masked_fill_(td.eq(0), 0.0)
-        t = int(state["pnm.step"])
-        if t == 0:
-            return torch.zeros((), dtype=torch.float64)
-        v = stored_format(state, "pnm.exp_avg_sq", False).view(state, "pnm.exp_avg_sq", AXIS)
-        return v.sum(dtype=torch.float64) / (1 - group["betas"][1] ** t)
-
-    def reset(self, state: State, group: Group) -> None:
-        """Zero every moment and the step counter."""
-        reset_moments(state, (*self.linear_keys, *self.quadratic_keys))
-        state["pnm.step"].zero_()
-
-    def rotate(self, state: State, rotate_fn: Callable[[Tensor, bool], Tensor]) -> None:
-        """Rotate both momenta linearly and the second moment(s) with squared coefficients."""
-        rotate_moments(state, self.linear_keys, self.quadratic_keys, rotate_fn, AXIS)
 
 
 __all__ = ["PNM_BETA0", "PNM_SWITCHES", "SOFTPLUS_BETA", "ScaleByPNM"]

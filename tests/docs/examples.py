@@ -45,12 +45,15 @@ def blocks(page: Path) -> list[Block]:
         lang = m["info"].split()[0].lower() if m["info"].strip() else ""
         end = i + 1
         while end < len(lines) and not (
-            lines[end].strip().startswith(fence) and lines[end].strip() == fence[0] * len(lines[end].strip())
+            lines[end].strip().startswith(fence)
+            and lines[end].strip() == fence[0] * len(lines[end].strip())
         ):
             end += 1
         if lang in ("python", "py"):
             prev = next((ln.strip() for ln in reversed(lines[:i]) if ln.strip()), "")
-            body = "\n".join(ln[len(indent):] if ln.startswith(indent) else ln for ln in lines[i + 1 : end])
+            body = "\n".join(
+                ln[len(indent) :] if ln.startswith(indent) else ln for ln in lines[i + 1 : end]
+            )
             found.append(Block(page, i + 1, textwrap.dedent(body), prev == SKIP))
         i = end + 1
     return found
