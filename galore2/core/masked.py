@@ -5,8 +5,10 @@ A capturable step never reads its non-finite flags on the host (see
 replaced by zeros, then the device state of those masked out is put back. Both are done
 per bucket of same-shape tensors (a model has few shapes): the gradients of a bucket are
 stacked into one ``(k, *shape)`` buffer and one ``masked_fill_`` with the bucket's
-flags broadcast over each tensor (``(k, 1, …)``: no per-element mask) zeroes the unusable
-ones (the chain sees views of the buffer). The state of a group's local tensors is packed
+flags broadcast over each tensor (``(k, 1, …)``: no per-element mask; on the CPU a multiply
+by the flags and a ``nan_to_num_``) zeroes the unusable ones (the chain sees views of the
+buffer). The whole step is :class:`MaskedStep`; updates a rule masked already (GaLore's
+back-projection of a masked low-rank stack: :func:`premasked`) are not masked again. The state of a group's local tensors is packed
 once per bucket into such a buffer (its tensors become views of it, keeping identity and
 values; tensors another owner stacked already are viewed as that stack instead: see
 :mod:`~galore2.core.packing`), so a snapshot is one ``clone`` and a restore one ``where``
