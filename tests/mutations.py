@@ -515,6 +515,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a capturable step's Adam weights kept from an earlier step's flags",
     ),
     Mutation(
+        "inner_context_param_layout",
+        "galore2/optim/galore.py",
+        "firsts = [ctxs[st.idx[0]].inner_view(st.batch.kind.layout) for st in stacked]",
+        "firsts = [ctxs[st.idx[0]] for st in stacked]",
+        ("tests/optim/test_inner_context.py",),
+        "a stacked entry's inner rules see the parameter's layout at update, not the direction's",
+    ),
+    Mutation(
         "adam_mask_ignored_batched",
         "galore2/optim/adam.py",
         "torch._foreach_lerp_(exp_avgs, us, ws)",

@@ -11,7 +11,7 @@ acts (``update``, ``apply_``, ``lr``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -40,6 +40,20 @@ class Context:
     #: direction (0-d; ``(k, 1, …)`` for a stacked entry); None on other steps. A rule that
     #: lists keys in :meth:`Transform.masked_keys` leaves them unchanged where it is 0.0.
     mask: Tensor | None = None
+    #: the context a wrapper's inner chain sees for this direction (see :meth:`inner_view`)
+    inner: Context | None = field(default=None, repr=False, compare=False)
+
+    def inner_view(self, layout: str) -> Context:
+        """This direction's context as a wrapper's inner chain sees it (GaLore's rules on the
+        low-rank direction): the same, but laid out per ``layout`` — the layout their state
+        was allocated with at init, at every ``update`` too. Made once and kept (``inner``);
+        its per-step fields (``mask``, ``refreshed``) are this context's. ``global_shape``
+        stays the parameter's."""
+        view = self.inner
+        if view is None or view.layout != layout:
+            view = self.inner = replace(self, layout=layout, inner=None)
+        view.mask, view.refreshed = self.mask, self.refreshed
+        return view
 
     def with_mask(self, mask: Tensor | None) -> Context:
         """A copy with ``mask`` (``dataclasses.replace``'s result, without its per-field

@@ -138,8 +138,10 @@ _SPLIT_DIM = {"param": 0, "rows": 0, "cols": 1, "replicate": -1}
 def _sharded_dim(ctx: Context, state: State) -> int | None:
     """The direction's dim split across ranks in this run, None if it is whole here.
 
-    Read from ``adafactor.split_dim``, recorded at init from ``ctx.layout`` (update's
-    context carries the parameter's layout, not the low-rank direction's).
+    Read from ``adafactor.split_dim``, recorded at init from ``ctx.layout`` (update's context
+    carries the same layout — GaLore hands its inner rules the direction's, ``inner_view`` —
+    but checkpoints of earlier releases rely on the key, and it is a host counter: no
+    string lookup per step).
     """
     if not ctx.placement.distributed:
         return None

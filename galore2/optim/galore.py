@@ -40,7 +40,6 @@ the variance of a sum of independent coordinates).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -293,7 +292,7 @@ class GaLore(Transform):
         projection.projector.init_state(state, plan, group)
         residual.init_state(state, group, ref)
         low, layout = projection.low_shape, projection.layout
-        init_chain(self.inner, low, ref, group, state, replace(ctx, layout=layout))
+        init_chain(self.inner, low, ref, group, state, ctx.inner_view(layout))
 
     def update(
         self, u: Tensor, state: State, group: Group, ctx: Context, decay: float = 1.0
@@ -305,7 +304,8 @@ class GaLore(Transform):
         if int(state["galore.side"]) == NONE:  # plain: full-rank inner update
             return run_chain(self.inner, [u], [state], group, [ctx])[0]
         projection, R = self._project(u, state, group, ctx)
-        (N,) = run_chain(self.inner, [R], [state], group, [ctx])
+        # the inner rules see the direction's layout, as at init
+        (N,) = run_chain(self.inner, [R], [state], group, [ctx.inner_view(projection.layout)])
         return self._back(dense(N), state, group, projection, ctx, u, R, decay)
 
     def update_many(
@@ -349,7 +349,17 @@ class GaLore(Transform):
                 for i, r in zip(idx, R.unbind(0), strict=True):
                     inner_in[i] = r
             stacks.append(_Stacked(batch, idx, G, B, R, stacked))
-        results, stacked_out, order, masks = self._run_inner(inner_in, states, group, ctxs, stacks)
+        # the inner rules see each projected direction's layout, as at init (plain: the param's)
+        inner_ctxs = list(ctxs)
+        for i, p in projections.items():
+            inner_ctxs[i] = ctxs[i].inner_view(p.layout)
+        for st in stacks:
+            if st.state is None:  # its matrices go through the chain one by one
+                for i in st.idx:
+                    inner_ctxs[i] = ctxs[i].inner_view(st.batch.kind.layout)
+        results, stacked_out, order, masks = self._run_inner(
+            inner_in, states, group, inner_ctxs, stacks
+        )
         out: list[Tensor | LowRankUpdate] = list(results)
         if residual.active(group):
             done = self._combine_many(
@@ -803,11 +813,12 @@ def _current_gap(state: State, group: Group) -> int:
 
 
 def _stacked_ctxs(stacked: list[_Stacked], ctxs: list[Context]) -> list[Context]:
-    """The context of each stacked entry: its first member's, with (a masked step) the
+    """The context of each stacked entry: its first member's (as the inner chain sees it:
+    :meth:`~galore2.core.module.Context.inner_view`), with (a masked step) the
     members' flags as its ``mask`` — ``(k, 1, 1)`` views of one pick of every stacked
     member's flag from the batch's flags (one ``index_select``; the rules derive their
     weights from it once)."""
-    firsts = [ctxs[st.idx[0]] for st in stacked]
+    firsts = [ctxs[st.idx[0]].inner_view(st.batch.kind.layout) for st in stacked]
     mask = firsts[0].mask
     if mask is None:
         return firsts

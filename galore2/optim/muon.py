@@ -165,8 +165,8 @@ class ScaleByMuon(Transform):
                 "in a group without rank (AdamW)"
             )
         state["muon.momentum"] = ctx.zeros(shape, STATE_DTYPES[group["state_dtype"]])
-        # update's context carries the parameter's layout ("param"), not the low-rank
-        # direction's: record which dim of the direction the layout splits (as Adafactor does)
+        # record which dim of the direction the layout splits (as Adafactor does; update's
+        # context has the same layout, but checkpoints carry the key)
         state["muon.split_dim"] = counter(split)
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
