@@ -707,7 +707,8 @@ class ChainOptimizer(torch.optim.Optimizer):
         mask are entries of device tensors, applied by foreach kernels (no ``torch.where``
         with a Python scalar, which would create a tensor on the host every step)."""
         group, ok = batch.group, batch.flags
-        assert ok is not None
+        if ok is None:  # _run takes the masked path only for checked flags
+            raise RuntimeError("a masked step needs the batch's non-finite flags")
         bad = ~ok
         self._count_skips(batch, bad)
         decay = self._decay_factor(group)
