@@ -51,6 +51,7 @@ from .masked import (
     FlagBuffer,
     MaskedStep,
     Snapshot,
+    derive,
     masked_grads,
     masked_updates,
     usable_or_one,
@@ -715,8 +716,12 @@ class ChainOptimizer(torch.optim.Optimizer):
         flags = self._flag_buffers.get(batch.key)
         if flags is None or not flags.fits(ok):
             flags = self._flag_buffers[batch.key] = FlagBuffer(ok.numel(), ok.device)
-        okf = flags.write(ok, bad, batch.reused)
-        decays = usable_or_one(okf, decay).unbind() if decay != 1.0 else None
+        flags.write(ok, bad, batch.reused)
+        decays = (
+            derive(flags.entries, partial(usable_or_one, value=decay), f"decay {decay!r}")
+            if decay != 1.0
+            else None
+        )  # each parameter's 0-d factor, views of one buffer kept per batch
         grads = masked_grads(batch.grads, flags)
         # state the chain's rules mask themselves (Context.mask) is neither copied nor put back
         skipped = frozenset(k for m in self._chain for k in m.masked_keys(group))
