@@ -87,12 +87,12 @@ def adamw_state_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) 
     """What torch's AdamW would hold for ``model``: two moments per element plus a float32
     step scalar. torch's AdamW keeps its moments in each parameter's dtype (bf16 moments
     for bf16 weights), which ``dtype`` None counts; a ``dtype`` counts them in that one."""
-    total = 0
-    for p in model.parameters():
-        if p.requires_grad:
-            size = p.element_size() if dtype is None else torch.empty((), dtype=dtype).element_size()
-            total += 2 * p.numel() * size + 4
-    return total
+    fixed = None if dtype is None else torch.empty((), dtype=dtype).element_size()
+    return sum(
+        2 * p.numel() * (fixed or p.element_size()) + 4
+        for p in model.parameters()
+        if p.requires_grad
+    )
 
 
 def adamw_baseline(model: torch.nn.Module) -> str:

@@ -35,6 +35,20 @@ from .runtime import evaluate, setup, teardown, train_step
 from .summary import print_summary, write_config
 
 
+def capture_step(opt, device, rank: int):
+    """``optim.capture``: the step to call instead of ``opt.step`` — a
+    :class:`galore2.CapturedStep` (its constructor refuses an optimizer whose steps cannot
+    replay, naming the reasons); on a CPU, ``opt.step`` itself after that check (CUDA
+    graphs need a GPU), with a note."""
+    captured = galore2.CapturedStep(opt)
+    if device.type == "cuda":
+        return captured
+    if rank == 0:
+        print(f"optim.capture: CUDA graphs need a GPU; on {device.type} every step runs "
+              "eagerly (capturable=True, gradients zeroed in place)")  # fmt: skip
+    return opt.step
+
+
 def main(
     argv: list[str] | None = None, peers: Mapping[str, optimizers.Peer] = optimizers.NO_PEERS
 ) -> list[dict]:
@@ -46,6 +60,7 @@ def main(
         raise ValueError(
             "optim.per_layer cannot clip the global gradient norm: set max_grad_norm 0"
         )
+    optimizers.check_capture_schedule(o, t.steps)
     rank, world, device = setup(job)
     run = resume.prepare(job)  # out dir checked, settings compared with the checkpoint's
 
@@ -58,6 +73,7 @@ def main(
     model = modeling.build_model(job.model, device, dtype=dtype, world_size=world)
     opt = optimizers.build_optimizer(model, o, t.steps, peers)
     sched = optimizers.build_scheduler(opt, o, t.steps, peers)
+    step_fn = capture_step(opt, device, rank) if o.capture else None
     updates = None
     if o.per_layer:
         updates = galore2.per_layer(model, opt, accumulation_steps=t.grad_accum, scheduler=sched)
@@ -89,7 +105,7 @@ def main(
                       causes=causes, start_step=start)  # fmt: skip
     halt = None  # why the run stops early (the same on every rank; decided at log steps)
     for step in range(start + 1, stop + 1):
-        loss = train_step(model, train_loader, opt, sched, updates, job, device)
+        loss = train_step(model, train_loader, opt, sched, updates, job, device, step_fn)
         metrics.add(loss, train_loader.tokens_per_batch * t.grad_accum * world)
         if step % t.log_every == 0 or step == stop:
             if opt_bytes is None:  # state exists after the first step; its size is fixed
@@ -106,6 +122,10 @@ def main(
         if checkpoints and ((t.checkpoint_every and step % t.checkpoint_every == 0) or last):
             run.save(step, model, opt, train_loader, metrics.total_tokens, device)
     metrics.close()
+    if rank == 0 and isinstance(step_fn, galore2.CapturedStep):
+        c = step_fn
+        print(f"capture: {c.replays} steps replayed, {c.captures} graphs captured, "
+              f"{c.eager_steps} steps eager (refreshes, warm-up)")  # fmt: skip
     if rank == 0 and start >= stop:
         print(
             f"{t.out}: already at step {start} of {stop}; nothing to do "

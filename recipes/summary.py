@@ -31,8 +31,8 @@ def summarize(
 ) -> dict:
     """Final train loss (last log window), last val loss (None without evaluation), mean
     tokens/s, state bytes vs AdamW's (``adamw``: which AdamW, e.g. "torch AdamW with bf16
-    moments", the one the run would use: :func:`recipes.metrics.adamw_baseline`), skipped updates (``nonfinite_skips``, None if the
-    optimizer does not count them) and why the run ``stopped`` early (None if it did not).
+    moments", the one the run would use: :func:`recipes.metrics.adamw_baseline`), skipped
+    updates (``nonfinite_skips``, None if the optimizer does not count them) and why the run ``stopped`` early (None if it did not).
     A step logged twice counts once (its last row)."""
     by_step = {r["step"]: r for r in history}
     history = [by_step[k] for k in sorted(by_step)]
