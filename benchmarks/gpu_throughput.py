@@ -119,9 +119,9 @@ def throughput_section(quick: bool = False, rows: tuple[Row, ...] = ROWS) -> str
         else ""
     )
     flags = " ".join((*FLAGS, "--train.log_every", str(log_every)))
+    body = table(["optimizer", "tokens/s", f"÷ {base_label}"], out)
     return note + render("gpu_throughput", config=config, steps=steps, first=log_every + 1,
-                         device=device, flags=flags, baseline=base_label,
-                         table=table(["optimizer", "tokens/s", f"÷ {base_label}"], out))  # fmt: skip
+                         device=device, flags=flags, baseline=base_label, table=body)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
