@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/gpu_session.sh                      # repository root, on the GPU machine
 #   GPU_SESSION_DRY=1 bash benchmarks/gpu_session.sh    # print the plan, run nothing (CPU)
-#   GPU_SESSION_TINY=1 bash benchmarks/gpu_session.sh   # every part at tiny shapes (CPU smoke)
+#   GPU_SESSION_TINY=1 bash benchmarks/gpu_session.sh   # every part at tiny shapes (CPU smoke,
+#                                                       # 10x the time boxes)
 #
 # Parts (logs under $OUT, else runs/gpu_session; one NAME.log per part, no sub-folders):
 #   throughput   issue 38: the recipe's tokens/s by wall clock over whole log windows at
@@ -75,8 +76,8 @@ THROUGHPUT_ROWS=()
 STEP_ROWS=()
 FIT=(--tasks fit_24gb --no-write)
 if [ "$TINY" = 1 ]; then  # the same parts at tiny shapes, few rows: a CPU smoke test,
-    QUICK=(--quick)         # with 4× the time boxes (they are sized for the GPU)
-    BUDGET=$((BUDGET * 4)) SCALE=4
+    QUICK=(--quick)         # with 10× the time boxes (they are sized for the GPU)
+    BUDGET=$((BUDGET * 10)) SCALE=10 GALORE2_FIT_TIMEOUT=600
     THROUGHPUT_ROWS=(--rows "adamw (fused),galore_adamw + capture")
     STEP_ROWS=(--rows "torch AdamW (fused),galore_adamw + CapturedStep")
     FIT=(--tasks fit_24gb --config tiny --steps 2 --no-write)
