@@ -46,7 +46,7 @@ rate (``--optim.warmup_ratio 0 --optim.min_lr_ratio 1``): a graph holds its lr a
 constant, so under a changing schedule every step would be captured again, slower than
 eager (:func:`check_capture` refuses it). Without CUDA it is accepted and every step runs
 eagerly (CUDA graphs need a GPU), with a note; the optimizer is still checked by
-``CapturedStep``'s constructor. ``--optimizer adamw`` runs torch's fused kernel on CUDA
+``CapturedStep``'s constructor. One process only (not under torchrun yet). ``--optimizer adamw`` runs torch's fused kernel on CUDA
 and its foreach path elsewhere (``optim.adamw_kernel`` auto / fused / foreach).
 """
 

@@ -62,6 +62,8 @@ def main(
         )
     optimizers.check_capture_schedule(o, t.steps)
     rank, world, device = setup(job)
+    if o.capture and world > 1:  # FSDP2's collectives inside a graph are not checked
+        raise ValueError("optim.capture runs in one process only (not under torchrun yet)")
     run = resume.prepare(job)  # out dir checked, settings compared with the checkpoint's
 
     tokenizer = data.load_tokenizer(job.data.tokenizer)
