@@ -15,7 +15,8 @@ losses (``tolist``, and on CUDA a ``torch.cuda.synchronize`` before it) comes fi
 the clock is read, and the next window starts at that same instant. Windows follow one
 another with no gap, so every microsecond of the training loop is charged to one of them
 (work still queued on the device at a log point included): the run's wall time is the
-sum of its windows plus setup. A window's time includes whatever ran in it: an
+sum of its windows plus setup and what follows the last log step (the final
+checkpoint, the summary). A window's time includes whatever ran in it: an
 evaluation at its log step, and a checkpoint saved at the previous log step.
 
 A resumed run (``start_step`` > 0) first drops the rows after ``start_step`` (steps
