@@ -1,65 +1,61 @@
 #!/usr/bin/env bash
-# One GPU session's checks in one call, each part time-boxed; about 11.5 minutes at most.
+# One GPU session's checks in ONE call of at most 9 minutes, each part time-boxed.
 #
-#   bash benchmarks/gpu_session.sh            # repository root, on the GPU machine
-#   GPU_SESSION_DRY=1 bash benchmarks/gpu_session.sh   # print the plan, run nothing (CPU)
+#   bash benchmarks/gpu_session.sh                      # repository root, on the GPU machine
+#   GPU_SESSION_DRY=1 bash benchmarks/gpu_session.sh    # print the plan, run nothing (CPU)
+#   GPU_SESSION_TINY=1 bash benchmarks/gpu_session.sh   # every part at tiny shapes (CPU smoke,
+#                                                       # 10x the time boxes)
 #
-# Parts (logs under $OUT, else runs/gpu_session; at most 8 files, none in sub-folders):
+# Parts (logs under $OUT, else runs/gpu_session; one NAME.log per part, no sub-folders):
+#   throughput   issue 38: the recipe's tokens/s by wall clock over whole log windows at
+#                llama_350m, torch AdamW fused (the baseline) and foreach, every preset,
+#                GaLoreAdamW with --optim.capture (benchmarks/gpu_throughput.py)
+#   step_alone   the optimizer step alone at llama_350m: random bf16 gradients, CUDA events
+#                around 10 steps after 3 warm-ups, synchronized (benchmarks/step_alone.py)
+#   refresh_schedule  worst and median step of GaLoreAdamW, refresh_schedule together vs
+#                staggered (benchmarks/step_alone.py --part schedule)
 #   fit_24gb     issue 28 item 2: llama_7b under a 23.5 GiB allocator cap, seq 2048 and
 #                GaLore's seq 256 batch 16 (build peak, training peak, planner, tokens/s)
-#   torchtitan   issue 28 item 5: the guide's debug-model command on one GPU, loss falling,
-#                checkpoint saved and resumed (needs torchtitan: carry .whl, see below)
-#   gpu_throughput  issue 27: runs if the task is registered in benchmarks/run.py
-#   capture      issue 27 item 4: CapturedStep's replays bitwise the eager steps (GPU tests)
-#   (more)       other helpers' GPU tasks: add an `optional_task NAME SECONDS` line below
-#
-# torchtitan and its dependencies are not in the GPU image and nothing can be fetched
-# there: make wheels here with `bash benchmarks/gpu_wheels.sh` (writes .whl/, git-ignored
-# through .git/info/exclude) and name `.whl` in the device run's `carry`; this script
-# installs them into /tmp/site. Without them the torchtitan part says it was skipped.
+# Each part prints its rows as it measures them, so a part cut by its time box keeps the
+# rows it finished. Optional, outside the 9 minutes: GPU_SESSION_TORCHTITAN=1 adds the
+# torchtitan guide's command (needs torchtitan: carry .whl from benchmarks/gpu_wheels.sh;
+# this script installs them into /tmp/site).
 # Summary: $OUT/summary.txt (one line per part: exit status, seconds).
 set -u
 OUT=${OUT:-runs/gpu_session}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-BUDGET=${GPU_SESSION_BUDGET:-690}  # seconds for all parts together
+BUDGET=${GPU_SESSION_BUDGET:-530}  # seconds for all parts together (9 minutes: 540)
 DRY=${GPU_SESSION_DRY:-0}
+TINY=${GPU_SESSION_TINY:-0}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 GALORE2_FIT_TIMEOUT=${GALORE2_FIT_TIMEOUT:-170}
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 GALORE2_FIT_TIMEOUT=${GALORE2_FIT_TIMEOUT:-70}
 SUMMARY="$OUT/summary.txt"
 START=$SECONDS
+SCALE=1
 
 # part NAME SECONDS CMD...: run CMD with a time box (never past the budget), log to NAME.log
 part() {
-    local name=$1 limit=$2
+    local name=$1 limit=$(($2 * SCALE))
     shift 2
     local left=$((BUDGET - (SECONDS - START)))
     if [ "$DRY" = 1 ]; then
         echo "part $name ${limit}s: $*" | tee -a "$SUMMARY"
         return 0
     fi
-    if [ "$left" -lt 30 ]; then
+    if [ "$left" -lt 20 ]; then
         echo "$name: skipped (budget spent)" | tee -a "$SUMMARY"
         return 0
     fi
     [ "$limit" -gt "$left" ] && limit=$left
     echo "== $name (at most ${limit}s)"
     local t0=$SECONDS
-    timeout --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
     local why=""
     [ "$rc" = 124 ] && why=" (timed out)"
     echo "$name: exit $rc$why, $((SECONDS - t0)) s" | tee -a "$SUMMARY"
     tail -n 30 "$OUT/$name.log"
-}
-
-# optional_task NAME SECONDS: a benchmarks/run.py task, only if it is registered
-optional_task() {
-    if $PY -m benchmarks.run --list 2>/dev/null | grep -q "^$1 "; then
-        part "$1" "$2" $PY -m benchmarks.run --tasks "$1" --no-write
-    else
-        echo "$1: skipped (no such task in benchmarks/run.py on this branch)" | tee -a "$SUMMARY"
-    fi
 }
 
 torchtitan_part() {
@@ -68,15 +64,27 @@ torchtitan_part() {
             | tee -a "$SUMMARY"
         return 0
     fi
-    part torchtitan 200 $PY -m benchmarks.torchtitan_gpu --out /tmp/gpu_session_torchtitan \
-        --timeout 90
+    BUDGET=$((BUDGET + 200)) part torchtitan 200 $PY -m benchmarks.torchtitan_gpu \
+        --out /tmp/gpu_session_torchtitan --timeout 90
     [ "$DRY" = 1 ] && return 0
     cat /tmp/gpu_session_torchtitan/run1.log /tmp/gpu_session_torchtitan/run2.log \
         >>"$OUT/torchtitan.log" 2>/dev/null
 }
 
+QUICK=()
+THROUGHPUT_ROWS=()
+STEP_ROWS=()
+FIT=(--tasks fit_24gb --no-write)
+if [ "$TINY" = 1 ]; then  # the same parts at tiny shapes, few rows: a CPU smoke test,
+    QUICK=(--quick)         # with 10× the time boxes (they are sized for the GPU)
+    BUDGET=$((BUDGET * 10)) SCALE=10 GALORE2_FIT_TIMEOUT=600
+    THROUGHPUT_ROWS=(--rows "adamw (fused),galore_adamw + capture")
+    STEP_ROWS=(--rows "torch AdamW (fused),galore_adamw + CapturedStep")
+    FIT=(--tasks fit_24gb --config tiny --steps 2 --no-write)
+fi
+
 : >"$SUMMARY"
-if [ "$DRY" != 1 ]; then
+if [ "$DRY" != 1 ] && [ "$TINY" != 1 ]; then
     if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
         $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
@@ -86,11 +94,10 @@ if [ "$DRY" != 1 ]; then
       git log -1 --format='commit %H' 2>/dev/null; } >>"$SUMMARY" 2>&1
 fi
 
-part capture 60 $PY -m pytest -q -m gpu -p no:cacheprovider tests/core/test_capture.py
-part fit_24gb 330 $PY -m benchmarks.run --tasks fit_24gb --no-write
-torchtitan_part
-optional_task gpu_throughput 150
-# optional_task refresh_schedule 90   # issue 28 item 3 (sched): worst step / median on a GPU
-# optional_task proj_precision 90     # issue 28 item 4 (sched): projection precision speed
+part throughput 230 $PY -m benchmarks.gpu_throughput "${QUICK[@]}" "${THROUGHPUT_ROWS[@]}"
+part step_alone 80 $PY -m benchmarks.step_alone --part step "${QUICK[@]}" "${STEP_ROWS[@]}"
+part refresh_schedule 60 $PY -m benchmarks.step_alone --part schedule "${QUICK[@]}"
+part fit_24gb 160 $PY -m benchmarks.run "${FIT[@]}"
+[ "${GPU_SESSION_TORCHTITAN:-0}" = 1 ] && torchtitan_part
 
 echo "total: $((SECONDS - START)) s" | tee -a "$SUMMARY"

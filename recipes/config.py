@@ -103,6 +103,12 @@ class OptimConfig:
     warmup_ratio: float = 0.1  # used when warmup_steps == 0
     min_lr_ratio: float = 0.1
     num_iterations: int = 0  # 0: train.steps (Ranger21's schedule length)
+    # galore2 optimizers: replay non-refresh steps from a CUDA graph (galore2.CapturedStep;
+    # sets capturable=True, needs a constant lr; eager on the CPU): recipes.optimizers
+    capture: bool = False
+    # --optimizer adamw: torch's kernel, auto = fused on CUDA (what users run), foreach
+    # elsewhere; or fused / foreach
+    adamw_kernel: str = "auto"
     # any other option of the galore2 optimizer, by name (--optim.projector power, ...)
     options: dict[str, Any] = field(default_factory=dict)
 

@@ -9,6 +9,16 @@ CPU runs ``peak_rss_gb``. ``opt_state_bytes`` is the whole job's optimizer state
 the window whose loss was not finite) and warns; skipped updates are
 recipes/divergence.py's fields.
 
+``tokens_per_s`` (and ``mfu``, derived from it) is the window's tokens over its wall time.
+A window ends after the device has finished its work: the host read of the window's
+losses (``tolist``, and on CUDA a ``torch.cuda.synchronize`` before it) comes first, then
+the clock is read, and the next window starts at that same instant. Windows follow one
+another with no gap, so every microsecond of the training loop is charged to one of them
+(work still queued on the device at a log point included): the run's wall time is the
+sum of its windows plus setup and what follows the last log step (the final
+checkpoint, the summary). A window's time includes whatever ran in it: an
+evaluation at its log step, and a checkpoint saved at the previous log step.
+
 A resumed run (``start_step`` > 0) first drops the rows after ``start_step`` (steps
 logged between the checkpoint and the interruption, done again now), replacing the file
 atomically, so every step appears once. :func:`read_metrics` keeps the last row of a
@@ -74,10 +84,25 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def adamw_state_bytes(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> int:
-    """What torch's AdamW would hold for ``model``: two moments per element plus a step scalar."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * p.numel() * size + 4 for p in model.parameters() if p.requires_grad)
+def adamw_state_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+    """What torch's AdamW would hold for ``model``: two moments per element plus a float32
+    step scalar. torch's AdamW keeps its moments in each parameter's dtype (bf16 moments
+    for bf16 weights), which ``dtype`` None counts; a ``dtype`` counts them in that one."""
+    fixed = None if dtype is None else torch.empty((), dtype=dtype).element_size()
+    return sum(
+        2 * p.numel() * (fixed or p.element_size()) + 4
+        for p in model.parameters()
+        if p.requires_grad
+    )
+
+
+def adamw_baseline(model: torch.nn.Module) -> str:
+    """Which AdamW :func:`adamw_state_bytes` counts for ``model``: "torch AdamW with bf16
+    moments" (the parameters' dtypes, as torch keeps them)."""
+    names = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                     if p.requires_grad})  # fmt: skip
+    return "torch AdamW with " + "/".join(names.get(d, d) for d in dtypes) + " moments"
 
 
 def memory_fields(device: torch.device) -> dict[str, float]:
@@ -134,13 +159,22 @@ class Metrics:
             self.bar.update(1)
 
     def log(self, step: int, lr: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Reduce over ranks, write one JSONL line, return it (every rank gets the same dict)."""
-        elapsed = max(time.perf_counter() - self._t0, 1e-9)
+        """Reduce over ranks, write one JSONL line, return it (every rank gets the same dict).
+
+        The window ends once the device is done (the host read, then the clock) and the
+        next one starts at that instant: see the module docstring."""
         local, bad = float("nan"), 0.0
         if self._losses:  # one host read: the window's mean loss and its non-finite count
             losses = torch.stack(self._losses).float()
             bad_t = (~torch.isfinite(losses)).sum().float()
-            local, bad = torch.stack([losses.mean(), bad_t]).tolist()
+            read = torch.stack([losses.mean(), bad_t])
+            if self.device.type == "cuda":  # every stream's work, not only the loss's
+                torch.cuda.synchronize(self.device)
+            local, bad = read.tolist()
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        elapsed = max(now - self._t0, 1e-9)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         loss_sum, bad = all_reduce_sum([local, bad], self.device)
         rec: dict[str, Any] = {
@@ -165,7 +199,7 @@ class Metrics:
         rec.update({k: v for k, v in (extra or {}).items() if v is not None})  # absent, not null
         self.write(rec)
         self._losses, self._tokens = [], 0
-        self._t0 = time.perf_counter()
+        self._t0 = now  # no gap: what follows (writing, a checkpoint) is the next window's
         return rec
 
     def write(self, rec: dict[str, Any]) -> None:

@@ -3,7 +3,8 @@
 Names and what they build:
 
 =====================  ==========================================================
-``adamw``              ``torch.optim.AdamW`` (foreach)
+``adamw``              ``torch.optim.AdamW``: ``fused=True`` on CUDA (what users run),
+                       ``foreach`` elsewhere (``optim.adamw_kernel``)
 ``adamw8bit``          bitsandbytes ``AdamW8bit`` (8-bit blockwise moments)
 ``galore_adamw``       ``galore2.GaLoreAdamW`` (low-rank fp32 moments)
 ``galore_adamw8bit``   ``galore2.GaLoreAdamW8bit`` (low-rank 8-bit moments)
@@ -36,6 +37,17 @@ config file's ``optim.scale`` / ``optim.rank``, writes them into the run's confi
 (config.json, checkpoints) and prints them; setting them on the command line is an error
 (:func:`recipes.resolve.resolve`). Names whose galore2 class has not been built yet fail
 with a clear message.
+
+``optim.capture true`` (galore2 optimizers) runs the non-refresh steps through
+:class:`galore2.CapturedStep`: one CUDA graph replayed per step, refresh steps eager. It
+sets ``capturable=True`` (refusing ``capturable false``), zeroes gradients in place
+(``set_to_none=False``, the graph reads the same tensors) and needs a constant learning
+rate (``--optim.warmup_ratio 0 --optim.min_lr_ratio 1``): a graph holds its lr as a
+constant, so under a changing schedule every step would be captured again, slower than
+eager (:func:`check_capture` refuses it). Without CUDA it is accepted and every step runs
+eagerly (CUDA graphs need a GPU), with a note; the optimizer is still checked by
+``CapturedStep``'s constructor. One process only (not under torchrun yet). ``--optimizer adamw`` runs torch's fused kernel on CUDA
+and its foreach path elsewhere (``optim.adamw_kernel`` auto / fused / foreach).
 """
 
 from __future__ import annotations
@@ -241,6 +253,67 @@ def option_lines() -> list[str]:
     return lines
 
 
+ADAMW_KERNELS = ("auto", "fused", "foreach")
+
+
+def check_kernel_and_capture(cfg: OptimConfig) -> None:
+    """``ValueError`` for ``optim.adamw_kernel`` / ``optim.capture`` values the optimizer
+    cannot use (before anything is built); with ``capture`` sets ``capturable=True``."""
+    if cfg.adamw_kernel not in ADAMW_KERNELS:
+        raise ValueError(
+            f"optim.adamw_kernel must be one of {', '.join(ADAMW_KERNELS)}; "
+            f"got {cfg.adamw_kernel!r}"
+        )
+    if cfg.adamw_kernel != "auto" and cfg.name != "adamw":
+        raise ValueError(
+            f"optim.adamw_kernel={cfg.adamw_kernel} applies to --optimizer adamw only "
+            f"(torch's AdamW); got optimizer {cfg.name!r}"
+        )
+    if not cfg.capture:
+        return
+    if cfg.name not in PRESETS:
+        raise ValueError(
+            f"optim.capture replays galore2's capturable step (galore2.CapturedStep): it "
+            f"needs a galore2 optimizer ({', '.join(PRESETS)}); got {cfg.name!r}"
+        )
+    if cfg.options.get("capturable") is False:
+        raise ValueError("optim.capture needs optim.capturable true (it sets it): drop "
+                         "--optim.capturable false")  # fmt: skip
+    if cfg.per_layer:
+        raise ValueError("optim.capture cannot replay optim.per_layer's updates inside "
+                         "backward: set one of them false")  # fmt: skip
+    cfg.options["capturable"] = True
+
+
+def check_capture_schedule(cfg: OptimConfig, total_steps: int) -> None:
+    """``ValueError`` when ``optim.capture`` meets a learning rate that changes between
+    steps (see the module docstring)."""
+    if not cfg.capture:
+        return
+    if own_schedule(cfg.name):  # the recipe's schedule is constant (CapturedStep refuses
+        return  # the optimizer's own, with the reason)
+    fn = schedule_fn(cfg, total_steps)
+    if any(fn(s) != 1.0 for s in range(total_steps + 1)):
+        raise ValueError(
+            "optim.capture needs a constant learning rate (a CUDA graph holds it as a "
+            "constant: every change would be captured again, slower than eager): use "
+            "--optim.warmup_steps 0 --optim.warmup_ratio 0 --optim.min_lr_ratio 1"
+        )
+
+
+def adamw_kernel(cfg: OptimConfig, device: torch.device) -> dict[str, bool]:
+    """torch AdamW's kernel switch for ``cfg.adamw_kernel`` on ``device``."""
+    kernel = cfg.adamw_kernel
+    if kernel == "auto":
+        kernel = "fused" if device.type == "cuda" else "foreach"
+    return {"fused": True} if kernel == "fused" else {"foreach": True}
+
+
+def adamw_label(cfg: OptimConfig, device: torch.device) -> str:
+    """The baseline's name in ratios: "torch AdamW (fused)" or "(foreach)"."""
+    return f"torch AdamW ({next(iter(adamw_kernel(cfg, device)))})"
+
+
 def _resolve(name: str, peers: Mapping[str, Peer]) -> Callable[..., torch.optim.Optimizer]:
     if name == "adamw":
         return torch.optim.AdamW
@@ -306,6 +379,9 @@ def build_optimizer(
     else:
         groups = param_groups(model, cfg, False)
         kwargs.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        if cfg.name == "adamw":
+            device = next(model.parameters()).device
+            kwargs.update(adamw_kernel(cfg, device))
     if own_schedule(cfg.name, peers):
         kwargs["num_iterations"] = cfg.num_iterations or total_steps
     return cls(groups, **kwargs)

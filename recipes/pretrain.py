@@ -22,11 +22,31 @@ from . import data, optimizers, resume
 from . import model as modeling
 from .cli import run_cli
 from .divergence import Diverged, SkipWatch, likely_causes
-from .metrics import Metrics, adamw_state_bytes, all_reduce_sum, optimizer_state_bytes
+from .metrics import (
+    Metrics,
+    adamw_baseline,
+    adamw_state_bytes,
+    all_reduce_sum,
+    optimizer_state_bytes,
+)
 from .plot import write_run_plot
 from .resolve import parse_args
 from .runtime import evaluate, setup, teardown, train_step
 from .summary import print_summary, write_config
+
+
+def capture_step(opt, device, rank: int):
+    """``optim.capture``: the step to call instead of ``opt.step`` — a
+    :class:`galore2.CapturedStep` (its constructor refuses an optimizer whose steps cannot
+    replay, naming the reasons); on a CPU, ``opt.step`` itself after that check (CUDA
+    graphs need a GPU), with a note."""
+    captured = galore2.CapturedStep(opt)
+    if device.type == "cuda":
+        return captured
+    if rank == 0:
+        print(f"optim.capture: CUDA graphs need a GPU; on {device.type} every step runs "
+              "eagerly (capturable=True, gradients zeroed in place)")  # fmt: skip
+    return opt.step
 
 
 def main(
@@ -40,7 +60,10 @@ def main(
         raise ValueError(
             "optim.per_layer cannot clip the global gradient norm: set max_grad_norm 0"
         )
+    optimizers.check_capture_schedule(o, t.steps)
     rank, world, device = setup(job)
+    if o.capture and world > 1:  # FSDP2's collectives inside a graph are not checked
+        raise ValueError("optim.capture runs in one process only (not under torchrun yet)")
     run = resume.prepare(job)  # out dir checked, settings compared with the checkpoint's
 
     tokenizer = data.load_tokenizer(job.data.tokenizer)
@@ -52,6 +75,7 @@ def main(
     model = modeling.build_model(job.model, device, dtype=dtype, world_size=world)
     opt = optimizers.build_optimizer(model, o, t.steps, peers)
     sched = optimizers.build_scheduler(opt, o, t.steps, peers)
+    step_fn = capture_step(opt, device, rank) if o.capture else None
     updates = None
     if o.per_layer:
         updates = galore2.per_layer(model, opt, accumulation_steps=t.grad_accum, scheduler=sched)
@@ -79,25 +103,31 @@ def main(
     checkpoints = t.checkpoint_every >= 0 and o.name not in peers
     stop = min(t.stop_after, t.steps) if t.stop_after > 0 else t.steps
     causes = likely_causes(o.lr, o.scale)
-    watch = SkipWatch(opt, t.max_skip_steps, rank=rank, world=world, device=device, causes=causes)
-    halt = None  # why the run stops early (the same on every rank)
+    watch = SkipWatch(opt, t.max_skip_steps, rank=rank, world=world, device=device,
+                      causes=causes, start_step=start)  # fmt: skip
+    halt = None  # why the run stops early (the same on every rank; decided at log steps)
     for step in range(start + 1, stop + 1):
-        loss = train_step(model, train_loader, opt, sched, updates, job, device)
+        loss = train_step(model, train_loader, opt, sched, updates, job, device, step_fn)
         metrics.add(loss, train_loader.tokens_per_batch * t.grad_accum * world)
-        halt = watch.after_step(step)
-        last = step == stop or halt is not None
-        if step % t.log_every == 0 or last:
+        if step % t.log_every == 0 or step == stop:
             if opt_bytes is None:  # state exists after the first step; its size is fixed
                 opt_bytes = int(all_reduce_sum([float(optimizer_state_bytes(opt))], device)[0])
-            extra = {"opt_state_bytes": opt_bytes, **watch.fields(step)}
+            skips, halt = watch.at_log(step)  # the skip counters' only read
+            last = step == stop or halt is not None
+            extra = {"opt_state_bytes": opt_bytes, **skips}
             if t.eval_batches and (step % t.eval_every == 0 or last):
                 extra["val_loss"] = evaluate(model, val_loader, t.eval_batches, device)
             metrics.log(step, sched.get_last_lr()[0], extra)
         if halt is not None:  # no checkpoint of a diverged state: the last good one stays
             break
+        last = step == stop
         if checkpoints and ((t.checkpoint_every and step % t.checkpoint_every == 0) or last):
             run.save(step, model, opt, train_loader, metrics.total_tokens, device)
     metrics.close()
+    if rank == 0 and isinstance(step_fn, galore2.CapturedStep):
+        c = step_fn
+        print(f"capture: {c.replays} steps replayed, {c.captures} graphs captured, "
+              f"{c.eager_steps} steps eager (refreshes, warm-up)")  # fmt: skip
     if rank == 0 and start >= stop:
         print(
             f"{t.out}: already at step {start} of {stop}; nothing to do "
@@ -106,7 +136,8 @@ def main(
     if rank == 0 and metrics.history:
         projected = optimizers.projects(o.name, peers)
         png = write_run_plot(job, modeling.n_params(model), world, projected)
-        print_summary(job, metrics.history, opt_bytes, adamw_state_bytes(model), halt, png)
+        adamw = (adamw_state_bytes(model), adamw_baseline(model))  # the AdamW this run would use
+        print_summary(job, metrics.history, opt_bytes, adamw[0], halt, png, adamw[1])
     teardown(world)
     if halt is not None:
         raise Diverged(halt)

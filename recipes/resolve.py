@@ -14,7 +14,9 @@
    ones); everything downstream takes ``optim.options`` as parsed;
 3. sets the [optim] fields the preset fixes (APOLLO's α, APOLLO-Mini's rank 1:
    :func:`recipes.optimizers.preset_fields`), refusing them on the command line, where a
-   value the user chose would not be used.
+   value the user chose would not be used;
+4. checks ``optim.adamw_kernel`` and ``optim.capture`` (which sets ``capturable=True``:
+   :func:`recipes.optimizers.check_kernel_and_capture`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from . import config
 from .config import JobConfig, OptimConfig
 from .optimizers import (
     apply_preset_fields,
+    check_kernel_and_capture,
     is_own_option,
     option_lines,
     parse_options,
@@ -60,6 +63,7 @@ def optim_config(settings: Mapping[str, Any], cli: Collection[str] = ()) -> Opti
             "--optimizer galore_adamw --optim.projector random --optim.scale_type channel"
         )
     apply_preset_fields(cfg)
+    check_kernel_and_capture(cfg)
     return cfg
 
 

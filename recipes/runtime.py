@@ -52,12 +52,14 @@ def teardown(world: int) -> None:
 
 
 def train_step(
-    model, loader, optimizer, scheduler, updates, job: JobConfig, device
+    model, loader, optimizer, scheduler, updates, job: JobConfig, device, step=None
 ) -> torch.Tensor:
     """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss (a tensor).
 
     With per-layer ``updates`` the parameters are stepped inside backward (and the
-    schedule advanced by it); otherwise: clip (optional), step, schedule, zero.
+    schedule advanced by it); otherwise: clip (optional), step, schedule, zero. ``step``
+    (``optim.capture``: a :class:`galore2.CapturedStep`) replaces ``optimizer.step``;
+    the gradients are then zeroed in place, as a CUDA graph reads the same tensors.
     """
     accum = job.train.grad_accum
     total = torch.zeros((), device=device)
@@ -72,9 +74,9 @@ def train_step(
     if updates is None:
         if job.optim.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(model.parameters(), job.optim.max_grad_norm)
-        optimizer.step()
+        (step or optimizer.step)()
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=step is None)
     return total
 
 

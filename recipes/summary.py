@@ -27,10 +27,12 @@ def summarize(
     opt_bytes: int | None,
     adamw_bytes: int,
     stopped: str | None = None,
+    adamw: str = "torch AdamW",
 ) -> dict:
     """Final train loss (last log window), last val loss (None without evaluation), mean
-    tokens/s, state bytes vs AdamW's, skipped updates (``nonfinite_skips``, None if the
-    optimizer does not count them) and why the run ``stopped`` early (None if it did not).
+    tokens/s, state bytes vs AdamW's (``adamw``: which AdamW, e.g. "torch AdamW with bf16
+    moments", the one the run would use: :func:`recipes.metrics.adamw_baseline`), skipped
+    updates (``nonfinite_skips``, None if the optimizer does not count them) and why the run ``stopped`` early (None if it did not).
     A step logged twice counts once (its last row)."""
     by_step = {r["step"]: r for r in history}
     history = [by_step[k] for k in sorted(by_step)]
@@ -45,6 +47,7 @@ def summarize(
         "tokens": last["tokens"],
         "opt_state_bytes": opt_bytes,
         "adamw_state_bytes": adamw_bytes,
+        "adamw_baseline": adamw,
         "nonfinite_skips": last.get("nonfinite_skips"),
         "stopped": stopped,
     }
@@ -60,10 +63,11 @@ def print_summary(
     adamw_bytes: int,
     stopped: str | None = None,
     loss_plot: Path | None = None,
+    adamw: str = "torch AdamW",
 ) -> dict:
     """Print the run's summary (with ``loss_plot``, the PNG of its curves, where one was
-    written) and write it to ``OUT/summary.json``."""
-    s = summarize(history, opt_bytes, adamw_bytes, stopped)
+    written) and write it to ``OUT/summary.json``; ``adamw`` names the state baseline."""
+    s = summarize(history, opt_bytes, adamw_bytes, stopped, adamw)
     val = f"{s['val_loss']:.4f}" if s["val_loss"] is not None else "n/a"
     lines = [
         f"== {job.optim.name}: {s['step']} steps, {s['tokens']:,} tokens ==",
@@ -73,7 +77,7 @@ def print_summary(
     ]
     if opt_bytes is not None:
         lines.append(
-            f"optimizer state    {_gb(opt_bytes)}  vs AdamW's {_gb(adamw_bytes)} "
+            f"optimizer state    {_gb(opt_bytes)}  vs {_gb(adamw_bytes)} for {adamw} "
             f"({s.get('state_ratio', float('nan')):.3f}×)"
         )
     if s["nonfinite_skips"] is not None:

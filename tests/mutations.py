@@ -326,10 +326,26 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "skip_streak_total",
         "recipes/divergence.py",
-        "self.streak = self.streak + 1 if new else 0",
-        "self.streak = self.streak + 1 if new else self.streak",
+        "self.streak = self.streak + steps if every_step else 0",
+        "self.streak = self.streak + steps if every_step else self.streak",
         ("tests/recipes/test_divergence_streak.py",),
         "the divergence stop counts every skipping step, not consecutive ones",
+    ),
+    Mutation(
+        "skip_streak_window_any",
+        "recipes/divergence.py",
+        "default=0) >= steps  # fmt: skip",
+        "default=0) >= 1  # fmt: skip",
+        ("tests/recipes/test_divergence_streak.py",),
+        "a log window with skips at some of its steps extends the streak by all of them",
+    ),
+    Mutation(
+        "adamw_baseline_fp32",
+        "recipes/metrics.py",
+        "2 * p.numel() * (fixed or p.element_size()) + 4",
+        "2 * p.numel() * (fixed or 4) + 4",
+        ("tests/recipes/test_metrics_timing.py",),
+        "the summary's AdamW baseline counts fp32 moments whatever the parameters' dtype",
     ),
     Mutation(
         "resume_seed_free",

@@ -1,0 +1,180 @@
+"""The optimizer step alone, and the worst step under each refresh schedule (issue 38 item 9).
+
+``python -m benchmarks.step_alone [--part step|schedule|both] [--quick]`` (what
+``benchmarks/gpu_session.sh`` runs; prints each row as it is measured):
+
+* **step** — the recipe's model at ``llama_350m`` shapes (bf16 on CUDA), random gradients
+  (``randn × 1e-3`` in the parameters' dtype, assigned once), and each optimizer built as
+  the recipe builds it (:func:`recipes.optimizers.build_optimizer`: the same groups, r = 256,
+  the refresh gap so large that no timed step refreshes): 3 untimed steps (the first
+  creates state and the bases), then 10 steps between two CUDA events, synchronized after
+  the last; milliseconds per step. Rows: torch AdamW fused (the baseline, named in the
+  ratio) and foreach, every galore2 preset, GaLoreAdamW with ``capturable=True`` and with
+  it under :class:`galore2.CapturedStep` (CUDA only). On a CPU the host clock around the 10
+  steps (the CPU runs them synchronously).
+* **schedule** — GaLoreAdamW with ``refresh_schedule`` ``together`` and ``staggered`` at
+  the same shapes, refresh gap ``GAP``: ``STEPS`` steps each timed on its own with CUDA
+  events (:func:`benchmarks.timing.time_calls`, synchronized after the last) after the
+  first (which creates every basis); the median step, the worst, and worst ÷ median.
+
+``--quick``: the tiny recipe config, fewer steps (a smoke test on the CPU; numbers not
+meaningful).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+import galore2
+from galore2.presets import PRESETS
+from recipes import model as modeling
+from recipes import optimizers
+from recipes.resolve import parse_args
+
+from .timing import time_calls
+
+WARMUP, TIMED = 3, 10
+GAP, STEPS = 10, 30  # schedule part: every matrix refreshes once per GAP steps
+QUICK_GAP, QUICK_STEPS = 3, 8
+NO_REFRESH = 10**9
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _config(quick: bool) -> str:
+    return "tiny" if quick or not torch.cuda.is_available() else "llama_350m"
+
+
+def build(quick: bool) -> torch.nn.Module:
+    """The recipe's model with fixed random gradients (bf16 on CUDA, fp32 on a CPU)."""
+    device = _device()
+    job = parse_args(["--config", _config(quick)])
+    torch.manual_seed(0)
+    model = modeling.build_model(job.model, device, dtype=modeling.param_dtype(job.model, device))
+    gen = torch.Generator(device=device).manual_seed(1)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen, device=device, dtype=p.dtype) * 1e-3
+    return model
+
+
+def make(model: torch.nn.Module, quick: bool, name: str, *flags: str) -> torch.optim.Optimizer:
+    """Optimizer ``name`` as the recipe builds it for this config, with ``flags``."""
+    argv = ["--config", _config(quick), "--optimizer", name, *flags]
+    if name in PRESETS:
+        argv += ["--optim.update_proj_gap", str(NO_REFRESH)]
+    job = parse_args(argv)
+    return optimizers.build_optimizer(model, job.optim, job.train.steps)
+
+
+def ms_per_step(step: Callable[[], object]) -> float:
+    """``WARMUP`` untimed calls, then ``TIMED`` calls between two CUDA events (synchronized
+    after the last; the host clock on a CPU); milliseconds per call."""
+    for _ in range(WARMUP):
+        step()
+    if _device().type != "cuda":
+        start = time.perf_counter()
+        for _ in range(TIMED):
+            step()
+        return (time.perf_counter() - start) / TIMED * 1e3
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(TIMED):
+        step()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / TIMED
+
+
+#: (label, recipe optimizer, flags, wrap in CapturedStep)
+STEP_ROWS: tuple[tuple[str, str, tuple[str, ...], bool], ...] = (
+    ("torch AdamW (fused)", "adamw", ("--optim.adamw_kernel", "fused"), False),
+    ("torch AdamW (foreach)", "adamw", ("--optim.adamw_kernel", "foreach"), False),
+    *((n, n, (), False) for n in PRESETS),
+    ("galore_adamw capturable", "galore_adamw", ("--optim.capturable", "true"), False),
+    ("galore_adamw + CapturedStep", "galore_adamw", ("--optim.capturable", "true"), True),
+)
+
+
+def step_part(
+    quick: bool, echo: Callable[[str], None] = print, rows: tuple = STEP_ROWS
+) -> dict[str, float | str]:
+    """Milliseconds per step (or why not) of each row of ``rows`` (the first: the baseline)."""
+    model = build(quick)
+    echo(f"step alone: {_config(quick)} on {_device()}, {WARMUP} warm-up steps, {TIMED} "
+         f"timed; ratios to {rows[0][0]}")  # fmt: skip
+    echo("| optimizer | ms/step | ÷ baseline |")
+    out: dict[str, float | str] = {}
+    for label, name, flags, captured in rows:
+        try:
+            opt = make(model, quick, name, *flags)
+            if captured and _device().type != "cuda":
+                out[label] = "n/a (CUDA graphs need a GPU)"
+            else:
+                out[label] = ms_per_step(galore2.CapturedStep(opt) if captured else opt.step)
+            del opt
+        except Exception as err:  # one that cannot run here: its row says why
+            out[label] = f"error {type(err).__name__}: {str(err)[:160]}"
+        base = next(iter(out.values()))
+        r = out[label]
+        ratio = f"{r / base:.2f}" if isinstance(r, float) and isinstance(base, float) else ""
+        shown = f"{r:.2f}" if isinstance(r, float) else r
+        echo(f"| {label} | {shown} | {ratio} |")
+        if _device().type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def schedule_part(quick: bool, echo: Callable[[str], None] = print) -> dict[str, dict]:
+    """Median and worst step of GaLoreAdamW under each ``refresh_schedule``."""
+    model = build(quick)
+    gap, steps = (QUICK_GAP, QUICK_STEPS) if quick else (GAP, STEPS)
+    echo(f"refresh_schedule: galore_adamw, {_config(quick)} on {_device()}, gap {gap}, "
+         f"{steps} steps timed each after the first")  # fmt: skip
+    echo("| refresh_schedule | median ms | worst ms | worst ÷ median |")
+    out = {}
+    for schedule in ("together", "staggered"):
+        job = parse_args(["--config", _config(quick), "--optimizer", "galore_adamw",
+                          "--optim.update_proj_gap", str(gap),
+                          "--optim.refresh_schedule", schedule])  # fmt: skip
+        opt = optimizers.build_optimizer(model, job.optim, job.train.steps)
+        times = time_calls(opt.step, steps, warmup=1, device=_device())
+        med, worst = statistics.median(times) * 1e3, max(times) * 1e3
+        out[schedule] = {"median_ms": med, "worst_ms": worst, "worst_over_median": worst / med}
+        echo(f"| {schedule} | {med:.2f} | {worst:.2f} | {worst / med:.2f} |")
+        del opt
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--part", choices=("step", "schedule", "both"), default="both")
+    p.add_argument("--quick", action="store_true", help="tiny config (CPU smoke test)")
+    p.add_argument("--rows", default="", help="step part: comma-separated labels (default: all)")
+    args = p.parse_args(argv)
+    wanted = [s.strip() for s in args.rows.split(",") if s.strip()]
+    labels = [r[0] for r in STEP_ROWS]
+    unknown = [w for w in wanted if w not in labels]
+    if unknown:
+        p.error(f"--rows: unknown {unknown}; rows: {', '.join(labels)}")
+    rows = tuple(r for r in STEP_ROWS if not wanted or r[0] in wanted)
+
+    def echo(line: str) -> None:
+        print(line, flush=True)
+
+    if args.part in ("step", "both"):
+        step_part(args.quick, echo, rows)
+    if args.part in ("schedule", "both"):
+        schedule_part(args.quick, echo)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

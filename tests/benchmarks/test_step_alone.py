@@ -1,0 +1,30 @@
+"""benchmarks/step_alone.py (issue 38 item 9) on the CPU at tiny shapes: its rows, its named
+baseline, and what it says where a row cannot run (numbers not meaningful here)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from benchmarks import step_alone
+from galore2.presets import PRESETS
+
+
+def test_rows_the_baseline_first_every_preset_and_capture():
+    labels = [r[0] for r in step_alone.STEP_ROWS]
+    assert labels[:2] == ["torch AdamW (fused)", "torch AdamW (foreach)"]
+    assert set(PRESETS) <= set(labels)
+    assert step_alone.STEP_ROWS[-1][3] is True  # the CapturedStep row
+
+
+def test_step_part_on_the_cpu(capsys):
+    step_alone.main(["--part", "step", "--quick", "--rows",
+                     "torch AdamW (fused),galore_adamw + CapturedStep"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "ratios to torch AdamW (fused)" in out
+    assert re.search(r"^\| torch AdamW \(fused\) \| [\d.]+ \| 1\.00 \|$", out, flags=re.M)
+    assert "| galore_adamw + CapturedStep | n/a (CUDA graphs need a GPU) |  |" in out
+    with pytest.raises(SystemExit):
+        step_alone.main(["--rows", "adamw"])
+    assert "unknown ['adamw']" in capsys.readouterr().err
