@@ -21,7 +21,7 @@ from torch import nn
 
 import galore2
 
-from ..helpers import F32_EPS, TinyNet, batch, galore_groups, max_diff
+from ..helpers import F32_EPS, TinyNet, assert_f32_close, batch, galore_groups, max_diff
 
 # ---- the table -----------------------------------------------------------------------------
 
@@ -611,6 +611,7 @@ def test_maximize_galore_equals_minimizing_negated_grad(projector):
         up.grad, down.grad = g.clone(), -g
         opt_up.step()
         opt_down.step()
+    # the same kernels on a negated gradient (negation is exact): to the last bit, nearly
     assert torch.allclose(up, down, rtol=0, atol=1e-7)
     assert not torch.allclose(up, W)
 
@@ -690,7 +691,7 @@ def test_bf16_param_fp32_state_step_matches_fp32_adamw():
         ref_p.data.copy_(ours_p.float())  # follow our rounding, compare the next step only
     assert ours.state[ours_p]["adam.exp_avg"].dtype == torch.float32
     ref_m = ref.state[ref_p]["exp_avg"]
-    assert torch.allclose(ours.state[ours_p]["adam.exp_avg"], ref_m, rtol=0, atol=1e-6)
+    assert_f32_close(ours.state[ours_p]["adam.exp_avg"], ref_m, steps=3)  # another kernel
 
 
 # ---- laziness and hooks -----------------------------------------------------------
