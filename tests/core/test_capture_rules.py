@@ -20,7 +20,10 @@ import torch
 import galore2
 from galore2.core.capture import capture_problems
 
-from ..helpers import TinyNet
+from ..helpers import TinyNet, assert_f32_close
+
+#: the most steps a test here takes (the float32 bound's step count, tests.helpers.f32_bound)
+STEPS = 7
 
 NO_SCHEDULE = {"use_warmup": False, "use_warmdown": False, "use_lookahead": False}
 
@@ -73,13 +76,13 @@ def _steps(models, opts, steps: int, seed: int = 1) -> None:
 
 def _assert_same(model, twin, capt, host) -> None:
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+        assert_f32_close(p, q, steps=STEPS)
         assert capt.state[p].keys() == host.state[q].keys()
         for key, value in host.state[q].items():
             mine = capt.state[p][key]
             assert mine.dtype == value.dtype, key
             if value.is_floating_point():
-                torch.testing.assert_close(mine.float(), value.float(), rtol=0, atol=1e-6)
+                assert_f32_close(mine.float(), value.float(), steps=STEPS, what=key)
             else:  # counters: the same counts, wherever they live
                 assert torch.equal(mine.cpu(), value), key
 

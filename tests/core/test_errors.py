@@ -14,6 +14,8 @@ import galore2
 from galore2.optim import GaLore, ScaleByAdam
 from galore2.projectors import Plan
 
+from ..helpers import assert_f32_close
+
 PROJECTORS = ["svd", "randomized", "power", "random"]
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
 
@@ -235,7 +237,7 @@ def test_nonfinite_skip_leaves_param_and_state_untouched(bad, target):
         # plain parameters follow torch.optim.AdamW, which never saw the bad gradient
         # (a skipped V is exactly a V without a gradient that step)
         for x, r in zip((V, b), ref_params[1:], strict=True):
-            assert torch.allclose(x, r, rtol=0, atol=1e-6)
+            assert_f32_close(x.detach(), r.detach(), steps=4)  # 4 steps
     assert opt.nonfinite_skips == 1
     if target == "galore":
         assert int(opt.state[W]["galore.step"]) == 3  # the skipped step did not count

@@ -16,7 +16,13 @@ import galore2
 from galore2.core.optimizer import _chunks
 from galore2.optim import ScaleByAdam
 
-from ..helpers import TinyNet, max_diff, step_on_weight_dependent_grads, train
+from ..helpers import (
+    TinyNet,
+    assert_f32_close,
+    max_diff,
+    step_on_weight_dependent_grads,
+    train,
+)
 
 SETTINGS = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 
@@ -108,7 +114,7 @@ def test_galore_groups_foreach_match_per_tensor():
     start = _galore_params()
     for b, l_, p0 in zip(batched, looped, start, strict=True):
         assert (b.detach() - p0).abs().max() > 1e-2  # it trained
-        torch.testing.assert_close(b.detach(), l_.detach(), rtol=0, atol=1e-6)
+        assert_f32_close(b.detach(), l_.detach(), steps=8)  # _run_galore's 8 steps
     for pb, pl in zip(batched, looped, strict=True):
         sb, sl = opt_b.state[pb], opt_l.state[pl]
         assert sb.keys() == sl.keys()

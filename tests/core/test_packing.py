@@ -12,6 +12,12 @@ import galore2
 from galore2.core import packing
 from galore2.core.transform import StackedState
 
+from ..helpers import assert_f32_close
+
+#: the most steps a test here takes: the step count of the float32 bound between the stacked
+#: and the per-tensor paths (tests.helpers.f32_bound)
+STEPS = 6
+
 
 def _tensors(k: int = 4, shape: tuple[int, ...] = (3, 5)) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
@@ -115,11 +121,10 @@ def test_galore_inner_chain_runs_a_shape_batch_as_one_stacked_entry(capturable, 
                                                                        "adam.exp_avg_sq")}  # fmt: skip
     assert len(ptrs) == 1
     for p, q in zip(batched.parameters(), single.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+        assert_f32_close(p, q, steps=STEPS)
     for p, q in zip(batched.parameters(), single.parameters(), strict=True):
         for key in ("adam.exp_avg", "adam.exp_avg_sq", "adam.step"):
-            torch.testing.assert_close(ob.state[p][key].cpu(), os_.state[q][key], rtol=0,
-                                       atol=1e-6)  # fmt: skip
+            assert_f32_close(ob.state[p][key].cpu(), os_.state[q][key], steps=STEPS, what=key)
 
 
 @pytest.mark.parametrize("capturable", [False, True])
@@ -135,7 +140,7 @@ def test_a_stack_whose_members_count_different_steps_corrects_each_by_its_own(ca
         opt.state[second]["adam.step"].fill_(7)  # in place: the stack still holds
     _steps(range(3, 5), (batched, ob), (single, os_))
     for p, q in zip(batched.parameters(), single.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+        assert_f32_close(p, q, steps=STEPS)
     steps = [int(ob.state[p]["adam.step"]) for p in batched.parameters()]
     assert steps == [5, 9, 5, 5]
 
@@ -189,7 +194,7 @@ def test_capturable_masking_puts_back_a_stacked_members_state(make, at, preset):
     for key, value in moments.items():
         assert torch.equal(capt.state[bad][key], value), key
     for p, q in zip(capt_model.parameters(), twin.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+        assert_f32_close(p, q, steps=STEPS)
     assert capt.nonfinite_skips == skip.nonfinite_skips == 1
 
 
@@ -214,7 +219,7 @@ def test_gradients_that_are_views_of_one_buffer_are_read_not_written(preset):
         os_.step()
         assert torch.equal(flat, kept)
     for p, q in zip(viewed.parameters(), separate.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+        assert_f32_close(p, q, steps=STEPS)
 
 
 def test_a_stack_re_pointed_by_someone_else_is_made_again():
@@ -227,9 +232,8 @@ def test_a_stack_re_pointed_by_someone_else_is_made_again():
     packing.pack([oa.state[p]["adam.exp_avg"] for p in reversed(list(a.parameters()))])
     _steps(range(3, 6), (a, oa), (b, ob))
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
-        torch.testing.assert_close(oa.state[p]["adam.exp_avg"], ob.state[q]["adam.exp_avg"],
-                                   rtol=0, atol=1e-6)  # fmt: skip
+        assert_f32_close(p, q, steps=STEPS)
+        assert_f32_close(oa.state[p]["adam.exp_avg"], ob.state[q]["adam.exp_avg"], steps=STEPS)
 
 
 @pytest.mark.parametrize("projector", ["svd", "random"])
@@ -258,4 +262,4 @@ def test_capturable_masking_on_a_refresh_step_puts_back_a_stacked_members_basis(
         if value.is_floating_point() or key == "proj.seed":
             assert torch.equal(capt.state[bad][key], value), key
     for p, q in zip(capt_model.parameters(), twin.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+        assert_f32_close(p, q, steps=STEPS)

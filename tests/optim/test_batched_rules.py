@@ -1,16 +1,20 @@
 """Every update rule's batched path (``foreach=True``: Fira's residual, APOLLO's scaling and
 the norm-growth limiter, Muon's stacked Newton–Schulz and polar factor, Adafactor's factored
 statistics, 8-bit moments concatenated per block layout) gives the per-tensor path's weights
-(``foreach=False``) within 1e-6 (5e-6 for an exact-SVD variant and Ranger21, ``tools.batch_reference.LOOSE``) over 12 steps with three refreshes, on matrices of both
-orientations with same-shape repeats (``tools.batch_reference``'s configs)."""
+(``foreach=False``) over 12 steps with three refreshes, on matrices of both orientations with
+same-shape repeats (``tools.batch_reference``'s configs): within float32's rounding of the
+reordered arithmetic (``tests.helpers.f32_bound``: 2 ulps of the weights' magnitude per
+step, ≈ 1.3e-5 here, where every rule moves the weights by > 1e-2), with 8-bit moments' rare
+one-code flips allowed for ≤ 1% of the elements (``quantizer_flip_bound``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from galore2.optim.muon import newton_schulz, polar
-from tools.batch_reference import CONFIGS, params, run, tolerance
+from galore2.optim.muon import NS_COEFFICIENTS, newton_schulz, polar
+from tests.helpers import assert_f32_close, quantizer_flip_bound
+from tools.batch_reference import COMMON, CONFIGS, STEPS, params, run
 
 # the default run: one config per batched rule; the variants under -m slow
 FAST = ("fira", "fira_reference", "apollo", "apollo_mini", "galore_muon", "galore_muon_polar",
@@ -34,8 +38,9 @@ def test_batched_path_equals_per_tensor_path(name, one_thread):
     batched = run(CONFIGS[name], foreach=True)
     start = params()
     assert max(float((a - p).abs().max()) for a, p in zip(looped, start, strict=True)) > 1e-2
-    for b, l_ in zip(batched, looped, strict=True):
-        torch.testing.assert_close(b, l_, rtol=0, atol=tolerance(name))
+    flips = quantizer_flip_bound(COMMON["lr"], STEPS) if "8bit" in name else None
+    for k, (b, l_) in enumerate(zip(batched, looped, strict=True)):
+        assert_f32_close(b, l_, steps=STEPS, flips=flips, what=f"{name} parameter {k}")
 
 
 @pytest.mark.parametrize("fn", [newton_schulz, polar], ids=["newton_schulz", "polar"])
@@ -45,7 +50,12 @@ def test_orthogonalization_of_a_stack_is_each_matrix_s(fn):
     if fn is polar:
         X[1, 3] = X[1, 0]  # rank deficient: a zero singular value gives zero
     stacked = fn(X)
-    # Newton–Schulz: five float32 iterations (bmm and mm round differently); polar: float64
-    atol = 1e-5 if fn is newton_schulz else 1e-6
+    # Newton–Schulz: five float32 iterations (bmm and mm round differently), each a polynomial
+    # whose coefficients amplify the last iteration's rounding by Σ|c| ≈ 10.3 (measured: 4 to
+    # 11 ulps of the result's magnitude in all); polar: float64, rounded once to float32
+    if fn is newton_schulz:
+        steps, ulps = 5, sum(abs(c) for c in NS_COEFFICIENTS)
+    else:
+        steps, ulps = 1, 2.0
     for k in range(3):
-        torch.testing.assert_close(stacked[k], fn(X[k]), rtol=0, atol=atol)
+        assert_f32_close(stacked[k], fn(X[k]), steps=steps, ulps=ulps, what=f"matrix {k}")
