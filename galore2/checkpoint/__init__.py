@@ -261,20 +261,14 @@ def _optimizer_state(
 ) -> dict[str, Any]:
     """The optimizer's state dict to load into. DCP's helper creates the state of an
     optimizer that has none (a zero-gradient step); a checkpoint without a record is then
-    compared with it, and a refusal removes that state again."""
-    fresh = not optimizer.state
+    compared with it (a refusal removes that state again: :func:`load_checkpoint`)."""
     state = get_optimizer_state_dict(model, optimizer, options=_options(flatten))
     if metadata is not None:
         all_options = getattr(type(optimizer), "all_options", None)
         options = all_options() if callable(all_options) else None
-        try:
-            layout.check(folder, metadata, state, "optim", exact=False)
-            with _quiet_single_process():
-                layout.check_options(folder, state, options)
-        except CheckpointError:
-            if fresh:
-                optimizer.state.clear()
-            raise
+        layout.check(folder, metadata, state, "optim", exact=False)
+        with _quiet_single_process():
+            layout.check_options(folder, state, options)
     return state
 
 
@@ -304,13 +298,27 @@ def load_checkpoint(
     folder = _folder(root, step)
     if folder is None:
         return None
+    extra = dict(extra or {})
     saved = read(folder)
     model_state = get_model_state_dict(model)
     intact, metadata = _check(folder, saved, model, optimizer, model_state, verify)
+    fresh = not optimizer.state
+    try:
+        extra = _load(folder, model, optimizer, model_state, extra, flatten, metadata, intact)
+    except BaseException:
+        if fresh:  # the state DCP's zero-gradient step made: a refused load leaves none
+            optimizer.state.clear()
+        raise
+    runs.remember(optimizer, saved["run_id"] if saved is not None else new_run_id(), Path(root))
+    return extra
+
+
+def _load(folder, model, optimizer, model_state, extra, flatten, metadata, intact) -> dict:
+    """DCP reads ``folder`` into the model, the optimizer and ``extra``; returns ``extra``."""
     state = {
         "model": model_state,
         "optim": _optimizer_state(model, optimizer, flatten, folder, metadata),
-        "extra": dict(extra or {}),
+        "extra": extra,
     }
     try:
         with _quiet_single_process():
@@ -324,5 +332,4 @@ def load_checkpoint(
         raise
     except (KeyError, RuntimeError, ValueError) as e:
         raise CheckpointMismatch(f"checkpoint {folder} does not fit: {e}", folder) from e
-    runs.remember(optimizer, saved["run_id"] if saved is not None else new_run_id(), Path(root))
     return state["extra"]
