@@ -323,6 +323,51 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         "a shard that grew passes the size check (verify=False loads it)",
     ),
+    # ---- issue 39 items 2, 4, 5, 26: refused loads change nothing, a folder's one writer ----
+    Mutation(
+        "refused_load_keeps_init_state",
+        "galore2/checkpoint/__init__.py",
+        "            optimizer.state.clear()",
+        "            pass",
+        (
+            "tests/fsdp/test_checkpoint_refusals.py::"
+            "test_a_load_refused_by_dcp_leaves_a_fresh_optimizer_fresh",
+        ),
+        "a load refused by DCP leaves the state of its zero-gradient step in a fresh optimizer",
+    ),
+    Mutation(
+        "owner_by_run_id",
+        "galore2/checkpoint/runs.py",
+        "if here and held in (origin.run_id, None):",
+        "if held == origin.run_id or (here and held is None):",
+        (
+            "tests/fsdp/test_checkpoint_refusals.py::"
+            "test_an_optimizer_loaded_from_a_copy_cannot_save_into_the_original",
+        ),
+        "an optimizer loaded from a copy of a folder saves into the original (same run id)",
+    ),
+    Mutation(
+        "recordless_folder_taken",
+        "galore2/checkpoint/runs.py",
+        "if here and held in (origin.run_id, None):",
+        "if held in (origin.run_id, None):",
+        (
+            "tests/fsdp/test_checkpoint_refusals.py::"
+            "test_an_optimizer_of_another_run_cannot_take_a_folder_without_records",
+        ),
+        "an optimizer of another run saves into a folder whose newest checkpoint has no record",
+    ),
+    Mutation(
+        "stray_counts_toward_keep",
+        "galore2/checkpoint/__init__.py",
+        "            if _complete(p):",
+        "            if True:",
+        (
+            "tests/fsdp/test_checkpoint_refusals.py::"
+            "test_a_stray_step_folder_neither_counts_toward_keep_nor_is_deleted",
+        ),
+        "a stray step-N folder is listed as a checkpoint (counts toward keep, is pruned)",
+    ),
     Mutation(
         "skip_streak_total",
         "recipes/divergence.py",

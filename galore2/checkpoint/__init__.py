@@ -82,12 +82,33 @@ def _quiet_single_process():
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete checkpoints under ``root`` as (step, path), oldest first."""
+    """Complete checkpoints under ``root`` as (step, path), oldest first.
+
+    A checkpoint is a ``step-XXXXXXXX`` folder that ``save_checkpoint`` renamed into place:
+    it holds DCP's ``.metadata`` or galore2's record (one of them may be damaged: loading
+    tells). A folder or file of that name with neither — empty, or put there by hand — is
+    a stray: not listed (so it never counts toward ``keep`` nor is loaded), never deleted,
+    named once in a warning."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _DONE.match(p.name))]
+    found = []
+    for p in root.iterdir():
+        if (m := _DONE.match(p.name)) is not None:
+            if _complete(p):
+                found.append((int(m.group(1)), p))
+            else:
+                _warn_once(
+                    f"{p} is not a checkpoint (no .metadata, no {record.FILE}): it is left "
+                    "alone, not loaded and not counted toward keep; remove it by hand",
+                    stacklevel=3,
+                )
     return sorted(found)
+
+
+def _complete(path: Path) -> bool:
+    """Was ``path`` renamed into place by a save (see :func:`list_checkpoints`)?"""
+    return path.is_dir() and any((path / f).is_file() for f in (".metadata", record.FILE))
 
 
 def read_record(folder: str | os.PathLike) -> dict[str, Any] | None:
@@ -185,6 +206,13 @@ def _write(root, step, model, optimizer, extra, flatten, run_id, meta, keep) -> 
             "meta": meta,
         }
         record.write(tmp, info)
+        if final.exists() and not _complete(final):  # a stray of that name: kept aside
+            stray = final.with_name(final.name + ".stray")
+            n = 1
+            while stray.exists():
+                stray, n = final.with_name(f"{final.name}.stray-{n}"), n + 1
+            os.replace(final, stray)
+            warnings.warn(f"{final} was not a checkpoint: moved to {stray.name}", stacklevel=3)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for _, old in list_checkpoints(root)[:-keep]:
@@ -194,10 +222,11 @@ def _write(root, step, model, optimizer, extra, flatten, run_id, meta, keep) -> 
     return final
 
 
-def _warn_once(message: str) -> None:
+def _warn_once(message: str, stacklevel: int = 4) -> None:
+    """Warn (default: at the caller of load_checkpoint) once per process per message."""
     if message not in _WARNED:
         _WARNED.add(message)
-        warnings.warn(message, stacklevel=4)  # the caller of load_checkpoint
+        warnings.warn(message, stacklevel=stacklevel)
 
 
 def _check(

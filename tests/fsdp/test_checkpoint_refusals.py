@@ -90,3 +90,94 @@ def test_a_load_refused_by_dcp_leaves_a_trained_optimizer_as_it_was(tmp_path):
         assert s.keys() == state[id(p)].keys()
         assert all(torch.equal(v, state[id(p)][k]) for k, v in s.items())
     assert run_of(opt) is None
+
+
+# --- item 4 and item 26 ------------------------------------------------------------------
+
+
+def test_an_optimizer_loaded_from_a_copy_cannot_save_into_the_original(tmp_path):
+    original, copy = tmp_path / "run", tmp_path / "copy"
+    _saved(original)
+    shutil.copytree(original, copy)
+    model, opt = _model_opt()
+    load_checkpoint(copy, model, opt, extra={"step": torch.tensor(0)})
+    before = _snapshot(original)
+    train(model, opt, range(2, 3))
+    with pytest.raises(ValueError, match=rf"loaded from {copy}, another folder"):
+        save_checkpoint(original, 3, model, opt, keep=1)
+    assert _snapshot(original) == before  # nothing written, nothing pruned
+    assert save_checkpoint(copy, 3, model, opt, keep=1).is_dir()  # the copy is its folder
+    assert [s for s, _ in list_checkpoints(copy)] == [3]
+
+
+def test_another_path_to_the_same_folder_is_that_folder(tmp_path):
+    _saved(tmp_path / "run")
+    (tmp_path / "link").symlink_to(tmp_path / "run")
+    model, opt = _model_opt()
+    load_checkpoint(tmp_path / "link", model, opt, extra={"step": torch.tensor(0)})
+    assert save_checkpoint(tmp_path / "run", 3, model, opt).is_dir()
+
+
+def test_an_optimizer_of_another_run_cannot_take_a_folder_without_records(tmp_path):
+    """Item 26: run A's folder whose newest checkpoint has no galore2.json; an optimizer
+    tied to run B (it saved elsewhere) saving without run_id would take it over and prune."""
+    _saved(tmp_path / "a", steps=(1, 2, 3))
+    (tmp_path / "a" / "step-00000003" / "galore2.json").unlink()
+    model, opt = _model_opt(seed=1)
+    train(model, opt, range(1))
+    save_checkpoint(tmp_path / "b", 1, model, opt)
+    before = _snapshot(tmp_path / "a")
+    with pytest.raises(ValueError, match=r"a run with no readable galore2\.json .* belongs to run"):
+        save_checkpoint(tmp_path / "a", 4, model, opt, keep=1)
+    assert _snapshot(tmp_path / "a") == before
+
+
+# --- item 5 ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stray", ["empty", "junk", "file"])
+def test_a_stray_step_folder_neither_counts_toward_keep_nor_is_deleted(tmp_path, stray):
+    model, opt = _saved(tmp_path, steps=(1,))
+    path = tmp_path / "step-00000005"
+    if stray == "file":
+        path.write_text("x")
+    else:
+        path.mkdir()
+        if stray == "junk":
+            (path / "notes.txt").write_text("mine")
+    with pytest.warns(UserWarning, match=r"step-00000005 is not a checkpoint .* left alone"):
+        listed = list_checkpoints(tmp_path)
+    assert [s for s, _ in listed] == [1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # warned once above
+        for step in (2, 3):
+            train(model, opt, range(step - 1, step))
+            save_checkpoint(tmp_path, step, model, opt, keep=2, extra={"step": torch.tensor(step)})
+        assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 3]  # 2 was kept
+        assert path.exists() and (stray != "junk" or (path / "notes.txt").read_text() == "mine")
+        model2, opt2 = _model_opt()
+        extra = load_checkpoint(tmp_path, model2, opt2, extra={"step": torch.tensor(0)})
+    assert int(extra["step"]) == 3  # the stray is not the newest checkpoint
+
+
+def test_a_stray_where_a_checkpoint_goes_is_moved_aside_not_deleted(tmp_path):
+    model, opt = _model_opt()
+    path = tmp_path / "step-00000002"
+    path.mkdir(parents=True)
+    (path / "notes.txt").write_text("mine")
+    with pytest.warns(UserWarning, match=r"step-00000002 was not a checkpoint: moved to "):
+        save_checkpoint(tmp_path, 2, model, opt)
+    aside = tmp_path / "step-00000002.stray"
+    assert (aside / "notes.txt").read_text() == "mine"
+    assert read_record(path)["step"] == 2
+
+
+# --- item 12: the lock file ----------------------------------------------------------------
+
+
+def test_a_folder_where_the_lock_file_goes_is_a_clear_error(tmp_path):
+    model, opt = _model_opt()
+    (tmp_path / ".lock").mkdir()
+    with pytest.raises(CheckpointError, match=rf"cannot lock {tmp_path / '.lock'} \(it is a folder\)"):
+        save_checkpoint(tmp_path, 1, model, opt)
+    assert not list_checkpoints(tmp_path) and (tmp_path / ".lock").is_dir()
