@@ -51,7 +51,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import _dist, files, layout, record, runs
-from .errors import CheckpointBusy, CheckpointCorrupt, CheckpointError, CheckpointMismatch, from_dcp
+from .errors import (
+    CheckpointBusy,
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointMismatch,
+    from_dcp,
+    write_failed,
+)
 from .record import new_run_id, read
 from .runs import run_of
 
@@ -191,8 +198,11 @@ def _write(root, step, model, optimizer, extra, flatten, run_id, meta, keep) -> 
         "optim": get_optimizer_state_dict(model, optimizer, options=_options(flatten)),
         "extra": extra or {},
     }
-    with _quiet_single_process():
-        dcp.save(state, checkpoint_id=str(tmp))
+    try:
+        with _quiet_single_process():
+            dcp.save(state, checkpoint_id=str(tmp))
+    except (CheckpointException, Exception) as e:  # DCP's is a BaseException
+        raise write_failed(e, root, tmp) from e
     _dist.barrier()
     written = files.fingerprint(tmp, skip=(record.FILE,))
     if _dist.rank() == 0:

@@ -159,14 +159,25 @@ def _same_folder(a: Path, b: Path) -> bool:
         return Path(a).resolve() == Path(b).resolve()
 
 
+#: what a busy checkpoint folder's error says the other process does, and what to do
+SAVING = (
+    "saving a checkpoint into",
+    "A checkpoint folder holds one run: save into another folder, or wait for that save to "
+    "finish",
+)
+
+
 @contextmanager
-def writer_lock(root: Path) -> Iterator[None]:
-    """Hold ``root/.lock`` exclusively for a save (rank 0 takes it; every rank learns the
-    outcome). :class:`CheckpointBusy` naming the lock when another process holds it."""
+def writer_lock(root: Path, doing: tuple[str, str] = SAVING) -> Iterator[None]:
+    """Hold ``root/.lock`` exclusively (rank 0 takes it; every rank learns the outcome):
+    for a save, or (the recipe) for a whole run. :class:`CheckpointBusy` naming the folder
+    and the process holding the lock when another one does (``doing``: what it is doing,
+    and the advice); :class:`CheckpointError` when ``root/.lock`` cannot be a lock file (a
+    folder of that name). A lock left by a process that died is taken over (``flock``)."""
     fd, problem = None, None
     if _dist.rank() == 0 and fcntl is not None:
         root.mkdir(parents=True, exist_ok=True)
-        fd, problem = _acquire(root / LOCK)
+        fd, problem = _acquire(root / LOCK, doing)
     problem = _dist.gather(problem)[0]
     if problem is not None:
         busy, text = problem
@@ -178,7 +189,7 @@ def writer_lock(root: Path) -> Iterator[None]:
             _release(root / LOCK, fd)
 
 
-def _acquire(path: Path) -> tuple[int | None, tuple[bool, str] | None]:
+def _acquire(path: Path, doing: tuple[str, str]) -> tuple[int | None, tuple[bool, str] | None]:
     """(fd, None) holding ``path``'s lock, or (None, (held by another process?, why not))."""
     for _ in range(3):  # the holder may unlink the file between our open and flock
         try:
@@ -196,10 +207,8 @@ def _acquire(path: Path) -> tuple[int | None, tuple[bool, str] | None]:
             holder = _holder(fd)
             os.close(fd)
             return None, (True, (
-                f"another process is saving a checkpoint into {path.parent} ({holder}holds "
-                f"{path}); two writers in one folder would overwrite each other's files. "
-                "A checkpoint folder holds one run: save into another folder, or wait for "
-                "that save to finish"
+                f"another process is {doing[0]} {path.parent} ({holder}holds {path}); two "
+                f"writers in one folder would overwrite each other's files. {doing[1]}"
             ))  # fmt: skip
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
