@@ -99,19 +99,19 @@ def _hf(path: Path) -> Source:
         raise ValueError(
             f'CONFIG {str(path)!r}: a Hugging Face config.json needs a "model_type" key'
         )
-    missing = missing_sizes(data)
-    if missing:  # transformers would plan its class defaults (Llama-7B) without a word
-        raise ValueError(
-            f"CONFIG {str(path)!r}: the model's sizes are missing: {', '.join(missing)} "
-            f"(the planner needs {', '.join(n[0] for n in SIZE_NAMES.values())} or their "
-            "aliases; the model's own defaults would plan another model)"
-        )
     transformers = _transformers(str(path))
     model_type = data.pop("model_type")
     if model_type not in transformers.CONFIG_MAPPING:
         raise ValueError(
             f"CONFIG {str(path)!r}: model_type {model_type!r} is unknown to transformers "
             f"{transformers.__version__}"
+        )
+    missing = missing_sizes(data)
+    if missing:  # transformers would plan its class defaults (Llama-7B) without a word
+        raise ValueError(
+            f"CONFIG {str(path)!r}: the model's sizes are missing: {', '.join(missing)} "
+            f"(the planner needs {', '.join(n[0] for n in SIZE_NAMES.values())} or their "
+            "aliases; the model's own defaults would plan another model)"
         )
     try:
         config = transformers.AutoConfig.for_model(model_type, **data)
