@@ -156,3 +156,27 @@ def test_a_folder_where_the_run_lock_goes_is_one_error_line(tmp_path, capsys):
     line = _error_line(capsys, [*SMALL, *FIRST, "--out", str(out)])
     assert f"cannot lock {out / '.lock'} (it is a folder)" in line
     assert [p.name for p in out.iterdir()] == [".lock"]
+
+
+def test_special_tokens_at_the_end_of_the_vocabulary_warn_text_ids_refuse(tmp_path):
+    """T5's case: 100 sentinel ids after the text ids (a model sized 32000 for a 32100-id
+    tokenizer is the GaLore papers' setup): a warning, not an error."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    from recipes.tokenizer import check_vocab_size, load_tokenizer, text_ids
+
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="<unk>"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    trainer = tokenizers.trainers.WordLevelTrainer(special_tokens=["<unk>", "</s>"])
+    tk.train_from_iterator(["alpha beta gamma delta", "river stone"], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>")
+    fast.add_special_tokens({"additional_special_tokens": [f"<extra_id_{i}>" for i in range(3)]})
+    fast.save_pretrained(tmp_path / "tok")
+    tok = load_tokenizer(str(tmp_path / "tok"))
+    assert (tok.vocab_size, text_ids(tok)) == (11, 8)
+    check_vocab_size(tok, 11)  # silent
+    with pytest.warns(UserWarning, match="covers the 8 that text produces"):
+        check_vocab_size(tok, 8)
+    with pytest.raises(ValueError, match=r"model\.vocab_size=7 is smaller .* ids up to 7"):
+        check_vocab_size(tok, 7)
