@@ -369,6 +369,30 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a stray step-N folder is listed as a checkpoint (counts toward keep, is pruned)",
     ),
     Mutation(
+        "refresh_due_before_replan",
+        "galore2/core/optimizer.py",
+        "        self._check_settings(self.param_groups)  # as step() does first: edits re-planned",
+        "        pass",
+        (
+            "tests/core/test_capture_schedule.py::"
+            "test_refresh_due_is_exactly_the_steps_that_refresh",
+        ),
+        "due_for_refresh (CapturedStep's eager/replay choice) reads the schedule before an "
+        "edited update_proj_gap is re-planned (issue 39 item 6)",
+    ),
+    Mutation(
+        "run_folder_unlocked",
+        "recipes/resume.py",
+        "        held.enter_context(writer_lock(out, RUNNING))",
+        "        pass",
+        (
+            "tests/recipes/test_run_folder.py::"
+            "test_a_second_process_on_a_run_folder_is_refused_and_changes_nothing",
+        ),
+        "a run does not hold its out dir: a second process resuming there drops the first's "
+        "metrics rows and rewrites its config.json (issue 39 item 3)",
+    ),
+    Mutation(
         "skip_streak_total",
         "recipes/divergence.py",
         "self.streak = self.streak + 1 if new else 0",

@@ -12,9 +12,9 @@ its state), by the two calls that tie it to a folder:
 A save without an explicit ``run_id`` into a folder that already holds checkpoints is
 accepted only from an optimizer tied to that folder and to the run of its newest
 checkpoint (the run that saved there, or resumed from there, in this process): an
-optimizer loaded from a copy of the folder belongs to the copy, not to the original. Anything else — another model
-or optimizer, or a fresh run of the same architecture that never loaded from the folder —
-is refused before anything is written or pruned: it would otherwise take over the run's
+optimizer loaded from a copy of the folder belongs to the copy, not to the original.
+Anything else — another model or optimizer, or a fresh run of the same architecture that
+never loaded from the folder — is refused before anything is written or pruned: it would otherwise take over the run's
 id and prune its checkpoints. ``run_id=`` names the run explicitly (the recipe does: it
 compares the job with the checkpoint's recorded configuration itself).
 

@@ -178,6 +178,7 @@ def test_a_stray_where_a_checkpoint_goes_is_moved_aside_not_deleted(tmp_path):
 def test_a_folder_where_the_lock_file_goes_is_a_clear_error(tmp_path):
     model, opt = _model_opt()
     (tmp_path / ".lock").mkdir()
-    with pytest.raises(CheckpointError, match=rf"cannot lock {tmp_path / '.lock'} \(it is a folder\)"):
+    lock = tmp_path / ".lock"
+    with pytest.raises(CheckpointError, match=rf"cannot lock {lock} \(it is a folder\)"):
         save_checkpoint(tmp_path, 1, model, opt)
     assert not list_checkpoints(tmp_path) and (tmp_path / ".lock").is_dir()

@@ -50,7 +50,8 @@ def test_a_binary_config_is_named(tmp_path, capsys):
 
 def test_the_recipes_planner_sends_a_hugging_face_config_to_galore2_plan(tmp_path, small):
     for spec in (small, small.parent):
-        with pytest.raises(ValueError, match=rf"a Hugging Face config.json.*python -m galore2.plan {spec}"):
+        hint = rf"a Hugging Face config.json.*python -m galore2.plan {spec}"
+        with pytest.raises(ValueError, match=hint):
             recipe_plan.main([str(spec)])
     toml = tmp_path / "bad.toml"
     toml.write_bytes(bytes(range(128, 256)))

@@ -120,7 +120,8 @@ def test_a_refused_setting_leaves_the_run_that_overwrite_would_delete(
     out = tmp_path / "out"
     before = _first_run(out)
     capsys.readouterr()
-    line = _error_line(capsys, [*SMALL, *FIRST, "--out", str(out), "--train.overwrite", "true", *bad])
+    argv = [*SMALL, *FIRST, "--out", str(out), "--train.overwrite", "true", *bad]
+    line = _error_line(capsys, argv)
     assert message in line
     assert _snapshot(out) == before
 
