@@ -92,10 +92,10 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     """Complete checkpoints under ``root`` as (step, path), oldest first.
 
     A checkpoint is a ``step-XXXXXXXX`` folder that ``save_checkpoint`` renamed into place:
-    it holds DCP's ``.metadata`` or galore2's record (one of them may be damaged: loading
-    tells). A folder or file of that name with neither — empty, or put there by hand — is
-    a stray: not listed (so it never counts toward ``keep`` nor is loaded), never deleted,
-    named once in a warning."""
+    it holds DCP's ``.metadata``, its ``.distcp`` shards or galore2's record (some may be
+    damaged or missing: loading tells). A folder or file of that name with none of them —
+    empty, or put there by hand — is a stray: not listed (so it never counts toward
+    ``keep`` nor is loaded), never deleted, named once in a warning."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -106,7 +106,7 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
                 found.append((int(m.group(1)), p))
             else:
                 _warn_once(
-                    f"{p} is not a checkpoint (no .metadata, no {record.FILE}): it is left "
+                    f"{p} is not a checkpoint (no .metadata, .distcp or {record.FILE}): it is left "
                     "alone, not loaded and not counted toward keep; remove it by hand",
                     stacklevel=3,
                 )
@@ -115,7 +115,11 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def _complete(path: Path) -> bool:
     """Was ``path`` renamed into place by a save (see :func:`list_checkpoints`)?"""
-    return path.is_dir() and any((path / f).is_file() for f in (".metadata", record.FILE))
+    if not path.is_dir():
+        return False
+    return any((path / f).is_file() for f in (".metadata", record.FILE)) or any(
+        path.glob("*.distcp")
+    )
 
 
 def read_record(folder: str | os.PathLike) -> dict[str, Any] | None:
