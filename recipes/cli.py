@@ -16,11 +16,15 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from galore2.checkpoint import CheckpointError
+
 from .divergence import Diverged
 
 #: a bad setting, a missing file, data that cannot be read, an out dir that is a file or
-#: holds another run, a folder we may not write into (UnicodeDecodeError is a ValueError)
+#: holds another run or is in use by another process, a folder we may not write into, a
+#: checkpoint that cannot be read or written (UnicodeDecodeError is a ValueError)
 USER_ERRORS = (
+    CheckpointError,
     ValueError,
     TypeError,
     FileNotFoundError,

@@ -131,6 +131,12 @@ def param_groups(
         model, cfg.target_modules, weight_decay=cfg.weight_decay, **galore_settings(cfg)
     )
     projected_group = [g for g in found if "rank" in g]
+    if not projected_group:  # the run would be labelled GaLore and project nothing
+        raise ValueError(
+            f"optim.target_modules={cfg.target_modules!r} selects no module of this model "
+            f"with a weight to project ({cfg.name} projects the weights of the modules whose "
+            "name contains an entry): e.g. --optim.target_modules attn,mlp (the default)"
+        )
     if keys is not None:
         projected_group = [
             {"params": g["params"], "weight_decay": cfg.weight_decay, **keys}

@@ -47,9 +47,26 @@ def source(job: JobConfig, label: str) -> Source:
 
 def load(spec: str) -> Source:
     """The :class:`~galore2.plan.configs.Source` of recipe config ``spec`` (a name or a
-    path), as the recipe resolves it."""
+    path), as the recipe resolves it; a ``ValueError`` naming the file for a Hugging Face
+    config (``python -m galore2.plan`` plans those) or a file that is not TOML."""
+    given = Path(spec)
+    if given.suffix == ".json" or (given.is_dir() and (given / "config.json").is_file()):
+        raise ValueError(
+            f"CONFIG {spec!r}: a Hugging Face config.json, not a recipe config; plan it with "
+            f"python -m galore2.plan {spec}"
+        )
     path = resolve_config_path(spec)
-    return source(parse_args(["--config", str(path)]), f"recipe {Path(path).stem}")
+    try:
+        job = parse_args(["--config", str(path)])
+    except ValueError as e:  # tomllib's errors and UnicodeDecodeError are ValueErrors
+        if str(path) in str(e):
+            raise
+        raise ValueError(
+            f"CONFIG {str(path)!r}: not a recipe config ({' '.join(str(e).split())}); "
+            "a recipe config is a TOML file (recipes/configs/NAME.toml), a Hugging Face "
+            "config.json is planned by python -m galore2.plan"
+        ) from None
+    return source(job, f"recipe {Path(path).stem}")
 
 
 def main(argv: list[str] | None = None):

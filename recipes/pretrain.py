@@ -13,8 +13,8 @@ curves, ``loss.png`` (recipes/plot.py).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
+from contextlib import ExitStack
 
 import galore2
 
@@ -33,6 +33,7 @@ from .plot import write_run_plot
 from .resolve import parse_args
 from .runtime import evaluate, setup, teardown, train_step
 from .summary import print_summary, write_config
+from .tokenizer import check_vocab_size
 
 
 def capture_step(opt, device, rank: int):
@@ -54,6 +55,13 @@ def main(
 ) -> list[dict]:
     """One run; ``peers``: optimizers of other packages it may be given by name (the
     benchmarks' ``benchmarks.peers.PEERS``)."""
+    with ExitStack() as held:  # the out dir's lock, from resume.prepare until the run ends
+        return _run(argv, peers, held)
+
+
+def _run(
+    argv: list[str] | None, peers: Mapping[str, optimizers.Peer], held: ExitStack
+) -> list[dict]:
     job = parse_args(argv)  # the one step that knows the optimizer's options
     t, o = job.train, job.optim
     if o.per_layer and o.max_grad_norm:
@@ -64,12 +72,10 @@ def main(
     rank, world, device = setup(job)
     if o.capture and world > 1:  # FSDP2's collectives inside a graph are not checked
         raise ValueError("optim.capture runs in one process only (not under torchrun yet)")
-    run = resume.prepare(job)  # out dir checked, settings compared with the checkpoint's
+    run = held.enter_context(resume.prepare(job))  # out dir locked and checked, settings too
 
     tokenizer = data.load_tokenizer(job.data.tokenizer)
-    if tokenizer.vocab_size > job.model.vocab_size:  # e.g. T5's sentinel ids, never in text
-        msg = f"tokenizer has {tokenizer.vocab_size} ids; model.vocab_size={job.model.vocab_size}"
-        warnings.warn(msg, stacklevel=1)
+    check_vocab_size(tokenizer, job.model.vocab_size)  # an error, or T5's sentinels: a warning
     train_loader, val_loader = data.build_loaders(job.data, tokenizer, t.batch_size, rank, world)
     dtype = modeling.param_dtype(job.model, device)  # built in it: never held in fp32
     model = modeling.build_model(job.model, device, dtype=dtype, world_size=world)

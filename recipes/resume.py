@@ -5,8 +5,9 @@ Checked before the model is built, so a wrong setting costs seconds, not a train
 * The out dir and its ``checkpoints`` folder must be folders we can write into.
 * A fresh run (``--train.resume false``, or nothing to resume) refuses an out dir that
   holds a run (checkpoints, ``metrics.jsonl``, ``config.json``, ``summary.json``): their
-  files would mix. ``--train.overwrite true`` deletes that run first (and always starts
-  afresh); nothing is deleted without it.
+  files would mix. ``--train.overwrite true`` deletes that run (and always starts
+  afresh) — only once the model and the optimizer are built, so a setting refused on the
+  way leaves the old run intact; nothing is deleted without it.
 * A resumed run compares its settings with the configuration recorded in the checkpoint
   (``galore2.json``). It refuses, naming each key with both values, what a checkpoint
   cannot continue under: the model and data (``model.*`` except activation checkpointing
@@ -19,6 +20,11 @@ Checked before the model is built, so a wrong setting costs seconds, not a train
   ``config.json`` and in later checkpoints.
 * A damaged newest checkpoint is moved aside (``step-XXXXXXXX.corrupt``, never deleted)
   with a warning naming it, and the run resumes from the newest intact one.
+* One writer per out dir, for the whole run: :func:`prepare` takes ``OUT/.lock`` (the
+  lock checkpoint saves take, :func:`galore2.checkpoint.runs.writer_lock`) before it reads
+  or deletes anything, and the run holds it until it ends (:class:`Run` is a context
+  manager). A second process on the same out dir is refused naming it, before it changes
+  anything; a lock left by a process that died is taken over.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import os
 import shutil
 import sys
 import warnings
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +48,7 @@ from galore2.checkpoint import (
     set_aside,
 )
 from galore2.checkpoint.record import jsonable
+from galore2.checkpoint.runs import writer_lock
 
 from . import checkpoint
 from .config import JobConfig, OptimConfig
@@ -48,6 +56,12 @@ from .optimizers import galore2_options, parse_options
 
 #: what a run leaves in its out dir
 RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json", "summary.json")
+#: what a second process on the same out dir is told (galore2.checkpoint.runs.writer_lock)
+RUNNING = (
+    "running in",
+    "A run folder has one writer for the whole run: use another --out, or wait for that "
+    "run to end",
+)
 #: settings of one invocation, not of the run: never compared
 INVOCATION = frozenset(
     ("train.out", "train.resume", "train.overwrite", "train.stop_after", "train.progress",
@@ -153,6 +167,18 @@ class Run:
     history: list[dict[str, Any]] = field(default_factory=list)  # recorded by the checkpoint
     changes: list[dict[str, Any]] = field(default_factory=list)  # applied by this job
     checked: Path | None = None  # the checkpoint the settings were compared with
+    held: ExitStack = field(default_factory=ExitStack)  # the out dir's lock
+    doomed: list[str] = field(default_factory=list)  # --train.overwrite: the old run's files
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the out dir (its lock): the run has ended."""
+        self.held.close()
 
     @property
     def all_changes(self) -> list[dict[str, Any]]:
@@ -202,7 +228,11 @@ class Run:
 
     def load(self, model, optimizer, scheduler, loader, device) -> tuple[int, int]:
         """Load the newest intact checkpoint (damaged ones moved aside); (step, tokens),
-        (0, 0) for a fresh run."""
+        (0, 0) for a fresh run (``--train.overwrite``: the old run is deleted now, after
+        every setting was checked by building the model and the optimizer)."""
+        if self.doomed:
+            _delete(Path(self.job.train.out), self.doomed)
+            self.doomed = []
         moved = []
         for path in self.candidates:
             try:
@@ -291,12 +321,35 @@ def _refusal(out: Path, held: list[str], resume: bool, newest: int | None) -> st
 
 
 def prepare(job: JobConfig) -> Run:
-    """Check the out dir, then: resume (settings checked against the newest checkpoint's
-    record), or start afresh (refusing an out dir that holds a run unless overwriting).
-    Collective under torchrun: every rank reads the same files and decides the same."""
-    t = job.train
-    out = Path(t.out)
+    """Check the out dir and take its lock (held by the returned :class:`Run` until it is
+    closed), then: resume (settings checked against the newest checkpoint's record), or
+    start afresh (refusing an out dir that holds a run unless overwriting). Collective
+    under torchrun: every rank reads the same files and decides the same."""
+    out = Path(job.train.out)
     _check_out(out)
+    held = ExitStack()
+    if not out.exists():  # a refused run leaves no empty out dir behind
+        held.callback(_remove_if_empty, out)
+    try:
+        held.enter_context(writer_lock(out, RUNNING))
+        run = _prepare(job, out)
+    except BaseException:
+        held.close()
+        raise
+    run.held = held
+    return run
+
+
+def _remove_if_empty(out: Path) -> None:
+    if _rank() == 0:
+        try:
+            out.rmdir()
+        except OSError:  # the run wrote into it
+            pass
+
+
+def _prepare(job: JobConfig, out: Path) -> Run:
+    t = job.train
     found = list_checkpoints(checkpoint.checkpoint_dir(out))
     if t.resume and found and not t.overwrite:
         run = Run(job, "", candidates=[p for _, p in reversed(found)])
@@ -311,12 +364,17 @@ def prepare(job: JobConfig) -> Run:
     held = _held(out)
     if held and not t.overwrite:
         raise FileExistsError(_refusal(out, held, t.resume, found[-1][0] if found else None))
-    if held:
-        _barrier()
-        if _rank() == 0:
-            _say(f"train.overwrite: deleting the run in {out} ({', '.join(held)})")
-            for name in held:
-                path = out / name
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-        _barrier()
-    return Run(job, new_run_id())  # a broadcast: ranks leave together here too
+    # a broadcast: ranks leave together here too; the old run is deleted by Run.load, once
+    # the model and the optimizer are built (every setting checked)
+    return Run(job, new_run_id(), doomed=held)
+
+
+def _delete(out: Path, held: list[str]) -> None:
+    """``--train.overwrite``: delete the old run's files (collective)."""
+    _barrier()
+    if _rank() == 0:
+        _say(f"train.overwrite: deleting the run in {out} ({', '.join(held)})")
+        for name in held:
+            path = out / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    _barrier()

@@ -12,6 +12,7 @@ Every tokenizer returned by :func:`load_tokenizer` has
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
@@ -117,6 +118,38 @@ def load_tokenizer(name: str) -> ByteTokenizer | HFTokenizer:
             f"with tokenizer files, or a hub name while online): {e}"
         ) from e
     return HFTokenizer(tok, name)
+
+
+def text_ids(tokenizer: Tokenizer) -> int:
+    """One more than the largest id encoding text can produce: ``vocab_size`` without the
+    special tokens at its end (T5's 100 ``<extra_id_N>`` sentinels) other than ``eos_id``,
+    which the packer appends."""
+    inner = getattr(tokenizer, "tokenizer", None)
+    special = set(getattr(inner, "all_special_ids", ()) or ()) - {tokenizer.eos_id}
+    n = tokenizer.vocab_size
+    while n > 0 and n - 1 in special:
+        n -= 1
+    return n
+
+
+def check_vocab_size(tokenizer: Tokenizer, vocab_size: int) -> None:
+    """``model.vocab_size`` against the ids ``tokenizer`` produces: ``ValueError`` (before
+    anything is built or deleted) when text can produce an id the embedding has no row
+    for; a warning when only special tokens (T5's sentinels, never in text) lie beyond."""
+    needed = text_ids(tokenizer)
+    if vocab_size < needed:
+        raise ValueError(
+            f"model.vocab_size={vocab_size} is smaller than the ids the tokenizer produces "
+            f"({tokenizer!r} encodes text to ids up to {needed - 1}): the embedding would "
+            f"have no row for them. Set --model.vocab_size {tokenizer.vocab_size} (or at "
+            f"least {needed})"
+        )
+    if vocab_size < tokenizer.vocab_size:
+        warnings.warn(
+            f"tokenizer has {tokenizer.vocab_size} ids; model.vocab_size={vocab_size} "
+            f"covers the {needed} that text produces (the rest are special tokens)",
+            stacklevel=2,
+        )
 
 
 # ---- packing helpers ------------------------------------------------------------------

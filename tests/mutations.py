@@ -323,6 +323,75 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         "a shard that grew passes the size check (verify=False loads it)",
     ),
+    # ---- issue 39 items 2, 4, 5, 26: refused loads change nothing, a folder's one writer ----
+    Mutation(
+        "refused_load_keeps_init_state",
+        "galore2/checkpoint/__init__.py",
+        "            optimizer.state.clear()",
+        "            pass",
+        (
+            "tests/fsdp/test_checkpoint_refusals.py::"
+            "test_a_load_refused_by_dcp_leaves_a_fresh_optimizer_fresh",
+        ),
+        "a load refused by DCP leaves the state of its zero-gradient step in a fresh optimizer",
+    ),
+    Mutation(
+        "owner_by_run_id",
+        "galore2/checkpoint/runs.py",
+        "if here and held in (origin.run_id, None):",
+        "if held == origin.run_id or (here and held is None):",
+        (
+            "tests/fsdp/test_checkpoint_refusals.py::"
+            "test_an_optimizer_loaded_from_a_copy_cannot_save_into_the_original",
+        ),
+        "an optimizer loaded from a copy of a folder saves into the original (same run id)",
+    ),
+    Mutation(
+        "recordless_folder_taken",
+        "galore2/checkpoint/runs.py",
+        "if here and held in (origin.run_id, None):",
+        "if held in (origin.run_id, None):",
+        (
+            "tests/fsdp/test_checkpoint_refusals.py::"
+            "test_an_optimizer_of_another_run_cannot_take_a_folder_without_records",
+        ),
+        "an optimizer of another run saves into a folder whose newest checkpoint has no record",
+    ),
+    Mutation(
+        "stray_counts_toward_keep",
+        "galore2/checkpoint/__init__.py",
+        "            if _complete(p):",
+        "            if True:",
+        (
+            "tests/fsdp/test_checkpoint_refusals.py::"
+            "test_a_stray_step_folder_neither_counts_toward_keep_nor_is_deleted",
+        ),
+        "a stray step-N folder is listed as a checkpoint (counts toward keep, is pruned)",
+    ),
+    Mutation(
+        "refresh_due_before_replan",
+        "galore2/core/optimizer.py",
+        "        self._check_settings(self.param_groups)  # as step() does first: edits re-planned",
+        "        pass",
+        (
+            "tests/core/test_capture_schedule.py::"
+            "test_refresh_due_is_exactly_the_steps_that_refresh",
+        ),
+        "due_for_refresh (CapturedStep's eager/replay choice) reads the schedule before an "
+        "edited update_proj_gap is re-planned (issue 39 item 6)",
+    ),
+    Mutation(
+        "run_folder_unlocked",
+        "recipes/resume.py",
+        "        held.enter_context(writer_lock(out, RUNNING))",
+        "        pass",
+        (
+            "tests/recipes/test_run_folder.py::"
+            "test_a_second_process_on_a_run_folder_is_refused_and_changes_nothing",
+        ),
+        "a run does not hold its out dir: a second process resuming there drops the first's "
+        "metrics rows and rewrites its config.json (issue 39 item 3)",
+    ),
     Mutation(
         "skip_streak_total",
         "recipes/divergence.py",

@@ -51,7 +51,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import _dist, files, layout, record, runs
-from .errors import CheckpointBusy, CheckpointCorrupt, CheckpointError, CheckpointMismatch, from_dcp
+from .errors import (
+    CheckpointBusy,
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointMismatch,
+    from_dcp,
+    write_failed,
+)
 from .record import new_run_id, read
 from .runs import run_of
 
@@ -82,12 +89,37 @@ def _quiet_single_process():
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete checkpoints under ``root`` as (step, path), oldest first."""
+    """Complete checkpoints under ``root`` as (step, path), oldest first.
+
+    A checkpoint is a ``step-XXXXXXXX`` folder that ``save_checkpoint`` renamed into place:
+    it holds DCP's ``.metadata``, its ``.distcp`` shards or galore2's record (some may be
+    damaged or missing: loading tells). A folder or file of that name with none of them —
+    empty, or put there by hand — is a stray: not listed (so it never counts toward
+    ``keep`` nor is loaded), never deleted, named once in a warning."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _DONE.match(p.name))]
+    found = []
+    for p in root.iterdir():
+        if (m := _DONE.match(p.name)) is not None:
+            if _complete(p):
+                found.append((int(m.group(1)), p))
+            else:
+                _warn_once(
+                    f"{p} is not a checkpoint (no .metadata, .distcp or {record.FILE}): it is left "
+                    "alone, not loaded and not counted toward keep; remove it by hand",
+                    stacklevel=3,
+                )
     return sorted(found)
+
+
+def _complete(path: Path) -> bool:
+    """Was ``path`` renamed into place by a save (see :func:`list_checkpoints`)?"""
+    if not path.is_dir():
+        return False
+    return any((path / f).is_file() for f in (".metadata", record.FILE)) or any(
+        path.glob("*.distcp")
+    )
 
 
 def read_record(folder: str | os.PathLike) -> dict[str, Any] | None:
@@ -170,8 +202,11 @@ def _write(root, step, model, optimizer, extra, flatten, run_id, meta, keep) -> 
         "optim": get_optimizer_state_dict(model, optimizer, options=_options(flatten)),
         "extra": extra or {},
     }
-    with _quiet_single_process():
-        dcp.save(state, checkpoint_id=str(tmp))
+    try:
+        with _quiet_single_process():
+            dcp.save(state, checkpoint_id=str(tmp))
+    except (CheckpointException, Exception) as e:  # DCP's is a BaseException
+        raise write_failed(e, root, tmp) from e
     _dist.barrier()
     written = files.fingerprint(tmp, skip=(record.FILE,))
     if _dist.rank() == 0:
@@ -185,6 +220,13 @@ def _write(root, step, model, optimizer, extra, flatten, run_id, meta, keep) -> 
             "meta": meta,
         }
         record.write(tmp, info)
+        if final.exists() and not _complete(final):  # a stray of that name: kept aside
+            stray = final.with_name(final.name + ".stray")
+            n = 1
+            while stray.exists():
+                stray, n = final.with_name(f"{final.name}.stray-{n}"), n + 1
+            os.replace(final, stray)
+            warnings.warn(f"{final} was not a checkpoint: moved to {stray.name}", stacklevel=3)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for _, old in list_checkpoints(root)[:-keep]:
@@ -194,10 +236,11 @@ def _write(root, step, model, optimizer, extra, flatten, run_id, meta, keep) -> 
     return final
 
 
-def _warn_once(message: str) -> None:
+def _warn_once(message: str, stacklevel: int = 4) -> None:
+    """Warn (default: at the caller of load_checkpoint) once per process per message."""
     if message not in _WARNED:
         _WARNED.add(message)
-        warnings.warn(message, stacklevel=4)  # the caller of load_checkpoint
+        warnings.warn(message, stacklevel=stacklevel)
 
 
 def _check(
@@ -261,20 +304,14 @@ def _optimizer_state(
 ) -> dict[str, Any]:
     """The optimizer's state dict to load into. DCP's helper creates the state of an
     optimizer that has none (a zero-gradient step); a checkpoint without a record is then
-    compared with it, and a refusal removes that state again."""
-    fresh = not optimizer.state
+    compared with it (a refusal removes that state again: :func:`load_checkpoint`)."""
     state = get_optimizer_state_dict(model, optimizer, options=_options(flatten))
     if metadata is not None:
         all_options = getattr(type(optimizer), "all_options", None)
         options = all_options() if callable(all_options) else None
-        try:
-            layout.check(folder, metadata, state, "optim", exact=False)
-            with _quiet_single_process():
-                layout.check_options(folder, state, options)
-        except CheckpointError:
-            if fresh:
-                optimizer.state.clear()
-            raise
+        layout.check(folder, metadata, state, "optim", exact=False)
+        with _quiet_single_process():
+            layout.check_options(folder, state, options)
     return state
 
 
@@ -304,13 +341,27 @@ def load_checkpoint(
     folder = _folder(root, step)
     if folder is None:
         return None
+    extra = dict(extra or {})
     saved = read(folder)
     model_state = get_model_state_dict(model)
     intact, metadata = _check(folder, saved, model, optimizer, model_state, verify)
+    fresh = not optimizer.state
+    try:
+        extra = _load(folder, model, optimizer, model_state, extra, flatten, metadata, intact)
+    except BaseException:
+        if fresh:  # the state DCP's zero-gradient step made: a refused load leaves none
+            optimizer.state.clear()
+        raise
+    runs.remember(optimizer, saved["run_id"] if saved is not None else new_run_id(), Path(root))
+    return extra
+
+
+def _load(folder, model, optimizer, model_state, extra, flatten, metadata, intact) -> dict:
+    """DCP reads ``folder`` into the model, the optimizer and ``extra``; returns ``extra``."""
     state = {
         "model": model_state,
         "optim": _optimizer_state(model, optimizer, flatten, folder, metadata),
-        "extra": dict(extra or {}),
+        "extra": extra,
     }
     try:
         with _quiet_single_process():
@@ -324,5 +375,4 @@ def load_checkpoint(
         raise
     except (KeyError, RuntimeError, ValueError) as e:
         raise CheckpointMismatch(f"checkpoint {folder} does not fit: {e}", folder) from e
-    runs.remember(optimizer, saved["run_id"] if saved is not None else new_run_id(), Path(root))
     return state["extra"]

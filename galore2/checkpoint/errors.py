@@ -2,9 +2,9 @@
 or saved into (another process is saving there).
 
 All are ``Exception`` subclasses naming the folder (``path``). DCP reports its own load
-failures as ``CheckpointException``, a ``BaseException`` that ``except Exception`` misses
-and whose message names neither the folder nor the cause: :func:`from_dcp` turns it into
-one of these.
+and save failures as ``CheckpointException``, a ``BaseException`` that ``except
+Exception`` misses and whose message names neither the folder nor the cause:
+:func:`from_dcp` and :func:`write_failed` turn it into one of these.
 """
 
 from __future__ import annotations
@@ -62,13 +62,27 @@ def _damage(exc: BaseException) -> bool:
     return isinstance(exc, _DAMAGE) or any(s in str(exc) for s in _DAMAGE_TEXT)
 
 
+def _text(found: list[BaseException]) -> str:
+    text = "; ".join(dict.fromkeys(f"{type(e).__name__}: {e}" for e in found))
+    return " ".join((text[:600] + " ..." if len(text) > 600 else text).split())
+
+
+def write_failed(exc: BaseException, root: Path, tmp: Path) -> CheckpointError:
+    """A DCP save failure (a file where its temporary folder goes, a full disk...) as a
+    :class:`CheckpointError` naming the folder and the cause: the checkpoints already in
+    ``root`` are untouched (nothing is renamed or pruned before the write succeeds)."""
+    return CheckpointError(
+        f"cannot save a checkpoint into {root}: writing {tmp.name} failed "
+        f"({_text(causes(exc))}); the checkpoints already there are untouched",
+        root,
+    )
+
+
 def from_dcp(exc: BaseException, folder: Path, intact: bool) -> CheckpointError:
     """A DCP load failure as :class:`CheckpointCorrupt` (read errors, unless the files were
     just verified against their recorded checksums) or :class:`CheckpointMismatch`."""
     found = causes(exc)
-    text = "; ".join(dict.fromkeys(f"{type(e).__name__}: {e}" for e in found))
-    if len(text) > 600:
-        text = text[:600] + " ..."
+    text = _text(found)
     if not intact and any(_damage(e) for e in found):
         return CheckpointCorrupt(
             f"checkpoint {folder} cannot be read (damaged files): {text}", folder

@@ -10,10 +10,11 @@ its state), by the two calls that tie it to a folder:
 * :func:`galore2.checkpoint.save_checkpoint` — the run it saved under.
 
 A save without an explicit ``run_id`` into a folder that already holds checkpoints is
-accepted only from an optimizer tied to the run of the folder's newest checkpoint (the run
-that saved there, or resumed from there, in this process). Anything else — another model
-or optimizer, or a fresh run of the same architecture that never loaded from the folder —
-is refused before anything is written or pruned: it would otherwise take over the run's
+accepted only from an optimizer tied to that folder and to the run of its newest
+checkpoint (the run that saved there, or resumed from there, in this process): an
+optimizer loaded from a copy of the folder belongs to the copy, not to the original.
+Anything else — another model or optimizer, or a fresh run of the same architecture that
+never loaded from the folder — is refused before anything is written or pruned: it would otherwise take over the run's
 id and prune its checkpoints. ``run_id=`` names the run explicitly (the recipe does: it
 compares the job with the checkpoint's recorded configuration itself).
 
@@ -130,11 +131,12 @@ def _implicit(
     newest_step, newest = existing[-1]
     held = by_step[newest_step]
     if origin is not None:
-        if held == origin.run_id or (held is None and origin.root == root.resolve()):
+        here = _same_folder(origin.root, root)
+        if here and held in (origin.run_id, None):
             return origin.run_id
         why = (
             f"this optimizer belongs to run {origin.run_id} (it last saved into or loaded "
-            f"from {origin.root})"
+            f"from {origin.root}{'' if here else ', another folder'})"
         )
     else:
         why = "this optimizer neither saved into that folder nor was loaded from it"
@@ -148,17 +150,38 @@ def _implicit(
     )
 
 
+def _same_folder(a: Path, b: Path) -> bool:
+    """Are ``a`` and ``b`` one folder (not a copy of it: another path to the same one, a
+    symlink, is the same folder)?"""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them is gone
+        return Path(a).resolve() == Path(b).resolve()
+
+
+#: what a busy checkpoint folder's error says the other process does, and what to do
+SAVING = (
+    "saving a checkpoint into",
+    "A checkpoint folder holds one run: save into another folder, or wait for that save to "
+    "finish",
+)
+
+
 @contextmanager
-def writer_lock(root: Path) -> Iterator[None]:
-    """Hold ``root/.lock`` exclusively for a save (rank 0 takes it; every rank learns the
-    outcome). :class:`CheckpointBusy` naming the lock when another process holds it."""
+def writer_lock(root: Path, doing: tuple[str, str] = SAVING) -> Iterator[None]:
+    """Hold ``root/.lock`` exclusively (rank 0 takes it; every rank learns the outcome):
+    for a save, or (the recipe) for a whole run. :class:`CheckpointBusy` naming the folder
+    and the process holding the lock when another one does (``doing``: what it is doing,
+    and the advice); :class:`CheckpointError` when ``root/.lock`` cannot be a lock file (a
+    folder of that name). A lock left by a process that died is taken over (``flock``)."""
     fd, problem = None, None
     if _dist.rank() == 0 and fcntl is not None:
         root.mkdir(parents=True, exist_ok=True)
-        fd, problem = _acquire(root / LOCK)
+        fd, problem = _acquire(root / LOCK, doing)
     problem = _dist.gather(problem)[0]
     if problem is not None:
-        raise CheckpointBusy(problem, root)
+        busy, text = problem
+        raise (CheckpointBusy if busy else CheckpointError)(text, root)
     try:
         yield
     finally:
@@ -166,21 +189,27 @@ def writer_lock(root: Path) -> Iterator[None]:
             _release(root / LOCK, fd)
 
 
-def _acquire(path: Path) -> tuple[int | None, str | None]:
-    """(fd, None) holding ``path``'s lock, or (None, why not)."""
+def _acquire(path: Path, doing: tuple[str, str]) -> tuple[int | None, tuple[bool, str] | None]:
+    """(fd, None) holding ``path``'s lock, or (None, (held by another process?, why not))."""
     for _ in range(3):  # the holder may unlink the file between our open and flock
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a folder of that name, a file we may not write...
+            what = "it is a folder" if path.is_dir() else (e.strerror or str(e))
+            return None, (False, (
+                f"cannot lock {path} ({what}): a writer of {path.parent} holds this file "
+                "while it writes there; remove or rename it (it is not part of any "
+                "checkpoint) and try again"
+            ))  # fmt: skip
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
-            return None, (
-                f"another process is saving a checkpoint into {path.parent} ({holder}holds "
-                f"{path}); two writers in one folder would overwrite each other's files. "
-                "A checkpoint folder holds one run: save into another folder, or wait for "
-                "that save to finish"
-            )
+            return None, (True, (
+                f"another process is {doing[0]} {path.parent} ({holder}holds {path}); two "
+                f"writers in one folder would overwrite each other's files. {doing[1]}"
+            ))  # fmt: skip
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
         except FileNotFoundError:
@@ -190,7 +219,7 @@ def _acquire(path: Path) -> tuple[int | None, str | None]:
             os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
             return fd, None
         os.close(fd)  # locked a file that was just removed: try the new one
-    return None, f"cannot lock {path}: it keeps being replaced"
+    return None, (True, f"cannot lock {path}: it keeps being replaced")
 
 
 def _holder(fd: int) -> str:

@@ -91,7 +91,7 @@ class CapturedStep:
                 "CapturedStep: this optimizer's steps cannot be replayed from a CUDA graph: "
                 + "; ".join(problems)
             )
-        if warmup < 1:
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
             raise ValueError(f"CapturedStep: warmup must be an int >= 1, got {warmup!r}")
         self.optimizer = optimizer
         self.warmup = warmup
@@ -181,18 +181,10 @@ class CapturedStep:
         ]
 
     def _refresh_due(self) -> bool:
-        """Would the next step refresh a basis (a module's ``refresh_due(state, group)``:
-        GaLore's schedule) or create state? Then it runs eagerly."""
-        opt = self.optimizer
-        askers = [m.refresh_due for m in walk(opt._all_modules) if hasattr(m, "refresh_due")]
-        for g in opt.param_groups:
-            for p in g["params"]:
-                state = opt.state.get(p)
-                if not state:
-                    return True
-                if any(ask(state, g) for ask in askers):
-                    return True
-        return False
+        """Would the next step refresh a basis or create state (the optimizer's
+        ``due_for_refresh``: GaLore's schedule, edits of ``update_proj_gap`` included)?
+        Then it runs eagerly."""
+        return bool(self.optimizer.due_for_refresh())
 
     def _same_tensors(self) -> bool:
         """Does the captured graph still address this step's tensors? Gradients are checked

@@ -372,6 +372,22 @@ class ChainOptimizer(torch.optim.Optimizer):
             if not self.state[p]:
                 self._init_param_state(p, group, index)
 
+    def due_for_refresh(self) -> list[Tensor]:
+        """The parameters whose next ``step()`` refreshes a basis (a module's
+        ``refresh_due(state, group)``: GaLore's schedule, the predicate its step uses) or
+        creates their state. The schedule is first brought up to date with edited options
+        (``update_proj_gap``…) exactly as ``step()`` does, so an edit between steps is
+        seen here too (:class:`~galore2.core.capture.CapturedStep` runs those steps
+        eagerly)."""
+        self._check_settings(self.param_groups)  # as step() does first: edits re-planned
+        askers = [m.refresh_due for m in walk(self._all_modules) if hasattr(m, "refresh_due")]
+        return [
+            p
+            for g in self.param_groups
+            for p in g["params"]
+            if not self.state.get(p) or any(ask(self.state[p], g) for ask in askers)
+        ]
+
     def _check_settings(self, groups: Sequence[dict[str, Any]]) -> None:
         """Options changed in ``groups`` since the state was made: a state-shaping one is
         refused, a cached one re-planned (:class:`~galore2.core.resume.Settings`)."""

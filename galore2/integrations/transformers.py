@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import transformers
@@ -65,10 +65,23 @@ def parse_optim_args(optim_args: str | None, optimizer_cls: type = GaLoreAdamW) 
     quoting the text as given.
     """
     out: dict[str, Any] = {}
-    if not optim_args:
+    if optim_args is None or optim_args == "":
         return out
+    if not isinstance(optim_args, str):
+        raise TypeError(
+            f"optim_args must be a string like 'rank=128,update_proj_gap=200' (the Trainer's "
+            f"TrainingArguments.optim_args), got a {type(optim_args).__name__}: "
+            f"{optim_args!r}; pass a dict as galore_settings instead"
+        )
     options = allowed_settings(optimizer_cls)
     where = f"optim_args={optim_args!r}"
+    depth = 0
+    for ch in optim_args:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth < 0:
+            break
+    if depth:
+        raise ValueError(f"{where}: unbalanced parentheses (a pair is written betas=(0.9,0.95))")
     entries: dict[str, str] = {}
     for item in _split_items(optim_args):
         key, sep, value = (part.strip() for part in item.partition("="))
@@ -197,6 +210,19 @@ def _optimizer_class(optimizer_cls: type | str | None) -> type:
             "the Trainer's own `optim` argument"
         )
     return cls
+
+
+def _settings_dict(settings: Any) -> dict[str, Any]:
+    """``galore_settings`` as a dict; ``TypeError`` for anything but a mapping of names."""
+    if settings is None:
+        return {}
+    if not isinstance(settings, Mapping) or not all(isinstance(k, str) for k in settings):
+        raise TypeError(
+            "galore_settings must be a dict of option names to values, e.g. "
+            f"{{'rank': 128, 'update_proj_gap': 200}}; got a {type(settings).__name__}: "
+            f"{settings!r} (a 'rank=128,...' string goes in TrainingArguments.optim_args)"
+        )
+    return dict(settings)
 
 
 def _check_settings(settings: dict[str, Any], source: str, optimizer_cls: type) -> None:
@@ -345,7 +371,8 @@ def optimizer_cls_and_kwargs(
 
     Everything is checked now, before the Trainer exists: with a ``model``, by building
     (and discarding) the optimizer on it; with ``model=None`` (a ``model_init`` Trainer),
-    the keys and values of ``galore_settings`` and ``optimizer_cls``. The returned
+    the keys and values of ``galore_settings`` and of ``args.optim_args``, and
+    ``optimizer_cls``. The returned
     ``kwargs`` are plain (``args``, ``optimizer_cls``, ``optimizer_kwargs``, then the
     settings) and are not consumed, so the pair may be given to several Trainers.
     """
@@ -355,8 +382,10 @@ def optimizer_cls_and_kwargs(
         "optimizer_kwargs": dict(optimizer_kwargs or {}),
         **galore_settings,
     }
-    if model is None:
-        _check_settings(galore_settings, "galore_settings", kwargs["optimizer_cls"])
+    if model is None:  # what can be checked without a model: every setting from both places
+        cls = kwargs["optimizer_cls"]
+        _check_settings(galore_settings, "galore_settings", cls)
+        parse_optim_args(getattr(args, "optim_args", None), cls)
     else:
         OptimizerFactory()(model, **kwargs)
     return OptimizerFactory, kwargs
@@ -387,7 +416,7 @@ class GaLoreTrainer(transformers.Trainer):
                 "optimizer_cls_and_kwargs to transformers.Trainer instead"
             )
         cls = _optimizer_class(optimizer_cls)
-        self.galore_settings = dict(galore_settings or {})
+        self.galore_settings = _settings_dict(galore_settings)
         self.galore_optimizer = (cls, dict(optimizer_kwargs or {}))
         _check_settings(self.galore_settings, "galore_settings", cls)
         super().__init__(*args, **kwargs)

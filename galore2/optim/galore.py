@@ -573,7 +573,7 @@ class GaLore(Transform):
         projection = projection_for(group, plan, ctx.global_shape)
         G = projection.matrix(u)  # this rank's rows; a Tucker weight keeps its N-d shape
         step = int(state["galore.step"])
-        if step >= int(state["galore.next_refresh"]) and not ctx.refreshed:
+        if self.refresh_due(state, group) and not ctx.refreshed:
             self.refresh(G, state, group, plan, step, index=ctx.index)
         return projection, projection.project(G, state)
 
@@ -625,7 +625,7 @@ class GaLore(Transform):
             side = int(state["galore.side"])
             if side in (NONE, TUCKER) or not ctx.placement.distributed:
                 continue  # Tucker weights refresh per tensor (one gather for all modes)
-            if int(state["galore.step"]) < int(state["galore.next_refresh"]):
+            if not self.refresh_due(state, group):
                 continue
             plan = self.plan(state, group, ctx)
             scaled = projector.refresh_input(u.reshape(-1, plan.n), plan)
@@ -690,7 +690,11 @@ class GaLore(Transform):
 
     def refresh_due(self, state: State, group: Group) -> bool:
         """Is a projected parameter due for a refresh at its next step (its host counters)?
-        A :class:`~galore2.core.capture.CapturedStep` runs that step eagerly."""
+        The one predicate of the schedule: the step refreshes exactly when it holds (the
+        batched path compares the same counters in bulk: ``BatchPlan.due``), and a
+        :class:`~galore2.core.capture.CapturedStep` runs that step eagerly (through the
+        optimizer's ``due_for_refresh``, which re-plans an edited gap first, as the step
+        does)."""
         due = state.get("galore.next_refresh")
         return due is not None and int(state["galore.step"]) >= int(due)
 

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .formulas import SIZE_NAMES, missing_sizes
+
 __all__ = ["Source", "build_model", "load"]
 
 #: how a recipe config is planned (the recipe passes its resolved config down)
@@ -85,7 +87,12 @@ def _resolve(spec: str) -> Path:
 
 def _hf(path: Path) -> Source:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(
+            f"CONFIG {str(path)!r}: not a text file (not UTF-8); expected a Hugging Face "
+            "config.json"
+        ) from None
     except json.JSONDecodeError as e:
         raise ValueError(f"CONFIG {str(path)!r}: not valid JSON ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
@@ -98,6 +105,13 @@ def _hf(path: Path) -> Source:
         raise ValueError(
             f"CONFIG {str(path)!r}: model_type {model_type!r} is unknown to transformers "
             f"{transformers.__version__}"
+        )
+    missing = missing_sizes(data)
+    if missing:  # transformers would plan its class defaults (Llama-7B) without a word
+        raise ValueError(
+            f"CONFIG {str(path)!r}: the model's sizes are missing: {', '.join(missing)} "
+            f"(the planner needs {', '.join(n[0] for n in SIZE_NAMES.values())} or their "
+            "aliases; the model's own defaults would plan another model)"
         )
     try:
         config = transformers.AutoConfig.for_model(model_type, **data)

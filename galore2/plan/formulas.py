@@ -56,6 +56,31 @@ def _field(config: Any, *names: str) -> Any:
     return _named(config, *names)[1]
 
 
+#: each size a model config must give, by the names configs use for it (the first is
+#: Hugging Face's own); GPT-2's ``n_inner`` may be null (4 × hidden size)
+SIZE_NAMES: dict[str, tuple[str, ...]] = {
+    "vocab_size": ("vocab_size",),
+    "dim": ("hidden_size", "n_embd", "d_model"),
+    "n_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "n_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "ffn_dim": ("intermediate_size", "n_inner", "ffn_dim"),
+}
+#: sizes a config may leave out (the model's own rule: as many kv heads as heads...)
+OPTIONAL_SIZE_NAMES: dict[str, tuple[str, ...]] = {
+    "n_kv_heads": ("num_key_value_heads",),
+    "head_dim": ("head_dim",),
+}
+
+
+def missing_sizes(data: dict[str, Any]) -> list[str]:
+    """The sizes a config's JSON ``data`` leaves out (its ``text_config`` for a multimodal
+    one), each as its names joined by '/': transformers would fill them with its class's
+    defaults (a Llama config without sizes is Llama-7B)."""
+    text = data.get("text_config")
+    keys = set(data) | (set(text) if isinstance(text, dict) else set())
+    return ["/".join(names) for names in SIZE_NAMES.values() if not keys & set(names)]
+
+
 def _named(config: Any, *names: str) -> tuple[str, Any]:
     """The first of ``names`` that ``config`` sets, and its value (``names[0]``, None)."""
     for name in names:
@@ -111,13 +136,7 @@ class Shapes:
         if callable(getattr(config, "get_text_config", None)):
             config = config.get_text_config()
         named = {
-            "vocab_size": _named(config, "vocab_size"),
-            "dim": _named(config, "hidden_size", "n_embd", "d_model"),
-            "n_layers": _named(config, "num_hidden_layers", "n_layer", "num_layers"),
-            "n_heads": _named(config, "num_attention_heads", "n_head", "num_heads"),
-            "ffn_dim": _named(config, "intermediate_size", "n_inner", "ffn_dim"),
-            "n_kv_heads": _named(config, "num_key_value_heads"),
-            "head_dim": _named(config, "head_dim"),
+            k: _named(config, *names) for k, names in {**SIZE_NAMES, **OPTIONAL_SIZE_NAMES}.items()
         }
         fields = {k: v for k, (_, v) in named.items()}
         dim = fields["dim"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .planner import OPTIMIZERS, Row
-from .units import UNITS, format_size
+from .units import UNITS, format_budget, format_size
 
 __all__ = ["Report"]
 
@@ -82,7 +82,7 @@ class Report:
     def table(self, world: int) -> str:
         """The Markdown table of world size ``world``."""
         u, budget = self.unit, self.gpu_memory
-        fit = f"fits {format_size(budget, u, 0)} {u}"
+        fit = f"fits {format_budget(budget, u)} {u}"
         head = ["optimizer", "per-layer", "act. ckpt", "weights", "grads", "state",
                 "activations", "total", fit]  # fmt: skip
         lines = ["| " + " | ".join(head) + " |", "|---" * 3 + "|--:" * 5 + "|---|"]

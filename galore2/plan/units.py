@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["UNITS", "format_size", "parse_size", "size_unit"]
+__all__ = ["UNITS", "format_budget", "format_size", "parse_size", "size_unit"]
 
 #: bytes per unit, by its lower-case name
 UNITS = {
@@ -53,3 +53,9 @@ def size_unit(text: str) -> str:
 def format_size(n: int, unit: str = "GB", digits: int = 2) -> str:
     """``n`` bytes in ``unit`` (a key of :data:`UNITS`, any case), without the unit name."""
     return f"{n / UNITS[unit.lower()]:.{digits}f}"
+
+
+def format_budget(n: int, unit: str = "GB") -> str:
+    """A budget of ``n`` bytes in ``unit`` as it was written: ``1.5`` for 1.5 GB, ``24``
+    for 24 GB — never rounded to another figure (up to 6 significant digits)."""
+    return f"{n / UNITS[unit.lower()]:.6g}"
