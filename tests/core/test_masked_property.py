@@ -163,8 +163,9 @@ EXAMPLES = {
     "19": ("galore_adafactor_beta1", "keep", True,
            [(ALL, None), (ALL, "p"), (ALL, "q"), (ALL, "t2")]),
     # 20: one parameter loses its gradient while another regains it (same count)
+    # (t1 and t2 share a shape; then w1 of another shape is the one missing)
     "20": ("galore_adamw", "reset", True,
-           [(ALL - {"t1"}, None), (ALL - {"t2"}, "w2"), (ALL - {"t1"}, "s1"), (ALL, None)]),
+           [(ALL - {"t1"}, None), (ALL - {"t2"}, "t1"), (ALL - {"w1"}, "s1"), (ALL, "w2")]),
     # 21: a NaN in a member of the second shape batch
     "21": ("fira", "keep", True, [(ALL, None), (ALL, "w2"), (ALL, None), (ALL, "w1")]),
 }  # fmt: skip
