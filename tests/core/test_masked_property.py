@@ -16,12 +16,13 @@ copied with ``capturable`` switched off, both step on the same gradients, and th
   in :mod:`galore2.core.nonfinite`: they advance as the others'), host ones included;
 * the skips are counted for the same parameters.
 
-Float64 parameters and state: the two paths differ only by rounding (device bias
-corrections, a multiply by 1.0), a few units of float64's 2⁻⁵³ per operation, grown by
-the step's arithmetic (Newton–Schulz's quintic, a refresh's SVD on these well-separated
-random matrices: below 10⁴ here); :data:`RTOL` = 1e-9 ≈ 10⁷ units leaves three orders of
-magnitude on any CPU and thread count, while a wrong flag moves a value by a step's
-update (lr = 1e-2 of its scale).
+Float64 parameters and state: the two paths differ by rounding only. Where both batch
+the same tensors that is a few units of float64's 2⁻⁵³ per operation; where the skip step
+batches differently (a masked matrix leaves its shape batch, whose other members then go
+through the per-tensor path) the projections run at ``proj_precision="fp32"``, so one
+float32 rounding, 2⁻²⁴ relative, bounds the difference (measured: 7e-9 on APOLLO's norm
+limiter). :data:`RTOL` = 2⁻²⁴; a wrong flag moves a value by a step's update (lr = 1e-2
+of its scale), five orders of magnitude more.
 
 Stable weight decay is off here (σ counts a masked parameter's unchanged second moment
 on the masked path: a documented difference, see :mod:`galore2.core.nonfinite`);
@@ -43,7 +44,7 @@ from galore2.core.nonfinite import SKIPS
 
 from .test_properties import budget
 
-RTOL = 1e-9  # see the module docstring
+RTOL = 2.0**-24  # see the module docstring
 NAMES = ("t1", "t2", "w1", "w2", "s1", "s2", "p", "q", "bias", "norm")
 SHAPES = {
     "t1": (8, 6), "t2": (8, 6),  # tall: right-projected, one shape batch
@@ -141,9 +142,10 @@ def run(rule: str, mode: str, foreach: bool | None, steps: list[tuple[frozenset,
                     assert int(got) == int(value) + ahead, (where, key, int(got), int(value))
                 elif stepped:
                     assert _close(got.cpu(), value.cpu()), (where, key)
-                else:
-                    assert torch.equal(got, before[n][1][key]), (where, key)
-                    assert torch.equal(value, before[n][1][key]), (where, key)
+                else:  # as it was (or as both made it: a first step's state)
+                    assert torch.equal(got, before[n][1].get(key, value)), (where, key)
+                    assert torch.equal(value, before[n][1].get(key, value)), (where, key)
+                    assert torch.equal(got, value), (where, key)
 
 
 ALL = frozenset(NAMES)
