@@ -155,12 +155,16 @@ EXAMPLES = {
     # 15b: the parameter at a position changes, with other state keys (left vs right basis)
     "15b": ("galore_adamw", "keep", True,
             [(ALL - {"t2"}, None), (ALL - {"s1"}, None), (ALL - {"t1"}, "w1"), (ALL, None)]),
-    # 16: a bucket of one parameter's two tensors in a 2-parameter group (owners [0, 0])
-    "16": ("galore_adamw", "reset", True, [(ALL, None), (ALL, "q"), (ALL, None), (ALL, "q")]),
-    # 17: a NaN in a dense parameter (the plain group), stepped alone and batched
-    "17": ("galore_adamw", "keep", True, [(ALL, None), (ALL, "norm"), (ALL, "bias"), (ALL, None)]),
-    # 18: Muon's momentum and the right basis of a square matrix share a shape
-    "18": ("galore_muon", "keep", True, [(ALL, None), (ALL, "s2"), (ALL, None), (ALL, "s1")]),
+    # 16: a bucket of one parameter's two tensors in a 2-parameter group (owners [0, 0]):
+    # p's Adam moments, the snapshot's on a refresh step (the 3rd) with "reset"
+    "16": ("galore_adamw", "reset", True, [(ALL, None), (ALL, "q"), (ALL, "q"), (ALL, None)]),
+    # 17: a NaN in a dense parameter (the plain group) that is not the first of its chunk's
+    # updates: per tensor (norm: position 1 of a chunk of one) and batched
+    "17": ("galore_adamw", "keep", None, [(ALL, None), (ALL, "norm"), (ALL, "bias"), (ALL, None)]),
+    "17b": ("galore_adamw", "keep", True, [(ALL, None), (ALL, "norm"), (ALL, "bias"), (ALL, None)]),
+    # 18: Muon's momentum of a square matrix and the bases share a shape (one bucket per
+    # tensor: none stacked by GaLore), the bases skipped on a non-refresh step
+    "18": ("galore_muon", "keep", None, [(ALL, None), (ALL, "s2"), (ALL, None), (ALL, "s1")]),
     # 19: Adafactor's state of a unique shape (unstacked bucket)
     "19": ("galore_adafactor_beta1", "keep", True,
            [(ALL, None), (ALL, "p"), (ALL, "q"), (ALL, "t2")]),
