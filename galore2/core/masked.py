@@ -116,7 +116,8 @@ class MaskedStep:
     and updates: entering saves the snapshot (but the buckets of ``skip``: this step's
     masked keys) and gives each direction its flag (``Context.mask``); a clean exit puts
     the masked parameters' state back and keeps the flags for the weight modules (cleared
-    by :meth:`unmask`); every exit clears the :func:`premasked` marks. ``grads``: the masked gradients the chain steps on;
+    by :meth:`unmask`); every exit clears the :func:`premasked` marks. ``grads``: the
+    masked gradients the chain steps on;
     ``decays``: each parameter's decay factor (0-d, exactly 1 where masked; None: no decay)."""
 
     __slots__ = ("ctxs", "decays", "flags", "grads", "skip", "snapshot")
