@@ -691,15 +691,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         "not their parameter's (a NaN in a bias or norm gain)",
     ),
     Mutation(
-        "masked_bucket_unsaved_if_any_key_skipped",
-        "galore2/core/masked.py",
-        "None if b.keys <= skip",
-        "None if b.keys & skip",
-        ("tests/core/test_masked_property.py::test_masked_step_is_the_skip_step_on_each_finding[18]",),
-        "issue 39 #18: a snapshot bucket is left unsaved when any of its keys is skipped "
-        "(GaLoreMuon: a square matrix's momentum shares a shape with its right basis)",
-    ),
-    Mutation(
         "masked_unstacked_not_written_back",
         "galore2/core/masked.py",
         "                torch._foreach_copy_(b.tensors, list(current.unbind()))",
