@@ -82,7 +82,7 @@ def _build(rule: str, mode: str, foreach: bool | None) -> tuple[dict, torch.opti
               for n in NAMES}  # fmt: skip
     name, options = RULES[rule]
     low_rank = {} if rule == "ranger21" else {**GALORE, "moments_on_refresh": mode}
-    if rule != "apollo":  # exact SVD: fast on these sizes (APOLLO's bases are random)
+    if rule not in ("apollo", "ranger21"):  # exact SVD: fast on these sizes (APOLLO's bases are random)
         low_rank["projector"] = "svd"
     groups = [{"params": [params[n] for n in GROUPS[0]], **low_rank},
               {"params": [params[n] for n in GROUPS[1]], **low_rank},
