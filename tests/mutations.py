@@ -747,6 +747,95 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/core/test_foreach.py",),
         "a batch's host step counters advance by two per step (its bias corrections run ahead)",
     ),
+    Mutation(
+        "snapshot_fits_keyerror",
+        "galore2/core/masked.py",
+        "_entry = dict.get  # None",
+        "_entry = dict.__getitem__  # None",
+        ("tests/core/test_capturable.py::test_snapshot_fits_answers_false_for_another_parameter_at_a_position",),
+        "issue 39 15b: Snapshot.fits raises KeyError when the parameter at a position has "
+        "other state keys (a changed set of parameters with gradients)",
+    ),
+    Mutation(
+        "masked_bucket_every_by_length",
+        "galore2/core/masked.py",
+        "every = list(owners) == list(range(flags))",
+        "every = len(owners) == flags",
+        ("tests/core/test_masked_property.py::test_masked_step_is_the_skip_step_on_each_finding[16]",),
+        "issue 39 #16: a snapshot bucket whose owner list has as many entries as the group "
+        "has flags is taken as every flag in order (a 2-parameter group: one parameter's "
+        "two moments)",
+    ),
+    Mutation(
+        "masked_dense_flag_by_chunk_index",
+        "galore2/core/masked.py",
+        "[oks[positions[j]] for j in rest]",
+        "[oks[j] for j in rest]",
+        ("tests/core/test_masked_property.py::test_masked_step_is_the_skip_step_on_each_finding[17]",),
+        "issue 39 #17: unstacked dense updates take the flag at their index in the chunk, "
+        "not their parameter's (a NaN in a bias or norm gain)",
+    ),
+    Mutation(
+        "masked_unstacked_not_written_back",
+        "galore2/core/masked.py",
+        "                torch._foreach_copy_(b.tensors, list(current.unbind()))",
+        "                pass",
+        ("tests/core/test_masked_property.py::test_masked_step_is_the_skip_step_on_each_finding[19]",),
+        "issue 39 #19: an unstacked snapshot bucket is restored into a copy never written "
+        "back (Adafactor's state of a unique shape; every bucket under FSDP)",
+    ),
+    Mutation(
+        "masked_grad_buckets_kept",
+        "galore2/core/optimizer.py",
+        "flags.write(ok, bad, batch.reused)",
+        "flags.write(ok, bad, True)",
+        ("tests/core/test_masked_property.py::test_masked_step_is_the_skip_step_on_each_finding[20]",),
+        "issue 39 #20: the gradients' buckets kept while the set of parameters with "
+        "gradients changes at the same count",
+    ),
+    Mutation(
+        "masked_skip_counter_kept",
+        "galore2/core/optimizer.py",
+        "key = self._skip_keys.get(batch.key) if batch.reused else None",
+        "key = self._skip_keys.get(batch.key)",
+        ("tests/core/test_masked_property.py::test_masked_step_is_the_skip_step_on_each_finding[20]",),
+        "issue 39 #20: the device skip counter kept while the set of parameters with "
+        "gradients changes at the same count (skips charged to the wrong parameter)",
+    ),
+    Mutation(
+        "stacked_first_batch_flags",
+        "galore2/optim/galore.py",
+        "view = flags[start : start + k]",
+        "view = flags[:k]",
+        ("tests/core/test_masked_property.py::test_masked_step_is_the_skip_step_on_each_finding[21]",),
+        "issue 39 #21: every stacked entry takes the first shape batch's flags (a NaN in a "
+        "member of the second batch)",
+    ),
+    Mutation(
+        "masked_host_counters_snapshotted",
+        "galore2/core/optimizer.py",
+        "                and not _counter(t)\n",
+        "",
+        ("tests/core/test_masked_property.py::test_masked_step_is_the_skip_step_on_each_finding[21]",),
+        "issue 39 #22: host counters (galore.step, next_refresh) snapshotted and put back "
+        "for a masked parameter on the CPU (documented: step counters advance)",
+    ),
+    Mutation(
+        "norm_loss_moves_masked",
+        "galore2/optim/weights.py",
+        "            scale = masked_factor(scale, spread)",
+        "            pass",
+        ("tests/core/test_capturable.py::test_ranger21_weight_modules_leave_a_masked_parameter",),
+        "issue 39 item 1: batched norm loss moves a masked parameter's weights",
+    ),
+    Mutation(
+        "stable_decay_moves_masked",
+        "galore2/optim/weights.py",
+        "factors = masked_factor(factor, masks).unbind()",
+        "factors = masked_factor(factor, None).expand(len(ctxs)).unbind()",
+        ("tests/core/test_capturable.py::test_ranger21_weight_modules_leave_a_masked_parameter",),
+        "issue 39 item 1: batched stable weight decay moves a masked parameter's weights",
+    ),
 )
 
 

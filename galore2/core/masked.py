@@ -115,8 +115,9 @@ class MaskedStep:
     """One batch's masked step (``capturable=True``), a context manager around its chain
     and updates: entering saves the snapshot (but the buckets of ``skip``: this step's
     masked keys) and gives each direction its flag (``Context.mask``); a clean exit puts
-    the masked parameters' state back; every exit clears the flags and the
-    :func:`premasked` marks. ``grads``: the masked gradients the chain steps on;
+    the masked parameters' state back and keeps the flags for the weight modules (cleared
+    by :meth:`unmask`); every exit clears the :func:`premasked` marks. ``grads``: the
+    masked gradients the chain steps on;
     ``decays``: each parameter's decay factor (0-d, exactly 1 where masked; None: no decay)."""
 
     __slots__ = ("ctxs", "decays", "flags", "grads", "skip", "snapshot")
@@ -141,10 +142,17 @@ class MaskedStep:
 
     def __exit__(self, kind: Any, *_: Any) -> None:
         premasked_clear()
-        for ctx in self.ctxs:
-            ctx.mask = None
         if kind is None:
             self.snapshot.restore(self.flags.bad)
+        else:
+            self.unmask()
+
+    def unmask(self) -> None:
+        """Clear each direction's flag: after the weight modules (norm loss, stable weight
+        decay), which leave a masked parameter's weights as they are by its flag (the
+        optimizer calls it once they ran; :meth:`__exit__` on an exception)."""
+        for ctx in self.ctxs:
+            ctx.mask = None
 
 
 def _zeroed(x: Tensor, pick: _Flags, flags: FlagBuffer, inplace: bool) -> Tensor:
@@ -212,6 +220,25 @@ def premasked_clear() -> None:
     _PREMASKED.clear()
 
 
+def masked_factor(factor: Tensor, mask: Tensor | None) -> Tensor:
+    """``factor`` where ``mask`` (1.0 / 0.0, broadcast against it) is 1, exactly 1 where it
+    is 0 (``factor`` finite): a weight module's multiplier that leaves a masked parameter's
+    weights as they are; ``factor`` itself without a mask. Same bits where usable."""
+    if mask is None:
+        return factor
+    mask = mask.to(factor.dtype)
+    return torch.addcmul(torch.rsub(mask, 1), mask, factor)
+
+
+def stacked_masks(masks: Sequence[Tensor | None]) -> Tensor | None:
+    """The 0-d ``masks`` (contexts' flags) as one ``(k,)`` tensor, 1.0 for a None among
+    masked ones; None when none is masked (not a masked step)."""
+    first = next((m for m in masks if m is not None), None)
+    if first is None:
+        return None
+    return torch.stack([m if m is not None else torch.ones_like(first) for m in masks])
+
+
 def masked_updates(updates: list[Tensor], flags: FlagBuffer, positions: list[int]) -> list[Tensor]:
     """``updates[j]``, or zeros where parameter ``positions[j]`` is flagged unusable in
     ``flags`` (the batch's) — as they are when :func:`premasked` — : one masking
@@ -255,10 +282,15 @@ def masked_updates(updates: list[Tensor], flags: FlagBuffer, positions: list[int
     return out  # type: ignore[return-value]
 
 
-def usable_or_one(flags: Tensor, value: float, out: Tensor | None = None) -> Tensor:
+def usable_or_one(
+    flags: Tensor, value: float, out: Tensor | None = None, dtype: torch.dtype | None = None
+) -> Tensor:
     """``value`` where ``flags`` (1.0 / 0.0) is 1, exactly 1 where it is 0, in ``flags``'
-    dtype: a factor that leaves a masked direction's tensor as it is (a decay, a moment's
-    β₂). Where usable it is the dtype's rounding of ``value``, as a Python float's is."""
+    dtype (or ``dtype``: float64 for float64 weights): a factor that leaves a masked
+    direction's tensor as it is (a decay, a moment's β₂). Where usable it is the dtype's
+    rounding of ``value``, as a Python float's is."""
+    if dtype is not None and dtype != flags.dtype:
+        flags = flags.to(dtype)
     return torch.add(torch.rsub(flags, 1), flags, alpha=value, out=out)
 
 
@@ -373,7 +405,7 @@ def _split(
     return parts
 
 
-_entry = dict.__getitem__
+_entry = dict.get  # None where the key is gone: the snapshot does not fit
 
 
 def _pick(states: list[State], owners: list[int]) -> list[State]:

@@ -33,7 +33,10 @@ copy taken before the chain), so a non-refresh step makes no host read (CUDA gra
 no stall). Adam counts its steps on the device then (``adam.step``) and computes its bias
 corrections there. Differences from ``"skip"``: the step counters (Adam's, GaLore's
 refresh schedule, other rules' step counts) advance for a masked parameter as for the
-others, while its weights and other state are put back; the step copies the device
+others (host counters too: they are not put back), while its weights and other state
+are put back — the weight modules (norm loss, stable weight decay) leave its weights as
+they are by its flag, but stable weight decay's σ still counts its (unchanged) second
+moment, where the skip step leaves it out; the step copies the device
 state of the stepped parameters (transient memory of one more copy of it, see
 :mod:`galore2.core.masked`), but for the state a rule masks itself (Adam's float32
 moments: :meth:`~galore2.core.transform.Transform.masked_keys`); skips are counted on the

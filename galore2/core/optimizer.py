@@ -35,6 +35,7 @@ from __future__ import annotations
 import operator
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import chain as iter_chain
@@ -555,8 +556,7 @@ class ChainOptimizer(torch.optim.Optimizer):
             self._gather(group, found)
             for group, found in zip(self.param_groups, items, strict=True)
         ]
-        stepped = self._run(self._prepare([b for b in gathered if b is not None]))
-        run_param_transforms(self._param_transforms, self._chain, stepped, _chunks)
+        self._run_and_apply(self._prepare([b for b in gathered if b is not None]))
         return loss
 
     @torch.no_grad()
@@ -588,8 +588,15 @@ class ChainOptimizer(torch.optim.Optimizer):
             self._check_sparse()
         NonFinitePolicy.raise_if_any([group], lambda g: [(p, _real(grad), self._placement(p))])
         batch = self._gather(group, [(index, grad, p)])
-        stepped = self._run(self._prepare([batch] if batch is not None else []))
-        run_param_transforms(self._param_transforms, self._chain, stepped, _chunks)
+        self._run_and_apply(self._prepare([batch] if batch is not None else []))
+
+    def _run_and_apply(self, batches: list[_Batch]) -> None:
+        """:meth:`_run`, then the weight modules on the parameters stepped, with a masked
+        step's flags still set (each module leaves a masked parameter's weights as they are:
+        :func:`~galore2.core.masked.masked_factor`), cleared after."""
+        with ExitStack() as masks:
+            stepped = self._run(batches, masks)
+            run_param_transforms(self._param_transforms, self._chain, stepped, _chunks)
 
     def _gather(
         self, group: dict[str, Any], items: list[tuple[int, Tensor, Tensor]]
@@ -682,19 +689,20 @@ class ChainOptimizer(torch.optim.Optimizer):
         return [*owners], [*params], [*states], [*ctxs]
 
     def _run(
-        self, batches: list[_Batch]
+        self, batches: list[_Batch], masks: ExitStack
     ) -> list[tuple[dict[str, Any], dict[str, Tensor], Context]]:
         """Read every batch's flags at once (the step's one host read), then per batch the one
         pipeline (:meth:`_step_batch`): on the host-indexed path the usable tensors, picked
         by index; on the masked path (``capturable=True``) every tensor, the unusable ones
-        masked (:class:`~galore2.core.masked.MaskedStep`). Returns (group, local state, ctx)
-        of those stepped."""
+        masked (:class:`~galore2.core.masked.MaskedStep`, its flags cleared by ``masks``).
+        Returns (group, local state, ctx) of those stepped."""
         host = [b for b in batches if not b.group["capturable"]]
         read = dict(zip(map(id, host), read_flags([b.flags for b in host]), strict=True))
         stepped = []
         for batch in batches:
             if batch.group["capturable"] and batch.flags is not None:
                 masked = self._masked_step(batch)
+                masks.callback(masked.unmask)
                 with masked:  # the snapshot saved, each direction's flag set; put back after
                     stepped += self._step_batch(batch, masked.grads, masked)
                 continue
@@ -733,11 +741,15 @@ class ChainOptimizer(torch.optim.Optimizer):
         if flags is None or not flags.fits(ok):
             flags = self._flag_buffers[batch.key] = FlagBuffer(ok.numel(), ok.device)
         flags.write(ok, bad, batch.reused)
+        # each parameter's 0-d factor, views of one buffer kept per batch; in float64 for
+        # float64 weights (the flags are float32: 1 − lr·λ would be rounded to float32)
+        wide = torch.float64 if any(p.dtype == torch.float64 for p in batch.params) else None
         decays = (
-            derive(flags.entries, partial(usable_or_one, value=decay), f"decay {decay!r}")
+            derive(flags.entries, partial(usable_or_one, value=decay, dtype=wide),
+                   f"decay {decay!r} {wide}")
             if decay != 1.0
             else None
-        )  # each parameter's 0-d factor, views of one buffer kept per batch
+        )  # fmt: skip
         grads = masked_grads(batch.grads, flags)
         # state the chain's rules mask themselves (Context.mask) is neither copied nor put back
         skipped = frozenset(k for m in self._chain for k in m.masked_keys(group))

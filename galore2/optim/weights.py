@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .._numerics import generator_for, mix_seed
 from ..core.counters import Counters
+from ..core.masked import masked_factor, stacked_masks
 from ..core.modules import WEIGHT_DECAY, ParamTransform, Stats
 from ..core.options import Choice, Int, Option, Optional, Real
 from ..core.state import counter
@@ -81,7 +82,8 @@ class NormLoss(ParamTransform):
         (norm,) = unit_norms([w], ctx)
         eps = float(NORM_LOSS_EPS.of(group))
         shrink = (norm + eps).reciprocal_().neg_().add_(1.0)  # 1 − 1/(‖wᵢ‖ + eps)
-        w.mul_(shrink.mul_(-2.0 * lr * factor).add_(1.0))
+        # a masked step's masked parameter (ctx.mask 0.0) keeps its weights
+        w.mul_(masked_factor(shrink.mul_(-2.0 * lr * factor).add_(1.0), ctx.mask))
 
     def apply_many(
         self, group: Group, states: list[State], ctxs: list[Context], stats: Stats | None
@@ -104,6 +106,11 @@ class NormLoss(ParamTransform):
         (norm,) = lay.reduce(values, lambda region: torch.linalg.vector_norm(region, dim=-1))
         c = 2.0 * lr * factor
         scale = norm.add_(float(NORM_LOSS_EPS.of(group))).reciprocal_().mul_(c).add_(1.0 - c)
+        masks = stacked_masks(lay.ordered([ctxs[i].mask for i in together]))
+        if masks is not None:  # a masked step: each unit's factor 1 where its tensor is masked
+            units = lay.per_tensor(masks.device, scale.dtype)[0]
+            spread = torch.repeat_interleave(masks, units, output_size=scale.numel())
+            scale = masked_factor(scale, spread)
         lay.scale_(values, scale)
         torch._foreach_copy_(lay.ordered(ws), lay.views(values))
 
@@ -152,16 +159,22 @@ class StableWeightDecay(ParamTransform):
             ValueError: ``stats`` is ``None`` (per-layer updates: σ needs every parameter).
         """
         factor = self._factor(group, stats)
-        if factor is not None:
-            ctx.param.mul_(factor)
+        if factor is not None:  # a masked step's masked parameter (ctx.mask 0.0) keeps its weights
+            ctx.param.mul_(masked_factor(factor, ctx.mask))
 
     def apply_many(
         self, group: Group, states: list[State], ctxs: list[Context], stats: Stats | None
     ) -> None:
         """:meth:`apply_` over a batch: one foreach multiply by the step's factor."""
         factor = self._factor(group, stats)
-        if factor is not None:
+        if factor is None:
+            return
+        masks = stacked_masks([ctx.mask for ctx in ctxs])
+        if masks is None:
             torch._foreach_mul_([ctx.param for ctx in ctxs], factor)
+        else:  # a masked step: each parameter's factor, 1 where it is masked
+            factors = masked_factor(factor, masks).unbind()
+            torch._foreach_mul_([ctx.param for ctx in ctxs], list(factors))
 
     @staticmethod
     def _factor(group: Group, stats: Stats | None) -> Tensor | None:

@@ -189,3 +189,80 @@ def test_packed_state_is_invisible_to_checkpoints_and_copies():
     for m in (twin, copied_model):
         for p, q in zip(model.parameters(), m.parameters(), strict=True):
             assert torch.equal(p, q)
+
+
+def test_snapshot_fits_answers_false_for_another_parameter_at_a_position():
+    """Issue 39, 15b: the parameters with a gradient change between steps at the same count
+    and the one now at a position has other state keys (a right- vs a left-projected
+    matrix): the snapshot is rebuilt (``Snapshot.fits`` answered ``KeyError``), and the
+    step is the default path's."""
+    torch.manual_seed(0)
+    shapes = [(40, 24), (40, 24), (12, 40)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    capt = galore2.GaLoreAdamW([{"params": ours, "rank": 4}], capturable=True)
+    host = galore2.GaLoreAdamW([{"params": theirs, "rank": 4}])
+    gen = torch.Generator().manual_seed(1)
+    for missing in (1, 2):  # step 1 without b.grad, step 2 without c.grad
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        for ps in (ours, theirs):
+            for i, (p, g) in enumerate(zip(ps, grads, strict=True)):
+                p.grad = None if i == missing else g.clone()
+        capt.step()
+        host.step()
+    for p, q in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(p, q, rtol=4 * 2.0**-24, atol=0)
+
+
+NO_SCHEDULE = {"use_warmup": False, "use_warmdown": False, "use_lookahead": False}
+
+
+@pytest.mark.parametrize("name", ["Ranger21", "GaLoreRanger21"])
+@pytest.mark.parametrize("foreach", [None, True])
+def test_ranger21_weight_modules_leave_a_masked_parameter(name, foreach):
+    """Issue 39, item 1: norm loss and stable weight decay act on the weights after the
+    update; with ``capturable=True`` a parameter whose gradient is NaN keeps its weights
+    bitwise (they moved by 8e-3 with these factors), the others move."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    groups = (galore2.param_groups(model, rank=4, update_proj_gap=2)
+              if name.startswith("GaLore") else model.parameters())  # fmt: skip
+    opt = getattr(galore2, name)(
+        groups, capturable=True, foreach=foreach, weight_decay=0.5, norm_loss_factor=0.5,
+        lr=1e-2, **NO_SCHEDULE,
+    )  # fmt: skip
+    for step in range(3):
+        _grads(model, step)
+        if step == 2:
+            model.mid.weight.grad[0, 0] = float("nan")
+            model.norm.weight.grad[0] = float("nan")
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) is (n in ("mid.weight", "norm.weight")), n
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_per_layer_updates_with_capturable(nan):
+    """Issue 39, item 9: per-layer updates of a capturable optimizer (``KeyError:
+    'proj.left'`` on the first backward) step as the default optimizer's, a NaN gradient
+    masked (weights and state kept) where the default skips it."""
+    torch.manual_seed(0)
+    model = TinyNet().double()
+    twin = copy.deepcopy(model)
+    updates = []
+    for m, capturable in ((model, True), (twin, False)):
+        groups = galore2.param_groups(m, rank=4, update_proj_gap=2)
+        opt = galore2.GaLoreAdamW(groups, capturable=capturable, weight_decay=0.1)
+        updates.append((m, galore2.per_layer(m, opt)))
+    for step in range(3):  # the NaN in the last (a masked step's counters advance)
+        before = model.mid.weight.detach().clone()
+        for m, up in updates:
+            x, y = batch(step)
+            loss = (m(x.double()) - y.double()).pow(2).mean()
+            if nan and step == 2:
+                loss = loss + m.mid.weight[0, 0] * float("nan")
+            up.backward(loss)
+    assert torch.equal(model.mid.weight, before) is nan
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=0)
