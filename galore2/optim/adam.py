@@ -52,10 +52,11 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+from torch.optim import adam as torch_adam
 
 from .. import _numerics
 from ..core.masked import derive, usable_or_one
-from ..core.options import Bool, Option, Pair, Real
+from ..core.options import Bool, Option, Optional, Pair, Real
 from ..core.transform import Context, Group, State, Transform, members
 from ..kernels.dispatch import run_kernel
 from ..storage import dynamic8
@@ -80,6 +81,16 @@ COMPILE = Option(
     Bool(),
     "True: Adam's dense math (moments, m̂/(√v̂+eps)) runs through torch.compile, compiled "
     "once per process; 8-bit moments stay eager",
+)
+
+FUSED = Option(
+    "fused",
+    None,
+    Optional(Bool(), "torch's kernels where they apply"),
+    "groups whose step is plain AdamW (no rank; moments in the parameters' dtype): by default "
+    "torch's fused AdamW kernel off the CPU and its foreach kernels on the CPU with "
+    "foreach=True (torch.optim.AdamW's bits); True: torch's fused kernel on any device; "
+    "False: galore2's own Adam",
 )
 
 
@@ -220,6 +231,65 @@ def _masked_weights(
     return derive(masks, weight, names[0]), derive(masks, decay, names[1])
 
 
+#: devices where torch has a fused AdamW kernel (and meta: a dry run of one)
+_FUSED_DEVICES = frozenset({"cuda", "xpu", "mps", "hpu", "mtia", "privateuseone", "meta", "cpu"})
+_CPU = torch.device("cpu")
+
+
+def torch_path(
+    params: list[Tensor], grads: list[Tensor], states: list[State], group: Group
+) -> str | None:
+    """Which of torch's AdamW implementations runs a plain AdamW group's step
+    (:meth:`ScaleByAdam.torch_adamw`), or None (galore2's own Adam): ``"fused"`` — its fused
+    multi-tensor kernel — off the CPU, or anywhere with ``fused=True``; ``"foreach"`` on the
+    CPU with ``foreach=True``. Only for tensors torch's kernels take as they are: floating
+    point, each parameter's gradient and moments in its dtype (torch keeps its moments in
+    the parameter's dtype: with bf16 weights, ``state_dtype="bfloat16"``), on one device,
+    with host step counters."""
+    if not params:
+        return None
+    fused, device = group.get("fused"), params[0].device
+    if fused is None:  # foreach=False asks for one tensor at a time: galore2's own
+        foreach = group.get("foreach")
+        path = (None if foreach is False else "fused" if device.type != "cpu"
+                else "foreach" if foreach else None)  # fmt: skip
+    else:
+        path = "fused" if fused else None
+    if path is None or (path == "fused" and device.type not in _FUSED_DEVICES):
+        return None
+    for p, g, s in zip(params, grads, states, strict=True):
+        m, v = s.get("adam.exp_avg"), s.get("adam.exp_avg_sq")
+        if (
+            not p.is_floating_point()
+            or m is None
+            or v is None
+            or not (p.dtype == g.dtype == m.dtype == v.dtype)
+            or not (p.device == g.device == m.device == v.device == device)
+            or m.shape != p.shape
+        ):
+            return None
+    return path
+
+
+def _by_device_dtype(params: list[Tensor]) -> list[list[int]]:
+    """Positions of ``params`` by (device, dtype): one torch kernel call each."""
+    out: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, p in enumerate(params):
+        out.setdefault((p.device, p.dtype), []).append(i)
+    return list(out.values())
+
+
+def _step_tensors(steps: list[int], device: torch.device, before: int) -> list[Tensor]:
+    """torch's float32 0-d step counters holding ``steps`` minus ``before`` (torch's foreach
+    path adds 1 itself; its fused kernel reads them as they are), on ``device``: one fill
+    when every count is the same (the usual step)."""
+    if steps.count(steps[0]) == len(steps):
+        values = torch.full((len(steps),), float(steps[0] - before), device=device)
+    else:
+        values = torch.tensor([float(t - before) for t in steps], device=device)
+    return list(values.unbind())
+
+
 AXIS = "adam.block_dim"  # the blocked axis of both 8-bit moments (same shape and layout)
 
 
@@ -234,7 +304,7 @@ class ScaleByAdam(MomentRule, Transform):
     label = "Adam"
     step_key = "adam.step"
     second_key = "adam.exp_avg_sq"
-    options = (BETAS, EPS, STATE_DTYPE, COMPILE)
+    options = (BETAS, EPS, STATE_DTYPE, COMPILE, FUSED)
     # ScaleByAdam8bit kept its moments under ``adam8.*`` before storage formats were shared
     renamed_keys: ClassVar[dict[str, str]] = {
         f"adam8.{k}": f"adam.{k}"
@@ -250,6 +320,48 @@ class ScaleByAdam(MomentRule, Transform):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(moments={self.moments!r})"
+
+    def adamw_rule(self, group: Group) -> Transform | None:
+        """This rule, when its update is torch's Adam: moments kept in ``state_dtype`` (not
+        8-bit), eager (not ``compile``), and ``fused`` not False."""
+        if self.moments != "state_dtype" or group.get("compile") or group.get("fused") is False:
+            return None
+        return self
+
+    def torch_adamw(
+        self, params: list[Tensor], grads: list[Tensor], states: list[State], group: Group
+    ) -> bool:
+        """The whole AdamW step of a group's tensors (moments, decoupled decay, the update)
+        by torch's kernels, bit for bit ``torch.optim.AdamW``'s: its fused kernel where
+        :func:`torch_path` says ``"fused"``, its foreach implementation for ``"foreach"``.
+        False (nothing done) where neither applies: the chain runs. The step counters
+        (``adam.step``) count as always."""
+        path = torch_path(params, grads, states, group)
+        if path is None:
+            return False
+        counted, _ = members(states)
+        steps = self.count_steps(counted, group, _CPU)
+        assert not isinstance(steps, Tensor)  # host counters: capturable takes the chain
+        beta1, beta2 = group["betas"]
+        exp_avgs = [s["adam.exp_avg"] for s in states]
+        exp_avg_sqs = [s["adam.exp_avg_sq"] for s in states]
+        hyper = {"lr": float(group["lr"]), "beta1": beta1, "beta2": beta2,
+                 "weight_decay": group["weight_decay"], "eps": group["eps"],
+                 "amsgrad": False, "maximize": False}  # fmt: skip  # grads already negated
+        if path == "fused":
+            for idx in _by_device_dtype(params):
+                torch._fused_adamw_(
+                    [params[i] for i in idx], [grads[i] for i in idx],
+                    [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx], [],
+                    _step_tensors([steps[i] for i in idx], params[idx[0]].device, 0), **hyper,
+                )  # fmt: skip
+            return True
+        # torch's foreach AdamW counts its steps itself: it is given the counts before
+        torch_adam.adam(
+            params, grads, exp_avgs, exp_avg_sqs, [], _step_tensors(steps, _CPU, 1),
+            foreach=True, fused=False, decoupled_weight_decay=True, **hyper,
+        )  # fmt: skip
+        return True
 
     def capture_problem(self, group: Group) -> str | None:
         """Why a step of this rule cannot replay from a CUDA graph (None: it can; see
