@@ -164,11 +164,15 @@ def fused_adamw_maker(optim: OptimConfig) -> Callable[[nn.Module], Any]:
 
 
 def rows(optim: OptimConfig, **options: Any) -> list[tuple[str, Callable[[nn.Module], Any]]]:
-    """(label, maker) of every galore2 row: each preset, then GaLoreAdamW capturable
-    (``options``: see :func:`galore2_maker`)."""
+    """(label, maker) of every galore2 row: each preset, then GaLoreAdamW capturable and with
+    bf16 moments (the weights' dtype, as torch keeps them: its plain group can run torch's
+    fused kernel) (``options``: see :func:`galore2_maker`)."""
     out = [(cls.__name__, galore2_maker(name, optim, **options)) for name, cls in PRESETS.items()]
-    capturable = galore2_maker("galore_adamw", optim, capturable=True, **options)
-    return [*out, ("GaLoreAdamW, capturable=True", capturable)]
+    variants = {"capturable=True": {"capturable": True}, "state_dtype=bfloat16":
+                {"state_dtype": "bfloat16"}}  # fmt: skip
+    for label, extra in variants.items():
+        out.append((f"GaLoreAdamW, {label}", galore2_maker("galore_adamw", optim, **extra, **options)))
+    return out
 
 
 def count_galore2(
