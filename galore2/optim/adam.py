@@ -52,7 +52,6 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
-from torch.optim import adam as torch_adam
 
 from .. import _numerics
 from ..core.masked import derive, usable_or_one
@@ -86,10 +85,9 @@ COMPILE = Option(
 FUSED = Option(
     "fused",
     None,
-    Optional(Bool(), "torch's kernels where they apply"),
-    "groups whose step is plain AdamW (no rank; moments in the parameters' dtype): by default "
-    "torch's fused AdamW kernel off the CPU and its foreach kernels on the CPU with "
-    "foreach=True (torch.optim.AdamW's bits); True: torch's fused kernel on any device; "
+    Optional(Bool(), "where the group is batched (off the CPU, or foreach=True)"),
+    "groups whose step is plain AdamW (no rank; moments in the parameters' dtype): True: "
+    "torch's fused AdamW kernel (torch.optim.AdamW(fused=True)'s bits) on any device; "
     "False: galore2's own Adam",
 )
 
@@ -238,25 +236,21 @@ _CPU = torch.device("cpu")
 
 def torch_path(
     params: list[Tensor], grads: list[Tensor], states: list[State], group: Group
-) -> str | None:
-    """Which of torch's AdamW implementations runs a plain AdamW group's step
-    (:meth:`ScaleByAdam.torch_adamw`), or None (galore2's own Adam): ``"fused"`` — its fused
-    multi-tensor kernel — off the CPU, or anywhere with ``fused=True``; ``"foreach"`` on the
-    CPU with ``foreach=True``. Only for tensors torch's kernels take as they are: floating
-    point, each parameter's gradient and moments in its dtype (torch keeps its moments in
-    the parameter's dtype: with bf16 weights, ``state_dtype="bfloat16"``), on one device,
-    with host step counters."""
+) -> bool:
+    """Whether torch's fused AdamW kernel runs a plain AdamW group's step
+    (:meth:`ScaleByAdam.torch_adamw`) instead of galore2's own Adam: where the group is
+    batched (off the CPU, or ``foreach=True``: the accelerators' path) unless ``foreach``
+    is False, or anywhere with ``fused=True``; never with ``fused=False``. Only for tensors
+    the kernel takes as they are: floating point, each parameter's gradient and moments
+    in its dtype (torch keeps its moments in the parameter's dtype: with bf16 weights,
+    ``state_dtype="bfloat16"``), on one device where torch has the kernel."""
     if not params:
-        return None
-    fused, device = group.get("fused"), params[0].device
-    if fused is None:  # foreach=False asks for one tensor at a time: galore2's own
-        foreach = group.get("foreach")
-        path = (None if foreach is False else "fused" if device.type != "cpu"
-                else "foreach" if foreach else None)  # fmt: skip
-    else:
-        path = "fused" if fused else None
-    if path is None or (path == "fused" and device.type not in _FUSED_DEVICES):
-        return None
+        return False
+    fused, foreach, device = group.get("fused"), group.get("foreach"), params[0].device
+    if fused is None:
+        fused = foreach is not False and (device.type != "cpu" or bool(foreach))
+    if not fused or device.type not in _FUSED_DEVICES:
+        return False
     for p, g, s in zip(params, grads, states, strict=True):
         m, v = s.get("adam.exp_avg"), s.get("adam.exp_avg_sq")
         if (
@@ -267,8 +261,8 @@ def torch_path(
             or not (p.device == g.device == m.device == v.device == device)
             or m.shape != p.shape
         ):
-            return None
-    return path
+            return False
+    return True
 
 
 def _by_device_dtype(params: list[Tensor]) -> list[list[int]]:
@@ -279,14 +273,13 @@ def _by_device_dtype(params: list[Tensor]) -> list[list[int]]:
     return list(out.values())
 
 
-def _step_tensors(steps: list[int], device: torch.device, before: int) -> list[Tensor]:
-    """torch's float32 0-d step counters holding ``steps`` minus ``before`` (torch's foreach
-    path adds 1 itself; its fused kernel reads them as they are), on ``device``: one fill
-    when every count is the same (the usual step)."""
+def _step_tensors(steps: list[int], device: torch.device) -> list[Tensor]:
+    """torch's float32 0-d step counters holding ``steps`` on ``device``, which its fused
+    kernel reads: one fill when every count is the same (the usual step)."""
     if steps.count(steps[0]) == len(steps):
-        values = torch.full((len(steps),), float(steps[0] - before), device=device)
+        values = torch.full((len(steps),), float(steps[0]), device=device)
     else:
-        values = torch.tensor([float(t - before) for t in steps], device=device)
+        values = torch.tensor([float(t) for t in steps], device=device)
     return list(values.unbind())
 
 
@@ -332,35 +325,26 @@ class ScaleByAdam(MomentRule, Transform):
         self, params: list[Tensor], grads: list[Tensor], states: list[State], group: Group
     ) -> bool:
         """The whole AdamW step of a group's tensors (moments, decoupled decay, the update)
-        by torch's kernels, bit for bit ``torch.optim.AdamW``'s: its fused kernel where
-        :func:`torch_path` says ``"fused"``, its foreach implementation for ``"foreach"``.
-        False (nothing done) where neither applies: the chain runs. The step counters
-        (``adam.step``) count as always."""
-        path = torch_path(params, grads, states, group)
-        if path is None:
+        by torch's fused AdamW kernel, one launch per (device, dtype) list, bit for bit
+        ``torch.optim.AdamW(fused=True)``'s, where :func:`torch_path` allows it. False
+        (nothing done) otherwise: the chain runs. The step counters (``adam.step``) count
+        as always; the kernel reads the counts from one fill of float32 device scalars."""
+        if not torch_path(params, grads, states, group):
             return False
         counted, _ = members(states)
         steps = self.count_steps(counted, group, _CPU)
         assert not isinstance(steps, Tensor)  # host counters: capturable takes the chain
         beta1, beta2 = group["betas"]
-        exp_avgs = [s["adam.exp_avg"] for s in states]
-        exp_avg_sqs = [s["adam.exp_avg_sq"] for s in states]
-        hyper = {"lr": float(group["lr"]), "beta1": beta1, "beta2": beta2,
-                 "weight_decay": group["weight_decay"], "eps": group["eps"],
-                 "amsgrad": False, "maximize": False}  # fmt: skip  # grads already negated
-        if path == "fused":
-            for idx in _by_device_dtype(params):
-                torch._fused_adamw_(
-                    [params[i] for i in idx], [grads[i] for i in idx],
-                    [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx], [],
-                    _step_tensors([steps[i] for i in idx], params[idx[0]].device, 0), **hyper,
-                )  # fmt: skip
-            return True
-        # torch's foreach AdamW counts its steps itself: it is given the counts before
-        torch_adam.adam(
-            params, grads, exp_avgs, exp_avg_sqs, [], _step_tensors(steps, _CPU, 1),
-            foreach=True, fused=False, decoupled_weight_decay=True, **hyper,
-        )  # fmt: skip
+        for idx in _by_device_dtype(params):
+            torch._fused_adamw_(
+                [params[i] for i in idx], [grads[i] for i in idx],
+                [states[i]["adam.exp_avg"] for i in idx],
+                [states[i]["adam.exp_avg_sq"] for i in idx], [],
+                _step_tensors([steps[i] for i in idx], params[idx[0]].device),
+                lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False,
+                maximize=False,  # the gradients are negated already (maximize=True)
+            )  # fmt: skip
         return True
 
     def capture_problem(self, group: Group) -> str | None:

@@ -46,8 +46,8 @@ def test_foreach_true_runs_the_foreach_kernels_on_cpu(monkeypatch):
 
     monkeypatch.setattr(ScaleByAdam, "_foreach", spy)
     model = TinyNet()
-    # galore2's own Adam (fused=False: a plain group otherwise runs torch's foreach AdamW,
-    # tests/optim/test_torch_adamw.py)
+    # galore2's own Adam (fused=False: a batched plain group otherwise runs torch's fused
+    # AdamW kernel, tests/optim/test_torch_adamw.py)
     train(model, galore2.GaLoreAdamW(model.parameters(), foreach=True, fused=False), range(2))
     assert calls == [8, 8]  # one batch of every parameter per step
     calls.clear()
@@ -59,7 +59,7 @@ def test_foreach_true_runs_the_foreach_kernels_on_cpu(monkeypatch):
 def test_plain_group_matches_torch_adamw(foreach):
     model = TinyNet()
     ref_model = copy.deepcopy(model)
-    # galore2's own Adam (fused=False; the default takes torch's own with foreach=True)
+    # galore2's own Adam (fused=False; with foreach=True the default takes torch's fused kernel)
     ours = galore2.GaLoreAdamW(model.parameters(), foreach=foreach, fused=False, **SETTINGS)
     ref = torch.optim.AdamW(ref_model.parameters(), foreach=foreach, **SETTINGS)
     train(model, ours, range(20))

@@ -1,8 +1,8 @@
-"""Plain AdamW groups on torch's kernels (issue 38 item 3): a group without GaLore whose step
-is AdamW runs torch's fused AdamW kernel off the CPU (or with ``fused=True``) and its
-foreach implementation on the CPU with ``foreach=True``, bit for bit torch.optim.AdamW's;
-``fused=False`` keeps galore2's own Adam. State keys, non-finite skips and old checkpoints
-as before."""
+"""Plain AdamW groups on torch's fused kernel (issue 38 item 3): a group without GaLore whose
+step is AdamW runs torch's fused AdamW kernel where the group is batched (off the CPU, or
+``foreach=True``) or with ``fused=True``, bit for bit ``torch.optim.AdamW(fused=True)``
+(here on torch's fused CPU kernel); ``fused=False`` keeps galore2's own Adam. State keys,
+non-finite skips and old checkpoints as before."""
 
 from __future__ import annotations
 
@@ -52,17 +52,11 @@ def _run(params, opt, steps: int = 5, start: int = 0) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-@pytest.mark.parametrize(
-    "path",
-    [
-        ({"fused": True}, {"fused": True}),  # torch's fused CPU kernel
-        ({"foreach": True}, {"foreach": True}),  # torch's foreach path
-    ],
-    ids=["fused", "foreach"],
-)
-def test_bitwise_torch_adamw(dtype, weight_decay, path) -> None:
-    torch_kwargs, galore_kwargs = path
-    ours, opt, theirs, ref = _twins(dtype, weight_decay, torch_kwargs, galore_kwargs)
+@pytest.mark.parametrize("ours_kwargs", [{"fused": True}, {"foreach": True}],
+                         ids=["fused", "foreach"])  # fmt: skip
+def test_bitwise_torch_fused_adamw(dtype, weight_decay, ours_kwargs) -> None:
+    """``fused=True``, or the batched path (``foreach=True``, as on accelerators)."""
+    ours, opt, theirs, ref = _twins(dtype, weight_decay, {"fused": True}, ours_kwargs)
     _run(ours, opt)
     _run(theirs, ref)
     for p, q in zip(ours, theirs, strict=True):
@@ -84,7 +78,7 @@ def test_maximize_passes_through() -> None:
 def test_own_adam_with_fused_false_is_not_torch_path() -> None:
     """``fused=False`` keeps galore2's own arithmetic (which rounds apart from torch's: the
     comparison above would catch a path that was not taken)."""
-    ours, opt, theirs, ref = _twins(torch.float32, 0.1, {"foreach": True},
+    ours, opt, theirs, ref = _twins(torch.float32, 0.1, {"fused": True},
                                     {"foreach": True, "fused": False})  # fmt: skip
     _run(ours, opt)
     _run(theirs, ref)
@@ -97,21 +91,22 @@ def test_own_adam_with_fused_false_is_not_torch_path() -> None:
 
 
 def test_paths_chosen() -> None:
-    """The rule's choice: foreach on the CPU with foreach=True, fused with fused=True, none
-    otherwise; none when the moments are not in the parameter's dtype (torch's kernels
-    keep them so) or for a projected group."""
+    """The rule's choice: torch's fused kernel on the batched path (foreach=True on the CPU,
+    any accelerator unless foreach=False) or with fused=True; not with fused=False, not
+    on the CPU's per-tensor path, not when the moments are not in the parameter's dtype
+    (torch's kernels keep them so)."""
     p = torch.zeros(4, 4)
     state = {"adam.exp_avg": torch.zeros(4, 4), "adam.exp_avg_sq": torch.zeros(4, 4)}
-    assert torch_path([p], [p], [state], {"foreach": True}) == "foreach"
-    assert torch_path([p], [p], [state], {"foreach": None}) is None
-    assert torch_path([p], [p], [state], {"foreach": None, "fused": True}) == "fused"
-    assert torch_path([p], [p], [state], {"foreach": True, "fused": False}) is None
+    assert torch_path([p], [p], [state], {"foreach": True})
+    assert not torch_path([p], [p], [state], {"foreach": None})
+    assert torch_path([p], [p], [state], {"foreach": None, "fused": True})
+    assert not torch_path([p], [p], [state], {"foreach": True, "fused": False})
     meta = torch.zeros(4, 4, device="meta")
     meta_state = {k: torch.zeros(4, 4, device="meta") for k in state}
-    assert torch_path([meta], [meta], [meta_state], {"foreach": None}) == "fused"
-    assert torch_path([meta], [meta], [meta_state], {"foreach": False}) is None
+    assert torch_path([meta], [meta], [meta_state], {"foreach": None})
+    assert not torch_path([meta], [meta], [meta_state], {"foreach": False})
     bf16 = p.to(torch.bfloat16)
-    assert torch_path([bf16], [bf16], [state], {"foreach": True}) is None  # fp32 moments
+    assert not torch_path([bf16], [bf16], [state], {"foreach": True})  # fp32 moments
 
 
 def test_bf16_weights_with_fp32_moments_keep_galore2_adam() -> None:
@@ -145,7 +140,7 @@ def test_nonfinite_gradient_skipped() -> None:
 
 def test_state_dict_unchanged_and_old_checkpoints_load() -> None:
     """The same state keys as galore2's own Adam; a checkpoint written by it (no ``fused`` in
-    its groups) loads and continues on torch's path, bit for bit torch's."""
+    its groups) loads and continues on torch's fused kernel, bit for bit torch's."""
     ours = _params(torch.float32)
     old_opt = galore2.GaLoreAdamW(ours, lr=1e-2, weight_decay=0.1, foreach=True, fused=False)
     _run(ours, old_opt, steps=3)
@@ -163,9 +158,9 @@ def test_state_dict_unchanged_and_old_checkpoints_load() -> None:
     assert keys == {k for s in old_opt.state.values() for k in s}
     assert keys == {k for s in new.state.values() for k in s}
     assert all(int(s["adam.step"]) == 5 for s in new.state.values())
-    # bit for bit torch's AdamW (foreach) loaded with the same moments at step 3
+    # bit for bit torch's fused AdamW loaded with the same moments at step 3
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    ref = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, foreach=True)
+    ref = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, fused=True)
     ref.load_state_dict(_torch_state(saved))
     _run(theirs, ref, steps=2, start=3)
     assert all(torch.equal(p, q) for p, q in zip(new_params, theirs, strict=True))
@@ -181,8 +176,8 @@ def _torch_state(saved: dict) -> dict:
     groups = [
         {"params": g["params"], "lr": g["lr"], "initial_lr": g["initial_lr"], "betas": g["betas"],
          "eps": g["eps"], "weight_decay": g["weight_decay"], "amsgrad": False,
-         "maximize": False, "foreach": True, "capturable": False, "differentiable": False,
-         "fused": None, "decoupled_weight_decay": True}  # fmt: skip
+         "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+         "fused": True, "decoupled_weight_decay": True}  # fmt: skip
         for g in saved["param_groups"]
     ]
     return {"state": state, "param_groups": groups}
