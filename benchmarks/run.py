@@ -17,6 +17,7 @@ Usage (repository root, venv with the ``bench`` extra, a quiet machine)::
     python -m benchmarks.run --tasks kernels [--repeats 50 --warmup 10 --json k.json]  # CUDA
     python -m benchmarks.run --tasks adafactor_step --no-write   # print, write nothing
     python -m benchmarks.run --tasks compile_step --out /tmp/compile.md  # torch.compile, CPU
+    python -m benchmarks.run --tasks roofline   # kernels, bytes, FLOPs of a step (CPU-counted)
     python -m benchmarks.run --tasks fit_24gb [--card-gib 23.5]  # opt-in: llama_7b, GPU
     python -m benchmarks.run --tasks fit_24gb --config tiny --steps 2 --no-write  # CPU smoke
 
@@ -74,6 +75,8 @@ TASKS: dict[str, Task] = {
     "step_time": Task("step_time", "step_time", "Optimizer step time (non-refresh steps)"),
     "step_counts": Task("step_counts", "step_counts",
                         "Accelerator cost of a step, counted on the CPU: launches, syncs, graph breaks"),
+    "roofline": Task("roofline", "roofline",
+                     "Roofline (CPU-counted): kernels, bytes and FLOPs of a step at Llama-350M / 7B widths"),
     "overhead": Task("overhead", "overhead",
                      "Host overhead of a step: CPU proxies (24-layer hidden-64 Llama, kernels)"),
     "gpu_throughput": Task("gpu_throughput", "gpu_throughput",

@@ -9,7 +9,8 @@ hidden 128, 39 parameters, the 28 attention/MLP matrices projected at rank 16,
 with a ``TorchDispatchMode`` (:class:`StepCounter`):
 
 * **launches** — aten ops that would be kernel launches on a GPU: every dispatched op except
-  views and other metadata-only ops (``view``, ``transpose``, ``unbind``, ``empty``…),
+  views and other metadata-only ops (``view``, ``transpose``, ``unbind``, ``empty``…, and
+  ``prim`` ops such as a fake tensor's ``device``),
   profiler markers, host reads, and arithmetic on host-resident scalars (the optimizers'
   step counters: CPU tensors on a GPU too);
 * **matmuls** — the launches that are matrix products (``mm``, ``addmm``, ``bmm``…): the
@@ -36,6 +37,7 @@ from typing import Any
 from unittest import mock
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import galore2._numerics as numerics
@@ -113,7 +115,7 @@ class StepCounter(TorchDispatchMode):
                 c.counter_reads += 1
             else:
                 c.syncs += 1
-        elif func.is_view or name in NOT_LAUNCHES:
+        elif func.is_view or name in NOT_LAUNCHES or func.namespace == "prim":
             c.views += 1
         elif tensors and all(_host_resident(t, self.steps) for t in tensors):
             c.host_ops += 1
@@ -121,18 +123,29 @@ class StepCounter(TorchDispatchMode):
             c.launches += 1
             if name in MATMULS:
                 c.matmuls += 1
+            out = func(*args, **(kwargs or {}))
+            self.launched(func, args, kwargs or {}, out)
+            return out
         return func(*args, **(kwargs or {}))
+
+    def launched(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Called after each launch ran (default: nothing): a subclass measures it
+        (``benchmarks.roofline``: bytes and FLOPs)."""
 
 
 @contextlib.contextmanager
-def counting(opt: torch.optim.Optimizer) -> Iterator[Counts]:
-    """Count what ``opt`` dispatches inside the block (galore2's batched reads included)."""
+def counting(
+    opt: torch.optim.Optimizer, mode: type[StepCounter] = StepCounter
+) -> Iterator[Counts]:
+    """Count what ``opt`` dispatches inside the block (galore2's batched reads included);
+    ``mode``: the counter (a subclass measures more, see :meth:`StepCounter.launched`)."""
     items = [(k, v) for s in opt.state.values() for k, v in s.items()]
     tensors = [v for _, v in items if isinstance(v, torch.Tensor)]
-    steps = {  # torch.optim's float step counters
+    steps = {  # torch.optim's float step counters (fake tensors: on the device, none)
         v.data_ptr()
         for k, v in items
         if k == "step" and isinstance(v, torch.Tensor) and v.dim() == 0
+        and not isinstance(v, FakeTensor)
     }
     # the storages of packed host counters (0-d int64 views of one tensor per batch)
     steps |= {
@@ -140,7 +153,7 @@ def counting(opt: torch.optim.Optimizer) -> Iterator[Counts]:
         for v in tensors
         if v.dim() == 0 and v.dtype == torch.int64 and v.device.type == "cpu"
     }
-    counter = StepCounter(steps)
+    counter = mode(steps)
     real = numerics.host_list
 
     def host_list(t: torch.Tensor) -> list:
@@ -160,14 +173,18 @@ def count_step(
     make: Callable[[torch.nn.Module], torch.optim.Optimizer],
     model: torch.nn.Module | None = None,
     warmup: int = 2,
+    mode: type[StepCounter] = StepCounter,
 ) -> Counts:
-    """Counts of one ``step()`` of ``make(model)`` after ``warmup`` steps (fixed gradients)."""
+    """Counts of one ``step()`` of ``make(model)`` after ``warmup`` steps (fixed gradients),
+    by ``mode`` (see :func:`counting`)."""
     model = model if model is not None else tiny_model()
     opt = make(model)
     params = [p for p in model.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(1)
-    grads = [
-        torch.empty_like(p) if p.is_meta else torch.randn(p.shape, generator=gen).to(p)
+    grads = [  # meta and fake tensors hold no values
+        torch.empty_like(p)
+        if p.is_meta or isinstance(p, FakeTensor)
+        else torch.randn(p.shape, generator=gen).to(p)
         for p in params
     ]
     for i in range(warmup + 1):
@@ -176,7 +193,7 @@ def count_step(
         if i < warmup:
             opt.step()
             continue
-        with counting(opt) as counts:
+        with counting(opt, mode) as counts:
             opt.step()
     return counts
 

@@ -89,6 +89,10 @@ def mix_seed(*parts: int) -> int:
 
 
 def generator_for(device: torch.device, seed: int) -> torch.Generator:
-    gen = torch.Generator(device=device)
+    """A generator for ``device`` seeded with ``seed``; on the meta device (which has none)
+    a CPU one: meta ops take it and draw nothing, so a step runs through on meta tensors
+    (shape-only dry runs: ``benchmarks.roofline``)."""
+    device = torch.device(device)
+    gen = torch.Generator(device="cpu" if device.type == "meta" else device)
     gen.manual_seed(seed)
     return gen

@@ -785,6 +785,9 @@ class ChainOptimizer(torch.optim.Optimizer):
         lr = float(group["lr"])
         decay = self._decay_factor(group)
         self._chain[0].prepare(grads, states, group, ctxs)
+        rule = self._adamw_rule(group) if masked is None else None
+        if rule is not None and rule.torch_adamw(params, grads, states, group):
+            return [(group, state, ctx) for state, ctx in zip(states, ctxs, strict=True)]
         for chunk in _chunks(params, group.get("foreach")):
             outs = run_chain(
                 self._chain,
@@ -800,6 +803,24 @@ class ChainOptimizer(torch.optim.Optimizer):
             else:
                 apply_masked(ps, outs, lr, masked.flags, chunk, masked.decays_of(chunk))
         return [(group, state, ctx) for state, ctx in zip(states, ctxs, strict=True)]
+
+    def _adamw_rule(self, group: dict[str, Any]) -> Any:
+        """The rule that may run ``group``'s whole step by torch's AdamW kernels (its
+        ``torch_adamw``, which checks the tensors and picks torch's fused or foreach path):
+        when the step is exactly ``torch.optim.AdamW``'s — one chain module whose update in
+        this group is Adam's on the full gradient (:meth:`Transform.adamw_rule`), decoupled
+        weight decay (``1 − lr·λ``, torch's), no gradient or weight modules, the host-indexed
+        non-finite path (unusable gradients already left out; not ``capturable``). None
+        otherwise: the chain runs."""
+        if (
+            len(self._chain) != 1
+            or self._grad_transforms
+            or self._param_transforms
+            or type(self._decay) is not DecoupledWeightDecay
+            or group["capturable"]
+        ):
+            return None
+        return self._chain[0].adamw_rule(group)
 
     def _decay_factor(self, group: dict[str, Any]) -> float:
         """This step's decoupled decay factor of ``group`` (1.0 without a decay module)."""

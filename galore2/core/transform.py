@@ -118,6 +118,15 @@ class Transform(Module):
         puts back none of them this step. Default: :meth:`masked_keys`."""
         return frozenset(self.masked_keys(group))
 
+    def adamw_rule(self, group: Group) -> Transform | None:
+        """The rule whose update, in ``group``, makes this module's whole update exactly
+        ``torch.optim.AdamW``'s Adam step on the full gradient (moments in its own state
+        keys), or None (the default). When the optimizer's chain is that alone, with only
+        decoupled weight decay beside it, the rule's ``torch_adamw`` may run the whole step
+        of the group with torch's kernels (see
+        :meth:`~galore2.core.optimizer.ChainOptimizer._adamw_rule`)."""
+        return None
+
     def stacks(self, group: Group, device: torch.device) -> bool:
         """Can :meth:`update_many` take stacked entries (a :class:`StackedState` with a
         ``(k, *shape)`` direction: each of its ``k`` slices updated as its member's tensor

@@ -55,7 +55,7 @@ from torch import Tensor
 
 from .. import _numerics
 from ..core.masked import derive, usable_or_one
-from ..core.options import Bool, Option, Pair, Real
+from ..core.options import Bool, Option, Optional, Pair, Real
 from ..core.transform import Context, Group, State, Transform, members
 from ..kernels.dispatch import run_kernel
 from ..storage import dynamic8
@@ -80,6 +80,15 @@ COMPILE = Option(
     Bool(),
     "True: Adam's dense math (moments, m̂/(√v̂+eps)) runs through torch.compile, compiled "
     "once per process; 8-bit moments stay eager",
+)
+
+FUSED = Option(
+    "fused",
+    None,
+    Optional(Bool(), "where the group is batched (off the CPU, or foreach=True)"),
+    "groups whose step is plain AdamW (no rank; moments in the parameters' dtype): True: "
+    "torch's fused AdamW kernel (torch.optim.AdamW(fused=True)'s bits) on any device; "
+    "False: galore2's own Adam",
 )
 
 
@@ -220,6 +229,60 @@ def _masked_weights(
     return derive(masks, weight, names[0]), derive(masks, decay, names[1])
 
 
+#: devices where torch has a fused AdamW kernel (and meta: a dry run of one)
+_FUSED_DEVICES = frozenset({"cuda", "xpu", "mps", "hpu", "mtia", "privateuseone", "meta", "cpu"})
+_CPU = torch.device("cpu")
+
+
+def torch_path(
+    params: list[Tensor], grads: list[Tensor], states: list[State], group: Group
+) -> bool:
+    """Whether torch's fused AdamW kernel runs a plain AdamW group's step
+    (:meth:`ScaleByAdam.torch_adamw`) instead of galore2's own Adam: where the group is
+    batched (off the CPU, or ``foreach=True``: the accelerators' path) unless ``foreach``
+    is False, or anywhere with ``fused=True``; never with ``fused=False``. Only for tensors
+    the kernel takes as they are: floating point, each parameter's gradient and moments
+    in its dtype (torch keeps its moments in the parameter's dtype: with bf16 weights,
+    ``state_dtype="bfloat16"``), on one device where torch has the kernel."""
+    if not params:
+        return False
+    fused, foreach, device = group.get("fused"), group.get("foreach"), params[0].device
+    if fused is None:
+        fused = foreach is not False and (device.type != "cpu" or bool(foreach))
+    if not fused or device.type not in _FUSED_DEVICES:
+        return False
+    for p, g, s in zip(params, grads, states, strict=True):
+        m, v = s.get("adam.exp_avg"), s.get("adam.exp_avg_sq")
+        if (
+            not p.is_floating_point()
+            or m is None
+            or v is None
+            or not (p.dtype == g.dtype == m.dtype == v.dtype)
+            or not (p.device == g.device == m.device == v.device == device)
+            or m.shape != p.shape
+        ):
+            return False
+    return True
+
+
+def _by_device_dtype(params: list[Tensor]) -> list[list[int]]:
+    """Positions of ``params`` by (device, dtype): one torch kernel call each."""
+    out: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, p in enumerate(params):
+        out.setdefault((p.device, p.dtype), []).append(i)
+    return list(out.values())
+
+
+def _step_tensors(steps: list[int], device: torch.device) -> list[Tensor]:
+    """torch's float32 0-d step counters holding ``steps`` on ``device``, which its fused
+    kernel reads: one fill when every count is the same (the usual step)."""
+    if steps.count(steps[0]) == len(steps):
+        values = torch.full((len(steps),), float(steps[0]), device=device)
+    else:
+        values = torch.tensor([float(t) for t in steps], device=device)
+    return list(values.unbind())
+
+
 AXIS = "adam.block_dim"  # the blocked axis of both 8-bit moments (same shape and layout)
 
 
@@ -234,7 +297,7 @@ class ScaleByAdam(MomentRule, Transform):
     label = "Adam"
     step_key = "adam.step"
     second_key = "adam.exp_avg_sq"
-    options = (BETAS, EPS, STATE_DTYPE, COMPILE)
+    options = (BETAS, EPS, STATE_DTYPE, COMPILE, FUSED)
     # ScaleByAdam8bit kept its moments under ``adam8.*`` before storage formats were shared
     renamed_keys: ClassVar[dict[str, str]] = {
         f"adam8.{k}": f"adam.{k}"
@@ -250,6 +313,39 @@ class ScaleByAdam(MomentRule, Transform):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(moments={self.moments!r})"
+
+    def adamw_rule(self, group: Group) -> Transform | None:
+        """This rule, when its update is torch's Adam: moments kept in ``state_dtype`` (not
+        8-bit), eager (not ``compile``), and ``fused`` not False."""
+        if self.moments != "state_dtype" or group.get("compile") or group.get("fused") is False:
+            return None
+        return self
+
+    def torch_adamw(
+        self, params: list[Tensor], grads: list[Tensor], states: list[State], group: Group
+    ) -> bool:
+        """The whole AdamW step of a group's tensors (moments, decoupled decay, the update)
+        by torch's fused AdamW kernel, one launch per (device, dtype) list, bit for bit
+        ``torch.optim.AdamW(fused=True)``'s, where :func:`torch_path` allows it. False
+        (nothing done) otherwise: the chain runs. The step counters (``adam.step``) count
+        as always; the kernel reads the counts from one fill of float32 device scalars."""
+        if not torch_path(params, grads, states, group):
+            return False
+        counted, _ = members(states)
+        steps = self.count_steps(counted, group, _CPU)
+        assert not isinstance(steps, Tensor)  # host counters: capturable takes the chain
+        beta1, beta2 = group["betas"]
+        for idx in _by_device_dtype(params):
+            torch._fused_adamw_(
+                [params[i] for i in idx], [grads[i] for i in idx],
+                [states[i]["adam.exp_avg"] for i in idx],
+                [states[i]["adam.exp_avg_sq"] for i in idx], [],
+                _step_tensors([steps[i] for i in idx], params[idx[0]].device),
+                lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False,
+                maximize=False,  # the gradients are negated already (maximize=True)
+            )  # fmt: skip
+        return True
 
     def capture_problem(self, group: Group) -> str | None:
         """Why a step of this rule cannot replay from a CUDA graph (None: it can; see

@@ -227,6 +227,13 @@ class GaLore(Transform):
             return "GaLore's random projector regenerates its basis from a host seed each step"
         return None
 
+    def adamw_rule(self, group: Group) -> Transform | None:
+        """Without a rank GaLore passes every direction to its inner rule unchanged: that
+        rule's answer (a single inner rule)."""
+        if group["rank"] is not None or len(self.inner) != 1:
+            return None
+        return self.inner[0].adamw_rule(group)
+
     def complex_problem(self, group: Group) -> str | None:
         """Transparent without a rank; a projection (rank set) is not defined for complex
         parameters (the inner transforms answer for themselves, see ``walk``)."""

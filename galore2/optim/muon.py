@@ -294,6 +294,10 @@ class MuonOrAdam(Transform):
     def complex_problem(self, group: Group) -> str | None:
         return complex_problem(self) if group["rank"] is not None else None
 
+    def adamw_rule(self, group: Group) -> Transform | None:
+        """Without a rank every direction is Adam's: its answer."""
+        return self.adam.adamw_rule(group) if group["rank"] is None else None
+
     def stacks(self, group: Group, device: torch.device) -> bool:
         """Stacked entries where both of its rules take them (a stack holds one's state)."""
         return self.muon.stacks(group, device) and self.adam.stacks(group, device)

@@ -61,7 +61,7 @@ class RandomProjector(Projector):
         ``proj.seed`` are ``seeds``, stacked (k × rows × rank): each one what :meth:`bases`
         regenerates, drawn into one buffer and scaled by one kernel (the batched path)."""
         out = torch.empty(len(seeds), rows, rank, device=device)
-        gen = torch.Generator(device=device)
+        gen = generator_for(device, 0)  # re-seeded per basis
         for k, seed in enumerate(seeds):
             gen.manual_seed(mix_seed(seed, 1 if left else 2))
             torch.randn(rows, rank, generator=gen, out=out[k])

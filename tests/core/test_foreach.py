@@ -52,7 +52,9 @@ def test_foreach_true_runs_the_foreach_kernels_on_cpu(monkeypatch):
 
     monkeypatch.setattr(ScaleByAdam, "_foreach", spy)
     model = TinyNet()
-    train(model, galore2.GaLoreAdamW(model.parameters(), foreach=True), range(2))
+    # galore2's own Adam (fused=False: a batched plain group otherwise runs torch's fused
+    # AdamW kernel, tests/optim/test_torch_adamw.py)
+    train(model, galore2.GaLoreAdamW(model.parameters(), foreach=True, fused=False), range(2))
     assert calls == [8, 8]  # one batch of every parameter per step
     calls.clear()
     train(model, galore2.GaLoreAdamW(model.parameters()), range(2))
@@ -63,7 +65,8 @@ def test_foreach_true_runs_the_foreach_kernels_on_cpu(monkeypatch):
 def test_plain_group_matches_torch_adamw(foreach):
     model = TinyNet()
     ref_model = copy.deepcopy(model)
-    ours = galore2.GaLoreAdamW(model.parameters(), foreach=foreach, **SETTINGS)
+    # galore2's own Adam (fused=False; with foreach=True the default takes torch's fused kernel)
+    ours = galore2.GaLoreAdamW(model.parameters(), foreach=foreach, fused=False, **SETTINGS)
     ref = torch.optim.AdamW(ref_model.parameters(), foreach=foreach, **SETTINGS)
     train(model, ours, range(20))
     train(ref_model, ref, range(20))
@@ -75,7 +78,9 @@ def test_plain_foreach_matches_torch_adamw_foreach_float64():
     torch.manual_seed(0)
     model = TinyNet().double()
     ref_model = copy.deepcopy(model)
-    ours = galore2.GaLoreAdamW(model.parameters(), foreach=True, state_dtype="float64", **SETTINGS)
+    ours = galore2.GaLoreAdamW(
+        model.parameters(), foreach=True, fused=False, state_dtype="float64", **SETTINGS
+    )
     ref = torch.optim.AdamW(ref_model.parameters(), foreach=True, **SETTINGS)
     train(model, ours, range(20))
     train(ref_model, ref, range(20))
