@@ -341,8 +341,11 @@ class GaLore(Transform):
         projector = get_projector(group["projector"])
         keys = self._stack_keys(group, us[0].device) if plan.batches else None
         stacks: list[_Stacked] = []
+        # where the batches' updates go out as factors (see _factored), no stack of the
+        # gradients is made: each is read once, by its own matmul
+        factored = _factored(group, ctxs)
         for batch, rest in live:
-            G, B, R = batch.project(us, projector, group["proj_precision"], rest)
+            G, B, R = batch.project(us, projector, group["proj_precision"], rest, not factored)
             idx = batch.idx if rest is None else [batch.idx[j] for j in rest]
             stacked = batch.stacked_state(keys) if keys is not None and rest is None else None
             if stacked is None:  # its matrices go through the chain one by one
@@ -372,9 +375,16 @@ class GaLore(Transform):
             for st, N, mask in zip(stacks, stacked_out, masks, strict=True):
                 Ns = N if N is not None else [dense(results[i]) for i in st.idx]
                 dtype = ctxs[st.idx[0]].param.dtype
-                # G is projected already: its buffer takes the update (when it is a
-                # temporary stack, not a view of the gradients)
-                spent = st.G if st.G.dtype == dtype and packing.writable(st.G) else None
+                if factored:  # factors: each weight takes its update in one addmm_
+                    shapes = [us[i].shape for i in st.idx]
+                    ups = lowrank_batch.factors(st.batch.kind, st.B, Ns, dtype, scale, shapes)
+                    done.update(zip(st.idx, ups, strict=True))
+                    continue
+                # a masked step: dense updates, masked on the r-row stacks. G is projected
+                # already: its buffer takes the update (when it is a temporary stack, not a
+                # view of the gradients)
+                G = st.G
+                spent = G if G is not None and G.dtype == dtype and packing.writable(G) else None
                 deltas = lowrank_batch.back(st.batch.kind, st.B, Ns, dtype, scale, spent, mask)
                 done.update(zip(st.idx, masked.entries(deltas), strict=True))
         for i, p in projections.items():
@@ -769,7 +779,7 @@ class _Stacked(NamedTuple):
 
     batch: lowrank_batch.ShapeBatch
     idx: list[int]
-    G: Tensor  # the stacked gradients
+    G: Tensor | None  # the stacked gradients (None: not stacked, see _factored)
     B: Tensor  # the stacked bases, as stored
     R: Tensor  # the stacked projected gradients
     state: StackedState | None  # the inner chain's state of them as one stacked entry
@@ -810,6 +820,16 @@ def _current_gap(state: State, group: Group) -> int:
     if group["adaptive_refresh"] and "galore.gap" in state:
         return max(int(state["galore.gap"]), group["update_proj_gap"])
     return group["update_proj_gap"]
+
+
+def _factored(group: Group, ctxs: list[Context]) -> bool:
+    """Do the shape batches' updates go out as factors
+    (:func:`.lowrank_batch.factors`: the optimizer writes each into its weight by one
+    ``addmm_``, and the gradients are projected where they are, not stacked)? Yes but on
+    a masked step (``capturable=True``: a batch's update is masked on its r-row stack
+    and applied densely, :func:`.lowrank_batch.back`) and for Fira / APOLLO (their dense
+    update needs the gradients stacked: :func:`.residual.combine_buckets`)."""
+    return not residual.active(group) and not (ctxs and ctxs[0].mask is not None)
 
 
 def _stacked_ctxs(stacked: list[_Stacked], ctxs: list[Context]) -> list[Context]:

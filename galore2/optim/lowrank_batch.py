@@ -60,7 +60,7 @@ from torch import Tensor
 
 from ..core import masked, packing
 from ..core.counters import Counters
-from ..core.transform import Context, StackedState, State
+from ..core.transform import Context, LowRankUpdate, StackedState, State
 from ..projectors import Projector, get_projector
 from ..projectors.base import projection_precision
 from ..projectors.random import RandomProjector
@@ -171,13 +171,17 @@ class ShapeBatch:
         return self.inner.state if self.inner is not None else None
 
     def project(
-        self, us: list[Tensor], projector: Projector, precision: str, live: list[int] | None
-    ) -> tuple[Tensor, Tensor, Tensor]:
+        self, us: list[Tensor], projector: Projector, precision: str, live: list[int] | None,
+        stack: bool = True,
+    ) -> tuple[Tensor | None, Tensor, Tensor]:  # fmt: skip
         """(the stacked gradients G, the stacked bases B as stored, R = PᵀG or G·Q): one
         ``bmm`` at the group's ``proj_precision``, R in the gradients' dtype (as
         :meth:`Projector.project` does per matrix). G is a new stack, or a view of the
-        gradients when they are one already (check ``G._base``: then not to be written). ``live``: the positions (in :attr:`idx`)
-        that project this step (None: all)."""
+        gradients when they are one already (check ``G._base``: then not to be written).
+        ``live``: the positions (in :attr:`idx`) that project this step (None: all).
+        ``stack=False`` (the caller needs no G): gradients that are not a stack already are
+        not copied into one — each is read where it is by its own matmul into its entry of
+        R — and G is None."""
         B = self.bases(projector)
         idx = self.idx
         if live is not None:
@@ -187,11 +191,16 @@ class ShapeBatch:
         # the gradients as they are when they form a stack (the masked copies of a
         # capturable step): no copy; the caller must then not write G
         G = packing.stacked_view(listed)
+        dtype = self.dtype
+        at, context = projection_precision(listed[0], precision)
+        Y = B if B.dtype == at else B.to(at)
+        if G is None and not stack:
+            with context:  # a gradient not in ``at`` is cast alone (fp32 ones at bf16)
+                R = self.kind.project_each([g if g.dtype == at else g.to(at) for g in listed], Y)
+            return None, B, (R if R.dtype == dtype else R.to(dtype))
         if G is None:
             G = torch.stack(listed)
-        dtype = self.dtype
-        at, context = projection_precision(G, precision)
-        X, Y = (G if G.dtype == at else G.to(at)), (B if B.dtype == at else B.to(at))
+        X = G if G.dtype == at else G.to(at)
         with context:
             R = self.kind.project_stack(X, Y)
         return G, B, (R if R.dtype == dtype else R.to(dtype))
@@ -331,6 +340,27 @@ def advance_counters(
         step = torch.ones(len(states), dtype=packed.dtype)
         step[skip] = 0
         packed.add_(step)
+
+
+def factors(
+    kind: type[Projection], B: Tensor, Ns: list[Tensor] | Tensor, dtype: torch.dtype,
+    factor: float, shapes: list[torch.Size],
+) -> list[LowRankUpdate]:  # fmt: skip
+    """The updates ``factor·P·N`` (left) or ``factor·N·Qᵀ`` (right) of a shape batch as
+    factors in ``dtype``, one :class:`~galore2.core.transform.LowRankUpdate` per matrix
+    (``shapes``: their weights'), as :meth:`.Projection.back` returns per matrix: the
+    optimizer writes each into its weight by one ``addmm_`` with the step's decay as its
+    β, so no m×n update exists and each weight is read and written once. The casts are of
+    the r-sized stacks (one each). ``Ns``: the low-rank updates, or their stack (the inner
+    chain's: never written)."""
+    N = Ns if isinstance(Ns, Tensor) else torch.stack(Ns)
+    N = N if N.dtype == dtype else N.to(dtype)
+    B = B if B.dtype == dtype else B.to(dtype)
+    As, Bs = kind.factors_stack(N, B)
+    return [
+        LowRankUpdate(a, b, shape, factor)
+        for a, b, shape in zip(As.unbind(0), Bs.unbind(0), shapes, strict=True)
+    ]
 
 
 def back(
