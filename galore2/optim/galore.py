@@ -377,7 +377,8 @@ class GaLore(Transform):
                 dtype = ctxs[st.idx[0]].param.dtype
                 if factored:  # factors: each weight takes its update in one addmm_
                     shapes = [us[i].shape for i in st.idx]
-                    ups = lowrank_batch.factors(st.batch.kind, st.B, Ns, dtype, scale, shapes)
+                    B = st.batch.cast_bases(st.B, dtype)  # kept with the stack
+                    ups = lowrank_batch.factors(st.batch.kind, B, Ns, dtype, scale, shapes)
                     done.update(zip(st.idx, ups, strict=True))
                     continue
                 # a masked step: dense updates, masked on the r-row stacks. G is projected

@@ -108,8 +108,8 @@ class ShapeBatch:
         rank: the group's rank (the random projector's basis columns).
     """
 
-    __slots__ = ("device", "dtype", "held", "idx", "inner", "kind", "rank", "rows", "stack",
-                 "states", "versions")  # fmt: skip
+    __slots__ = ("cast", "device", "dtype", "held", "idx", "inner", "kind", "rank", "rows",
+                 "stack", "states", "versions")  # fmt: skip
 
     def __init__(
         self, kind: type[Projection], idx: list[int], states: list[State], dtype: torch.dtype,
@@ -121,6 +121,7 @@ class ShapeBatch:
         self.held: list[Tensor] = []  # the state tensors ``stack`` was read from
         self.versions: list[int] = []  # and their versions then
         self.inner: _InnerStacks | None = None  # the inner chain's stacked state
+        self.cast: tuple[Tensor, Tensor] | None = None  # (kept stack, it in another dtype)
 
     def _hold(self, key: str) -> None:
         self.held = [s[key] for s in self.states]
@@ -159,6 +160,18 @@ class ShapeBatch:
             self.stack = stacked
         return stacked
 
+    def cast_bases(self, B: Tensor, dtype: torch.dtype) -> Tensor:
+        """The stack ``B`` of :meth:`bases` in ``dtype``; the cast of a kept stack is kept
+        with it (made again when the stack is), so a step casts no basis."""
+        if B.dtype == dtype:
+            return B
+        cast = self.cast
+        if cast is not None and cast[0] is B and cast[1].dtype == dtype:
+            return cast[1]
+        out = B.to(dtype)
+        self.cast = (B, out) if B is self.stack else None
+        return out
+
     def stacked_state(self, keys: tuple[str, ...]) -> StackedState | None:
         """The inner chain's state of the whole batch as one stacked entry (its ``keys``
         stacked: :mod:`~galore2.core.packing` views them, or packs them once), or None when
@@ -182,18 +195,18 @@ class ShapeBatch:
         ``stack=False`` (the caller needs no G): gradients that are not a stack already are
         not copied into one — each is read where it is by its own matmul into its entry of
         R — and G is None."""
-        B = self.bases(projector)
-        idx = self.idx
-        if live is not None:
-            B = B[torch.tensor(live, device=B.device)]
-            idx = [idx[j] for j in live]
+        idx = self.idx if live is None else [self.idx[j] for j in live]
         listed = [us[i] for i in idx]
+        dtype = self.dtype
+        at, context = projection_precision(listed[0], precision)
+        B = self.bases(projector)
+        Y = self.cast_bases(B, at)
+        if live is not None:
+            pick = torch.tensor(live, device=B.device)
+            B, Y = B[pick], (Y if Y is B else Y[pick])
         # the gradients as they are when they form a stack (the masked copies of a
         # capturable step): no copy; the caller must then not write G
         G = packing.stacked_view(listed)
-        dtype = self.dtype
-        at, context = projection_precision(listed[0], precision)
-        Y = B if B.dtype == at else B.to(at)
         if G is None and not stack:
             with context:  # a gradient not in ``at`` is cast alone (fp32 ones at bf16)
                 R = self.kind.project_each([g if g.dtype == at else g.to(at) for g in listed], Y)
