@@ -225,10 +225,9 @@ def _fused_directions(
     """Step ``t`` of Adam on the moments and the directions m̂/(√v̂ + eps), by torch's fused
     Adam kernel (one launch for the batch, each moment read and written once): it updates
     a "parameter" ``p ← p − lr·m̂/(√v̂ + eps)``, here a zeroed buffer with lr = −1, which
-    is then the direction. The moments get :meth:`ScaleByAdam._arith`'s bits (the same
-    lerp and multiply-add); the direction differs from its by the order of the bias
-    corrections' roundings only (an ulp or so: m̂/(√v̂ + eps) is computed as
-    (m/bc1)/(√v/√bc2 + eps) rather than m/(√v·bc1/√bc2 + bc1·eps))."""
+    is then the direction. Moments and direction are :meth:`ScaleByAdam._arith`'s up to
+    an ulp or so: the kernel may fuse a multiply-add, and computes m̂/(√v̂ + eps) as
+    (m/bc1)/(√v/√bc2 + eps) rather than m/(√v·bc1/√bc2 + bc1·eps)."""
     beta1, beta2 = group["betas"]
     out = [torch.empty_like(m) for m in exp_avgs]
     torch._foreach_zero_(out)
