@@ -662,6 +662,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/core/test_foreach.py",),
         "a batch's host step counters advance by two per step (its bias corrections run ahead)",
     ),
+    Mutation(
+        "batched_factors_unscaled",
+        "galore2/optim/lowrank_batch.py",
+        "LowRankUpdate(a, b, shape, factor)",
+        "LowRankUpdate(a, b, shape, 1.0)",
+        ("tests/optim/test_lowrank_update.py",),
+        "batched GaLore's factored updates lose α·(1 − lr·λ)",
+    ),
+    Mutation(
+        "fused_adam_step_shifted",
+        "galore2/optim/adam.py",
+        "step = torch.full((), float(t),",
+        "step = torch.full((), float(t + 1),",
+        ("tests/optim/test_lowrank_update.py",),
+        "batched Adam's fused kernel bias-corrects with the next step's count",
+    ),
 )
 
 
