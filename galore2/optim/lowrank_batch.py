@@ -9,6 +9,13 @@ by another; the result is a dense update per matrix (a view of the batch), appli
 optimizer's foreach kernels. Fira and APOLLO take the same projection; their combination
 is :func:`.residual.combine_buckets` on the same stacks.
 
+**Along the data** (GaLore without a residual, on an unmasked step: ``galore._factored``):
+the gradients are not stacked — each is read once, in its own dtype, by its own matmul
+into its entry of the r-sized stack R (:meth:`ShapeBatch.project` with ``stack=False``) —
+and the update goes out as factors (:func:`factors`), which the optimizer writes into
+each weight by one ``addmm_`` (scale, decay and update in the matmul): no tensor of a
+weight's size is made, each gradient is read once and each weight read and written once.
+
 The side's products (and which basis they read) are its projection's
 (:class:`~galore2.optim.projection.LeftProjection` / ``RightProjection``: ``basis_key``,
 ``project_stack``, ``back_stack``); this module only plans, groups and stacks.
