@@ -341,17 +341,18 @@ class GaLore(Transform):
         projector = get_projector(group["projector"])
         keys = self._stack_keys(group, us[0].device) if plan.batches else None
         stacks: list[_Stacked] = []
-        # where the batches' updates go out as factors (see _factored), no stack of the
-        # gradients is made: each is read once, by its own matmul
+        # where the batches' updates go out as factors (see _factored; batches of large
+        # matrices), no stack of the gradients is made: each is read once, by its own matmul
         factored = _factored(group, ctxs)
         for batch, rest in live:
-            G, B, R = batch.project(us, projector, group["proj_precision"], rest, not factored)
+            fac = factored and lowrank_batch.along_data(us[batch.idx[0]])
+            G, B, R = batch.project(us, projector, group["proj_precision"], rest, not fac)
             idx = batch.idx if rest is None else [batch.idx[j] for j in rest]
             stacked = batch.stacked_state(keys) if keys is not None and rest is None else None
             if stacked is None:  # its matrices go through the chain one by one
                 for i, r in zip(idx, R.unbind(0), strict=True):
                     inner_in[i] = r
-            stacks.append(_Stacked(batch, idx, G, B, R, stacked))
+            stacks.append(_Stacked(batch, idx, G, B, R, stacked, fac))
         # the inner rules see each projected direction's layout, as at init (plain: the param's)
         inner_ctxs = list(ctxs)
         for i, p in projections.items():
@@ -375,7 +376,7 @@ class GaLore(Transform):
             for st, N, mask in zip(stacks, stacked_out, masks, strict=True):
                 Ns = N if N is not None else [dense(results[i]) for i in st.idx]
                 dtype = ctxs[st.idx[0]].param.dtype
-                if factored:  # factors: each weight takes its update in one addmm_
+                if st.factored:  # factors: each weight takes its update in one addmm_
                     shapes = [us[i].shape for i in st.idx]
                     B = st.batch.cast_bases(st.B, dtype)  # kept with the stack
                     ups = lowrank_batch.factors(st.batch.kind, B, Ns, dtype, scale, shapes)
@@ -784,6 +785,7 @@ class _Stacked(NamedTuple):
     B: Tensor  # the stacked bases, as stored
     R: Tensor  # the stacked projected gradients
     state: StackedState | None  # the inner chain's state of them as one stacked entry
+    factored: bool  # along the data: G not stacked, the update as factors (see _factored)
 
 
 #: 2**64 / golden ratio: consecutive indices land far apart in every window (Fibonacci hashing)

@@ -9,7 +9,8 @@ by another; the result is a dense update per matrix (a view of the batch), appli
 optimizer's foreach kernels. Fira and APOLLO take the same projection; their combination
 is :func:`.residual.combine_buckets` on the same stacks.
 
-**Along the data** (GaLore without a residual, on an unmasked step: ``galore._factored``):
+**Along the data** (GaLore without a residual, on an unmasked step: ``galore._factored``;
+matrices of at least :data:`MIN_ALONG_DATA_BYTES`, :func:`along_data`):
 the gradients are not stacked — each is read once, in its own dtype, by its own matmul
 into its entry of the r-sized stack R (:meth:`ShapeBatch.project` with ``stack=False``) —
 and the update goes out as factors (:func:`factors`), which the optimizer writes into
@@ -77,6 +78,8 @@ MAX_MATRIX_BYTES = 16 * 2**20
 MAX_BATCH_BYTES = 256 * 2**20
 #: the largest stack of a batch's stored bases kept between steps (see ShapeBatch.bases)
 MAX_CACHED_BYTES = 4 * 2**20
+#: the smallest matrix whose batch goes along the data (:func:`along_data`)
+MIN_ALONG_DATA_BYTES = 2**20
 _DENSE_BASES = ("fp32", "bf16")
 _NONE = 0  # galore.side of a matrix GaLore does not project
 
@@ -90,6 +93,17 @@ def group_batchable(group: dict[str, Any]) -> bool:
     return (
         projector.project is Projector.project and projector.back_factors is Projector.back_factors
     )
+
+
+def along_data(u: Tensor) -> bool:
+    """Does a shape batch of matrices like ``u`` go along the data where it may (each
+    gradient projected where it is, each update written into its weight by its own
+    ``addmm_``: two matmuls per matrix, no weight-sized copy), rather than by one ``bmm``
+    each way per shape (two launches per shape, the gradients stacked and the dense updates
+    applied by foreach kernels)? Where a matrix holds at least
+    :data:`MIN_ALONG_DATA_BYTES`: there the bytes saved (≥ 12 per element) cost more device
+    time than the launches added (a few µs each); smaller ones are launch-bound."""
+    return u.numel() * u.element_size() >= MIN_ALONG_DATA_BYTES
 
 
 def stackable(u: Tensor, ctx: Context, kind: type[Projection]) -> bool:

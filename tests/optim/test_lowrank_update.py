@@ -1,4 +1,5 @@
-"""The batched GaLore step along the data (``foreach=True``, unmasked): each gradient is
+"""The batched GaLore step along the data (``foreach=True``, unmasked, matrices of at least
+``lowrank_batch.MIN_ALONG_DATA_BYTES``: 0 here): each gradient is
 read by its projection where it is (no stack, no copy), the low-rank Adam moments are
 stepped by torch's fused Adam kernel, and each update goes into its weight by one
 ``addmm_`` (decay as its β) — no tensor of a weight's size is made, and a bf16 weight's
@@ -15,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import galore2
+from galore2.optim import lowrank_batch
 from galore2.optim.adam import ScaleByAdam, _fused_directions
 
 SHAPES = ((48, 32), (48, 32), (32, 80), (32, 80), (80, 32), (80, 32), (32, 32), (32, 32))
@@ -22,7 +24,9 @@ RANK = 2  # a shape batch's r-sized stacks (2 × 2 × 80) are smaller than any w
 
 
 @pytest.fixture(autouse=True)
-def _quiet():
+def _quiet(monkeypatch):
+    # small matrices here: every batch along the data (lowrank_batch.along_data)
+    monkeypatch.setattr(lowrank_batch, "MIN_ALONG_DATA_BYTES", 0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
