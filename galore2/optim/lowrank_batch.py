@@ -224,7 +224,8 @@ class ShapeBatch:
         Y = self.cast_bases(B, at)
         if live is not None:
             pick = torch.tensor(live, device=B.device)
-            B, Y = B[pick], (Y if Y is B else Y[pick])
+            B, Y = B[pick], (None if Y is B else Y[pick])
+            Y = B if Y is None else Y
         # the gradients as they are when they form a stack (the masked copies of a
         # capturable step): no copy; the caller must then not write G
         G = packing.stacked_view(listed)
