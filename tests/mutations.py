@@ -835,6 +835,21 @@ MUTATIONS: tuple[Mutation, ...] = (
         "factors = masked_factor(factor, None).expand(len(ctxs)).unbind()",
         ("tests/core/test_capturable.py::test_ranger21_weight_modules_leave_a_masked_parameter",),
         "issue 39 item 1: batched stable weight decay moves a masked parameter's weights",
+
+        "batched_factors_unscaled",
+        "galore2/optim/lowrank_batch.py",
+        "LowRankUpdate(a, b, shape, factor)",
+        "LowRankUpdate(a, b, shape, 1.0)",
+        ("tests/optim/test_lowrank_update.py",),
+        "batched GaLore's factored updates lose α·(1 − lr·λ)",
+    ),
+    Mutation(
+        "fused_adam_step_shifted",
+        "galore2/optim/adam.py",
+        "step = torch.full((), float(t),",
+        "step = torch.full((), float(t + 1),",
+        ("tests/optim/test_lowrank_update.py",),
+        "batched Adam's fused kernel bias-corrects with the next step's count",
     ),
 )
 

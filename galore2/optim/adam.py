@@ -211,6 +211,43 @@ def _per_entry(
     return scales, shifts
 
 
+#: devices with torch's fused Adam kernel (``torch._fused_adam_``) that :func:`_fused_directions` uses
+_FUSED_DEVICES = ("cpu", "cuda")
+
+
+def _fusable(exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], us: list[Tensor]) -> bool:
+    """Can torch's fused Adam kernel step this batch (:func:`_fused_directions`): float32
+    moments and directions, contiguous, on one CPU or CUDA device?"""
+    first = exp_avgs[0]
+    if first.dtype != torch.float32 or first.device.type not in _FUSED_DEVICES:
+        return False
+    device = first.device
+    return all(
+        t.dtype == torch.float32 and t.device == device and t.is_contiguous()
+        for ts in (exp_avgs, exp_avg_sqs, us) for t in ts
+    )  # fmt: skip
+
+
+def _fused_directions(
+    us: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], t: int, group: Group
+) -> list[Tensor]:
+    """Step ``t`` of Adam on the moments and the directions m̂/(√v̂ + eps), by torch's fused
+    Adam kernel (one launch for the batch, each moment read and written once): it updates
+    a "parameter" ``p ← p − lr·m̂/(√v̂ + eps)``, here a zeroed buffer with lr = −1, which
+    is then the direction. Moments and direction are :meth:`ScaleByAdam._arith`'s up to
+    an ulp or so: the kernel may fuse a multiply-add, and computes m̂/(√v̂ + eps) as
+    (m/bc1)/(√v/√bc2 + eps) rather than m/(√v·bc1/√bc2 + bc1·eps)."""
+    beta1, beta2 = group["betas"]
+    out = [torch.empty_like(m) for m in exp_avgs]
+    torch._foreach_zero_(out)
+    step = torch.full((), float(t), dtype=torch.float32, device=exp_avgs[0].device)
+    torch._fused_adam_(
+        out, us, exp_avgs, exp_avg_sqs, [], [step] * len(out), lr=-1.0, beta1=beta1,
+        beta2=beta2, weight_decay=0.0, eps=group["eps"], amsgrad=False, maximize=False,
+    )  # fmt: skip
+    return out
+
+
 def _masked_weights(
     masks: list[Tensor], dtype: torch.dtype, beta1: float, beta2: float
 ) -> tuple[list[Tensor], list[Tensor]]:
@@ -573,10 +610,11 @@ class ScaleByAdam(MomentRule, Transform):
 
     def _batch(
         self, us: list[Tensor], states: list[State], group: Group
-    ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[float], list[float]]:
+    ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[float], list[float], int | None]:
         """What both batched paths start from: the moments, the directions in their dtype,
         and each tensor's (scale, shift) after counting its step (steps may differ per
-        tensor: reset, parameters added later)."""
+        tensor: reset, parameters added later); last, the step of the whole batch when it
+        is one host count (the usual step), else None."""
         beta1, beta2 = group["betas"]
         exp_avgs = [s["adam.exp_avg"] for s in states]
         exp_avg_sqs = [s["adam.exp_avg_sq"] for s in states]
@@ -601,12 +639,13 @@ class ScaleByAdam(MomentRule, Transform):
                 both = both.to(dtype)
             scale, shift = both[0], both[1]
             if len(counted) == len(states):  # no stacked entry
-                return exp_avgs, exp_avg_sqs, us, list(scale.unbind()), list(shift.unbind())
-            return exp_avgs, exp_avg_sqs, us, *_per_entry(scale, shift, starts, us)
+                return exp_avgs, exp_avg_sqs, us, list(scale.unbind()), list(shift.unbind()), None
+            return exp_avgs, exp_avg_sqs, us, *_per_entry(scale, shift, starts, us), None
         first = steps[0]
         if steps.count(first) == len(steps):  # the usual step: one count for the whole batch
             scale, shift = _corrections(beta1, beta2, group["eps"], first)
-            return exp_avgs, exp_avg_sqs, us, [scale] * len(states), [shift] * len(states)
+            k = len(states)
+            return exp_avgs, exp_avg_sqs, us, [scale] * k, [shift] * k, first
         known: dict[int, tuple[float, float]] = {}
         scales, shifts = [], []
         for t in steps:
@@ -616,11 +655,11 @@ class ScaleByAdam(MomentRule, Transform):
             scales.append(found[0])
             shifts.append(found[1])
         if len(counted) == len(states):
-            return exp_avgs, exp_avg_sqs, us, scales, shifts
+            return exp_avgs, exp_avg_sqs, us, scales, shifts, None
         return exp_avgs, exp_avg_sqs, us, *_per_entry(
             torch.tensor(scales, dtype=torch.float64, device=device),
             torch.tensor(shifts, dtype=torch.float64, device=device), starts, us,
-        )  # fmt: skip
+        ), None  # fmt: skip
 
     def _foreach(
         self, us: list[Tensor], states: list[State], group: Group, masks: list[Tensor | None]
@@ -628,8 +667,11 @@ class ScaleByAdam(MomentRule, Transform):
         """:meth:`_arith` by foreach kernels (``masks``: each direction's flag of a masked
         step, or None)."""
         beta1, beta2 = group["betas"]
-        exp_avgs, exp_avg_sqs, us, scale, shift = self._batch(us, states, group)
-        if masks and masks[0] is not None:  # a masked step: every direction has its flag
+        exp_avgs, exp_avg_sqs, us, scale, shift, t = self._batch(us, states, group)
+        unmasked = not masks or masks[0] is None
+        if unmasked and t is not None and _fusable(exp_avgs, exp_avg_sqs, us):
+            return _fused_directions(us, exp_avgs, exp_avg_sqs, t, group)
+        if not unmasked:  # a masked step: every direction has its flag
             ws, ds = _masked_weights(masks, exp_avgs[0].dtype, beta1, beta2)  # type: ignore[arg-type]
             torch._foreach_lerp_(exp_avgs, us, ws)
             torch._foreach_mul_(exp_avg_sqs, ds)
@@ -647,7 +689,7 @@ class ScaleByAdam(MomentRule, Transform):
     ) -> list[Tensor]:
         """:meth:`_foreach`'s math through the compiled :func:`adam_math_many` (one graph)."""
         beta1, beta2 = group["betas"]
-        exp_avgs, exp_avg_sqs, us, scales, shifts = self._batch(us, states, group)
+        exp_avgs, exp_avg_sqs, us, scales, shifts, _ = self._batch(us, states, group)
         return run_compiled(adam_math_many, us, exp_avgs, exp_avg_sqs, 1 - beta1, beta2,
                             1 - beta2, scales, shifts)  # fmt: skip
 

@@ -348,14 +348,18 @@ class GaLore(Transform):
         projector = get_projector(group["projector"])
         keys = self._stack_keys(group, us[0].device) if plan.batches else None
         stacks: list[_Stacked] = []
+        # where the batches' updates go out as factors (see _factored; batches of large
+        # matrices), no stack of the gradients is made: each is read once, by its own matmul
+        factored = _factored(group, ctxs)
         for batch, rest in live:
-            G, B, R = batch.project(us, projector, group["proj_precision"], rest)
+            fac = factored and lowrank_batch.along_data(us[batch.idx[0]])
+            G, B, R = batch.project(us, projector, group["proj_precision"], rest, not fac)
             idx = batch.idx if rest is None else [batch.idx[j] for j in rest]
             stacked = batch.stacked_state(keys) if keys is not None and rest is None else None
             if stacked is None:  # its matrices go through the chain one by one
                 for i, r in zip(idx, R.unbind(0), strict=True):
                     inner_in[i] = r
-            stacks.append(_Stacked(batch, idx, G, B, R, stacked))
+            stacks.append(_Stacked(batch, idx, G, B, R, stacked, fac))
         # the inner rules see each projected direction's layout, as at init (plain: the param's)
         inner_ctxs = list(ctxs)
         for i, p in projections.items():
@@ -379,9 +383,17 @@ class GaLore(Transform):
             for st, N, mask in zip(stacks, stacked_out, masks, strict=True):
                 Ns = N if N is not None else [dense(results[i]) for i in st.idx]
                 dtype = ctxs[st.idx[0]].param.dtype
-                # G is projected already: its buffer takes the update (when it is a
-                # temporary stack, not a view of the gradients)
-                spent = st.G if st.G.dtype == dtype and packing.writable(st.G) else None
+                if st.factored:  # factors: each weight takes its update in one addmm_
+                    shapes = [us[i].shape for i in st.idx]
+                    B = st.batch.cast_bases(st.B, dtype)  # kept with the stack
+                    ups = lowrank_batch.factors(st.batch.kind, B, Ns, dtype, scale, shapes)
+                    done.update(zip(st.idx, ups, strict=True))
+                    continue
+                # a masked step: dense updates, masked on the r-row stacks. G is projected
+                # already: its buffer takes the update (when it is a temporary stack, not a
+                # view of the gradients)
+                G = st.G
+                spent = G if G is not None and G.dtype == dtype and packing.writable(G) else None
                 deltas = lowrank_batch.back(st.batch.kind, st.B, Ns, dtype, scale, spent, mask)
                 done.update(zip(st.idx, masked.entries(deltas), strict=True))
         for i, p in projections.items():
@@ -780,10 +792,11 @@ class _Stacked(NamedTuple):
 
     batch: lowrank_batch.ShapeBatch
     idx: list[int]
-    G: Tensor  # the stacked gradients
+    G: Tensor | None  # the stacked gradients (None: not stacked, see _factored)
     B: Tensor  # the stacked bases, as stored
     R: Tensor  # the stacked projected gradients
     state: StackedState | None  # the inner chain's state of them as one stacked entry
+    factored: bool  # along the data: G not stacked, the update as factors (see _factored)
 
 
 #: 2**64 / golden ratio: consecutive indices land far apart in every window (Fibonacci hashing)
@@ -821,6 +834,16 @@ def _current_gap(state: State, group: Group) -> int:
     if group["adaptive_refresh"] and "galore.gap" in state:
         return max(int(state["galore.gap"]), group["update_proj_gap"])
     return group["update_proj_gap"]
+
+
+def _factored(group: Group, ctxs: list[Context]) -> bool:
+    """Do the shape batches' updates go out as factors
+    (:func:`.lowrank_batch.factors`: the optimizer writes each into its weight by one
+    ``addmm_``, and the gradients are projected where they are, not stacked)? Yes but on
+    a masked step (``capturable=True``: a batch's update is masked on its r-row stack
+    and applied densely, :func:`.lowrank_batch.back`) and for Fira / APOLLO (their dense
+    update needs the gradients stacked: :func:`.residual.combine_buckets`)."""
+    return not residual.active(group) and not (ctxs and ctxs[0].mask is not None)
 
 
 def _stacked_ctxs(stacked: list[_Stacked], ctxs: list[Context]) -> list[Context]:

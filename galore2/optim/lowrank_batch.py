@@ -9,6 +9,14 @@ by another; the result is a dense update per matrix (a view of the batch), appli
 optimizer's foreach kernels. Fira and APOLLO take the same projection; their combination
 is :func:`.residual.combine_buckets` on the same stacks.
 
+**Along the data** (GaLore without a residual, on an unmasked step: ``galore._factored``;
+matrices of at least :data:`MIN_ALONG_DATA_BYTES`, :func:`along_data`):
+the gradients are not stacked — each is read once, in its own dtype, by its own matmul
+into its entry of the r-sized stack R (:meth:`ShapeBatch.project` with ``stack=False``) —
+and the update goes out as factors (:func:`factors`), which the optimizer writes into
+each weight by one ``addmm_`` (scale, decay and update in the matmul): no tensor of a
+weight's size is made, each gradient is read once and each weight read and written once.
+
 The side's products (and which basis they read) are its projection's
 (:class:`~galore2.optim.projection.LeftProjection` / ``RightProjection``: ``basis_key``,
 ``project_stack``, ``back_stack``); this module only plans, groups and stacks.
@@ -60,7 +68,7 @@ from torch import Tensor
 
 from ..core import masked, packing
 from ..core.counters import Counters
-from ..core.transform import Context, StackedState, State
+from ..core.transform import Context, LowRankUpdate, StackedState, State
 from ..projectors import Projector, get_projector
 from ..projectors.base import projection_precision
 from ..projectors.random import RandomProjector
@@ -70,6 +78,8 @@ MAX_MATRIX_BYTES = 16 * 2**20
 MAX_BATCH_BYTES = 256 * 2**20
 #: the largest stack of a batch's stored bases kept between steps (see ShapeBatch.bases)
 MAX_CACHED_BYTES = 4 * 2**20
+#: the smallest matrix whose batch goes along the data (:func:`along_data`)
+MIN_ALONG_DATA_BYTES = 2**20
 _DENSE_BASES = ("fp32", "bf16")
 _NONE = 0  # galore.side of a matrix GaLore does not project
 
@@ -83,6 +93,17 @@ def group_batchable(group: dict[str, Any]) -> bool:
     return (
         projector.project is Projector.project and projector.back_factors is Projector.back_factors
     )
+
+
+def along_data(u: Tensor) -> bool:
+    """Does a shape batch of matrices like ``u`` go along the data where it may (each
+    gradient projected where it is, each update written into its weight by its own
+    ``addmm_``: two matmuls per matrix, no weight-sized copy), rather than by one ``bmm``
+    each way per shape (two launches per shape, the gradients stacked and the dense updates
+    applied by foreach kernels)? Where a matrix holds at least
+    :data:`MIN_ALONG_DATA_BYTES`: there the bytes saved (≥ 12 per element) cost more device
+    time than the launches added (a few µs each); smaller ones are launch-bound."""
+    return u.numel() * u.element_size() >= MIN_ALONG_DATA_BYTES
 
 
 def stackable(u: Tensor, ctx: Context, kind: type[Projection]) -> bool:
@@ -108,8 +129,8 @@ class ShapeBatch:
         rank: the group's rank (the random projector's basis columns).
     """
 
-    __slots__ = ("device", "dtype", "held", "idx", "inner", "kind", "rank", "rows", "stack",
-                 "states", "versions")  # fmt: skip
+    __slots__ = ("cast", "device", "dtype", "held", "idx", "inner", "kind", "rank", "rows",
+                 "stack", "states", "versions")  # fmt: skip
 
     def __init__(
         self, kind: type[Projection], idx: list[int], states: list[State], dtype: torch.dtype,
@@ -121,6 +142,7 @@ class ShapeBatch:
         self.held: list[Tensor] = []  # the state tensors ``stack`` was read from
         self.versions: list[int] = []  # and their versions then
         self.inner: _InnerStacks | None = None  # the inner chain's stacked state
+        self.cast: tuple[Tensor, Tensor] | None = None  # (kept stack, it in another dtype)
 
     def _hold(self, key: str) -> None:
         self.held = [s[key] for s in self.states]
@@ -159,6 +181,18 @@ class ShapeBatch:
             self.stack = stacked
         return stacked
 
+    def cast_bases(self, B: Tensor, dtype: torch.dtype) -> Tensor:
+        """The stack ``B`` of :meth:`bases` in ``dtype``; the cast of a kept stack is kept
+        with it (made again when the stack is), so a step casts no basis."""
+        if B.dtype == dtype:
+            return B
+        cast = self.cast
+        if cast is not None and cast[0] is B and cast[1].dtype == dtype:
+            return cast[1]
+        out = B.to(dtype)
+        self.cast = (B, out) if B is self.stack else None
+        return out
+
     def stacked_state(self, keys: tuple[str, ...]) -> StackedState | None:
         """The inner chain's state of the whole batch as one stacked entry (its ``keys``
         stacked: :mod:`~galore2.core.packing` views them, or packs them once), or None when
@@ -171,27 +205,37 @@ class ShapeBatch:
         return self.inner.state if self.inner is not None else None
 
     def project(
-        self, us: list[Tensor], projector: Projector, precision: str, live: list[int] | None
-    ) -> tuple[Tensor, Tensor, Tensor]:
+        self, us: list[Tensor], projector: Projector, precision: str, live: list[int] | None,
+        stack: bool = True,
+    ) -> tuple[Tensor | None, Tensor, Tensor]:  # fmt: skip
         """(the stacked gradients G, the stacked bases B as stored, R = PᵀG or G·Q): one
         ``bmm`` at the group's ``proj_precision``, R in the gradients' dtype (as
         :meth:`Projector.project` does per matrix). G is a new stack, or a view of the
-        gradients when they are one already (check ``G._base``: then not to be written). ``live``: the positions (in :attr:`idx`)
-        that project this step (None: all)."""
-        B = self.bases(projector)
-        idx = self.idx
-        if live is not None:
-            B = B[torch.tensor(live, device=B.device)]
-            idx = [idx[j] for j in live]
+        gradients when they are one already (check ``G._base``: then not to be written).
+        ``live``: the positions (in :attr:`idx`) that project this step (None: all).
+        ``stack=False`` (the caller needs no G): gradients that are not a stack already are
+        not copied into one — each is read where it is by its own matmul into its entry of
+        R — and G is None."""
+        idx = self.idx if live is None else [self.idx[j] for j in live]
         listed = [us[i] for i in idx]
+        dtype = self.dtype
+        at, context = projection_precision(listed[0], precision)
+        B = self.bases(projector)
+        Y = self.cast_bases(B, at)
+        if live is not None:
+            pick = torch.tensor(live, device=B.device)
+            B, Y = B[pick], (None if Y is B else Y[pick])
+            Y = B if Y is None else Y
         # the gradients as they are when they form a stack (the masked copies of a
         # capturable step): no copy; the caller must then not write G
         G = packing.stacked_view(listed)
+        if G is None and not stack:
+            with context:  # a gradient not in ``at`` is cast alone (fp32 ones at bf16)
+                R = self.kind.project_each([g if g.dtype == at else g.to(at) for g in listed], Y)
+            return None, B, (R if R.dtype == dtype else R.to(dtype))
         if G is None:
             G = torch.stack(listed)
-        dtype = self.dtype
-        at, context = projection_precision(G, precision)
-        X, Y = (G if G.dtype == at else G.to(at)), (B if B.dtype == at else B.to(at))
+        X = G if G.dtype == at else G.to(at)
         with context:
             R = self.kind.project_stack(X, Y)
         return G, B, (R if R.dtype == dtype else R.to(dtype))
@@ -331,6 +375,27 @@ def advance_counters(
         step = torch.ones(len(states), dtype=packed.dtype)
         step[skip] = 0
         packed.add_(step)
+
+
+def factors(
+    kind: type[Projection], B: Tensor, Ns: list[Tensor] | Tensor, dtype: torch.dtype,
+    factor: float, shapes: list[torch.Size],
+) -> list[LowRankUpdate]:  # fmt: skip
+    """The updates ``factor·P·N`` (left) or ``factor·N·Qᵀ`` (right) of a shape batch as
+    factors in ``dtype``, one :class:`~galore2.core.transform.LowRankUpdate` per matrix
+    (``shapes``: their weights'), as :meth:`.Projection.back` returns per matrix: the
+    optimizer writes each into its weight by one ``addmm_`` with the step's decay as its
+    β, so no m×n update exists and each weight is read and written once. The casts are of
+    the r-sized stacks (one each). ``Ns``: the low-rank updates, or their stack (the inner
+    chain's: never written)."""
+    N = Ns if isinstance(Ns, Tensor) else torch.stack(Ns)
+    N = N if N.dtype == dtype else N.to(dtype)
+    B = B if B.dtype == dtype else B.to(dtype)
+    As, Bs = kind.factors_stack(N, B)
+    return [
+        LowRankUpdate(a, b, shape, factor)
+        for a, b, shape in zip(As.unbind(0), Bs.unbind(0), shapes, strict=True)
+    ]
 
 
 def back(

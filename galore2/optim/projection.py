@@ -121,6 +121,19 @@ class Projection:
         into ``out`` when given."""
         raise NotImplementedError("only a stackable projection batches its products")
 
+    @staticmethod
+    def project_each(Gs: list[Tensor], B: Tensor) -> Tensor:
+        """R of each gradient of ``Gs`` and its basis in the stack ``B``, stacked: one
+        matmul per matrix into its entry of R (the gradients are read where they are, not
+        stacked first; ``stackable`` only)."""
+        raise NotImplementedError("only a stackable projection batches its products")
+
+    @staticmethod
+    def factors_stack(N: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
+        """The stacked factors (A, B) of the updates A·B of stacked inner results ``N`` and
+        bases ``B`` (``stackable`` only; :meth:`back`'s factors, a stack of them)."""
+        raise NotImplementedError("only a stackable projection batches its products")
+
     def basis(self, state: State) -> Tensor | None:
         """The basis on the projected side (dense): P (left) or Q (right)."""
         P, Q = self.projector.bases(state, self.plan)
@@ -207,6 +220,19 @@ class LeftProjection(Projection):
         """P·N of stacked bases and inner results (one ``bmm``, into ``out`` if given)."""
         return torch.bmm(B, N, out=out)
 
+    @staticmethod
+    def project_each(Gs: list[Tensor], B: Tensor) -> Tensor:
+        """PᵀG of each gradient into its entry of one r × n stack."""
+        R = B.new_empty((len(Gs), B.shape[2], Gs[0].shape[1]))
+        for G, P, out in zip(Gs, B, R, strict=True):
+            torch.mm(P.mT, G, out=out)
+        return R
+
+    @staticmethod
+    def factors_stack(N: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
+        """(P, N): the update P·N."""
+        return B, N
+
     def step_collectives(self, grad: torch.dtype, inner: torch.dtype) -> list[Collective]:
         """Reduce-scatter of R = PᵀG (r×n, ``grad``), all-gather of N (r×n, ``inner``: it is
         cast to the parameter's dtype only after the gather)."""
@@ -235,6 +261,19 @@ class RightProjection(Projection):
     def back_stack(N: Tensor, B: Tensor, out: Tensor | None = None) -> Tensor:
         """N·Qᵀ of stacked inner results and bases (one ``bmm``, into ``out`` if given)."""
         return torch.bmm(N, B.mT, out=out)
+
+    @staticmethod
+    def project_each(Gs: list[Tensor], B: Tensor) -> Tensor:
+        """G·Q of each gradient into its entry of one m × r stack."""
+        R = B.new_empty((len(Gs), Gs[0].shape[0], B.shape[2]))
+        for G, Q, out in zip(Gs, B, R, strict=True):
+            torch.mm(G, Q, out=out)
+        return R
+
+    @staticmethod
+    def factors_stack(N: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
+        """(N, Qᵀ): the update N·Qᵀ."""
+        return N, B.mT
 
 
 class FullProjection(Projection):
