@@ -835,7 +835,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "factors = masked_factor(factor, None).expand(len(ctxs)).unbind()",
         ("tests/core/test_capturable.py::test_ranger21_weight_modules_leave_a_masked_parameter",),
         "issue 39 item 1: batched stable weight decay moves a masked parameter's weights",
-
+    ),
+    Mutation(
         "batched_factors_unscaled",
         "galore2/optim/lowrank_batch.py",
         "LowRankUpdate(a, b, shape, factor)",
