@@ -71,13 +71,15 @@ def test_per_layer_bytes_and_kernels(result: dict, label: str) -> None:
 
 def _full_size(result: dict, label: str) -> list[str]:
     """The ``_to_copy`` launches in the 4-layer step of a tensor at least as large as the
-    smallest weight matrix (a full-size weight or gradient, or a stack or flat view of some)."""
+    smallest weight matrix (a full-size weight or gradient, or a stack or flat view of some).
+    A 3-D stack is measured per matrix: a stack of r-sized bases is not a full-size copy."""
     smallest = SMALL.dim * SMALL.dim
     out = []
     for key, n in result["rows"][label]["layers"]["4"]["copies"].items():
+        dims = [int(d) for d in key.split()[0].split("x")]
         numel = 1
-        for d in key.split()[0].split("x"):
-            numel *= int(d)
+        for d in dims[-2:] if len(dims) == 3 else dims:
+            numel *= d
         if numel >= smallest:
             out.append(f"{n} x _to_copy {key}")
     return out
