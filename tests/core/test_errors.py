@@ -116,7 +116,7 @@ def test_boundary_values_accepted(kwargs, normalized):
     assert torch.isfinite(p).all()
 
 
-@pytest.mark.parametrize("bad", ["rnak", "amsgrad", "fused"])
+@pytest.mark.parametrize("bad", ["rnak", "amsgrad", "differentiable"])
 def test_unknown_kwargs_raise_type_error(bad):
     p = nn.Parameter(torch.randn(6, 4))
     with pytest.raises(TypeError) as err:
