@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 from benchmarks.step_counts import contender_maker, tiny_model
 
-from ..helpers import batch, capturable_twins
+from ..helpers import assert_f32_close, batch, capturable_twins
 
 FROM_PYTHON = frozenset({"lift_fresh", "lift_fresh_copy", "scalar_tensor"})
 NOT_MADE = frozenset({"_record_function_enter_new", "_record_function_exit"})
@@ -166,7 +166,8 @@ def test_a_read_of_adams_counter_is_seen():
 )  # fmt: skip
 def test_device_counters_give_the_host_counters_bits(foreach, state_dtype):
     """Without unusable gradients a capturable run is bitwise the default one over its first
-    steps: the float64 bias corrections computed from the device counter equal the host's
+    steps where both run the same kernels (fp32 foreach: within a derived float32 bound):
+    the float64 bias corrections computed from the device counter equal the host's
     Python floats there (for some large step counts the device's ``pow`` may differ from
     the host's in the last bit).
     (Without weight decay: the host path folds the decay into the low-rank update's fused
@@ -183,6 +184,11 @@ def test_device_counters_give_the_host_counters_bits(foreach, state_dtype):
         capt.step()
         host.step()
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
-        assert torch.equal(p, q)
+        if foreach and state_dtype == "float32":
+            # the host path's batched fp32 Adam is torch's fused Adam kernel on the stacked
+            # moments, the masked path keeps its foreach ops: another rounding order
+            assert_f32_close(p.detach(), q.detach(), steps=5, what="weights")
+        else:
+            assert torch.equal(p, q)
     saved = capt.state_dict()["state"]  # counters keep their dtype: checkpoints interchange
     assert all(s["adam.step"].dtype == torch.int64 for s in saved.values())

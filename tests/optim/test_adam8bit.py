@@ -19,7 +19,7 @@ from galore2.storage import dynamic8
 
 from ..dist import spawn
 from ..fsdp import adam8bit_fsdp_cases
-from ..helpers import run_python
+from ..helpers import assert_f32_close, run_python
 
 # bitsandbytes' own tolerances for 8-bit blockwise Adam on fp32 tensors
 # (github.com/bitsandbytes-foundation/bitsandbytes, tests/test_optim.py::test_optimizer8bit,
@@ -497,11 +497,20 @@ def test_packed_update_many_bitwise_equals_update_loop(monkeypatch, pack):
             us[2][0], us[3][5, 3] = 1e-39, float("inf")
         batched = t.update_many(us, a, group, ctxs)
         looped = [t.update(u, st, group, c) for u, st, c in zip(us, b, ctxs, strict=True)]
-        for x, y in zip(batched, looped, strict=True):
-            torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
-        for sa, sb in zip(a, b, strict=True):
+        for x, y, sa, sb in zip(batched, looped, a, b, strict=True):
+            if "adam.block_dim" in sa or "adam.exp_avg.absmax" in sa:  # 8-bit: same kernels
+                torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+                for k in sa:
+                    torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=0, equal_nan=True)
+                continue
+            # a direction small enough to keep fp32 moments: batched, it is torch's fused Adam
+            # kernel on the stacked moments (another rounding order), so a derived bound
+            assert_f32_close(x, y, steps=step + 1, what="fp32-moment direction")
             for k in sa:
-                torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=0, equal_nan=True)
+                if sa[k].is_floating_point():
+                    assert_f32_close(sa[k], sb[k], steps=step + 1, what=k)
+                else:
+                    assert torch.equal(sa[k], sb[k]), k
         if step == 3:
             assert float(a[2]["adam.exp_avg.absmax"][0, 0]) == 0.0
     # the last step falls back where the tiny block (tensor 2) and the inf (tensor 3) are
