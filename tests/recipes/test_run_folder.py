@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from recipes.cli import run_cli
 from recipes.pretrain import main
 
+from .test_cli_errors import _error_line
 from .test_recipe import SMALL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,14 +37,6 @@ def _first_run(out: Path) -> dict[str, bytes]:
     return _snapshot(out)
 
 
-def _error_line(capsys, argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as e:
-        run_cli(main, argv)
-    err = capsys.readouterr().err
-    assert e.value.code == 2, err
-    lines = err.strip().splitlines()
-    assert "Traceback" not in err and lines[-1].startswith("error: "), err
-    return lines[-1]
 
 
 # --- item 3 ----------------------------------------------------------------------------
