@@ -776,6 +776,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "not their parameter's (a NaN in a bias or norm gain)",
     ),
     Mutation(
+        "masked_bucket_unsaved_if_any_key_skipped",
+        "galore2/core/masked.py",
+        "None if b.keys <= skip",
+        "None if b.keys & skip",
+        (
+            "tests/core/test_capturable.py::"
+            "test_muon_square_matrix_momentum_put_back_with_its_basis_skipped",
+        ),
+        "issue 39 #18: a snapshot bucket is left unsaved when any of its keys is skipped "
+        "(GaLoreMuon: a square matrix's momentum shares a bucket with its right basis)",
+    ),
+    Mutation(
         "masked_unstacked_not_written_back",
         "galore2/core/masked.py",
         "                torch._foreach_copy_(b.tensors, list(current.unbind()))",
