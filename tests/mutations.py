@@ -776,6 +776,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "not their parameter's (a NaN in a bias or norm gain)",
     ),
     Mutation(
+        "tucker_back_unscaled",
+        "galore2/optim/projection.py",
+        "return self.projector.project_back(N, state, self.plan, dtype).mul_(factor)",
+        "return self.projector.project_back(N, state, self.plan, dtype)",
+        ("tests/projectors/test_tucker.py::test_tucker_update_carries_scale_and_weight_decay",),
+        "issue 39 #24: a Tucker weight's update loses its factor α·(1 − lr·λ)",
+    ),
+    Mutation(
         "masked_bucket_unsaved_if_any_key_skipped",
         "galore2/core/masked.py",
         "None if b.keys <= skip",
