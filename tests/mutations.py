@@ -381,6 +381,43 @@ MUTATIONS: tuple[Mutation, ...] = (
         "edited update_proj_gap is re-planned (issue 39 item 6)",
     ),
     Mutation(
+        "gap_edit_moves_a_due_refresh",
+        "galore2/optim/galore.py",
+        "            if due <= step:  # due at the next step, or pending",
+        "            if due < step:  # due at the next step, or pending",
+        (
+            "tests/optim/test_refresh_schedule.py::"
+            "test_gap_edit_keeps_a_due_or_pending_refresh_due",
+        ),
+        "issue 39 #25: an edit of update_proj_gap moves a refresh due at the very next step "
+        "onto the new schedule",
+    ),
+    Mutation(
+        "gap_edit_moves_a_pending_refresh",
+        "galore2/optim/galore.py",
+        "            if due <= step:  # due at the next step, or pending (retried): it stays due\n"
+        "                continue\n",
+        "",
+        (
+            "tests/optim/test_refresh_schedule.py::"
+            "test_gap_edit_keeps_a_due_or_pending_refresh_due",
+        ),
+        "issue 39 #25: an edit of update_proj_gap moves a refresh pending after a failed one "
+        "(or due at the next step) onto the new schedule",
+    ),
+    Mutation(
+        "gap_edit_pending_gap_unbounded",
+        "galore2/optim/galore.py",
+        'if group["adaptive_refresh"] and "galore.gap" in state:  # keep it in the new range',
+        'if group["adaptive_refresh"] and "galore.gap" in state and due > step:  # keep it',
+        (
+            "tests/optim/test_refresh_schedule.py::"
+            "test_cap_edit_while_a_refresh_is_pending_bounds_the_adaptive_gap",
+        ),
+        "issue 39 #25: a pending parameter's adaptive gap is left outside the edited range "
+        "(max_update_proj_gap cut: the next gap stays the old one)",
+    ),
+    Mutation(
         "run_folder_unlocked",
         "recipes/resume.py",
         "        held.enter_context(writer_lock(out, RUNNING))",
