@@ -418,6 +418,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         "(max_update_proj_gap cut: the next gap stays the old one)",
     ),
     Mutation(
+        "capture_lr_not_a_setting",
+        "galore2/core/capture.py",
+        '_NOT_SETTINGS = frozenset({"params", "param_names", "initial_lr", "name"})',
+        '_NOT_SETTINGS = frozenset({"params", "param_names", "initial_lr", "name", "lr"})',
+        ("tests/core/test_capture.py::test_a_scheduled_lr_is_a_changed_setting",),
+        "issue 39 #23: CapturedStep replays a graph captured with another lr (lr not among "
+        "the settings a replay compares); on a GPU also test_replays_follow_an_lr_scheduler",
+    ),
+    Mutation(
+        "capture_settings_by_identity",
+        "galore2/core/capture.py",
+        "{k: _frozen(v) for k, v in g.items() if k not in _NOT_SETTINGS}",
+        "{k: v for k, v in g.items() if k not in _NOT_SETTINGS}",
+        ("tests/core/test_capture.py::test_a_scheduled_lr_is_a_changed_setting",),
+        "issue 39 #23: a tensor lr an LR scheduler rewrites in place compares equal to the "
+        "captured one (the same object): the graph replays its stale lr",
+    ),
+    Mutation(
         "run_folder_unlocked",
         "recipes/resume.py",
         "        held.enter_context(writer_lock(out, RUNNING))",
