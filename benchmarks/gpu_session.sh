@@ -86,8 +86,11 @@ fi
 : >"$SUMMARY"
 if [ "$DRY" != 1 ] && [ "$TINY" != 1 ]; then
     if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+        # the torchtitan this torch imports (0.3.0: torch >= 2.12, else 0.2.2): gpu_wheels.sh
+        TT=".whl/torchtitan-$($PY -m benchmarks.torchtitan_wheel)"
         $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+            --target /tmp/site .whl/*.whl $(ls "$TT"/*.whl 2>/dev/null) \
+            && export PYTHONPATH="$PYTHONPATH:/tmp/site"
     fi
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
       $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"

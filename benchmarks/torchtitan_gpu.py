@@ -4,8 +4,9 @@ saved and resumed (issue 28 item 5).
     python -m benchmarks.torchtitan_gpu --out runs/torchtitan     # needs CUDA and torchtitan
 
 Runs docs/guides/torchtitan.md's command (``torchrun ... -m torchtitan.train --module
-galore2.integrations.torchtitan --config llama3_debugmodel_galore``) on one GPU twice in a
-work folder under ``--out``:
+galore2.integrations.torchtitan --config llama3_debugmodel_galore``; with torchtitan 0.2.x,
+the same model and settings through its ``[optimizer]`` section: :func:`train_args`) on
+one GPU twice in a work folder under ``--out``:
 
 1. ``--steps`` steps (10) with a checkpoint at the last one;
 2. the same command with ``--resume-steps`` (15): torchtitan loads that checkpoint and
@@ -70,13 +71,30 @@ def prepare_assets(work: Path) -> Path:
     return work
 
 
-def train_args(steps: int, interval: int, dump: str) -> list[str]:
-    """torchtitan.train's arguments: the guide's debug-model command, plus steps and a checkpoint."""
+def train_args(steps: int, interval: int, dump: str, api: str | None = None) -> list[str]:
+    """torchtitan.train's arguments: the guide's debug-model command for the installed
+    torchtitan (``api``: ``galore2.integrations.torchtitan.API``, ``"0.3"`` or ``"0.2"``),
+    plus steps and a checkpoint. 0.2.x: its ``[optimizer]`` section with the debug model's
+    settings of 0.3.x's ``llama3_debugmodel_galore`` (``GALORE_DEBUG``)."""
+    if api is None:
+        from galore2.integrations.torchtitan import API as api
+    common = ["--training.steps", str(steps),
+              "--checkpoint.enable", "--checkpoint.interval", str(interval),
+              "--metrics.disable_color_printing"]  # fmt: skip
+    if api == "0.3":
+        return ["--module", "galore2.integrations.torchtitan", "--config", CONFIG,
+                *common, "--dump_folder", dump]  # fmt: skip
+    from galore2.integrations.torchtitan.common import GALORE_DEBUG as s
+
+    beta1, beta2 = s["betas"]
+    galore = ",".join(f"{k}={s[k]}" for k in ("rank", "update_proj_gap", "scale"))
     return [
-        "--module", "galore2.integrations.torchtitan", "--config", CONFIG,
-        "--training.steps", str(steps),
-        "--checkpoint.enable", "--checkpoint.interval", str(interval),
-        "--dump_folder", dump, "--metrics.disable_color_printing",
+        "--job.custom_config_module", "galore2.integrations.torchtitan.job_config",
+        "--model.name", "llama3_galore", "--model.flavor", "debugmodel",
+        "--optimizer.name", "galore_adamw", "--optimizer.lr", str(s["lr"]),
+        "--optimizer.beta1", str(beta1), "--optimizer.beta2", str(beta2),
+        "--optimizer.eps", str(s["eps"]), "--optimizer.weight_decay", str(s["weight_decay"]),
+        "--optimizer.galore_options", galore, *common, "--job.dump_folder", dump,
     ]  # fmt: skip
 
 

@@ -436,6 +436,34 @@ MUTATIONS: tuple[Mutation, ...] = (
         "captured one (the same object): the graph replays its stale lr",
     ),
     Mutation(
+        "tt_plain_gets_rank",
+        "galore2/integrations/torchtitan/common.py",
+        "return {k: v for k, v in options.items() if k not in galore_keys}",
+        "return dict(options)",
+        (
+            "tests/integrations/test_torchtitan.py::"
+            "test_config_builds_the_container_torchtitan_expects",
+        ),
+        "torchtitan: the plain group (embeddings, head, norms) gets GaLore's rank, gap, scale",
+    ),
+    Mutation(
+        "tt_api_by_version_guess",
+        "galore2/integrations/torchtitan/__init__.py",
+        'if hasattr(optimizer_module, "ParamGroupConfig"):',
+        'if hasattr(optimizer_module, "OptimizersContainer"):',
+        ("tests/integrations/test_torchtitan_api.py",),
+        "issue 39 #14: torchtitan 0.2.x's optimizer module taken for 0.3.x's API",
+    ),
+    Mutation(
+        "tt_wheel_for_torch_2_11",
+        "benchmarks/torchtitan_wheel.py",
+        'TORCHTITAN = (("0.3.0", (2, 12)), ("0.2.2", (0, 0)))',
+        'TORCHTITAN = (("0.3.0", (2, 11)), ("0.2.2", (0, 0)))',
+        ("tests/benchmarks/test_torchtitan_wheel.py",),
+        "issue 39 #14: the GPU session installs torchtitan 0.3.0 on torch 2.11 (it cannot "
+        "import DataParallelMeshDims there)",
+    ),
+    Mutation(
         "run_folder_unlocked",
         "recipes/resume.py",
         "        held.enter_context(writer_lock(out, RUNNING))",

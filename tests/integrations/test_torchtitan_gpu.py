@@ -13,12 +13,17 @@ from benchmarks import torchtitan_gpu as tg
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "torchtitan.md"
 
 
-def _trainer_deps():
+def _trainer_deps(api: str | None = "0.3"):
+    """torchtitan's ConfigManager where its trainer imports, and it is ``api`` (None: any)."""
     try:
         from torchtitan.config import ConfigManager
-        from torchtitan.models.llama3 import config_registry  # noqa: F401
+        from torchtitan.models import llama3  # noqa: F401
+
+        from galore2.integrations.torchtitan import API
     except ImportError as e:
         pytest.skip(f"torchtitan's trainer dependencies are not installed ({e})")
+    if api is not None and API != api:
+        pytest.skip(f"torchtitan {api}.x is not installed")
     return ConfigManager
 
 
@@ -42,19 +47,29 @@ def test_assets_are_what_the_debug_config_reads(tmp_path, monkeypatch):
 
 
 def test_command_is_the_guides_debug_model_with_steps_and_a_checkpoint():
-    config_manager = _trainer_deps()
-    from galore2.integrations.torchtitan import GaLoreOptimizersContainer
+    config_manager = _trainer_deps(None)
+    import galore2.integrations.torchtitan as tt
 
     assert f"--config {tg.CONFIG}" in GUIDE.read_text()  # the documented debug model
     cmd = tg.command(10, 10, "/tmp/dump")
     assert cmd[cmd.index("--nproc_per_node") + 1] == "1"
     config = config_manager().parse_args(cmd[cmd.index("torchtitan.train") + 1 :])
-    assert isinstance(config.optimizer, GaLoreOptimizersContainer.Config)
-    assert config.optimizer.param_groups[0].optimizer_name == "galore_adamw"
     assert (config.training.steps, config.checkpoint.enable, config.checkpoint.interval) == (
         10, True, 10
     )  # fmt: skip
-    assert config.dump_folder == "/tmp/dump" and config.metrics.disable_color_printing
+    assert config.metrics.disable_color_printing
+    if tt.API == "0.3":
+        assert isinstance(config.optimizer, tt.GaLoreOptimizersContainer.Config)
+        assert config.optimizer.param_groups[0].optimizer_name == "galore_adamw"
+        assert config.dump_folder == "/tmp/dump"
+        return
+    # torchtitan 0.2.x: the same debug model and settings through its [optimizer] section
+    from galore2.integrations.torchtitan.common import GALORE_DEBUG
+
+    settings = tt.settings(config.optimizer)
+    assert (config.model.name, config.model.flavor) == ("llama3_galore", "debugmodel")
+    assert {k: settings.projected[k] for k in GALORE_DEBUG} == GALORE_DEBUG
+    assert config.job.dump_folder == "/tmp/dump"
 
 
 def _log(steps, losses, *extra):

@@ -26,6 +26,30 @@ FOREACH: dict[str, bool | None] = {"fused": None, "foreach": True, "for-loop": F
 #: the group key torchtitan uses for torch's fused kernels (not a galore2 option)
 FUSED = "fused"
 
+#: GaLore's published LLaMA-7B pre-training settings (its C4 script for 7B on 8 nodes):
+#: rank 1024, subspace refresh every 500 steps, scale α = 0.25, lr 0.005, AdamW's default
+#: betas, no weight decay. (Its schedule: 150k steps, 15k warmup, cosine to 0.1·lr, gradient
+#: clipping 1.0; set with torchtitan's flags, see docs/guides/torchtitan.md.)
+GALORE_7B: dict[str, Any] = {
+    "lr": 5e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 0.0,
+    "rank": 1024,
+    "update_proj_gap": 500,
+    "scale": 0.25,
+}
+#: The debug model (dim 256) at rank 64 with torchtitan's debug AdamW settings.
+GALORE_DEBUG: dict[str, Any] = {
+    "lr": 8e-4,
+    "betas": (0.9, 0.95),
+    "eps": 1e-8,
+    "weight_decay": 0.1,
+    "rank": 64,
+    "update_proj_gap": 200,
+    "scale": 0.25,
+}
+
 
 def _switches(cls: type[ChainOptimizer]) -> set[str]:
     """A preset's constructor switches: options that are not group keys."""
