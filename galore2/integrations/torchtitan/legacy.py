@@ -45,7 +45,7 @@ class Settings:
     """A galore2 optimizer as the ``[optimizer]`` section describes it."""
 
     cls: type[ChainOptimizer]
-    pattern: str  # the projected group's regex (None-equivalent: "" when nothing projects)
+    pattern: str  # the projected group's regex (unused when ``plain`` is None)
     projected: dict[str, Any]  # group options of the projected group (or the only group)
     plain: dict[str, Any] | None  # group options of the plain group; None: one group
     switches: dict[str, Any]  # constructor switches
