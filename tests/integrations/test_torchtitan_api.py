@@ -26,8 +26,8 @@ def test_the_installed_torchtitan_gets_its_api():
     import torchtitan.components.optimizer as optimizer
 
     assert tt.API == tt.api_of(optimizer)
-    exported = {"0.3": "check_config", "0.2": "build_optimizers"}[tt.API]
-    assert exported in tt.__all__
+    assert "galore_config" in tt.__all__  # one public list; a stub that says why on 0.2.x
+    assert hasattr(tt, "build_optimizers") is (tt.API == "0.2")
 
 
 def test_torchtitan_03_on_an_older_torch_says_which_to_install(monkeypatch):

@@ -92,5 +92,7 @@ else:
 
     check_config = galore_config
 
+    # the same public names as with 0.3.x (the API reference renders one list); the 0.2.x
+    # builder and its settings are galore2.integrations.torchtitan.legacy's
     __all__ = ["API", "FOREACH", "PROJECTED", "GaLoreOptimizersContainer", "api_of",
-               "build_optimizers", "check_config", "galore_config", "settings"]  # fmt: skip
+               "check_config", "galore_config"]  # fmt: skip
