@@ -387,6 +387,61 @@ MUTATIONS: tuple[Mutation, ...] = (
         "edited update_proj_gap is re-planned (issue 39 item 6)",
     ),
     Mutation(
+        "gap_edit_moves_a_due_refresh",
+        "galore2/optim/galore.py",
+        "            if due <= step:  # due at the next step, or pending",
+        "            if due < step:  # due at the next step, or pending",
+        (
+            "tests/optim/test_refresh_schedule.py::"
+            "test_gap_edit_keeps_a_due_or_pending_refresh_due",
+        ),
+        "issue 39 #25: an edit of update_proj_gap moves a refresh due at the very next step "
+        "onto the new schedule",
+    ),
+    Mutation(
+        "gap_edit_moves_a_pending_refresh",
+        "galore2/optim/galore.py",
+        "            if due <= step:  # due at the next step, or pending (retried): it stays due\n"
+        "                continue\n",
+        "",
+        (
+            "tests/optim/test_refresh_schedule.py::"
+            "test_gap_edit_keeps_a_due_or_pending_refresh_due",
+        ),
+        "issue 39 #25: an edit of update_proj_gap moves a refresh pending after a failed one "
+        "(or due at the next step) onto the new schedule",
+    ),
+    Mutation(
+        "gap_edit_pending_gap_unbounded",
+        "galore2/optim/galore.py",
+        'if group["adaptive_refresh"] and "galore.gap" in state:  # keep it in the new range',
+        'if group["adaptive_refresh"] and "galore.gap" in state and due > step:  # keep it',
+        (
+            "tests/optim/test_refresh_schedule.py::"
+            "test_cap_edit_while_a_refresh_is_pending_bounds_the_adaptive_gap",
+        ),
+        "issue 39 #25: a pending parameter's adaptive gap is left outside the edited range "
+        "(max_update_proj_gap cut: the next gap stays the old one)",
+    ),
+    Mutation(
+        "capture_lr_not_a_setting",
+        "galore2/core/capture.py",
+        '_NOT_SETTINGS = frozenset({"params", "param_names", "initial_lr", "name"})',
+        '_NOT_SETTINGS = frozenset({"params", "param_names", "initial_lr", "name", "lr"})',
+        ("tests/core/test_capture.py::test_a_scheduled_lr_is_a_changed_setting",),
+        "issue 39 #23: CapturedStep replays a graph captured with another lr (lr not among "
+        "the settings a replay compares); on a GPU also test_replays_follow_an_lr_scheduler",
+    ),
+    Mutation(
+        "capture_settings_by_identity",
+        "galore2/core/capture.py",
+        "{k: _frozen(v) for k, v in g.items() if k not in _NOT_SETTINGS}",
+        "{k: v for k, v in g.items() if k not in _NOT_SETTINGS}",
+        ("tests/core/test_capture.py::test_a_scheduled_lr_is_a_changed_setting",),
+        "issue 39 #23: a tensor lr an LR scheduler rewrites in place compares equal to the "
+        "captured one (the same object): the graph replays its stale lr",
+    ),
+    Mutation(
         "run_folder_unlocked",
         "recipes/resume.py",
         "        held.enter_context(writer_lock(out, RUNNING))",
@@ -780,6 +835,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/core/test_masked_property.py::test_masked_step_is_the_skip_step_on_each_finding[17]",),
         "issue 39 #17: unstacked dense updates take the flag at their index in the chunk, "
         "not their parameter's (a NaN in a bias or norm gain)",
+    ),
+    Mutation(
+        "tucker_back_unscaled",
+        "galore2/optim/projection.py",
+        "return self.projector.project_back(N, state, self.plan, dtype).mul_(factor)",
+        "return self.projector.project_back(N, state, self.plan, dtype)",
+        ("tests/projectors/test_tucker.py::test_tucker_update_carries_scale_and_weight_decay",),
+        "issue 39 #24: a Tucker weight's update loses its factor α·(1 − lr·λ)",
+    ),
+    Mutation(
+        "masked_bucket_unsaved_if_any_key_skipped",
+        "galore2/core/masked.py",
+        "None if b.keys <= skip",
+        "None if b.keys & skip",
+        (
+            "tests/core/test_capturable.py::"
+            "test_muon_square_matrix_momentum_put_back_with_its_basis_skipped",
+        ),
+        "issue 39 #18: a snapshot bucket is left unsaved when any of its keys is skipped "
+        "(GaLoreMuon: a square matrix's momentum shares a bucket with its right basis)",
     ),
     Mutation(
         "masked_unstacked_not_written_back",

@@ -10,7 +10,9 @@ AdamW and Dion's CUDA-graph optimizer do the same). Steps that cannot replay run
 * the first ``warmup`` steps (eagerly on a side stream, as CUDA graphs require), and a step
   whose tensors moved (a parameter's ``.grad`` is a new tensor, ``load_state_dict``) or
   whose group settings changed (``lr``, ``weight_decay``, betas: the graph holds them as
-  constants) — the next one is captured again.
+  constants; compared by value, so a tensor ``lr`` an LR scheduler rewrites in place
+  counts as changed) — that step is captured again. A scheduler that changes the lr every
+  step therefore captures every step; one that changes it every k steps replays between.
 
 What a replay does not run is the host's part of the step: the host-resident counters
 (GaLore's ``galore.step``) are advanced by what the captured step added to them, so the
@@ -215,7 +217,19 @@ class CapturedStep:
         return tuple(out)
 
     def _group_settings(self) -> list[dict[str, Any]]:
+        """The groups' settings by value: a replay needs them equal to the captured ones."""
         return [
-            {k: v for k, v in g.items() if k not in _NOT_SETTINGS}
+            {k: _frozen(v) for k, v in g.items() if k not in _NOT_SETTINGS}
             for g in self.optimizer.param_groups
         ]
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` as a comparable copy: a tensor by its values (an LR scheduler rewrites a
+    tensor ``lr`` in place: the same object, another value — compared as it is, the step
+    would replay the lr it was captured with), tuples and lists item by item."""
+    if isinstance(value, Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), tuple(value.reshape(-1).tolist()))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_frozen(v) for v in value)
+    return value

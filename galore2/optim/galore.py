@@ -758,6 +758,12 @@ class GaLore(Transform):
         refresh is due at the next step (staggered: at the parameter's next phase, within
         one gap, so the change does not make every matrix refresh at once).
 
+        A refresh already due at the next step — scheduled there, or pending after one that
+        found no usable gradient (retried) — stays due there: the edit does not move it
+        (the old schedule owes it, and a later one would leave the basis older than either
+        gap says); the new gap counts from it. An adaptive gap is brought into the new
+        range either way.
+
         Args:
             old: the watched options' values the state was scheduled with.
             group: the parameter group, with the new values.
@@ -768,13 +774,13 @@ class GaLore(Transform):
             if "galore.next_refresh" not in state or int(state["galore.refreshes"]) == 0:
                 continue  # not projected, or never refreshed: due at its next step anyway
             step, due = int(state["galore.step"]), int(state["galore.next_refresh"])
-            if due <= step:  # a refresh is pending (retried): it stays due
-                continue
             last = due - _current_gap(state, old_group)
             if group["adaptive_refresh"] and "galore.gap" in state:  # keep it in the new range
                 cap = group["max_update_proj_gap"] or 8 * group["update_proj_gap"]
                 gap = min(max(int(state["galore.gap"]), group["update_proj_gap"]), cap)
                 state["galore.gap"].fill_(gap)
+            if due <= step:  # due at the next step, or pending (retried): it stays due
+                continue
             gap = _current_gap(state, group)
             schedule = group["refresh_schedule"]
             due = next_refresh(last, gap, schedule, index)

@@ -266,3 +266,37 @@ def test_per_layer_updates_with_capturable(nan):
     assert torch.equal(model.mid.weight, before) is nan
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("foreach", [None, True])
+def test_muon_square_matrix_momentum_put_back_with_its_basis_skipped(foreach):
+    """Issue 39, item 18: in GaLoreMuon the momentum of a square matrix (m×r) and its right
+    basis (n×r) share a shape and dtype (float32 weights: the basis is float32 too), so the
+    snapshot packs them into one bucket; on a step with no refresh the bases are left out
+    (the rule knows it does not write them) but the momentum is not — the bucket is saved
+    and a masked matrix's momentum put back (it decayed by β when the bucket was left
+    unsaved because one of its keys was skipped). ``foreach=True``: the group's lists run
+    batched (the step knows its refresh schedule); None: per tensor."""
+    torch.manual_seed(0)
+    square = torch.nn.Parameter(torch.randn(6, 6))
+    tall = torch.nn.Parameter(torch.randn(8, 6))  # a second matrix: the group's lists batch
+    opt = galore2.GaLoreMuon(
+        [{"params": [square, tall], "rank": 4, "update_proj_gap": 3, "projector": "svd"}],
+        capturable=True, foreach=foreach, weight_decay=0.1, lr=1e-2,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):  # refreshes at the 1st; the NaN at the 2nd and 3rd (no refresh)
+        for p in (square, tall):
+            p.grad = torch.randn(p.shape, generator=gen)
+        if step:
+            square.grad[1, 2] = float("nan")
+            before = square.detach().clone(), {k: v.clone() for k, v in opt.state[square].items()}
+        opt.step()
+        if step:
+            assert torch.equal(square, before[0])
+            state = opt.state[square]
+            assert {"muon.momentum", "proj.right"} <= state.keys()
+            for key, value in before[1].items():
+                if key not in ("adam.step", "galore.step", "muon.step"):  # they advance
+                    assert torch.equal(state[key], value), key
+    assert opt.nonfinite_skips == 2

@@ -19,6 +19,7 @@ import galore2
 
 from ..helpers import TinyNet, batch
 
+ZERO = "zero projected gradients"  # not an option: that step finds them all zero
 #: step → edits of the projected group before it (every watched option of the schedule)
 EDITS = {
     "gap_down": {9: {"update_proj_gap": 3}},
@@ -28,6 +29,10 @@ EDITS = {
     "schedule_flip": {10: {"refresh_schedule": "other"}},
     "adaptive_on": {8: {"adaptive_refresh": True, "update_proj_gap": 3}},
     "cap_edit": {5: {"adaptive_refresh": True}, 12: {"max_update_proj_gap": 7}},
+    # item 25: edits when a refresh is due at the very next step (together: 5), or pending
+    # (the projected gradients all zero at 5 and 6: no usable basis, retried)
+    "up_when_due": {5: {"update_proj_gap": 11}},
+    "up_when_pending": {5: {ZERO: True}, 6: {ZERO: True}, 7: {"update_proj_gap": 11}},
 }
 
 
@@ -65,24 +70,36 @@ def test_refresh_due_is_exactly_the_steps_that_refresh(schedule, adaptive, edits
     captured = galore2.CapturedStep(opt, warmup=1)
     projected = {id(p) for p in groups[0]["params"]}
     refreshed_steps = 0
+    pending: set[int] = set()
     for step in range(24):
-        for key, value in EDITS[edits].get(step, {}).items():
+        edit = dict(EDITS[edits].get(step, {}))
+        zero = edit.pop(ZERO, False)
+        for key, value in edit.items():
             if value == "other":
                 value = "staggered" if schedule == "together" else "together"
             opt.param_groups[0][key] = value
         x, y = batch(step, d_out=12)
         opt.zero_grad()
         (model(x) - y).pow(2).mean().backward()
+        if zero:  # a due refresh finds no usable gradient: it stays due (pending)
+            for p in mats:
+                p.grad.zero_()
         said = captured._refresh_due()  # first: it must see the edit by itself
         due = {id(p) for p in opt.due_for_refresh()} & projected
         before = _refreshes(opt)
         opt.step()
         after = _refreshes(opt)
         refreshed = {i for i in after if after[i] > before.get(i, 0)}
+        if zero:  # due ones try (eagerly) and keep their basis
+            assert not refreshed and said == bool(due), step
+            pending |= due
+            continue
         assert said == bool(refreshed), step
         assert due == refreshed, (step, sorted(due), sorted(refreshed))
+        assert pending <= refreshed, step  # a pending refresh is the next step's, edit or not
+        pending = set()
         refreshed_steps += bool(refreshed)
-    assert 3 <= refreshed_steps < 24  # the schedule ran, and left steps to replay
+    assert 2 <= refreshed_steps < 24  # the schedule ran, and left steps to replay
 
 
 @pytest.mark.parametrize("warmup", ["3", 2.5, True, None, 0, -1])

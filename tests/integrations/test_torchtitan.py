@@ -20,7 +20,12 @@ pytest.importorskip(
     "and its container's imports (tyro, spmd_types==0.2.3)",
 )
 
-import torch.distributed.checkpoint as dcp
+import galore2.integrations.torchtitan as tt  # noqa: E402
+
+if tt.API != "0.3":  # torchtitan 0.2.x: test_torchtitan_02.py
+    pytest.skip("torchtitan 0.3.x is not installed", allow_module_level=True)
+
+import torch.distributed.checkpoint as dcp  # noqa: E402
 from torchtitan.components.optimizer import (
     LRSchedulersContainer,
     OptimizersContainer,

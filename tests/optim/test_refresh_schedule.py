@@ -284,6 +284,72 @@ def test_gap_change_under_staggered_realigns_onto_the_new_phases():
         assert set(b - a for a, b in pairwise(later)) == {4}
 
 
+def _due_at(opt, params) -> dict[int, int]:
+    """Each projected matrix's next refresh (``galore.next_refresh``), by index."""
+    return {i: int(opt.state[params[i]]["galore.next_refresh"]) for i in range(0, len(params), 2)}
+
+
+@pytest.mark.parametrize("schedule", ["together", "staggered"])
+@pytest.mark.parametrize("new_gap", [2, 9])
+@pytest.mark.parametrize("pending", [False, True], ids=["due_next", "pending"])
+def test_gap_edit_keeps_a_due_or_pending_refresh_due(schedule, new_gap, pending):
+    """Issue 39 item 25: ``update_proj_gap`` edited (4 → 2 or 9) while some matrices' refresh
+    is due at the very next step — scheduled there, or pending since the last step found
+    their gradient all zero (no usable basis: retried) — those refresh at the next step,
+    as the old schedule owed (the edit never moves a due refresh, later or earlier), and
+    from there every new gap (staggered: onto the phase of the new gap, then every gap)."""
+    params = _params()
+    opt = _optimizer(params, refresh_schedule=schedule, update_proj_gap=4)
+    _train(opt, params, range(1))
+    step = 1
+    while True:  # the first step at which some matrix is due
+        due = {i for i, at in _due_at(opt, params).items() if at <= step}
+        if due:
+            break
+        _train(opt, params, range(step, step + 1))
+        step += 1
+    if pending:  # that step finds their gradients all zero: the refresh fails, stays due
+        _grads(params, step)
+        for i in due:
+            params[i].grad.zero_()
+        before = _refreshes(opt)
+        opt.step()
+        assert all(_refreshes(opt)[i] == before[i] for i in due)
+        step += 1
+        assert all(_due_at(opt, params)[i] < step for i in due)  # pending
+    opt.param_groups[0]["update_proj_gap"] = new_gap
+    horizon = step + 3 * new_gap + 2
+    done = _train(opt, params, range(step, horizon))
+    for i in sorted(due):
+        expected, at = [], step
+        while at < horizon:
+            expected.append(at)
+            at = next_refresh(at, new_gap, schedule, i)
+        assert [s for s, ix in done.items() if i in ix] == expected, (i, step)
+
+
+def test_cap_edit_while_a_refresh_is_pending_bounds_the_adaptive_gap():
+    """Item 25, adaptive: the gap doubled to 16 (refreshes at 0, 4, 12, then due at 28);
+    the refresh at 28 finds zero gradients (pending) and ``max_update_proj_gap`` is cut to
+    4 before the next step: the pending refresh runs at 29 and the gap is within the new
+    cap from it (29, 33, 37, 41 — it stayed 16 when a pending parameter's gap was not
+    brought into the new range: next at 45)."""
+    params = _params()
+    opt = _optimizer(params, adaptive_refresh=True, refresh_threshold=1e-6, refresh_patience=1)
+    done = _train(opt, params, range(28))
+    every = list(range(0, 2 * N_MATRICES, 2))
+    assert {s: ix for s, ix in done.items() if ix} == {0: every, 4: every, 12: every}
+    _grads(params, 28)
+    for i in every:
+        params[i].grad.zero_()
+    opt.step()
+    assert all(s["gap"] == 16 and s["refreshes"] == 3 for s in opt.refresh_stats().values())
+    opt.param_groups[0].update(max_update_proj_gap=4, refresh_patience=2)
+    done = _train(opt, params, range(29, 42))
+    assert {s: ix for s, ix in done.items() if ix} == {29: every, 33: every, 37: every, 41: every}
+    assert all(s["gap"] == 4 for s in opt.refresh_stats().values())
+
+
 def test_switching_to_staggered_mid_run_spreads_the_next_refreshes():
     params = _params()
     opt = _optimizer(params, update_proj_gap=8)

@@ -407,3 +407,50 @@ def test_fsdp_matches_single_process_and_traffic_model():
     """2 gloo ranks (one spawn for both checks): FSDP2 equals one process for every
     projector, and collective_bytes predicts the collectives issued for Tucker weights."""
     spawn(tucker_fsdp_cases.run_all, 2)
+
+
+@pytest.mark.parametrize("shape", [(10, 7, 5), (6, 5, 4, 3)])
+@pytest.mark.parametrize("foreach", [None, True])
+def test_tucker_update_carries_scale_and_weight_decay(shape, foreach):
+    """Issue 39, item 24: a Tucker weight's update is ``scale · (N ×_k U_k)``, applied as
+    galore-torch applies a projected one — ``W ← (W − lr·α·ΔW)(1 − lr·λ)`` — with α ≠ 1 and
+    λ ≠ 0, against a float64 reference computed here: the core, Adam on it and the
+    back-projection by einsum, from the factors the optimizer stored (a refresh at the first
+    step only; their finding is :func:`test_hosvd_matches_float64_reference`'s).
+
+    Float64 weights, state and projection (the factors are stored in float32, read exactly
+    into float64): the two paths differ by float64 rounding only — the weights' own (two
+    roundings a step on each side: 8·t units of 2⁻⁵³ of max |W| after t steps) and the
+    update's (sums of at most ``numel`` terms: ``numel`` units of 2⁻⁵³ of its largest
+    entry). Without α·(1 − lr·λ) the update is 4× as large, without its 1 − lr·λ alone
+    0.5% larger: about 10¹² and 10⁹ times the bound."""
+    lr, alpha, lam, rank = 1e-2, 0.25, 0.5, 3
+    beta1, beta2, eps = 0.9, 0.999, 1e-8
+    gen = torch.Generator().manual_seed(sum(shape))
+    w = nn.Parameter(torch.randn(shape, generator=gen, dtype=torch.float64))
+    other = nn.Parameter(torch.randn(shape[0], 9, generator=gen, dtype=torch.float64))
+    opt = galore2.GaLoreAdamW(
+        [{"params": [w, other], "rank": rank, "update_proj_gap": 100, "scale": alpha}],
+        lr=lr, weight_decay=lam, betas=(beta1, beta2), eps=eps, state_dtype="float64",
+        foreach=foreach,
+    )  # fmt: skip
+    ref = w.detach().clone()
+    m = v = None
+    for t in range(1, 4):
+        g = torch.randn(shape, generator=gen, dtype=torch.float64)
+        w.grad, other.grad = g, torch.randn(other.shape, generator=gen, dtype=torch.float64)
+        opt.step()
+        state = opt.state[w]
+        assert int(state["galore.side"]) == TUCKER and int(state["galore.refreshes"]) == 1
+        factors = [
+            state[f"proj.mode{k}"].double() if f"proj.mode{k}" in state else None
+            for k in range(len(shape))
+        ]
+        core = core64(g, factors)
+        m = (1 - beta1) * core if m is None else beta1 * m + (1 - beta1) * core
+        v = (1 - beta2) * core**2 if v is None else beta2 * v + (1 - beta2) * core**2
+        N = (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + eps)
+        ref = (ref - lr * alpha * back64(N, factors)) * (1 - lr * lam)
+        update = lr * alpha * back64(N, factors).abs().max()
+        tol = 2.0**-53 * (8 * t * ref.abs().max() + w.numel() * update)
+        assert (ref - w.detach()).abs().max() <= tol, t

@@ -35,7 +35,7 @@ working beside them. What torchtitan does to every group, and what happens here:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,43 +44,18 @@ from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 
 from ...core.optimizer import ChainOptimizer
-from ...core.options import closest, hints
-from ...core.transform import walk
-from ...optim.galore import GaLore
 from ...presets import PRESETS
-
-#: The parameters :func:`galore_config` projects: the weights of every attention and MLP
-#: linear of torchtitan's decoder models (``layers.N.attention.qkv_linear.wqkv.weight``,
-#: ``….attention.wo.weight``, ``….feed_forward.w1.weight``…); embeddings, the output head
-#: and norms fall through to the plain group. 1-D weights matched here are not projected.
-PROJECTED = r"\.(attention|feed_forward)\..*weight$"
-#: torchtitan's ``implementation`` → galore2's ``foreach`` option
-FOREACH: dict[str, bool | None] = {"fused": None, "foreach": True, "for-loop": False}
-#: the group key torchtitan uses for torch's fused kernels (not a galore2 option)
-FUSED = "fused"
-
-
-def _switches(cls: type[ChainOptimizer]) -> set[str]:
-    """A preset's constructor switches: options that are not group keys."""
-    return {o.name for o in cls.construct_options}
-
-
-def _check_keys(cls: type[ChainOptimizer], keys: Iterable[str], where: str) -> None:
-    options = cls.all_options()
-    unknown = sorted(set(keys) - set(options))
-    if unknown:
-        raise ValueError(
-            f"{where}: unknown option(s) {unknown} for {cls.__name__}"
-            f"{closest(unknown, options)}{hints(cls.option_hints, unknown)}; "
-            f"its options are {sorted(options)}"
-        )
-
-
-def _split(cls: type[ChainOptimizer], kwargs: Mapping[str, Any]) -> tuple[dict, dict]:
-    """``(group options, constructor switches)`` of one group's ``optimizer_kwargs``."""
-    switches = _switches(cls)
-    group = {k: v for k, v in kwargs.items() if k not in switches and k != FUSED}
-    return group, {k: v for k, v in kwargs.items() if k in switches}
+from .common import (
+    FOREACH,
+    FUSED,
+    PROJECTED,
+    InitsGaLoreState,
+    _check_keys,
+    _projects,
+    _split,
+    _switches,
+    plain_options,
+)
 
 
 def _check_fused(kwargs: Mapping[str, Any], where: str) -> None:
@@ -144,7 +119,7 @@ def check_config(config: OptimizersContainer.Config) -> None:
                 raise ValueError(f"{where}: {e}") from None
 
 
-class GaLoreOptimizersContainer(OptimizersContainer):
+class GaLoreOptimizersContainer(InitsGaLoreState, OptimizersContainer):
     """torchtitan's ``OptimizersContainer`` that also builds galore2's optimizers.
 
     ``optimizer_name`` of a ``ParamGroupConfig`` may name any galore2 preset
@@ -199,27 +174,6 @@ class GaLoreOptimizersContainer(OptimizersContainer):
             switches.update(own)  # equal across groups (check_config)
         return cls(built, **{**shared, **switches})
 
-    def _init_galore_state(self) -> None:
-        for optim in self.optimizers:
-            if isinstance(optim, ChainOptimizer):
-                optim.init_state()
-
-    def state_dict(self) -> dict[str, Any]:
-        """torchtitan's flat, name-keyed state dict; galore2 optimizers' missing state is
-        created first by ``init_state()`` (no zero-gradient step)."""
-        self._init_galore_state()
-        return super().state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load torchtitan's flat state dict (galore2 checks it against each optimizer
-        before anything changes); missing galore2 state is created by ``init_state()``."""
-        self._init_galore_state()
-        super().load_state_dict(state_dict)
-
-
-def _projects(cls: type[ChainOptimizer]) -> bool:
-    return GaLore in walk(cls.modules)
-
 
 def galore_config(
     optimizer: str = "galore_adamw",
@@ -261,8 +215,7 @@ def galore_config(
     rank = options.get("rank", getattr(cls, "projected_rank", None))
     if rank is None:
         raise ValueError(f"galore_config({optimizer!r}) needs rank=<int >= 1>")
-    galore_keys = {o.name for o in GaLore.options}
-    for_plain = {k: v for k, v in options.items() if k not in galore_keys}
+    for_plain = plain_options(options)
     groups = [
         ParamGroupConfig(pattern=projected, optimizer_name=optimizer,
                          optimizer_kwargs={**options, "rank": rank}),
