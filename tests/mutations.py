@@ -818,7 +818,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "",
         ("tests/core/test_masked_property.py::test_masked_step_is_the_skip_step_on_each_finding[21]",),
         "issue 39 #22: host counters (galore.step, next_refresh) snapshotted and put back "
-        "for a masked parameter on the CPU (documented: step counters advance)",
+        "for a masked parameter on the CPU (then set back twice: by the snapshot and by the "
+        "skips' read, behind the skip path's)",
     ),
     Mutation(
         "norm_loss_moves_masked",
@@ -851,6 +852,40 @@ MUTATIONS: tuple[Mutation, ...] = (
         "step = torch.full((), float(t + 1),",
         ("tests/optim/test_lowrank_update.py",),
         "batched Adam's fused kernel bias-corrects with the next step's count",
+    ),
+    Mutation(
+        "masked_device_counters_advance",
+        "galore2/core/masked.py",
+        "                self.counters.restore(self.flags.bad)",
+        "                pass",
+        ("tests/core/test_masked_counts.py",),
+        "issue 38 item 2: a masked parameter's device step counters (Adam's) advance as if "
+        "it had stepped",
+    ),
+    Mutation(
+        "masked_host_counters_not_set_back",
+        "galore2/core/optimizer.py",
+        "                        state[key] -= n  # in place",
+        "                        pass  # in place",
+        ("tests/core/test_masked_counts.py",),
+        "issue 38 item 2: GaLore's host step counter keeps a masked step (its refresh "
+        "comes early)",
+    ),
+    Mutation(
+        "masked_refresh_without_flush",
+        "galore2/core/optimizer.py",
+        "        self._due_flush(batches)\n",
+        "",
+        ("tests/core/test_masked_counts.py",),
+        "issue 38 item 2: a refresh decided on host counters that still count masked steps",
+    ),
+    Mutation(
+        "masked_sigma_counts_masked",
+        "galore2/core/modules.py",
+        "        if ctx.mask is not None:  # a masked step",
+        "        if False:  # a masked step",
+        ("tests/core/test_masked_counts.py",),
+        "issue 38 item 2: stable weight decay's σ counts a masked parameter's second moment",
     ),
 )
 
