@@ -498,6 +498,8 @@ class ChainOptimizer(torch.optim.Optimizer):
         each parameter's saved state must be what this optimizer keeps for it; a
         ``ValueError`` before anything changes otherwise. Saved dtypes are kept."""
         owner = type(self).__name__
+        # skips still counted on the device belong to the state being replaced: into it first
+        self._flush_skips()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
