@@ -258,7 +258,7 @@ def test_per_layer_updates_with_capturable(nan):
         groups = galore2.param_groups(m, rank=4, update_proj_gap=2)
         opt = galore2.GaLoreAdamW(groups, capturable=capturable, weight_decay=0.1)
         updates.append((m, galore2.per_layer(m, opt)))
-    for step in range(3):  # the NaN in the last (a masked step's counters advance)
+    for step in range(3):  # the NaN in the last
         before = model.mid.weight.detach().clone()
         for m, up in updates:
             x, y = batch(step)

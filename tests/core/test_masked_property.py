@@ -25,9 +25,9 @@ float32 rounding, 2⁻²⁴ relative, bounds the difference (measured: 7e-9 on A
 limiter). :data:`RTOL` = 2⁻²⁴; a wrong flag moves a value by a step's update (lr = 1e-2
 of its scale), five orders of magnitude more.
 
-Stable weight decay is off here (σ counts a masked parameter's unchanged second moment
-on the masked path: a documented difference, see :mod:`galore2.core.nonfinite`);
-Ranger21's masked weights under it and norm loss: ``test_capturable.py``.
+Stable weight decay is off here (its σ over the parameters stepped, a masked one left out:
+``test_masked_counts.py``); Ranger21's masked weights under it and norm loss:
+``test_capturable.py``.
 """
 
 from __future__ import annotations
