@@ -887,6 +887,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/core/test_masked_counts.py",),
         "issue 38 item 2: stable weight decay's σ counts a masked parameter's second moment",
     ),
+    Mutation(
+        "due_for_refresh_without_flush",
+        "galore2/core/optimizer.py",
+        "        if self._pending_skips and any(self.state.get(p) for p in found):",
+        "        if False:",
+        ("tests/core/test_masked_counts.py::test_due_for_refresh_is_the_skip_paths_with_skips_pending",),
+        "issue 38 item 2: due_for_refresh answers from host counters that count masked steps",
+    ),
 )
 
 

@@ -390,15 +390,25 @@ class ChainOptimizer(torch.optim.Optimizer):
         creates their state. The schedule is first brought up to date with edited options
         (``update_proj_gap``…) exactly as ``step()`` does, so an edit between steps is
         seen here too (:class:`~galore2.core.capture.CapturedStep` runs those steps
-        eagerly)."""
+        eagerly). Where one is due by host counters that may still count masked steps
+        (skips pending on the device), the skips are read first, as ``step()`` reads them
+        (:meth:`_due_flush`): the answer is the skip path's."""
         self._check_settings(self.param_groups)  # as step() does first: edits re-planned
-        askers = [m.refresh_due for m in walk(self._all_modules) if hasattr(m, "refresh_due")]
-        return [
-            p
-            for g in self.param_groups
-            for p in g["params"]
-            if not self.state.get(p) or any(ask(self.state[p], g) for ask in askers)
-        ]
+        askers = self._refresh_askers
+
+        def due() -> list[Tensor]:
+            return [
+                p
+                for g in self.param_groups
+                for p in g["params"]
+                if not self.state.get(p) or any(ask(self.state[p], g) for ask in askers)
+            ]
+
+        found = due()
+        if self._pending_skips and any(self.state.get(p) for p in found):
+            self._flush_skips()
+            found = due()
+        return found
 
     def _check_settings(self, groups: Sequence[dict[str, Any]]) -> None:
         """Options changed in ``groups`` since the state was made: a state-shaping one is

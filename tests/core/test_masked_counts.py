@@ -165,3 +165,22 @@ def test_no_read_between_refreshes_with_skips_pending():
     assert at_refresh == 1
     assert len(reads) == 1
     assert int(opt.state[params["bias"]][SKIPS]) == 1
+
+
+def test_due_for_refresh_is_the_skip_paths_with_skips_pending():
+    """``due_for_refresh()`` (what :class:`galore2.CapturedStep` asks before each step)
+    answers the skip path's schedule while skips are pending: a matrix masked at its
+    second step is not due at the third, as the others are."""
+    params, opt = _build("galore_adamw")
+    twins, host = copy.deepcopy((params, opt))
+    for group in host.param_groups:
+        group["capturable"] = False
+    names = {id(p): n for n, p in params.items()} | {id(q): n for n, q in twins.items()}
+    for step, bad in enumerate([None, "a"]):
+        for ps in (params, twins):
+            _grads(ps, step, bad)
+        opt.step()
+        host.step()
+    due = sorted(names[id(p)] for p in opt.due_for_refresh())
+    assert due == sorted(names[id(q)] for q in host.due_for_refresh()) == ["b", "c"]
+    assert int(opt.state[params["a"]][SKIPS]) == 1  # read for the answer
