@@ -4,9 +4,13 @@
     python -m tests.mutations --only NAME,... # some of them
     python -m tests.mutations --list          # names, files and tests
 
-Each mutation is one edit of galore2's source located by an exact code snippet (it must
-occur exactly once in its file, so a refactor that moves or rewrites the code makes the
-harness fail loudly instead of silently testing nothing). For each mutation the repository
+Each mutation is one edit of galore2's source: a small code snippet inside a named function
+or class (``where``: ``"Class.method"``, ``"function"``; found by parsing the source, see
+:func:`locate`), which must occur exactly once in that definition. The definition is looked
+for in ``path`` first, then anywhere in the package ``path`` lies in, so moving a function
+to another file does not break its mutations; a missing or ambiguous definition or snippet
+makes the harness fail loudly instead of silently testing nothing. An entry without
+``where`` is located in the whole file. For each mutation the repository
 (galore2/, tests/, recipes/, tools/, pyproject.toml) is copied to a temporary directory,
 the edit is applied there and pytest runs the tests listed for it (``-x``, with
 ``PYTHONPATH`` set to the copy). The mutation is *killed* when pytest reports a failure,
@@ -16,6 +20,7 @@ the edit is applied there and pytest runs the tests listed for it (``-x``, with
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import shutil
 import subprocess
@@ -38,6 +43,7 @@ class Mutation:
     replacement: str
     tests: tuple[str, ...]  # pytest paths / node ids that should kill it
     doc: str = ""
+    where: str = ""  # qualified name of the enclosing def/class ("GaLore.step", "adamw_step")
 
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -898,17 +904,75 @@ MUTATIONS: tuple[Mutation, ...] = (
 )
 
 
-def mutated_source(m: Mutation, root: Path = ROOT) -> str:
-    """``m.path``'s source with the mutation applied; raises if the pattern is not there
-    exactly once."""
-    source = (root / m.path).read_text()
-    count = source.count(m.pattern)
+def _definitions(source: str) -> dict[str, list[tuple[int, int]]]:
+    """Every def/class of ``source`` by qualified name -> its (start, end) character spans."""
+    lines = source.splitlines(keepends=True)
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+    found: dict[str, list[tuple[int, int]]] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                span = (starts[first - 1], starts[child.end_lineno])
+                found.setdefault(name, []).append(span)
+                visit(child, name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def locate(m: Mutation, root: Path = ROOT) -> tuple[str, int]:
+    """(the file relative to ``root``, the pattern's character offset in it). With ``where``
+    the definition is looked for in ``m.path``, then in every file of its package; it must be
+    defined once and hold the pattern exactly once. Raises ``SystemExit`` naming the entry
+    otherwise."""
+    if not m.where:
+        source = (root / m.path).read_text()
+        count = source.count(m.pattern)
+        if count != 1:
+            raise SystemExit(
+                f"mutation {m.name!r}: pattern found {count} times in {m.path} (expected "
+                f"once); update tests/mutations.py:\n{m.pattern}"
+            )
+        return m.path, source.index(m.pattern)
+    package = root / Path(m.path).parts[0]
+    candidates = [root / m.path] if (root / m.path).is_file() else []
+    hits: list[tuple[str, str, tuple[int, int]]] = []
+    for file in candidates + sorted(p for p in package.rglob("*.py") if p not in candidates):
+        source = file.read_text()
+        if m.where.rsplit(".", 1)[-1] not in source:
+            continue
+        for span in _definitions(source).get(m.where, []):
+            hits.append((str(file.relative_to(root)), source, span))
+        if hits and file in candidates:
+            break
+    if len(hits) != 1:
+        raise SystemExit(
+            f"mutation {m.name!r}: {m.where!r} is defined {len(hits)} times in {m.path} and "
+            f"{package.name}/ (expected once); update tests/mutations.py"
+        )
+    rel, source, (start, end) = hits[0]
+    count = source.count(m.pattern, start, end)
     if count != 1:
         raise SystemExit(
-            f"mutation {m.name!r}: pattern found {count} times in {m.path} (expected once); "
-            f"update tests/mutations.py:\n{m.pattern}"
+            f"mutation {m.name!r}: pattern found {count} times in {m.where} ({rel}; expected "
+            f"once); update tests/mutations.py:\n{m.pattern}"
         )
-    return source.replace(m.pattern, m.replacement)
+    return rel, source.index(m.pattern, start, end)
+
+
+def mutated_source(m: Mutation, root: Path = ROOT) -> tuple[str, str]:
+    """(the file relative to ``root``, its source with the mutation applied); raises if the
+    mutation cannot be located (:func:`locate`)."""
+    rel, at = locate(m, root)
+    source = (root / rel).read_text()
+    return rel, source[:at] + m.replacement + source[at + len(m.pattern) :]
 
 
 def _copy_repo(dest: Path) -> None:
@@ -924,11 +988,11 @@ def _copy_repo(dest: Path) -> None:
 def run_one(m: Mutation, timeout: float = TIMEOUT_S) -> tuple[str, float, str]:
     """(outcome, seconds, pytest's last lines): outcome is killed, survived, timeout
     (counted as killed) or error (pytest could not run the tests: not a kill)."""
-    source = mutated_source(m)
+    rel, source = mutated_source(m)
     with tempfile.TemporaryDirectory(prefix=f"galore2-mut-{m.name}-") as tmp:
         dest = Path(tmp)
         _copy_repo(dest)
-        (dest / m.path).write_text(source)
+        (dest / rel).write_text(source)
         env = {**os.environ, "PYTHONPATH": str(dest), "PYTHONDONTWRITEBYTECODE": "1"}
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests]
         start = time.perf_counter()
@@ -961,7 +1025,9 @@ def main(argv: list[str] | None = None) -> int:
         mutated_source(m)
     if args.list:
         for m in chosen:
-            print(f"{m.name:22s} {m.path}  [{', '.join(m.tests)}]\n{'':22s} {m.doc}")
+            rel, _ = locate(m)
+            where = f"{rel}:{m.where}" if m.where else rel
+            print(f"{m.name:22s} {where}  [{', '.join(m.tests)}]\n{'':22s} {m.doc}")
         return 0
     killed = 0
     for m in chosen:

@@ -1,6 +1,8 @@
 """tests/mutations.py cannot rot unseen: every mutation's code pattern occurs exactly once in
-its file, changes it, and names tests that exist (issue 30: the harness once stopped at its
-first moved pattern because nothing ran it). Runs no mutation: fast."""
+the definition it names, changes it, and names tests that exist (issue 30: the harness once
+stopped at its first moved pattern because nothing ran it); a function moved to another file
+is still found, a missing or doubled one fails loudly (issue 41 item 6). Runs no mutation:
+fast."""
 
 from __future__ import annotations
 
@@ -8,14 +10,15 @@ import re
 
 import pytest
 
-from tests.mutations import MUTATIONS, ROOT, mutated_source
+from tests.mutations import MUTATIONS, ROOT, Mutation, locate, mutated_source
 
 
 @pytest.mark.parametrize("m", MUTATIONS, ids=[m.name for m in MUTATIONS])
 def test_pattern_occurs_once_and_changes_the_source(m):
-    source = (ROOT / m.path).read_text()
-    assert source.count(m.pattern) == 1, f"{m.name}: update its pattern in tests/mutations.py"
-    assert mutated_source(m) != source and m.pattern != m.replacement
+    rel, at = locate(m)
+    source = (ROOT / rel).read_text()
+    assert source[at : at + len(m.pattern)] == m.pattern
+    assert mutated_source(m)[1] != source and m.pattern != m.replacement
 
 
 @pytest.mark.parametrize("m", MUTATIONS, ids=[m.name for m in MUTATIONS])
@@ -33,3 +36,36 @@ def test_listed_tests_exist(m):
 def test_names_are_unique():
     names = [m.name for m in MUTATIONS]
     assert len(names) == len(set(names))
+
+
+def _package(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("def f(x):\n    return x + 1\n\n\ndef g(x):\n    return x + 1\n")
+    (pkg / "b.py").write_text(
+        "class K:\n    @staticmethod\n    def h(x):\n        return x * 2\n"
+    )
+    return pkg
+
+
+def test_the_pattern_is_looked_for_inside_its_definition_only(tmp_path):
+    _package(tmp_path)
+    m = Mutation("m", "pkg/a.py", "x + 1", "x - 1", ("t",), "d", where="g")
+    rel, source = mutated_source(m, tmp_path)
+    assert rel == "pkg/a.py"
+    assert source.endswith("def g(x):\n    return x - 1\n")
+    assert "def f(x):\n    return x + 1" in source
+    with pytest.raises(SystemExit, match="found 2 times"):  # no `where`: the whole file
+        locate(Mutation("m", "pkg/a.py", "x + 1", "x - 1", ("t",), "d"), tmp_path)
+
+
+def test_a_moved_definition_is_found_and_a_missing_one_fails_loudly(tmp_path):
+    pkg = _package(tmp_path)
+    m = Mutation("m", "pkg/a.py", "x * 2", "x * 3", ("t",), "d", where="K.h")
+    assert mutated_source(m, tmp_path) == ("pkg/b.py", (pkg / "b.py").read_text().replace("x * 2", "x * 3"))
+    (pkg / "b.py").write_text("def other():\n    pass\n")
+    with pytest.raises(SystemExit, match="'K.h' is defined 0 times"):
+        locate(m, tmp_path)
+    (pkg / "b.py").write_text("class K:\n    def h(x):\n        return x\n")
+    with pytest.raises(SystemExit, match="pattern found 0 times in K.h"):
+        locate(m, tmp_path)
