@@ -867,6 +867,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/core/test_masked_counts.py",),
         "issue 38 item 2: a masked parameter's device step counters (Adam's) advance as if "
         "it had stepped",
+        where="MaskedStep.__exit__",
     ),
     Mutation(
         "masked_host_counters_not_set_back",
@@ -876,6 +877,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/core/test_masked_counts.py",),
         "issue 38 item 2: GaLore's host step counter keeps a masked step (its refresh "
         "comes early)",
+        where="ChainOptimizer._flush_skips",
     ),
     Mutation(
         "masked_refresh_without_flush",
@@ -884,6 +886,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "",
         ("tests/core/test_masked_counts.py",),
         "issue 38 item 2: a refresh decided on host counters that still count masked steps",
+        where="ChainOptimizer._run_and_apply",
     ),
     Mutation(
         "masked_sigma_counts_masked",
@@ -892,6 +895,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if False:  # a masked step",
         ("tests/core/test_masked_counts.py",),
         "issue 38 item 2: stable weight decay's σ counts a masked parameter's second moment",
+        where="compute_stats",
     ),
     Mutation(
         "due_for_refresh_without_flush",
@@ -900,6 +904,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if False:",
         ("tests/core/test_masked_counts.py::test_due_for_refresh_is_the_skip_paths_with_skips_pending",),
         "issue 38 item 2: due_for_refresh answers from host counters that count masked steps",
+        where="ChainOptimizer.due_for_refresh",
     ),
 )
 
