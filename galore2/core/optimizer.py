@@ -832,17 +832,15 @@ class ChainOptimizer(torch.optim.Optimizer):
         if not self._device_counters or not batch.params:
             return None
         device = batch.params[0].device
-        local = not any(c.placement.distributed for c in batch.ctxs)
         kept = []
         for i, state in enumerate(batch.states):
             for key in self._device_counters:
                 t = state.get(key)
                 if t is None:
                     continue
-                if t.device != device and local:
-                    t = state[key] = counter_on(t, device)
-                if t.device == device:
-                    kept.append((i, key))
+                if t.device != device:  # in the state itself (a sharded one's is a copy)
+                    t = state[key] = self.state[batch.owners[i]][key] = counter_on(t, device)
+                kept.append((i, key))
         if not kept:
             return None
         found = self._counter_snapshots.get(batch.key)
