@@ -927,7 +927,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "",
         ("tests/core/test_masked_property.py::test_masked_step_is_the_skip_step_on_each_finding[21]",),
         "issue 39 #22: host counters (galore.step, next_refresh) snapshotted and put back "
-        "for a masked parameter on the CPU (documented: step counters advance)",
+        "for a masked parameter on the CPU (then set back twice: by the snapshot and by the "
+        "skips' read, behind the skip path's)",
     ),
     Mutation(
         "norm_loss_moves_masked",
@@ -960,6 +961,53 @@ MUTATIONS: tuple[Mutation, ...] = (
         "step = torch.full((), float(t + 1),",
         ("tests/optim/test_lowrank_update.py",),
         "batched Adam's fused kernel bias-corrects with the next step's count",
+    ),
+    Mutation(
+        "masked_device_counters_advance",
+        "galore2/core/masked.py",
+        "                self.counters.restore(self.flags.bad)",
+        "                pass",
+        ("tests/core/test_masked_counts.py",),
+        "issue 38 item 2: a masked parameter's device step counters (Adam's) advance as if "
+        "it had stepped",
+        where="MaskedStep.__exit__",
+    ),
+    Mutation(
+        "masked_host_counters_not_set_back",
+        "galore2/core/optimizer.py",
+        "                        state[key] -= n  # in place",
+        "                        pass  # in place",
+        ("tests/core/test_masked_counts.py",),
+        "issue 38 item 2: GaLore's host step counter keeps a masked step (its refresh "
+        "comes early)",
+        where="ChainOptimizer._flush_skips",
+    ),
+    Mutation(
+        "masked_refresh_without_flush",
+        "galore2/core/optimizer.py",
+        "        self._due_flush(batches)\n",
+        "",
+        ("tests/core/test_masked_counts.py",),
+        "issue 38 item 2: a refresh decided on host counters that still count masked steps",
+        where="ChainOptimizer._run_and_apply",
+    ),
+    Mutation(
+        "masked_sigma_counts_masked",
+        "galore2/core/modules.py",
+        "        if ctx.mask is not None:  # a masked step",
+        "        if False:  # a masked step",
+        ("tests/core/test_masked_counts.py",),
+        "issue 38 item 2: stable weight decay's σ counts a masked parameter's second moment",
+        where="compute_stats",
+    ),
+    Mutation(
+        "due_for_refresh_without_flush",
+        "galore2/core/optimizer.py",
+        "        if self._pending_skips and any(self.state.get(p) for p in found):",
+        "        if False:",
+        ("tests/core/test_masked_counts.py::test_due_for_refresh_is_the_skip_paths_with_skips_pending",),
+        "issue 38 item 2: due_for_refresh answers from host counters that count masked steps",
+        where="ChainOptimizer.due_for_refresh",
     ),
 )
 

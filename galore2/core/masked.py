@@ -120,14 +120,16 @@ class MaskedStep:
     masked gradients the chain steps on;
     ``decays``: each parameter's decay factor (0-d, exactly 1 where masked; None: no decay)."""
 
-    __slots__ = ("ctxs", "decays", "flags", "grads", "skip", "snapshot")
+    __slots__ = ("counters", "ctxs", "decays", "flags", "grads", "skip", "snapshot")
 
     def __init__(
         self, flags: FlagBuffer, snapshot: Snapshot, skip: frozenset[str],
         grads: list[Tensor], decays: Sequence[Tensor] | None, ctxs: Sequence[Any],
+        counters: CounterSnapshot | None = None,
     ) -> None:  # fmt: skip
         self.flags, self.snapshot, self.skip = flags, snapshot, skip
         self.grads, self.decays, self.ctxs = grads, decays, ctxs
+        self.counters = counters  # the device step counters: put back where masked
 
     def decays_of(self, chunk: list[int]) -> list[Tensor] | None:
         """The decay factors of the parameters at ``chunk`` (None: no decay)."""
@@ -135,6 +137,8 @@ class MaskedStep:
 
     def __enter__(self) -> MaskedStep:
         self.snapshot.save(self.skip)
+        if self.counters is not None:
+            self.counters.save()
         for ctx, flag in zip(self.ctxs, self.flags.entries, strict=True):
             ctx.mask = flag
         premasked_clear()
@@ -144,6 +148,8 @@ class MaskedStep:
         premasked_clear()
         if kind is None:
             self.snapshot.restore(self.flags.bad)
+            if self.counters is not None:
+                self.counters.restore(self.flags.bad)
         else:
             self.unmask()
 
@@ -411,6 +417,41 @@ _entry = dict.get  # None where the key is gone: the snapshot does not fit
 def _pick(states: list[State], owners: list[int]) -> list[State]:
     """``states[i]`` for each ``i`` of ``owners``."""
     return list(map(states.__getitem__, owners))
+
+
+class CounterSnapshot:
+    """The device step counters ``keys`` of ``states`` (``(parameter index, key)`` pairs,
+    0-d int64 tensors on one device), saved by :meth:`save` and put back by :meth:`restore`
+    where a parameter's flag says so: one ``stack``, one ``where`` and one ``_foreach_copy_``.
+    Never packed, and no view of a pack is kept: the rules re-pack their counters during a
+    step (:class:`~galore2.core.counters.Counters`), so the counters are read and written
+    through the state's tensors themselves."""
+
+    __slots__ = ("flags", "keys", "saved", "tensors")
+
+    def __init__(self, states: list[State], keys: list[tuple[int, str]], flags: int) -> None:
+        self.keys = keys
+        self.tensors = [states[i][k] for i, k in keys]
+        first = self.tensors[0]
+        self.flags = _flags_for([i for i, _ in keys], flags, 0, first.device)
+        self.saved: Tensor | None = None
+
+    def fits(self, states: list[State], keys: list[tuple[int, str]]) -> bool:
+        """Built for these states' counters (the same tensors)?"""
+        return keys == self.keys and all(
+            map(operator.is_, (states[i][k] for i, k in keys), self.tensors)
+        )
+
+    def save(self) -> None:
+        self.saved = torch.stack(self.tensors)
+
+    def restore(self, bad: Tensor) -> None:
+        """The saved counts of the parameters flagged in ``bad``, the others' as they are."""
+        assert self.saved is not None
+        current = torch.stack(self.tensors)
+        torch.where(self.flags(bad), self.saved, current, out=current)
+        torch._foreach_copy_(self.tensors, list(current.unbind()))
+        self.saved = None
 
 
 class Snapshot:

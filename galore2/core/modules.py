@@ -187,7 +187,7 @@ def compute_stats(
     ``second_moment_sum_many``; otherwise (and without ``batches``) one parameter at a time.
     """
     local: Tensor | None = None  # on the parameters' device: no host read
-    numel = 0
+    numel: int | Tensor = 0
     sharded = None
     keeper = _batched_keeper(chain)
     rest = items
@@ -195,7 +195,12 @@ def compute_stats(
         rest = []
         for group, states, ctxs in batches:
             total = None
-            if len(states) > 1 and not any(c.placement.distributed for c in ctxs):
+            # a masked step's parameters one by one: a masked one counts as not stepped
+            if (
+                len(states) > 1
+                and not any(c.placement.distributed for c in ctxs)
+                and ctxs[0].mask is None
+            ):
                 total = keeper.second_moment_sum_many(states, group)
             if total is None:
                 rest += [(group, s, c) for s, c in zip(states, ctxs, strict=True)]
@@ -205,10 +210,15 @@ def compute_stats(
             numel += sum(ctx.global_shape.numel() for ctx in ctxs)
     for group, state, ctx in rest:
         total = second_moment_sum(chain, state, group)
+        if ctx.mask is not None:  # a masked step: a masked parameter is left out, as skipped
+            mask = ctx.mask.double()
+            total = None if total is None else total.double() * mask
+            numel = numel + mask * ctx.global_shape.numel()
+        else:
+            numel += ctx.global_shape.numel()
         if total is not None:
             total = total.double()
             local = total if local is None else local + total.to(local.device)
-        numel += ctx.global_shape.numel()
         if ctx.placement.distributed:
             sharded = ctx.placement
     if local is None:
@@ -216,6 +226,8 @@ def compute_stats(
     if sharded is not None:
         device = next(ctx.param.device for _, _, ctx in items if ctx.placement.distributed)
         local = sharded.reduce(local.to(device))
+    if isinstance(numel, Tensor):  # a masked step's count, on the device
+        return Stats(second_moment_mean=local / numel.to(local.device).clamp(min=1))
     return Stats(second_moment_mean=local / max(numel, 1))
 
 

@@ -23,25 +23,47 @@ unusable gradient:
 
 The test is one reduction per gradient — its L2 norm, a plain sum of squares computed in
 float32 (float64 for float64 state), compared with √(largest value of the state dtype) —
-kept on the device; the flags of every group of a ``step()`` are read together, in one
-device→host transfer (the step's only synchronization, see :func:`read_flags`).
+kept on the device. On the default path (``capturable=False``) the flags of every group
+of a ``step()`` are read together, in one device→host transfer (the step's only
+synchronization, see :func:`read_flags`), and the parameters with an unusable gradient
+are left out of the step by index: the chain and every kernel see only the others.
+``"raise"`` needs that read too, before anything changes.
 
-``capturable=True`` (as in ``torch.optim``): the flags are never read; the step runs every
-parameter on its gradient with unusable entries replaced by zeros, then puts back the
-weights and device state of those whose gradient was unusable (``torch.where`` against a
-copy taken before the chain), so a non-refresh step makes no host read (CUDA graphs,
-no stall). Adam counts its steps on the device then (``adam.step``) and computes its bias
-corrections there. Differences from ``"skip"``: the step counters (Adam's, GaLore's
-refresh schedule, other rules' step counts) advance for a masked parameter as for the
-others (host counters too: they are not put back), while its weights and other state
-are put back — the weight modules (norm loss, stable weight decay) leave its weights as
-they are by its flag, but stable weight decay's σ still counts its (unchanged) second
-moment, where the skip step leaves it out; the step copies the device
-state of the stepped parameters (transient memory of one more copy of it, see
-:mod:`galore2.core.masked`), but for the state a rule masks itself (Adam's float32
-moments: :meth:`~galore2.core.transform.Transform.masked_keys`); skips are counted on the
-device and added to ``nonfinite.skips`` when :attr:`ChainOptimizer.nonfinite_skips` or ``state_dict()`` is read
-(one read there). Refresh steps still read each basis's certificate.
+``capturable=True`` (as in ``torch.optim``): the flags are not read in the step; it runs
+every parameter on its gradient with unusable entries replaced by zeros, then puts back
+the weights and device state of those whose gradient was unusable (``torch.where``
+against a copy taken before the chain; Adam masks its float32 moments itself:
+:meth:`~galore2.core.transform.Transform.masked_keys`), so a non-refresh step makes no
+host read (CUDA graphs, no stall), with the skip's semantics and counts:
+
+* a masked parameter's weights and state are as the skip step leaves them (the weight
+  modules — norm loss, stable weight decay — leave its weights by its flag, and stable
+  weight decay's σ is over the parameters stepped, a masked one left out);
+* its step counters do not advance. The rules' counters live on the device then
+  (``adam.step``, Adafactor's, PNM's: each rule's ``device_counters``, from which Adam
+  computes its bias corrections there) and are put back after the step, like its other
+  state (:class:`~galore2.core.masked.CounterSnapshot`). A host counter that the step
+  advances for every parameter (a module's ``host_step_counters``: GaLore's
+  ``galore.step``) is set back by the parameter's skips when they are read;
+* the skips are counted on the device and read — added to ``nonfinite.skips``, the host
+  step counters set back — when :attr:`ChainOptimizer.nonfinite_skips` or
+  ``state_dict()`` is read (one read there; the recipe reads them at log steps only), a
+  checkpoint is loaded, and before a step where a refresh may be due: a host counter
+  is never behind the skip path's count, and a refresh is due once the count reaches the
+  parameter's next refresh, so where none is due by the host counters none is by the
+  skip path's and nothing is read; where one may be, the pending skips are read (one
+  read; a refresh step reads each new basis's certificate anyway), and the refresh
+  schedule is the skip path's exactly.
+
+What still differs from ``capturable=False``: the arithmetic of the stepped parameters
+(the masked step runs galore2's own Adam where the default path may call torch's fused
+kernels, and computes the bias corrections on the device: the same values to rounding,
+not always the same bits); its cost (the gradients are copied once and masked, the state
+the rules do not mask is copied for the step: at Llama-350M widths the roofline counts
+about twice the default path's bytes per layer, see :mod:`benchmarks.roofline`), which is
+why the default path keeps its one read; and Lookahead (Ranger21's ``use_lookahead``),
+which decides on the host every ``lookahead_k`` steps from each parameter's count: a
+masked parameter's count advances, and its slow weights may be synchronized at that step.
 :class:`galore2.CapturedStep` replays such steps from a CUDA graph.
 
 ``state_dtype="float16"``: float16's largest value is 65504, so a gradient counts as
@@ -87,8 +109,8 @@ CAPTURABLE = Option(
     False,
     Bool(),
     "keep the non-finite decision on the device (no host read in a non-refresh step): "
-    "updates of unusable gradients are masked out instead of skipped; needs nonfinite "
-    "'skip' or 'ignore'",
+    "updates of unusable gradients are masked out, with the skip's counts and counters; "
+    "needs nonfinite 'skip' or 'ignore'",
 )
 
 _DTYPE = operator.attrgetter("dtype")

@@ -49,6 +49,7 @@ from ..fsdp.detect import is_dtensor  # cheap: imports nothing distributed
 from ..kernels.dispatch import run_kernel
 from ..placement import LOCAL, Placement
 from .masked import (
+    CounterSnapshot,
     FlagBuffer,
     MaskedStep,
     Snapshot,
@@ -77,7 +78,7 @@ from .resume import (
     optional_keys,
     refusal,
 )
-from .state import counter
+from .state import counter, counter_on
 from .transform import Context, LowRankUpdate, Transform, init_chain, run_chain, state_kind, walk
 
 LR = Option("lr", 1e-3, LearningRate(), "learning rate (LR schedulers write it every step)")
@@ -173,16 +174,26 @@ class ChainOptimizer(torch.optim.Optimizer):
             *([self._schedule] if self._schedule is not None else []),
         ]
         self.declared = self.declared_options(self._all_modules)
-        # counters a capturable step keeps on the parameters' device (Adam's step): not put
-        # back for a masked parameter, like the host counters, on every device
+        # counters a masked step keeps on the parameters' device (Adam's step): put back for
+        # a masked parameter after its step (:class:`~galore2.core.masked.MaskedStep`)
         self._device_counters = frozenset(
             k for m in walk(self._all_modules) for k in getattr(m, "device_counters", ())
         )
+        # host step counters a masked step advances for every parameter (GaLore's
+        # ``galore.step``): set back by a masked parameter's skips when they are read
+        # (:meth:`_flush_skips`), before any decision that reads them (:meth:`_due_flush`)
+        self._host_counters = frozenset(
+            k for m in walk(self._all_modules) for k in getattr(m, "host_step_counters", ())
+        )
+        self._refresh_askers = [
+            m.refresh_due for m in walk(self._all_modules) if hasattr(m, "refresh_due")
+        ]
         self._placements: dict[int, Placement] = {}
         self._contexts: dict[int, Context] = {}  # plain parameters' contexts, by id()
         # per group (its id()): (state mapping, items, lists) of the last _gather
         self._gather_cache: dict[int, tuple[Any, list, tuple[list, ...]]] = {}
         self._snapshots: dict[int, Snapshot] = {}  # capturable: per group, see _masked_step
+        self._counter_snapshots: dict[int, CounterSnapshot] = {}  # likewise: device counters
         self._flag_buffers: dict[int, FlagBuffer] = {}  # likewise
         # capturable: skips counted on the device, per batch of parameters (their ids)
         self._pending_skips: dict[tuple[int, ...], tuple[list[Tensor], Tensor]] = {}
@@ -379,15 +390,25 @@ class ChainOptimizer(torch.optim.Optimizer):
         creates their state. The schedule is first brought up to date with edited options
         (``update_proj_gap``…) exactly as ``step()`` does, so an edit between steps is
         seen here too (:class:`~galore2.core.capture.CapturedStep` runs those steps
-        eagerly)."""
+        eagerly). Where one is due by host counters that may still count masked steps
+        (skips pending on the device), the skips are read first, as ``step()`` reads them
+        (:meth:`_due_flush`): the answer is the skip path's."""
         self._check_settings(self.param_groups)  # as step() does first: edits re-planned
-        askers = [m.refresh_due for m in walk(self._all_modules) if hasattr(m, "refresh_due")]
-        return [
-            p
-            for g in self.param_groups
-            for p in g["params"]
-            if not self.state.get(p) or any(ask(self.state[p], g) for ask in askers)
-        ]
+        askers = self._refresh_askers
+
+        def due() -> list[Tensor]:
+            return [
+                p
+                for g in self.param_groups
+                for p in g["params"]
+                if not self.state.get(p) or any(ask(self.state[p], g) for ask in askers)
+            ]
+
+        found = due()
+        if self._pending_skips and any(self.state.get(p) for p in found):
+            self._flush_skips()
+            found = due()
+        return found
 
     def _check_settings(self, groups: Sequence[dict[str, Any]]) -> None:
         """Options changed in ``groups`` since the state was made: a state-shaping one is
@@ -439,18 +460,41 @@ class ChainOptimizer(torch.optim.Optimizer):
         return sum(int(s[SKIPS]) for s in self.state.values() if SKIPS in s)
 
     def _flush_skips(self) -> None:
-        """Add the skips counted on the device (``capturable=True``) to the state's counters:
-        one host read, here rather than in the step."""
+        """Add the skips counted on the device (the masked step) to the state's counters and
+        set the host step counters a masked step advanced (:attr:`_host_counters`) back by
+        them, as if those steps had been skipped: one host read, here rather than in the step."""
         pending = getattr(self, "_pending_skips", None)
         if not pending:
             return
         params = [p for owners, _ in pending.values() for p in owners]
         counts = _numerics.host_list(torch.cat([c.to(torch.int64) for _, c in pending.values()]))
+        host = getattr(self, "_host_counters", frozenset())
         for p, n in zip(params, counts, strict=True):
             if n:
-                self.state[p][SKIPS] += n
+                state = self.state[p]
+                state[SKIPS] += n
+                for key in host:
+                    if key in state:
+                        state[key] -= n  # in place: a packed counter stays in its pack
         for _, c in pending.values():  # zeroed in place: a captured step keeps adding into it
             c.zero_()
+
+    def _due_flush(self, batches: list[_Batch]) -> None:
+        """Before a step whose masked batches may refresh a basis: the pending skips read
+        (:meth:`_flush_skips`), so the refresh schedule sees the counts the skip path has.
+        A host counter is never behind the skip path's (it counts the masked steps too),
+        and a refresh is due once it reaches the parameter's next refresh: where none is
+        due by the host counters, none is by the skip path's, and nothing is read."""
+        if not self._pending_skips or not self._refresh_askers:
+            return
+        for b in batches:
+            if not _masks(b.group):
+                continue
+            for p in b.owners:
+                state = self.state.get(p)
+                if state and any(ask(state, b.group) for ask in self._refresh_askers):
+                    self._flush_skips()
+                    return
 
     def state_dict(self) -> dict[str, Any]:
         """torch's ``state_dict``, with the skips counted on the device added to the state first."""
@@ -464,6 +508,8 @@ class ChainOptimizer(torch.optim.Optimizer):
         each parameter's saved state must be what this optimizer keeps for it; a
         ``ValueError`` before anything changes otherwise. Saved dtypes are kept."""
         owner = type(self).__name__
+        # skips still counted on the device belong to the state being replaced: into it first
+        self._flush_skips()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
@@ -594,6 +640,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         """:meth:`_run`, then the weight modules on the parameters stepped, with a masked
         step's flags still set (each module leaves a masked parameter's weights as they are:
         :func:`~galore2.core.masked.masked_factor`), cleared after."""
+        self._due_flush(batches)
         with ExitStack() as masks:
             stepped = self._run(batches, masks)
             run_param_transforms(self._param_transforms, self._chain, stepped, _chunks)
@@ -772,7 +819,36 @@ class ChainOptimizer(torch.optim.Optimizer):
         # and what the rules know they leave unchanged this step (GaLore's bases between refreshes)
         now = skipped.union(*(m.step_masked_keys(batch.states, group, batch.ctxs)
                               for m in self._chain))  # fmt: skip
-        return MaskedStep(flags, snapshot, now, grads, decays, batch.ctxs)
+        return MaskedStep(flags, snapshot, now, grads, decays, batch.ctxs,
+                          self._counter_snapshot(batch))  # fmt: skip
+
+    def _counter_snapshot(self, batch: _Batch) -> CounterSnapshot | None:
+        """The device step counters of a masked batch (:attr:`_device_counters`: Adam's
+        ``adam.step``…), saved before its chain and put back after it for the masked
+        parameters, so that their counts stay the skip path's (a few kernels on 0-d
+        tensors, not packed: the rules pack their counters themselves). Counters still on
+        the host (a checkpoint loads 0-d integers there) are moved to the parameters'
+        device first, as the rules would move them (then every one is in the snapshot)."""
+        if not self._device_counters or not batch.params:
+            return None
+        device = batch.params[0].device
+        kept = []
+        for i, state in enumerate(batch.states):
+            for key in self._device_counters:
+                t = state.get(key)
+                if t is None:
+                    continue
+                if t.device != device:  # in the state itself (a sharded one's is a copy)
+                    t = state[key] = self.state[batch.owners[i]][key] = counter_on(t, device)
+                kept.append((i, key))
+        if not kept:
+            return None
+        found = self._counter_snapshots.get(batch.key)
+        if found is None or not found.fits(batch.states, kept):
+            found = self._counter_snapshots[batch.key] = CounterSnapshot(
+                batch.states, kept, len(batch.states)
+            )
+        return found
 
     def _step_batch(
         self, batch: _Batch, grads: list[Tensor], masked: MaskedStep | None
@@ -883,6 +959,11 @@ class _Batch:
 
 _IS_SPARSE = operator.attrgetter("is_sparse")
 _GRAD = operator.itemgetter(1)
+
+
+def _masks(group: dict[str, Any]) -> bool:
+    """Does ``group`` step masked on the device (:meth:`ChainOptimizer._masked_step`)?"""
+    return bool(group["capturable"])
 
 
 def _counter(t: Tensor) -> bool:

@@ -185,6 +185,9 @@ class GaLore(Transform):
     name = "galore"
     options = OPTIONS
     takes_decay = True  # folds the step's decoupled decay into projected updates (_back)
+    #: host step counter a masked step advances for a masked parameter too: set back by its
+    #: skips when they are read (see :mod:`galore2.core.nonfinite`)
+    host_step_counters = ("galore.step",)
     kinds: ClassVar[dict[str, str]] = {
         "galore.side": "other",
         "galore.step": "other",

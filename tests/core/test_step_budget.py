@@ -126,11 +126,14 @@ def test_capturable_batched_step_creates_no_host_tensor_and_holds_its_kernel_cou
     93 before that, with gradients that form a stack projected as it and Adam's device
     counters packed; 100 before that, 247 when the masking went per tensor, 102 per (device, dtype)
     with per-element masks, which cost more time). On a GPU the counters' increment and
-    stack launch too (2 per group)."""
+    stack launch too (2 per group). 99 since the device step counters of a masked parameter
+    are put back after its step (issue 38 item 2: a stack before the chain, a stack, a
+    ``where`` and a ``_foreach_copy_`` after it, per group; on the CPU, where the counters
+    are host-resident 0-d tensors, only the ``where`` counts: +1; on CUDA +4 per group)."""
     from benchmarks.step_counts import tiny_model
 
     c = count_step(contender_maker("galore_adamw", foreach=True, capturable=True), tiny_model())
     assert c.syncs == 0
     assert c.ops["scalar_tensor"] == 0 and c.ops["lift_fresh"] == 0, c.ops
     assert c.launches <= 3 * 9 + 3 * 28, c.ops
-    assert c.launches <= 98, c.ops
+    assert c.launches <= 99, c.ops
