@@ -21,8 +21,8 @@ measures each launch:
   writes: the arguments its schema marks as written (an in-place ``self``, ``out=``), or else
   its outputs; ``_fused_adam(w)_`` writes the weights and both moments. 0-d tensors (step
   counters, scalars) are left out;
-* **FLOPs** — 2·m·k·n per matrix product (a batch: times its count), by the operands'
-  dtype; float32 products count as TF32 while ``torch.backends.cuda.matmul.allow_tf32`` is
+* **FLOPs** — 2·m·k·n per matrix product (a batch: times its count) of its last two
+  matrix operands (an ``out=`` tensor is not one), by the operands' dtype; float32 products count as TF32 while ``torch.backends.cuda.matmul.allow_tf32`` is
   set (galore2's ``proj_precision="tf32"``).
 
 From the 2- and 4-layer counts: the **per-layer** increment ((4-layer − 2-layer) / 2), the
@@ -132,8 +132,9 @@ class RooflineCounter(StepCounter):
         if name == "_to_copy" and args[0].dim() > 0:
             c.copies.append((tuple(args[0].shape), _DTYPES.get(args[0].dtype, str(args[0].dtype)),
                              _DTYPES.get(out.dtype, str(out.dtype))))  # fmt: skip
-        if name in MATMULS:
-            mats = [t for t in _tensors(values) if t.dim() >= 2]
+        if name in MATMULS:  # its factors: an ``out=`` tensor (written, kwarg-only) is not one
+            operands = [v for i, v in enumerate(values) if i not in not_read]
+            mats = [t for t in _tensors(operands) if t.dim() >= 2]
             if len(mats) >= 2:
                 x, y = mats[-2], mats[-1]
                 dtype = _DTYPES.get(x.dtype, str(x.dtype))

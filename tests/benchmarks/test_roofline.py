@@ -108,3 +108,16 @@ def test_plain_group_on_torch_fused_kernel(result: dict) -> None:
     ops = result["rows"]["GaLoreAdamW, state_dtype=bfloat16"]["layers"]["4"]["ops"]
     assert ops.get("_fused_adamw_") == result["rows"][roofline.BASELINE]["layers"]["4"]["ops"][
         "_fused_adamw_"] == 2  # fmt: skip
+
+
+@pytest.mark.parametrize("label", ["GaLoreAdamW", "GaLoreAdamW, capturable=True"])
+def test_matmul_flops_are_the_projections(result: dict, label: str) -> None:
+    """Each projected matrix (m × n) costs one projection and one back-projection, 2·m·n·r
+    FLOPs each, whatever the path (a matmul into an ``out=`` buffer counted by its factors,
+    not by the buffer), and nothing else multiplies matrices."""
+    row = result["rows"][label]
+    d, f = SMALL.dim, SMALL.ffn_dim
+    per_layer = 2 * 2 * RANK * (4 * d * d + 3 * d * f)
+    assert row["flops"]["bf16"]["per_layer"] == per_layer
+    assert row["flops"]["bf16"]["fixed"] == 0
+    assert set(row["flops"]) == {"bf16"}
