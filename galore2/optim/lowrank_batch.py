@@ -205,8 +205,9 @@ class ShapeBatch:
         if isinstance(projector, RandomProjector):
             return None
         key = self.kind.basis_key
-        if self.stack is not None and self._current(key):
-            return None  # kept (with its cast)
+        kept = self.stack is not None and self._current(key)
+        if kept:
+            return None  # bases() has it (with its cast)
         first = self.states[0][key]
         if first.dtype == at or len(self.states) * first.numel() * first.element_size() <= MAX_CACHED_BYTES:
             return None  # no cast, or a stack bases() keeps with its cast
