@@ -80,6 +80,35 @@ def _adamw_kernel(
     tl.store(v_ptr + offs, v, mask=mask)
 
 
+@triton.jit
+def _directions_kernel(
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    out_ptr,
+    n,
+    beta1,
+    beta2,
+    eps,
+    inv_bc1,
+    bc2_sqrt,
+    BLOCK: tl.constexpr,
+):
+    # the moments and direction of _adamw_kernel; the direction rounded to bf16 into out
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
+    g2 = g * g
+    v = tl.fma(beta2, v, tl.fma(-beta2, g2, g2))
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    tl.store(out_ptr + offs, _to_bf16(tl.div_rn(inv_bc1 * m, denom)), mask=mask)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+
+
 def _f32(x: float) -> np.float32:
     return np.float32(x)
 
@@ -120,6 +149,45 @@ def adamw_step(
     return True  # it ran (galore2.kernels.dispatch.run_kernel: None means the torch path)
 
 
+def directions_step(
+    g: Tensor, m: Tensor, v: Tensor, out: Tensor, *, step: int, beta1: float, beta2: float,
+    eps: float,
+) -> bool:  # fmt: skip
+    """Step ``step`` (≥ 1) of Adam on float32 moments ``m``, ``v`` (updated in place) with
+    direction ``g`` (bf16 or float32), writing m̂/(√v̂ + eps) rounded to bf16 into ``out``
+    (:func:`supported_directions`): each element of ``g`` and ``out`` touched once (2 + 2
+    bytes for bf16), the moments read and written once (16). Returns True."""
+    if not supported_directions(g, m, v, out):
+        raise ValueError(
+            "directions_step takes contiguous tensors of one size: a bf16 or float32 "
+            "direction, float32 moments and a bf16 out, got "
+            f"{g.dtype} {tuple(g.shape)}, {m.dtype} {tuple(m.shape)}, {v.dtype} "
+            f"{tuple(v.shape)}, {out.dtype} {tuple(out.shape)}"
+        )
+    if step < 1:
+        raise ValueError(f"step counts this step (>= 1), got {step}")
+    inv_bc1, bc2_sqrt = corrections(beta1, beta2, step)
+    n = g.numel()
+    with launch_device(g):
+        _directions_kernel[(triton.cdiv(n, BLOCK),)](
+            g, m, v, out, n, beta1, beta2, eps, inv_bc1, bc2_sqrt, BLOCK=BLOCK
+        )
+    return True
+
+
+def supported_directions(g: Tensor, m: Tensor, v: Tensor, out: Tensor) -> bool:
+    """What :func:`directions_step` takes: contiguous non-empty tensors of one size, the
+    direction bf16 or float32, float32 moments, a bf16 out."""
+    n = g.numel()
+    return (
+        n > 0
+        and g.dtype in (torch.bfloat16, torch.float32)
+        and m.dtype == v.dtype == torch.float32
+        and out.dtype == torch.bfloat16
+        and all(t.numel() == n and t.is_contiguous() for t in (g, m, v, out))
+    )
+
+
 def supported(p: Tensor, g: Tensor, m: Tensor, v: Tensor) -> bool:
     """What the kernel takes: contiguous non-empty tensors of one size, the weight and its
     gradient in bf16 (other dtypes: torch's fused AdamW takes fp32 weights with fp32
@@ -133,4 +201,4 @@ def supported(p: Tensor, g: Tensor, m: Tensor, v: Tensor) -> bool:
     )
 
 
-__all__ = ["BLOCK", "adamw_step", "supported"]
+__all__ = ["BLOCK", "adamw_step", "directions_step", "supported", "supported_directions"]

@@ -11,6 +11,12 @@
   a dispatch mode sees one op per call, which is how ``benchmarks/roofline.py`` counts the
   step of a machine where the kernel runs.
 
+* ``galore2::adam_directions_`` (:func:`adam_directions_`) — Adam's moments (float32) and
+  its direction rounded to bf16, for a consumer that rounds it so anyway (GaLore along the
+  data): per tensor the Triton kernel (the direction read and the result written once, in
+  their 16-bit dtype), else the torch passes (float32 copies of the direction and the
+  result, a zeroed buffer, torch's fused Adam, the cast).
+
 This module imports no triton (the kernel module is loaded on first use).
 """
 
@@ -103,6 +109,62 @@ def _adamw_meta(
             )
 
 
+def directions_torch(
+    us: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], outs: list[Tensor],
+    step: int, beta1: float, beta2: float, eps: float,
+) -> None:  # fmt: skip
+    """:func:`adam_directions_` by torch's kernels: the directions cast to float32,
+    :func:`adam_directions`, the results rounded into ``outs`` (one copy each)."""
+    us32 = [u if u.dtype == torch.float32 else u.to(torch.float32) for u in us]
+    dirs = adam_directions(us32, exp_avgs, exp_avg_sqs, step, beta1, beta2, eps)
+    torch._foreach_copy_(outs, dirs)
+
+
+@torch.library.custom_op(
+    "galore2::adam_directions_", mutates_args=("exp_avgs", "exp_avg_sqs", "outs")
+)
+def adam_directions_(
+    us: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], outs: list[Tensor],
+    step: int, beta1: float, beta2: float, eps: float,
+) -> None:  # fmt: skip
+    """Step ``step`` (≥ 1, counted already) of Adam on float32 moments (updated in place)
+    with directions ``us`` (bf16 or float32), each m̂/(√v̂ + eps) rounded into its bf16
+    ``outs`` entry — for a consumer that rounds the direction to bf16 before any other use
+    (GaLore's low-rank update written into bf16 weights). Per tensor, the Triton kernel
+    :func:`galore2.kernels.adamw.directions_step` where it runs (one launch, each byte
+    touched once), else :func:`directions_torch` (what :func:`adam_directions` and the
+    consumer's cast compute). Meta tensors: checked only (see the module docstring)."""
+    rest = []
+    for i, args in enumerate(zip(us, exp_avgs, exp_avg_sqs, outs, strict=True)):
+        done = run_kernel(
+            "adamw", *args,
+            supported=lambda k, args=args: k.supported_directions(*args),
+            kernel=lambda k, args=args: partial(
+                k.directions_step, *args, step=step, beta1=beta1, beta2=beta2, eps=eps
+            ),
+        )  # fmt: skip
+        if done is None:
+            rest.append(i)
+    if rest:
+        directions_torch(
+            [us[i] for i in rest], [exp_avgs[i] for i in rest], [exp_avg_sqs[i] for i in rest],
+            [outs[i] for i in rest], step, beta1, beta2, eps,
+        )  # fmt: skip
+
+
+@adam_directions_.register_fake
+def _directions_meta(
+    us: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], outs: list[Tensor],
+    step: int, beta1: float, beta2: float, eps: float,
+) -> None:  # fmt: skip
+    for u, m, v, o in zip(us, exp_avgs, exp_avg_sqs, outs, strict=True):
+        if not (m.shape == v.shape == o.shape == u.shape):
+            raise ValueError(
+                f"adam_directions_: moments and out must have the direction's shape "
+                f"{tuple(u.shape)}, got {tuple(m.shape)}, {tuple(v.shape)}, {tuple(o.shape)}"
+            )
+
+
 def triton_would_run() -> bool:
     """Whether :func:`adamw_` runs its Triton kernel on an NVIDIA GPU of this setup
     (``GALORE2_KERNELS`` not ``torch``, triton importable): what a step on meta tensors
@@ -112,4 +174,5 @@ def triton_would_run() -> bool:
     return kernel_mode() != "torch" and triton_available()
 
 
-__all__ = ["adam_directions", "adamw_", "adamw_torch", "triton_would_run"]
+__all__ = ["adam_directions", "adam_directions_", "adamw_", "adamw_torch", "directions_torch",
+           "triton_would_run"]

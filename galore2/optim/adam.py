@@ -244,6 +244,36 @@ def _fused_directions(
     return adam_directions(us, exp_avgs, exp_avg_sqs, t, beta1, beta2, group["eps"])
 
 
+def _rounding(ctxs: list[Context]) -> torch.dtype | None:
+    """The dtype every one of ``ctxs``' directions is rounded to by its consumer
+    (:attr:`~galore2.core.module.Context.rounds_to`), or None (not all, or not one)."""
+    first = ctxs[0].rounds_to if ctxs else None
+    return first if first is not None and all(c.rounds_to == first for c in ctxs) else None
+
+
+def _rounded_path(us: list[Tensor], states: list[State], rounds: torch.dtype | None) -> bool:
+    """Whether galore2's op writes a batch's directions in bf16 (``rounds``, the dtype its
+    consumer rounds them to): bf16 directions and float32 moments of their shape, all
+    contiguous, on CUDA (or meta: a count of that step) with the kernels on (see
+    :func:`mixed_path`). Never on the CPU."""
+    if rounds != torch.bfloat16 or not us or us[0].device.type not in ("cuda", "meta"):
+        return False
+    if not ops.triton_would_run():
+        return False
+    for u, s in zip(us, states, strict=True):
+        m, v = s.get("adam.exp_avg"), s.get("adam.exp_avg_sq")
+        if (
+            m is None
+            or v is None
+            or u.dtype != torch.bfloat16
+            or not (m.dtype == v.dtype == torch.float32)
+            or not (m.shape == v.shape == u.shape)
+            or not all(t.is_contiguous() for t in (u, m, v))
+        ):
+            return False
+    return True
+
+
 def _masked_weights(
     masks: list[Tensor], dtype: torch.dtype, beta1: float, beta2: float
 ) -> tuple[list[Tensor], list[Tensor]]:
@@ -652,22 +682,26 @@ class ScaleByAdam(MomentRule, Transform):
                 results = self._foreach(
                     [us[i] for i in plain], [states[i] for i in plain], group,
                     self._masks([ctxs[i] for i in plain], group),
+                    _rounding([ctxs[i] for i in plain]),
                 )  # fmt: skip
             for i, r in zip(plain, results, strict=True):
                 out[i] = r
         return self.update_rest(out, us, states, group, ctxs)
 
     def _batch(
-        self, us: list[Tensor], states: list[State], group: Group
+        self, us: list[Tensor], states: list[State], group: Group, cast: bool = True
     ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[float], list[float], int | None]:
-        """What both batched paths start from: the moments, the directions in their dtype,
+        """What both batched paths start from: the moments, the directions in their dtype
+        (``cast=False``: as given),
         and each tensor's (scale, shift) after counting its step (steps may differ per
         tensor: reset, parameters added later); last, the step of the whole batch when it
         is one host count (the usual step), else None."""
         beta1, beta2 = group["betas"]
         exp_avgs = [s["adam.exp_avg"] for s in states]
         exp_avg_sqs = [s["adam.exp_avg_sq"] for s in states]
-        us = [u if u.dtype == m.dtype else u.to(m.dtype) for u, m in zip(us, exp_avgs, strict=True)]
+        if cast:
+            us = [u if u.dtype == m.dtype else u.to(m.dtype)
+                  for u, m in zip(us, exp_avgs, strict=True)]  # fmt: skip
         # a stacked entry's step counters are its members' (see StackedState)
         counted, starts = members(states)
         device = exp_avgs[0].device
@@ -711,13 +745,26 @@ class ScaleByAdam(MomentRule, Transform):
         ), None  # fmt: skip
 
     def _foreach(
-        self, us: list[Tensor], states: list[State], group: Group, masks: list[Tensor | None]
-    ) -> list[Tensor]:
+        self, us: list[Tensor], states: list[State], group: Group, masks: list[Tensor | None],
+        rounds: torch.dtype | None = None,
+    ) -> list[Tensor]:  # fmt: skip
         """:meth:`_arith` by foreach kernels (``masks``: each direction's flag of a masked
-        step, or None)."""
+        step, or None). ``rounds``: the dtype every direction is rounded to by its consumer
+        (:func:`_rounding`): where :func:`_rounded_path` allows, the directions come in it
+        from galore2's op (:func:`galore2.kernels.ops.adam_directions_`)."""
         beta1, beta2 = group["betas"]
-        exp_avgs, exp_avg_sqs, us, scale, shift, t = self._batch(us, states, group)
         unmasked = not masks or masks[0] is None
+        given = us
+        rounded = unmasked and _rounded_path(us, states, rounds)
+        exp_avgs, exp_avg_sqs, us, scale, shift, t = self._batch(us, states, group, not rounded)
+        if rounded and t is not None:
+            outs = [torch.empty_like(u, dtype=torch.bfloat16) for u in given]
+            for args in zip(given, exp_avgs, exp_avg_sqs, outs, strict=True):
+                ops.adam_directions_(*([a] for a in args), t, beta1, beta2, group["eps"])
+            return outs
+        if rounded:  # steps differ: the directions in the moments' dtype after all
+            us = [u if u.dtype == m.dtype else u.to(m.dtype)
+                  for u, m in zip(us, exp_avgs, strict=True)]  # fmt: skip
         if unmasked and t is not None and _fusable(exp_avgs, exp_avg_sqs, us):
             return _fused_directions(us, exp_avgs, exp_avg_sqs, t, group)
         if not unmasked:  # a masked step: every direction has its flag

@@ -474,6 +474,11 @@ class GaLore(Transform):
             skip.update(st.idx)
         order = [i for i in range(len(states)) if i not in skip]
         entries = _stacked_ctxs(stacked, ctxs)
+        if len(self.inner) == 1:  # a factored batch's N is rounded to the weights' dtype first
+            entries = [
+                e.rounded_to(ctxs[st.idx[0]].param.dtype) if st.factored else e
+                for e, st in zip(entries, stacked, strict=True)
+            ]  # fmt: skip
         res = run_chain(
             self.inner,
             [inner_in[i] for i in order] + [st.R for st in stacked],

@@ -453,6 +453,42 @@ def test_triton_adamw_matches_the_torch_passes(shape, step, decay, monkeypatch):
     assert not torch.equal(ours[0], p)  # it stepped
 
 
+@pytest.mark.parametrize("shape", ADAMW_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_adam_directions_match_the_torch_passes(shape, dtype, monkeypatch):
+    """galore2::adam_directions_'s kernel (moments, and the direction rounded to bf16)
+    against the torch passes (the direction cast to fp32, torch's fused Adam into a zeroed
+    buffer, the result cast to bf16): the moments within two roundings of their terms (see
+    test_triton_adamw_matches_the_torch_passes), the bf16 directions within one bf16 ulp
+    and almost all equal; every element of the out buffer (NaN-filled) written."""
+    g = _gen(sum(shape) + 3)
+    u = torch.randn(shape, generator=g).to(dtype)
+    m = torch.randn(shape, generator=g) * 0.1
+    v = torch.rand(shape, generator=g) * 0.01
+    args = (3, 0.9, 0.999, 1e-8)
+    ours = [t.clone().to(DEVICE) for t in (m, v)]
+    out = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    ref = [t.clone() for t in (m, v)]
+    ref_out = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    ops.adam_directions_([u.to(DEVICE)], [ours[0]], [ours[1]], [out], *args)
+    monkeypatch.setenv(dispatch.ENV_VAR, "torch")
+    ops.adam_directions_([u], [ref[0]], [ref[1]], [ref_out], *args)
+    y = u.double()
+    for name, x, beta, got, sq in (("exp_avg", m, 0.9, ours[0].cpu(), False),
+                                   ("exp_avg_sq", v, 0.999, ours[1].cpu(), True)):  # fmt: skip
+        b = float(torch.tensor(beta, dtype=torch.float32))
+        yy = y * y if sq else y
+        exact = b * x.double() + (1 - b) * yy
+        bound = 2 * 2**-23 * (b * x.double().abs() + (1 - b) * yy.abs())
+        assert ((got.double() - exact).abs() <= bound).all(), name
+    out = out.cpu().float()
+    assert out.isfinite().all()
+    diff = (out - ref_out.float()).abs()
+    assert (diff <= 2**-7 * ref_out.float().abs()).all()
+    assert (diff > 0).float().mean() < 0.01
+
+
 def test_triton_adamw_refuses_what_it_does_not_take():
     """A clear error before anything is written: a fp16 weight, moments of another size."""
     p = torch.zeros(8, dtype=torch.bfloat16, device=DEVICE)
