@@ -71,7 +71,7 @@ def adamw_(
     exp_avg_sqs: list[Tensor], step: int, lr: float, beta1: float, beta2: float, eps: float,
     decay: float,
 ) -> None:  # fmt: skip
-    """Step ``step`` (≥ 1, counted already) of AdamW: ``p ← p·decay − lr·m̂/(√v̂ + eps)``
+    """Step ``step`` (≥ 1, counted already) of AdamW, ``p ← p·decay − lr·m̂/(√v̂ + eps)``,
     for each weight ``p`` of ``params`` with its gradient (in ``p``'s dtype) and float32
     moments (updated in place); see the module docstring. Call it with one weight where
     the Triton kernel runs (its launches are one per weight: so is a dispatch mode's count)."""

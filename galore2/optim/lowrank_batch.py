@@ -209,7 +209,8 @@ class ShapeBatch:
         if kept:
             return None  # bases() has it (with its cast)
         first = self.states[0][key]
-        if first.dtype == at or len(self.states) * first.numel() * first.element_size() <= MAX_CACHED_BYTES:
+        stacked = len(self.states) * first.numel() * first.element_size()
+        if first.dtype == at or stacked <= MAX_CACHED_BYTES:
             return None  # no cast, or a stack bases() keeps with its cast
         states = self.states if live is None else [self.states[j] for j in live]
         out = torch.empty((len(states), *first.shape), dtype=at, device=first.device)

@@ -173,7 +173,8 @@ def test_mixed_op_is_one_dispatch_on_meta() -> None:
     p = torch.empty(3, 5, dtype=torch.bfloat16, device="meta")
     m, v = torch.empty(3, 5, device="meta"), torch.empty(3, 5, device="meta")
     ops.adamw_([p], [p], [m], [v], 1, 1e-2, 0.9, 0.999, 1e-8, 1.0)
-    with pytest.raises(ValueError, match=r"adamw_: gradient and moments must have the weight's shape \(3, 5\)"):
+    with pytest.raises(ValueError, match=r"adamw_: gradient and moments must have the weight's "
+                       r"shape \(3, 5\)"):  # fmt: skip
         ops.adamw_([p], [p], [m.view(15)], [v], 1, 1e-2, 0.9, 0.999, 1e-8, 1.0)
 
 
