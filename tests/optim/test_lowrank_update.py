@@ -158,3 +158,18 @@ def test_bf16_directions_op_along_the_data(mode, monkeypatch):
         else:
             assert ((w.float() - r.float()).abs() <= 2**-7 * r.float().abs()).all()
     assert ops.adam_directions_ is not None
+
+
+def test_bases_cast_straight_from_the_state(monkeypatch):
+    """Bases stacks not kept between steps (here: none is, MAX_CACHED_BYTES 0): along the
+    data the fp32 bases are copied straight into one bf16 stack (one ``_foreach_copy_``, no
+    fp32 stack, no second cast for the back-projection), the same values as the stack cast
+    to bf16: the weights are bitwise those of that path."""
+    monkeypatch.setattr(lowrank_batch, "MAX_CACHED_BYTES", 0)
+    ws, made = _run(torch.bfloat16, foreach=True, steps=4, count_last=True)
+    names = [n for n, _ in made.ops]
+    assert names.count("_foreach_copy_") == len(set(SHAPES)), names
+    monkeypatch.setattr(lowrank_batch.ShapeBatch, "_cast_each", lambda self, *a: None)
+    reference, old = _run(torch.bfloat16, foreach=True, steps=4, count_last=True)
+    assert "_foreach_copy_" not in [n for n, _ in old.ops]
+    assert all(torch.equal(w, r) for w, r in zip(ws, reference, strict=True))
