@@ -17,13 +17,15 @@ live on the device as on a GPU). Counted per step by :class:`RooflineCounter`, a
 measures each launch:
 
 * **bytes** — every tensor argument read once (an in-place op's ``self`` too, but for ops
-  that only write it: :data:`WRITE_ONLY`; ``out=`` tensors are not read), plus what it
+  that only write it: :data:`WRITE_ONLY`, :data:`WRITE_ONLY_ARGS`; ``out=`` tensors are
+  not read), plus what it
   writes: the arguments its schema marks as written (an in-place ``self``, ``out=``), or else
   its outputs; ``_fused_adam(w)_`` writes the weights and both moments. 0-d tensors (step
   counters, scalars) are left out;
-* **FLOPs** — 2·m·k·n per matrix product (a batch: times its count), by the operands'
-  dtype; float32 products count as TF32 while ``torch.backends.cuda.matmul.allow_tf32`` is
-  set (galore2's ``proj_precision="tf32"``).
+* **FLOPs** — 2·m·k·n per matrix product (a batch: times its count) of its last two
+  matrix operands (an ``out=`` tensor is not one), by the operands' dtype; float32
+  products count as TF32 while ``torch.backends.cuda.matmul.allow_tf32`` is set
+  (galore2's ``proj_precision="tf32"``).
 
 From the 2- and 4-layer counts: the **per-layer** increment ((4-layer − 2-layer) / 2), the
 **depth-independent** part (2-layer − 2 × per-layer: embeddings, head, final norm, fixed
@@ -68,6 +70,8 @@ WRITE_ONLY = frozenset(
 )  # fmt: skip
 #: torch's fused Adam kernels: the arguments they write (weights, exp_avgs, exp_avg_sqs)
 FUSED_ADAM = {"_fused_adam_": (0, 2, 3), "_fused_adamw_": (0, 2, 3)}
+#: ops whose written arguments (by name) are only written, never read (galore2's custom ops)
+WRITE_ONLY_ARGS = {"adam_directions_": frozenset({"outs"})}
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
            torch.float64: "fp64"}  # fmt: skip
 #: the recipe configs whose widths and ranks are measured (rank 256, 1024)
@@ -125,6 +129,8 @@ class RooflineCounter(StepCounter):
         not_read = {i for i in marked if schema[i].kwarg_only}  # out= tensors
         if name in WRITE_ONLY:
             not_read.add(0)
+        only = WRITE_ONLY_ARGS.get(name, ())
+        not_read |= {i for i in marked if schema[i].name in only}
         reads = [t for i, v in enumerate(values) if i not in not_read for t in _tensors(v)]
         c.read += _nbytes(reads)
         written = [t for i in writes if i < len(values) for t in _tensors(values[i])]
@@ -132,8 +138,9 @@ class RooflineCounter(StepCounter):
         if name == "_to_copy" and args[0].dim() > 0:
             c.copies.append((tuple(args[0].shape), _DTYPES.get(args[0].dtype, str(args[0].dtype)),
                              _DTYPES.get(out.dtype, str(out.dtype))))  # fmt: skip
-        if name in MATMULS:
-            mats = [t for t in _tensors(values) if t.dim() >= 2]
+        if name in MATMULS:  # its factors: an ``out=`` tensor (written, kwarg-only) is not one
+            operands = [v for i, v in enumerate(values) if i not in not_read]
+            mats = [t for t in _tensors(operands) if t.dim() >= 2]
             if len(mats) >= 2:
                 x, y = mats[-2], mats[-1]
                 dtype = _DTYPES.get(x.dtype, str(x.dtype))

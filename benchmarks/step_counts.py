@@ -62,6 +62,8 @@ NOT_LAUNCHES = frozenset(
         "empty",
         "empty_like",
         "empty_strided",
+        "new_empty",
+        "new_empty_strided",
         "lift_fresh",
         "_to_copy_noop",
     }

@@ -956,9 +956,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "fused_adam_step_shifted",
-        "galore2/optim/adam.py",
-        "step = torch.full((), float(t),",
-        "step = torch.full((), float(t + 1),",
+        "galore2/kernels/ops.py",
+        "t = torch.full((), float(step),",
+        "t = torch.full((), float(step + 1),",
         ("tests/optim/test_lowrank_update.py",),
         "batched Adam's fused kernel bias-corrects with the next step's count",
     ),

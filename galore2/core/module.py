@@ -40,6 +40,10 @@ class Context:
     #: direction (0-d; ``(k, 1, …)`` for a stacked entry); None on other steps. A rule that
     #: lists keys in :meth:`Transform.masked_keys` leaves them unchanged where it is 0.0.
     mask: Tensor | None = None
+    #: the dtype the consumer rounds this direction's update to before any other use (GaLore
+    #: writing a low-rank update into bf16 weights, its inner chain one rule); None: used as
+    #: returned. A rule may then return its direction in that dtype (the same values).
+    rounds_to: torch.dtype | None = None
     #: the context a wrapper's inner chain sees for this direction (see :meth:`inner_view`)
     inner: Context | None = field(default=None, repr=False, compare=False)
 
@@ -54,6 +58,12 @@ class Context:
             view = self.inner = replace(self, layout=layout, inner=None)
         view.mask, view.refreshed = self.mask, self.refreshed
         return view
+
+    def rounded_to(self, dtype: torch.dtype | None) -> Context:
+        """A copy with ``rounds_to`` set (as :meth:`with_mask`: one a step)."""
+        out = self.with_mask(self.mask)
+        out.rounds_to = dtype
+        return out
 
     def with_mask(self, mask: Tensor | None) -> Context:
         """A copy with ``mask`` (``dataclasses.replace``'s result, without its per-field

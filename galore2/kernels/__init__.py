@@ -6,6 +6,9 @@
   as a matmul whose epilogue applies the update (``apply_update``).
 * :mod:`galore2.kernels.hadamard` — the blockwise random Hadamard rotation of quantized
   bases (``rotate`` / ``unrotate``).
+* :mod:`galore2.kernels.adamw` — AdamW of a bf16 weight with float32 moments in one pass
+  (plain AdamW groups: ``ScaleByAdam.torch_adamw``), called through the custom op
+  ``galore2::adamw_`` of :mod:`galore2.kernels.ops` (imported with galore2: no triton).
 
 :mod:`galore2.kernels.dispatch` decides per call which runs (``GALORE2_KERNELS`` =
 ``auto`` | ``torch`` | ``triton``); every call site goes through its ``run_kernel``.

@@ -55,9 +55,12 @@ from torch import Tensor
 
 from .. import _numerics
 from ..core.masked import derive, usable_or_one
+from ..core.modules import DecoupledWeightDecay
 from ..core.options import Bool, Option, Optional, Pair, Real
 from ..core.transform import Context, Group, State, Transform, members
+from ..kernels import ops
 from ..kernels.dispatch import run_kernel
+from ..kernels.ops import adam_directions
 from ..storage import dynamic8
 from ..storage.dtype import STATE_DTYPE
 from ..storage.dynamic8 import Dynamic8Format
@@ -232,20 +235,43 @@ def _fused_directions(
     us: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], t: int, group: Group
 ) -> list[Tensor]:
     """Step ``t`` of Adam on the moments and the directions m̂/(√v̂ + eps), by torch's fused
-    Adam kernel (one launch for the batch, each moment read and written once): it updates
-    a "parameter" ``p ← p − lr·m̂/(√v̂ + eps)``, here a zeroed buffer with lr = −1, which
-    is then the direction. Moments and direction are :meth:`ScaleByAdam._arith`'s up to
-    an ulp or so: the kernel may fuse a multiply-add, and computes m̂/(√v̂ + eps) as
-    (m/bc1)/(√v/√bc2 + eps) rather than m/(√v·bc1/√bc2 + bc1·eps)."""
+    Adam kernel (:func:`~galore2.kernels.ops.adam_directions`: one launch for the batch,
+    each moment read and written once). Moments and direction are
+    :meth:`ScaleByAdam._arith`'s up to an ulp or so: the kernel may fuse a multiply-add,
+    and computes m̂/(√v̂ + eps) as (m/bc1)/(√v/√bc2 + eps) rather than
+    m/(√v·bc1/√bc2 + bc1·eps)."""
     beta1, beta2 = group["betas"]
-    out = [torch.empty_like(m) for m in exp_avgs]
-    torch._foreach_zero_(out)
-    step = torch.full((), float(t), dtype=torch.float32, device=exp_avgs[0].device)
-    torch._fused_adam_(
-        out, us, exp_avgs, exp_avg_sqs, [], [step] * len(out), lr=-1.0, beta1=beta1,
-        beta2=beta2, weight_decay=0.0, eps=group["eps"], amsgrad=False, maximize=False,
-    )  # fmt: skip
-    return out
+    return adam_directions(us, exp_avgs, exp_avg_sqs, t, beta1, beta2, group["eps"])
+
+
+def _rounding(ctxs: list[Context]) -> torch.dtype | None:
+    """The dtype every one of ``ctxs``' directions is rounded to by its consumer
+    (:attr:`~galore2.core.module.Context.rounds_to`), or None (not all, or not one)."""
+    first = ctxs[0].rounds_to if ctxs else None
+    return first if first is not None and all(c.rounds_to == first for c in ctxs) else None
+
+
+def _rounded_path(us: list[Tensor], states: list[State], rounds: torch.dtype | None) -> bool:
+    """Whether galore2's op writes a batch's directions in bf16 (``rounds``, the dtype its
+    consumer rounds them to): bf16 directions and float32 moments of their shape, all
+    contiguous, on CUDA (or meta: a count of that step) with the kernels on (see
+    :func:`mixed_path`). Never on the CPU."""
+    if rounds != torch.bfloat16 or not us or us[0].device.type not in ("cuda", "meta"):
+        return False
+    if not ops.triton_would_run():
+        return False
+    for u, s in zip(us, states, strict=True):
+        m, v = s.get("adam.exp_avg"), s.get("adam.exp_avg_sq")
+        if (
+            m is None
+            or v is None
+            or u.dtype != torch.bfloat16
+            or not (m.dtype == v.dtype == torch.float32)
+            or not (m.shape == v.shape == u.shape)
+            or not all(t.is_contiguous() for t in (u, m, v))
+        ):
+            return False
+    return True
 
 
 def _masked_weights(
@@ -271,6 +297,48 @@ _FUSED_DEVICES = frozenset({"cuda", "xpu", "mps", "hpu", "mtia", "privateuseone"
 _CPU = torch.device("cpu")
 
 
+def _fused_wanted(params: list[Tensor], group: Group) -> bool:
+    """Whether a plain AdamW group's step may leave galore2's own Adam for a fused kernel
+    (see :func:`torch_path`): where the group is batched (off the CPU, or ``foreach=True``)
+    unless ``foreach`` is False, or anywhere with ``fused=True``; never with
+    ``fused=False``."""
+    fused, foreach, device = group.get("fused"), group.get("foreach"), params[0].device
+    if fused is None:
+        fused = foreach is not False and (device.type != "cpu" or bool(foreach))
+    return bool(fused)
+
+
+def mixed_path(
+    params: list[Tensor], grads: list[Tensor], states: list[State], group: Group
+) -> bool:
+    """Whether galore2's fused AdamW op (:func:`galore2.kernels.ops.adamw_`, a Triton
+    kernel per weight) runs a plain AdamW group's step of bf16 weights with float32
+    moments, which torch's fused kernel does not take: where :func:`_fused_wanted`, on CUDA
+    (or meta: a count of that step, :mod:`benchmarks.roofline`) with the kernels on
+    (``GALORE2_KERNELS`` not ``torch``, triton importable; a GPU it cannot run on takes
+    the torch passes inside the op, galore2's own arithmetic), for bf16 weights and
+    gradients and float32 moments of the weights' shape, all contiguous. Never on the
+    CPU, whose step stays galore2's own."""
+    if not params or params[0].device.type not in ("cuda", "meta"):
+        return False
+    if not _fused_wanted(params, group) or not ops.triton_would_run():
+        return False
+    device = params[0].device
+    for p, g, s in zip(params, grads, states, strict=True):
+        m, v = s.get("adam.exp_avg"), s.get("adam.exp_avg_sq")
+        if (
+            m is None
+            or v is None
+            or not (p.dtype == g.dtype == torch.bfloat16)
+            or not (m.dtype == v.dtype == torch.float32)
+            or not (p.device == g.device == m.device == v.device == device)
+            or not (m.shape == v.shape == g.shape == p.shape)
+            or not all(t.is_contiguous() for t in (p, g, m, v))
+        ):
+            return False
+    return True
+
+
 def torch_path(
     params: list[Tensor], grads: list[Tensor], states: list[State], group: Group
 ) -> bool:
@@ -283,10 +351,8 @@ def torch_path(
     ``state_dtype="bfloat16"``), on one device where torch has the kernel."""
     if not params:
         return False
-    fused, foreach, device = group.get("fused"), group.get("foreach"), params[0].device
-    if fused is None:
-        fused = foreach is not False and (device.type != "cpu" or bool(foreach))
-    if not fused or device.type not in _FUSED_DEVICES:
+    device = params[0].device
+    if not _fused_wanted(params, group) or device.type not in _FUSED_DEVICES:
         return False
     for p, g, s in zip(params, grads, states, strict=True):
         m, v = s.get("adam.exp_avg"), s.get("adam.exp_avg_sq")
@@ -363,15 +429,28 @@ class ScaleByAdam(MomentRule, Transform):
     ) -> bool:
         """The whole AdamW step of a group's tensors (moments, decoupled decay, the update)
         by torch's fused AdamW kernel, one launch per (device, dtype) list, bit for bit
-        ``torch.optim.AdamW(fused=True)``'s, where :func:`torch_path` allows it. False
+        ``torch.optim.AdamW(fused=True)``'s, where :func:`torch_path` allows it; bf16
+        weights with float32 moments (which that kernel does not take) by galore2's fused
+        op where :func:`mixed_path` allows it (one launch per weight reading and writing
+        each byte once, galore2's own arithmetic to the last bit of a rounding). False
         (nothing done) otherwise: the chain runs. The step counters (``adam.step``) count
         as always; the kernel reads the counts from one fill of float32 device scalars."""
-        if not torch_path(params, grads, states, group):
+        mixed = not torch_path(params, grads, states, group)
+        if mixed and not mixed_path(params, grads, states, group):
             return False
         counted, _ = members(states)
         steps = self.count_steps(counted, group, _CPU)
         assert not isinstance(steps, Tensor)  # host counters: capturable takes the chain
         beta1, beta2 = group["betas"]
+        if mixed:  # bf16 weights, float32 moments: galore2's op, one call (launch) a weight
+            lr = float(group["lr"])
+            decay = DecoupledWeightDecay.factor(group)  # the optimizer's (see _adamw_rule)
+            for p, g, s, t in zip(params, grads, states, steps, strict=True):
+                ops.adamw_(
+                    [p], [g], [s["adam.exp_avg"]], [s["adam.exp_avg_sq"]], t, lr, beta1,
+                    beta2, group["eps"], decay,
+                )  # fmt: skip
+            return True
         for idx in _by_device_dtype(params):
             torch._fused_adamw_(
                 [params[i] for i in idx], [grads[i] for i in idx],
@@ -603,22 +682,26 @@ class ScaleByAdam(MomentRule, Transform):
                 results = self._foreach(
                     [us[i] for i in plain], [states[i] for i in plain], group,
                     self._masks([ctxs[i] for i in plain], group),
+                    _rounding([ctxs[i] for i in plain]),
                 )  # fmt: skip
             for i, r in zip(plain, results, strict=True):
                 out[i] = r
         return self.update_rest(out, us, states, group, ctxs)
 
     def _batch(
-        self, us: list[Tensor], states: list[State], group: Group
+        self, us: list[Tensor], states: list[State], group: Group, cast: bool = True
     ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[float], list[float], int | None]:
-        """What both batched paths start from: the moments, the directions in their dtype,
+        """What both batched paths start from: the moments, the directions in their dtype
+        (``cast=False``: as given),
         and each tensor's (scale, shift) after counting its step (steps may differ per
         tensor: reset, parameters added later); last, the step of the whole batch when it
         is one host count (the usual step), else None."""
         beta1, beta2 = group["betas"]
         exp_avgs = [s["adam.exp_avg"] for s in states]
         exp_avg_sqs = [s["adam.exp_avg_sq"] for s in states]
-        us = [u if u.dtype == m.dtype else u.to(m.dtype) for u, m in zip(us, exp_avgs, strict=True)]
+        if cast:
+            us = [u if u.dtype == m.dtype else u.to(m.dtype)
+                  for u, m in zip(us, exp_avgs, strict=True)]  # fmt: skip
         # a stacked entry's step counters are its members' (see StackedState)
         counted, starts = members(states)
         device = exp_avgs[0].device
@@ -662,13 +745,26 @@ class ScaleByAdam(MomentRule, Transform):
         ), None  # fmt: skip
 
     def _foreach(
-        self, us: list[Tensor], states: list[State], group: Group, masks: list[Tensor | None]
-    ) -> list[Tensor]:
+        self, us: list[Tensor], states: list[State], group: Group, masks: list[Tensor | None],
+        rounds: torch.dtype | None = None,
+    ) -> list[Tensor]:  # fmt: skip
         """:meth:`_arith` by foreach kernels (``masks``: each direction's flag of a masked
-        step, or None)."""
+        step, or None). ``rounds``: the dtype every direction is rounded to by its consumer
+        (:func:`_rounding`): where :func:`_rounded_path` allows, the directions come in it
+        from galore2's op (:func:`galore2.kernels.ops.adam_directions_`)."""
         beta1, beta2 = group["betas"]
-        exp_avgs, exp_avg_sqs, us, scale, shift, t = self._batch(us, states, group)
         unmasked = not masks or masks[0] is None
+        given = us
+        rounded = unmasked and _rounded_path(us, states, rounds)
+        exp_avgs, exp_avg_sqs, us, scale, shift, t = self._batch(us, states, group, not rounded)
+        if rounded and t is not None:
+            outs = [torch.empty_like(u, dtype=torch.bfloat16) for u in given]
+            for args in zip(given, exp_avgs, exp_avg_sqs, outs, strict=True):
+                ops.adam_directions_(*([a] for a in args), t, beta1, beta2, group["eps"])
+            return outs
+        if rounded:  # steps differ: the directions in the moments' dtype after all
+            us = [u if u.dtype == m.dtype else u.to(m.dtype)
+                  for u, m in zip(us, exp_avgs, strict=True)]  # fmt: skip
         if unmasked and t is not None and _fusable(exp_avgs, exp_avg_sqs, us):
             return _fused_directions(us, exp_avgs, exp_avg_sqs, t, group)
         if not unmasked:  # a masked step: every direction has its flag

@@ -356,13 +356,13 @@ class GaLore(Transform):
         factored = _factored(group, ctxs)
         for batch, rest in live:
             fac = factored and lowrank_batch.along_data(us[batch.idx[0]])
-            G, B, R = batch.project(us, projector, group["proj_precision"], rest, not fac)
+            G, B, Y, R = batch.project(us, projector, group["proj_precision"], rest, not fac)
             idx = batch.idx if rest is None else [batch.idx[j] for j in rest]
             stacked = batch.stacked_state(keys) if keys is not None and rest is None else None
             if stacked is None:  # its matrices go through the chain one by one
                 for i, r in zip(idx, R.unbind(0), strict=True):
                     inner_in[i] = r
-            stacks.append(_Stacked(batch, idx, G, B, R, stacked, fac))
+            stacks.append(_Stacked(batch, idx, G, B, Y, R, stacked, fac))
         # the inner rules see each projected direction's layout, as at init (plain: the param's)
         inner_ctxs = list(ctxs)
         for i, p in projections.items():
@@ -388,7 +388,8 @@ class GaLore(Transform):
                 dtype = ctxs[st.idx[0]].param.dtype
                 if st.factored:  # factors: each weight takes its update in one addmm_
                     shapes = [us[i].shape for i in st.idx]
-                    B = st.batch.cast_bases(st.B, dtype)  # kept with the stack
+                    # the projection's cast of the bases when in dtype (no second cast)
+                    B = st.Y if st.Y.dtype == dtype else st.batch.cast_bases(st.B, dtype)
                     ups = lowrank_batch.factors(st.batch.kind, B, Ns, dtype, scale, shapes)
                     done.update(zip(st.idx, ups, strict=True))
                     continue
@@ -476,6 +477,11 @@ class GaLore(Transform):
             skip.update(st.idx)
         order = [i for i in range(len(states)) if i not in skip]
         entries = _stacked_ctxs(stacked, ctxs)
+        if len(self.inner) == 1:  # a factored batch's N is rounded to the weights' dtype first
+            entries = [
+                e.rounded_to(ctxs[st.idx[0]].param.dtype) if st.factored else e
+                for e, st in zip(entries, stacked, strict=True)
+            ]  # fmt: skip
         res = run_chain(
             self.inner,
             [inner_in[i] for i in order] + [st.R for st in stacked],
@@ -803,6 +809,7 @@ class _Stacked(NamedTuple):
     idx: list[int]
     G: Tensor | None  # the stacked gradients (None: not stacked, see _factored)
     B: Tensor  # the stacked bases, as stored
+    Y: Tensor  # B in the projection's operand dtype (B itself when that is its dtype)
     R: Tensor  # the stacked projected gradients
     state: StackedState | None  # the inner chain's state of them as one stacked entry
     factored: bool  # along the data: G not stacked, the update as factors (see _factored)

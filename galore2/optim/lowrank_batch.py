@@ -193,6 +193,30 @@ class ShapeBatch:
         self.cast = (B, out) if B is self.stack else None
         return out
 
+    def _cast_each(
+        self, projector: Projector, at: torch.dtype, live: list[int] | None
+    ) -> Tensor | None:
+        """The stored bases of the matrices ``live`` (None: all) copied into one new stack in
+        dtype ``at`` (one ``_foreach_copy_``: each basis read once, the cast written once)
+        where :meth:`bases` would stack them in their stored dtype only for
+        :meth:`cast_bases` to cast that stack (a stack it does not keep, of dense bases
+        stored in another dtype); None otherwise (then that path runs). The same values:
+        a copy into ``at`` rounds as ``.to(at)`` does."""
+        if isinstance(projector, RandomProjector):
+            return None
+        key = self.kind.basis_key
+        kept = self.stack is not None and self._current(key)
+        if kept:
+            return None  # bases() has it (with its cast)
+        first = self.states[0][key]
+        stacked = len(self.states) * first.numel() * first.element_size()
+        if first.dtype == at or stacked <= MAX_CACHED_BYTES:
+            return None  # no cast, or a stack bases() keeps with its cast
+        states = self.states if live is None else [self.states[j] for j in live]
+        out = torch.empty((len(states), *first.shape), dtype=at, device=first.device)
+        torch._foreach_copy_(list(out.unbind(0)), [s[key] for s in states])
+        return out
+
     def stacked_state(self, keys: tuple[str, ...]) -> StackedState | None:
         """The inner chain's state of the whole batch as one stacked entry (its ``keys``
         stacked: :mod:`~galore2.core.packing` views them, or packs them once), or None when
@@ -207,22 +231,29 @@ class ShapeBatch:
     def project(
         self, us: list[Tensor], projector: Projector, precision: str, live: list[int] | None,
         stack: bool = True,
-    ) -> tuple[Tensor | None, Tensor, Tensor]:  # fmt: skip
-        """(the stacked gradients G, the stacked bases B as stored, R = PᵀG or G·Q): one
-        ``bmm`` at the group's ``proj_precision``, R in the gradients' dtype (as
-        :meth:`Projector.project` does per matrix). G is a new stack, or a view of the
+    ) -> tuple[Tensor | None, Tensor, Tensor, Tensor]:  # fmt: skip
+        """(the stacked gradients G, the stacked bases B as stored, B in the projection's
+        operand dtype Y (B itself when that is its dtype: a back-projection in that dtype
+        reads Y rather than casting B again), R = PᵀG or G·Q): one ``bmm`` at the group's
+        ``proj_precision``, R in the gradients' dtype (as :meth:`Projector.project` does per
+        matrix). G is a new stack, or a view of the
         gradients when they are one already (check ``G._base``: then not to be written).
         ``live``: the positions (in :attr:`idx`) that project this step (None: all).
         ``stack=False`` (the caller needs no G): gradients that are not a stack already are
         not copied into one — each is read where it is by its own matmul into its entry of
-        R — and G is None."""
+        R — and G is None; and bases stored in another dtype than the projection's are cast
+        straight into Y (:meth:`_cast_each`), which B then is too."""
         idx = self.idx if live is None else [self.idx[j] for j in live]
         listed = [us[i] for i in idx]
         dtype = self.dtype
         at, context = projection_precision(listed[0], precision)
-        B = self.bases(projector)
-        Y = self.cast_bases(B, at)
-        if live is not None:
+        cast = None if stack else self._cast_each(projector, at, live)
+        if cast is not None:  # the live bases straight from the state into a stack in ``at``
+            B = Y = cast
+        else:
+            B = self.bases(projector)
+            Y = self.cast_bases(B, at)
+        if live is not None and cast is None:
             pick = torch.tensor(live, device=B.device)
             B, Y = B[pick], (None if Y is B else Y[pick])
             Y = B if Y is None else Y
@@ -232,13 +263,13 @@ class ShapeBatch:
         if G is None and not stack:
             with context:  # a gradient not in ``at`` is cast alone (fp32 ones at bf16)
                 R = self.kind.project_each([g if g.dtype == at else g.to(at) for g in listed], Y)
-            return None, B, (R if R.dtype == dtype else R.to(dtype))
+            return None, B, Y, (R if R.dtype == dtype else R.to(dtype))
         if G is None:
             G = torch.stack(listed)
         X = G if G.dtype == at else G.to(at)
         with context:
             R = self.kind.project_stack(X, Y)
-        return G, B, (R if R.dtype == dtype else R.to(dtype))
+        return G, B, Y, (R if R.dtype == dtype else R.to(dtype))
 
 
 class _InnerStacks:

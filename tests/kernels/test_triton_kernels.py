@@ -31,6 +31,8 @@ from galore2.core.optimizer import apply_update
 from galore2.core.transform import LowRankUpdate
 from galore2.kernels import dispatch
 from galore2.kernels.adam8bit import adam8bit_step
+from galore2.kernels import ops
+from galore2.kernels.adamw import adamw_step
 from galore2.kernels.hadamard import blockwise_fwht
 from galore2.kernels.lowrank import lowrank_update
 from galore2.optim.adam import ScaleByAdam
@@ -406,6 +408,101 @@ def test_triton_kernels_in_a_galore_adamw8bit_run(monkeypatch):
         torch.testing.assert_close(a, c, rtol=0, atol=5e-4)
 
 
+# ---- AdamW of bf16 weights with fp32 moments ------------------------------------------
+ADAMW_CASES = [(1,), (1000,), (3, 1111), (2 * 1024 + 5,)]  # not multiples of its block
+
+
+@pytest.mark.parametrize("shape", ADAMW_CASES)
+@pytest.mark.parametrize("step,decay", [(1, 1.0), (7, 1 - 1e-2 * 0.1)])
+def test_triton_adamw_matches_the_torch_passes(shape, step, decay, monkeypatch):
+    """galore2::adamw_'s kernel against the arithmetic it implements and the torch passes
+    it replaces (the gradient cast to fp32, torch's fused Adam on the moments into a
+    zeroed direction, the decay and the update of the bf16 weight).
+
+    The moments against torch's CUDA formula in float64 (β's in float32, ``fma(β, x,
+    fma(−β, y, y))``: weights β_f and 1 − β_f): within two roundings of the terms'
+    magnitude, 2·2⁻²³·(β|x| + (1−β)|y|), since the sum may cancel. (torch's CPU kernel,
+    the torch path here, weighs y by (1 − β) rounded from double: 1.3e-5 relative apart
+    for β₂ = 0.999 — a CPU/GPU difference of torch's own.) The weights against the torch
+    path: directions that far apart may round to a neighbouring bf16 value, so within one
+    bf16 ulp (2⁻⁷ relative) — and almost all equal."""
+    g = _gen(sum(shape) + step)
+    p = (torch.randn(shape, generator=g) * 0.5).to(torch.bfloat16)
+    grad = torch.randn(shape, generator=g).to(torch.bfloat16)
+    m = torch.randn(shape, generator=g) * 0.1
+    v = torch.rand(shape, generator=g) * 0.01
+    args = (step, 1e-2, 0.9, 0.999, 1e-8, decay)
+    ours = [t.clone().to(DEVICE) for t in (p, m, v)]
+    ref = [t.clone() for t in (p, m, v)]
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    ops.adamw_([ours[0]], [grad.to(DEVICE)], [ours[1]], [ours[2]], *args)
+    monkeypatch.setenv(dispatch.ENV_VAR, "torch")
+    ops.adamw_([ref[0]], [grad], [ref[1]], [ref[2]], *args)
+    ours = [t.cpu() for t in ours]
+    y = grad.double()
+    for name, x, beta, got, sq in (("exp_avg", m, 0.9, ours[1], False),
+                                   ("exp_avg_sq", v, 0.999, ours[2], True)):  # fmt: skip
+        b = float(torch.tensor(beta, dtype=torch.float32))
+        yy = y * y if sq else y
+        exact = b * x.double() + (1 - b) * yy
+        bound = 2 * 2**-23 * (b * x.double().abs() + (1 - b) * yy.abs())
+        assert ((got.double() - exact).abs() <= bound).all(), name
+    diff = (ours[0].float() - ref[0].float()).abs()
+    assert (diff <= 2**-7 * ref[0].float().abs()).all()
+    assert (diff > 0).float().mean() < 0.01
+    assert not torch.equal(ours[0], p)  # it stepped
+
+
+@pytest.mark.parametrize("shape", ADAMW_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_adam_directions_match_the_torch_passes(shape, dtype, monkeypatch):
+    """galore2::adam_directions_'s kernel (moments, and the direction rounded to bf16)
+    against the torch passes (the direction cast to fp32, torch's fused Adam into a zeroed
+    buffer, the result cast to bf16): the moments within two roundings of their terms (see
+    test_triton_adamw_matches_the_torch_passes), the bf16 directions within one bf16 ulp
+    and almost all equal; every element of the out buffer (NaN-filled) written."""
+    g = _gen(sum(shape) + 3)
+    u = torch.randn(shape, generator=g).to(dtype)
+    m = torch.randn(shape, generator=g) * 0.1
+    v = torch.rand(shape, generator=g) * 0.01
+    args = (3, 0.9, 0.999, 1e-8)
+    ours = [t.clone().to(DEVICE) for t in (m, v)]
+    out = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    ref = [t.clone() for t in (m, v)]
+    ref_out = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    ops.adam_directions_([u.to(DEVICE)], [ours[0]], [ours[1]], [out], *args)
+    monkeypatch.setenv(dispatch.ENV_VAR, "torch")
+    ops.adam_directions_([u], [ref[0]], [ref[1]], [ref_out], *args)
+    y = u.double()
+    for name, x, beta, got, sq in (("exp_avg", m, 0.9, ours[0].cpu(), False),
+                                   ("exp_avg_sq", v, 0.999, ours[1].cpu(), True)):  # fmt: skip
+        b = float(torch.tensor(beta, dtype=torch.float32))
+        yy = y * y if sq else y
+        exact = b * x.double() + (1 - b) * yy
+        bound = 2 * 2**-23 * (b * x.double().abs() + (1 - b) * yy.abs())
+        assert ((got.double() - exact).abs() <= bound).all(), name
+    out = out.cpu().float()
+    assert out.isfinite().all()
+    diff = (out - ref_out.float()).abs()
+    assert (diff <= 2**-7 * ref_out.float().abs()).all()
+    assert (diff > 0).float().mean() < 0.01
+
+
+def test_triton_adamw_refuses_what_it_does_not_take():
+    """A clear error before anything is written: a fp16 weight, moments of another size."""
+    p = torch.zeros(8, dtype=torch.bfloat16, device=DEVICE)
+    m = torch.zeros(8, device=DEVICE)
+    kw = {"step": 1, "lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "decay": 1.0}
+    with pytest.raises(ValueError, match="a bf16 weight and gradient and float32 moments"):
+        adamw_step(p.half(), p.half(), m, m, **kw)
+    with pytest.raises(ValueError, match="of one size"):
+        adamw_step(p, p, m[:4], m, **kw)
+    with pytest.raises(ValueError, match=r"step counts this step \(>= 1\), got 0"):
+        adamw_step(p, p, m, m, **{**kw, "step": 0})
+    assert not p.any() and not m.any()
+
+
 def test_kernel_failure_in_auto_mode_falls_back_to_torch_once(monkeypatch):
     """A kernel that fails to compile or launch (auto mode) is switched off with one warning
     per kernel and the torch path runs from untouched state: the run equals the torch
@@ -487,7 +584,8 @@ def test_triton_kernels_selected_automatically_on_cuda(monkeypatch):
 def test_kernel_modules_import_triton_lazily():
     """``import galore2`` does not import triton (installed here), and a CPU step loads none of
     the kernel modules (torch.optim itself may import triton, through torch._dynamo)."""
-    kernels = ("galore2.kernels.adam8bit", "galore2.kernels.lowrank", "galore2.kernels.hadamard")
+    kernels = ("galore2.kernels.adam8bit", "galore2.kernels.lowrank", "galore2.kernels.hadamard",
+               "galore2.kernels.adamw")  # fmt: skip
     code = (
         "import sys, torch, galore2\n"
         "assert 'triton' not in sys.modules, 'import galore2 imported triton'\n"

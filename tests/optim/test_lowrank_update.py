@@ -130,3 +130,46 @@ def test_fused_directions_are_adam_arithmetic():
                 atol = 8 * torch.finfo(torch.float32).eps * float(b.abs().max())
                 torch.testing.assert_close(a, b, rtol=0, atol=atol)
         m2, v2 = [m.clone() for m in ms], [v.clone() for v in vs]
+
+
+@pytest.mark.parametrize("mode", ["torch", "triton"])
+def test_bf16_directions_op_along_the_data(mode, monkeypatch):
+    """Where galore2::adam_directions_ runs (CUDA with the kernels on; allowed on the CPU
+    here), a bf16 weights' batch gets its low-rank directions in bf16 from it, one call per
+    shape stack: by the op's torch path the weights are bitwise those of the fp32
+    directions cast by GaLore (the same arithmetic); by its Triton kernel (Triton's
+    interpreter) within one bf16 ulp of them (the moments' last-bit differences, see
+    tests/kernels: a direction may round to a neighbouring bf16 value)."""
+    from galore2.kernels import dispatch, ops
+    from galore2.optim import adam
+
+    if mode == "triton" and not dispatch.interpreter_enabled():
+        pytest.skip("the kernel runs on CPU tensors under Triton's interpreter only")
+    monkeypatch.setenv(dispatch.ENV_VAR, mode)  # both runs (Triton: the lowrank kernel too)
+    reference, _ = _run(torch.bfloat16, foreach=True, steps=4)
+    monkeypatch.setattr(adam, "_rounded_path", lambda us, states, rnd: rnd is torch.bfloat16)
+    ws, made = _run(torch.bfloat16, foreach=True, steps=4, count_last=True)
+    names = [n for n, _ in made.ops]
+    assert names.count("adam_directions_") == len(set(SHAPES)), names  # a call per shape
+    assert "_fused_adam_" not in names
+    for w, r in zip(ws, reference, strict=True):
+        if mode == "torch":
+            assert torch.equal(w, r)
+        else:
+            assert ((w.float() - r.float()).abs() <= 2**-7 * r.float().abs()).all()
+    assert ops.adam_directions_ is not None
+
+
+def test_bases_cast_straight_from_the_state(monkeypatch):
+    """Bases stacks not kept between steps (here: none is, MAX_CACHED_BYTES 0): along the
+    data the fp32 bases are copied straight into one bf16 stack (one ``_foreach_copy_``, no
+    fp32 stack, no second cast for the back-projection), the same values as the stack cast
+    to bf16: the weights are bitwise those of that path."""
+    monkeypatch.setattr(lowrank_batch, "MAX_CACHED_BYTES", 0)
+    ws, made = _run(torch.bfloat16, foreach=True, steps=4, count_last=True)
+    names = [n for n, _ in made.ops]
+    assert names.count("_foreach_copy_") == len(set(SHAPES)), names
+    monkeypatch.setattr(lowrank_batch.ShapeBatch, "_cast_each", lambda self, *a: None)
+    reference, old = _run(torch.bfloat16, foreach=True, steps=4, count_last=True)
+    assert "_foreach_copy_" not in [n for n, _ in old.ops]
+    assert all(torch.equal(w, r) for w, r in zip(ws, reference, strict=True))

@@ -13,7 +13,8 @@ import torch
 
 import galore2
 from benchmarks.step_counts import count_step
-from galore2.optim.adam import torch_path
+from galore2.kernels import ops
+from galore2.optim.adam import mixed_path, torch_path
 
 SHAPES = [(12, 8), (8,), (5, 3, 2)]
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -118,6 +119,63 @@ def test_bf16_weights_with_fp32_moments_keep_galore2_adam() -> None:
     _run(ours, opt)
     _run(theirs, old)
     assert all(torch.equal(p, q) for p, q in zip(ours, theirs, strict=True))
+
+
+def test_mixed_path_chosen(monkeypatch) -> None:
+    """galore2's fused AdamW op for bf16 weights with fp32 moments: on CUDA (meta stands for
+    it) where the kernels run, on the batched path; never on the CPU, nor with the kernels
+    off (``GALORE2_KERNELS=torch``), nor for other dtypes or moment shapes."""
+    monkeypatch.setenv("GALORE2_KERNELS", "auto")
+
+    def tensors(device: str, dtype: torch.dtype = torch.bfloat16, moments=(4, 4)):
+        p = torch.zeros(4, 4, dtype=dtype, device=device)
+        return p, {k: torch.zeros(moments, device=device)
+                   for k in ("adam.exp_avg", "adam.exp_avg_sq")}  # fmt: skip
+
+    p, s = tensors("meta")
+    assert mixed_path([p], [p], [s], {"foreach": None}) == ops.triton_would_run()
+    assert not mixed_path([p], [p], [s], {"foreach": False})
+    assert not mixed_path([p], [p], [s], {"foreach": None, "fused": False})
+    cpu, cpu_state = tensors("cpu")
+    assert not mixed_path([cpu], [cpu], [cpu_state], {"foreach": True, "fused": True})
+    half, half_state = tensors("meta", torch.float16)
+    assert not mixed_path([half], [half], [half_state], {"foreach": None})
+    flat, flat_state = tensors("meta", moments=(16,))
+    assert not mixed_path([flat], [flat], [flat_state], {"foreach": None})
+    monkeypatch.setenv("GALORE2_KERNELS", "torch")
+    assert not mixed_path([p], [p], [s], {"foreach": None})
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_mixed_op_torch_path_is_galore2_adam(weight_decay) -> None:
+    """The op's torch path (where its kernel does not run) is the step galore2's own Adam
+    takes on bf16 weights with fp32 moments (the same kernels: bitwise), at every step."""
+    ours, theirs = _params(torch.bfloat16), _params(torch.bfloat16)
+    ref = galore2.GaLoreAdamW(theirs, lr=1e-2, weight_decay=weight_decay, foreach=True)
+    moments = [(torch.zeros(p.shape), torch.zeros(p.shape)) for p in ours]
+    for step in range(4):
+        grads = _grads(ours, step)
+        for p, g in zip(theirs, grads, strict=True):
+            p.grad = g
+        ref.step()
+        with torch.no_grad():
+            ops.adamw_torch(ours, grads, [m for m, _ in moments], [v for _, v in moments],
+                            step + 1, 1e-2, 0.9, 0.999, 1e-8, 1 - 1e-2 * weight_decay)  # fmt: skip
+        assert all(torch.equal(p, q) for p, q in zip(ours, theirs, strict=True)), step
+    for p, (m, v) in zip(theirs, moments, strict=True):
+        assert torch.equal(ref.state[p]["adam.exp_avg"], m)
+        assert torch.equal(ref.state[p]["adam.exp_avg_sq"], v)
+
+
+def test_mixed_op_is_one_dispatch_on_meta() -> None:
+    """On meta tensors (a count of the GPU step) the op runs nothing and is dispatched once
+    per call; a weight and its moments of different shapes is an error naming them."""
+    p = torch.empty(3, 5, dtype=torch.bfloat16, device="meta")
+    m, v = torch.empty(3, 5, device="meta"), torch.empty(3, 5, device="meta")
+    ops.adamw_([p], [p], [m], [v], 1, 1e-2, 0.9, 0.999, 1e-8, 1.0)
+    with pytest.raises(ValueError, match=r"adamw_: gradient and moments must have the weight's "
+                       r"shape \(3, 5\)"):  # fmt: skip
+        ops.adamw_([p], [p], [m.view(15)], [v], 1, 1e-2, 0.9, 0.999, 1e-8, 1.0)
 
 
 def test_nonfinite_gradient_skipped() -> None:

@@ -1,0 +1,204 @@
+"""Fused AdamW step (Triton) of a bf16 weight with float32 moments.
+
+torch's fused AdamW kernel takes the moments in the weights' dtype; with bf16 weights and
+fp32 moments (galore2's default ``state_dtype``) its plain groups took four passes per
+weight: the gradient cast to fp32, a zeroed fp32 buffer, torch's fused Adam kernel writing
+the direction into it, and the decay and update of the weight (``ScaleByAdam`` and
+``apply_updates``). Here one pass reads the weight, the gradient and both moments and
+writes the weight and both moments once: 12 + 10 bytes per element for bf16 weights (22,
+against 46 for the four passes; torch's fused AdamW with bf16 moments: 14).
+
+The arithmetic is what those passes compute on CUDA, in their order: the moments and the
+direction ``(1/bc1)·m / (√v/√bc2 + eps)`` as torch's fused Adam kernel computes them in
+float32 (its explicit fused multiply-adds ``m ← fma(β₁, m, fma(−β₁, g, g))``, likewise
+``v`` with g², the corrections ``1 − β^t`` in float32), then ``p ← p·decay`` rounded to
+the weights' dtype (``_foreach_mul_``) and ``p − lr·direction`` (one multiply-add, as
+nvcc contracts ``add_``'s ``a + α·b``) rounded again. The corrections' ``pow`` is the
+host's here, the device's there (an ulp apart at most), so results agree with those
+passes to the last bit of a rounding, not necessarily bit for bit.
+
+Called through :func:`galore2.kernels.ops.adamw_` (a ``torch.library`` custom op: one
+launch per weight, counted as one by dispatch modes, shapes only on meta tensors).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .dispatch import launch_device
+
+BLOCK = 1024
+
+
+@triton.jit
+def _to_bf16(x):
+    """float32 → bfloat16 rounded to nearest, ties to even, in integer arithmetic: what a
+    cast does on the GPU, and what Triton's interpreter (which truncates) does not.
+    Finite values only (a NaN's payload may round to infinity)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _adamw_kernel(
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    n,
+    beta1,
+    beta2,
+    eps,
+    inv_bc1,  # float32 1 / bc1: the direction's scale (lr = -1 in torch's kernel)
+    bc2_sqrt,
+    decay,
+    neg_lr,
+    DECAY: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
+    g2 = g * g
+    v = tl.fma(beta2, v, tl.fma(-beta2, g2, g2))
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    d = tl.div_rn(inv_bc1 * m, denom)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    if DECAY:  # its own rounding to bf16, as the separate multiply
+        p = _to_bf16(p.to(tl.float32) * decay)
+    p = tl.fma(neg_lr, d, p.to(tl.float32))
+    tl.store(p_ptr + offs, _to_bf16(p), mask=mask)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+
+
+@triton.jit
+def _directions_kernel(
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    out_ptr,
+    n,
+    beta1,
+    beta2,
+    eps,
+    inv_bc1,
+    bc2_sqrt,
+    BLOCK: tl.constexpr,
+):
+    # the moments and direction of _adamw_kernel; the direction rounded to bf16 into out
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
+    g2 = g * g
+    v = tl.fma(beta2, v, tl.fma(-beta2, g2, g2))
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    tl.store(out_ptr + offs, _to_bf16(tl.div_rn(inv_bc1 * m, denom)), mask=mask)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+
+
+def _f32(x: float) -> np.float32:
+    return np.float32(x)
+
+
+def corrections(beta1: float, beta2: float, step: int) -> tuple[float, float]:
+    """(1 / bc1, √bc2) of step ``step`` in float32, as torch's fused Adam kernel forms
+    them (``1 − β^t`` with β and t in float32; the reciprocal rounded once)."""
+    t = _f32(step)
+    bc1 = _f32(1) - np.power(_f32(beta1), t)
+    bc2 = _f32(1) - np.power(_f32(beta2), t)
+    return float(_f32(1) / bc1), float(np.sqrt(bc2))
+
+
+def adamw_step(
+    p: Tensor, g: Tensor, m: Tensor, v: Tensor, *, step: int, lr: float, beta1: float,
+    beta2: float, eps: float, decay: float,
+) -> bool:  # fmt: skip
+    """Step ``step`` (≥ 1, counted already) of AdamW on weight ``p`` (updated in place:
+    ``p ← p·decay − lr·m̂/(√v̂ + eps)``) with gradient ``g`` and float32 moments ``m``,
+    ``v`` (updated in place); every tensor contiguous with ``p``'s number of elements
+    (:func:`supported`). CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``. Returns
+    True."""
+    if not supported(p, g, m, v):
+        raise ValueError(
+            "adamw_step takes contiguous tensors of one size: a bf16 weight and gradient "
+            f"and float32 moments, got {p.dtype} {tuple(p.shape)}, {g.dtype} "
+            f"{tuple(g.shape)}, {m.dtype} {tuple(m.shape)}, {v.dtype} {tuple(v.shape)}"
+        )
+    if step < 1:
+        raise ValueError(f"step counts this step (>= 1), got {step}")
+    inv_bc1, bc2_sqrt = corrections(beta1, beta2, step)
+    n = p.numel()
+    with launch_device(p):
+        _adamw_kernel[(triton.cdiv(n, BLOCK),)](
+            p, g, m, v, n, beta1, beta2, eps, inv_bc1, bc2_sqrt, decay, -lr,
+            DECAY=decay != 1.0, BLOCK=BLOCK,
+        )  # fmt: skip
+    return True  # it ran (galore2.kernels.dispatch.run_kernel: None means the torch path)
+
+
+def directions_step(
+    g: Tensor, m: Tensor, v: Tensor, out: Tensor, *, step: int, beta1: float, beta2: float,
+    eps: float,
+) -> bool:  # fmt: skip
+    """Step ``step`` (≥ 1) of Adam on float32 moments ``m``, ``v`` (updated in place) with
+    direction ``g`` (bf16 or float32), writing m̂/(√v̂ + eps) rounded to bf16 into ``out``
+    (:func:`supported_directions`): each element of ``g`` and ``out`` touched once (2 + 2
+    bytes for bf16), the moments read and written once (16). Returns True."""
+    if not supported_directions(g, m, v, out):
+        raise ValueError(
+            "directions_step takes contiguous tensors of one size: a bf16 or float32 "
+            "direction, float32 moments and a bf16 out, got "
+            f"{g.dtype} {tuple(g.shape)}, {m.dtype} {tuple(m.shape)}, {v.dtype} "
+            f"{tuple(v.shape)}, {out.dtype} {tuple(out.shape)}"
+        )
+    if step < 1:
+        raise ValueError(f"step counts this step (>= 1), got {step}")
+    inv_bc1, bc2_sqrt = corrections(beta1, beta2, step)
+    n = g.numel()
+    with launch_device(g):
+        _directions_kernel[(triton.cdiv(n, BLOCK),)](
+            g, m, v, out, n, beta1, beta2, eps, inv_bc1, bc2_sqrt, BLOCK=BLOCK
+        )
+    return True
+
+
+def supported_directions(g: Tensor, m: Tensor, v: Tensor, out: Tensor) -> bool:
+    """What :func:`directions_step` takes: contiguous non-empty tensors of one size, the
+    direction bf16 or float32, float32 moments, a bf16 out."""
+    n = g.numel()
+    return (
+        n > 0
+        and g.dtype in (torch.bfloat16, torch.float32)
+        and m.dtype == v.dtype == torch.float32
+        and out.dtype == torch.bfloat16
+        and all(t.numel() == n and t.is_contiguous() for t in (g, m, v, out))
+    )
+
+
+def supported(p: Tensor, g: Tensor, m: Tensor, v: Tensor) -> bool:
+    """What the kernel takes: contiguous non-empty tensors of one size, the weight and its
+    gradient in bf16 (other dtypes: torch's fused AdamW takes fp32 weights with fp32
+    moments, and fp16 ones keep the torch path), float32 moments."""
+    n = p.numel()
+    return (
+        n > 0
+        and p.dtype == g.dtype == torch.bfloat16
+        and m.dtype == v.dtype == torch.float32
+        and all(t.numel() == n and t.is_contiguous() for t in (p, g, m, v))
+    )
+
+
+__all__ = ["BLOCK", "adamw_step", "directions_step", "supported", "supported_directions"]

@@ -1,0 +1,178 @@
+"""galore2's custom ops (``torch.library``): one dispatch each, whatever runs inside.
+
+* ``galore2::adamw_`` (:func:`adamw_`) — an AdamW step of weights with float32 moments
+  (bf16 weights with galore2's default ``state_dtype``), for which torch has no fused
+  kernel (its fused AdamW keeps the moments in the weights' dtype). Per weight, the Triton
+  kernel :mod:`galore2.kernels.adamw` (one launch: each weight, gradient and moment read
+  once, weights and moments written once) where :mod:`~galore2.kernels.dispatch` runs
+  Triton, else the torch passes it replaces (:func:`adamw_torch`: the gradients cast to
+  float32, torch's fused Adam kernel writing the directions into zeroed buffers, then the
+  decay and the update of the weights). On meta tensors it only checks (shapes, no values):
+  a dispatch mode sees one op per call, which is how ``benchmarks/roofline.py`` counts the
+  step of a machine where the kernel runs.
+
+* ``galore2::adam_directions_`` (:func:`adam_directions_`) — Adam's moments (float32) and
+  its direction rounded to bf16, for a consumer that rounds it so anyway (GaLore along the
+  data): per tensor the Triton kernel (the direction read and the result written once, in
+  their 16-bit dtype), else the torch passes (float32 copies of the direction and the
+  result, a zeroed buffer, torch's fused Adam, the cast).
+
+This module imports no triton (the kernel module is loaded on first use).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from .dispatch import run_kernel
+
+
+def adam_directions(
+    us: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], step: int,
+    beta1: float, beta2: float, eps: float,
+) -> list[Tensor]:  # fmt: skip
+    """Step ``step`` of Adam on the float32 moments (updated in place) with float32
+    directions ``us``, returning m̂/(√v̂ + eps) per tensor, by torch's fused Adam kernel (one
+    launch for the lists, each moment read and written once): it updates a "parameter"
+    ``p ← p − lr·m̂/(√v̂ + eps)``, here a zeroed buffer with lr = −1, which is then the
+    direction."""
+    out = [torch.empty_like(m) for m in exp_avgs]
+    torch._foreach_zero_(out)
+    t = torch.full((), float(step), dtype=torch.float32, device=exp_avgs[0].device)
+    torch._fused_adam_(
+        out, us, exp_avgs, exp_avg_sqs, [], [t] * len(out), lr=-1.0, beta1=beta1,
+        beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
+    )  # fmt: skip
+    return out
+
+
+def adamw_torch(
+    params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor], step: int, lr: float, beta1: float, beta2: float, eps: float,
+    decay: float,
+) -> None:  # fmt: skip
+    """:func:`adamw_` by torch's kernels: the gradients cast to float32, the directions by
+    :func:`adam_directions`, then ``p ← p·decay`` and ``p ← p − lr·direction`` (two foreach
+    kernels): what galore2's plain AdamW group computes (``ScaleByAdam`` and the
+    optimizer's ``apply_updates``)."""
+    us = [g if g.dtype == torch.float32 else g.to(torch.float32) for g in grads]
+    dirs = adam_directions(us, exp_avgs, exp_avg_sqs, step, beta1, beta2, eps)
+    if decay != 1.0:
+        torch._foreach_mul_(params, decay)
+    torch._foreach_add_(params, dirs, alpha=-lr)
+
+
+@torch.library.custom_op("galore2::adamw_", mutates_args=("params", "exp_avgs", "exp_avg_sqs"))
+def adamw_(
+    params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor], step: int, lr: float, beta1: float, beta2: float, eps: float,
+    decay: float,
+) -> None:  # fmt: skip
+    """Step ``step`` (≥ 1, counted already) of AdamW, ``p ← p·decay − lr·m̂/(√v̂ + eps)``,
+    for each weight ``p`` of ``params`` with its gradient (in ``p``'s dtype) and float32
+    moments (updated in place); see the module docstring. Call it with one weight where
+    the Triton kernel runs (its launches are one per weight: so is a dispatch mode's count)."""
+    rest = []
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
+        args = (p, g, m, v)
+        done = run_kernel(
+            "adamw", *args,
+            supported=lambda k, args=args: k.supported(*args),
+            kernel=lambda k, args=args: partial(
+                k.adamw_step, *args, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                decay=decay,
+            ),
+        )  # fmt: skip
+        if done is None:  # the torch path (adamw_step returns True once it ran)
+            rest.append(i)
+    if rest:
+        adamw_torch(
+            [params[i] for i in rest], [grads[i] for i in rest], [exp_avgs[i] for i in rest],
+            [exp_avg_sqs[i] for i in rest], step, lr, beta1, beta2, eps, decay,
+        )  # fmt: skip
+
+
+@adamw_.register_fake
+def _adamw_meta(
+    params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor], step: int, lr: float, beta1: float, beta2: float, eps: float,
+    decay: float,
+) -> None:  # fmt: skip
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+        if not (g.shape == m.shape == v.shape == p.shape):
+            raise ValueError(
+                f"adamw_: gradient and moments must have the weight's shape {tuple(p.shape)}, "
+                f"got {tuple(g.shape)}, {tuple(m.shape)}, {tuple(v.shape)}"
+            )
+
+
+def directions_torch(
+    us: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], outs: list[Tensor],
+    step: int, beta1: float, beta2: float, eps: float,
+) -> None:  # fmt: skip
+    """:func:`adam_directions_` by torch's kernels: the directions cast to float32,
+    :func:`adam_directions`, the results rounded into ``outs`` (one copy each)."""
+    us32 = [u if u.dtype == torch.float32 else u.to(torch.float32) for u in us]
+    dirs = adam_directions(us32, exp_avgs, exp_avg_sqs, step, beta1, beta2, eps)
+    torch._foreach_copy_(outs, dirs)
+
+
+@torch.library.custom_op(
+    "galore2::adam_directions_", mutates_args=("exp_avgs", "exp_avg_sqs", "outs")
+)
+def adam_directions_(
+    us: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], outs: list[Tensor],
+    step: int, beta1: float, beta2: float, eps: float,
+) -> None:  # fmt: skip
+    """Step ``step`` (≥ 1, counted already) of Adam on float32 moments (updated in place)
+    with directions ``us`` (bf16 or float32), each m̂/(√v̂ + eps) rounded into its bf16
+    ``outs`` entry — for a consumer that rounds the direction to bf16 before any other use
+    (GaLore's low-rank update written into bf16 weights). Per tensor, the Triton kernel
+    :func:`galore2.kernels.adamw.directions_step` where it runs (one launch, each byte
+    touched once), else :func:`directions_torch` (what :func:`adam_directions` and the
+    consumer's cast compute). Meta tensors: checked only (see the module docstring)."""
+    rest = []
+    for i, args in enumerate(zip(us, exp_avgs, exp_avg_sqs, outs, strict=True)):
+        done = run_kernel(
+            "adamw", *args,
+            supported=lambda k, args=args: k.supported_directions(*args),
+            kernel=lambda k, args=args: partial(
+                k.directions_step, *args, step=step, beta1=beta1, beta2=beta2, eps=eps
+            ),
+        )  # fmt: skip
+        if done is None:
+            rest.append(i)
+    if rest:
+        directions_torch(
+            [us[i] for i in rest], [exp_avgs[i] for i in rest], [exp_avg_sqs[i] for i in rest],
+            [outs[i] for i in rest], step, beta1, beta2, eps,
+        )  # fmt: skip
+
+
+@adam_directions_.register_fake
+def _directions_meta(
+    us: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], outs: list[Tensor],
+    step: int, beta1: float, beta2: float, eps: float,
+) -> None:  # fmt: skip
+    for u, m, v, o in zip(us, exp_avgs, exp_avg_sqs, outs, strict=True):
+        if not (m.shape == v.shape == o.shape == u.shape):
+            raise ValueError(
+                f"adam_directions_: moments and out must have the direction's shape "
+                f"{tuple(u.shape)}, got {tuple(m.shape)}, {tuple(v.shape)}, {tuple(o.shape)}"
+            )
+
+
+def triton_would_run() -> bool:
+    """Whether :func:`adamw_` runs its Triton kernel on an NVIDIA GPU of this setup
+    (``GALORE2_KERNELS`` not ``torch``, triton importable): what a step on meta tensors
+    stands for (see :func:`~galore2.kernels.dispatch.use_triton`)."""
+    from .dispatch import kernel_mode, triton_available
+
+    return kernel_mode() != "torch" and triton_available()
+
+
+__all__ = ["adam_directions", "adam_directions_", "adamw_", "adamw_torch", "directions_torch",
+           "triton_would_run"]
