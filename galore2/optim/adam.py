@@ -471,11 +471,25 @@ class ScaleByAdam(MomentRule, Transform):
         t = self.count_step(state, group, u.device)
         if out is not None:  # the kernel updated codes and absmax in place
             return out
-        if dynamic8.use_torch(m_codes):  # the CPU: chunk by chunk, see _update_chunks
-            return self._update_chunks(u, m_fmt, v_fmt, t, state, group)
+        return self.torch_quantized(u, m_fmt, v_fmt, t, state, group)
+
+    @staticmethod
+    def torch_quantized(
+        u: Tensor,
+        m_fmt: Dynamic8Format,
+        v_fmt: Dynamic8Format,
+        t: int | Tensor,
+        state: State,
+        group: Group,
+    ) -> Tensor:
+        """Step ``t`` (counted already) of a direction with 8-bit moments on the torch path
+        (no fused kernel): chunk by chunk on the CPU (:meth:`_update_chunks`), else on fp32
+        copies of the moments (bitsandbytes' quantizer)."""
+        if dynamic8.use_torch(m_fmt.local(state, "adam.exp_avg", AXIS)[0]):
+            return ScaleByAdam._update_chunks(u, m_fmt, v_fmt, t, state, group)
         m = m_fmt.view(state, "adam.exp_avg", AXIS)
         v = v_fmt.view(state, "adam.exp_avg_sq", AXIS)
-        out = self._arith(u, m, v, t, group)  # the direction uses the fp32 moments
+        out = ScaleByAdam._arith(u, m, v, t, group)  # the direction uses the fp32 moments
         m_fmt.store(state, "adam.exp_avg", m, AXIS)
         v_fmt.store(state, "adam.exp_avg_sq", v, AXIS)
         return out

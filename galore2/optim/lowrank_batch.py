@@ -377,6 +377,13 @@ def advance_counters(
         packed.add_(step)
 
 
+def _stacked(ts: list[Tensor]) -> Tensor:
+    """``ts`` as one stack: the view of the stack they are the entries of (a rule's stacked
+    result, unbound), else a new one."""
+    view = packing.stacked_view(ts)
+    return torch.stack(ts) if view is None else view
+
+
 def factors(
     kind: type[Projection], B: Tensor, Ns: list[Tensor] | Tensor, dtype: torch.dtype,
     factor: float, shapes: list[torch.Size],
@@ -388,7 +395,7 @@ def factors(
     β, so no m×n update exists and each weight is read and written once. The casts are of
     the r-sized stacks (one each). ``Ns``: the low-rank updates, or their stack (the inner
     chain's: never written)."""
-    N = Ns if isinstance(Ns, Tensor) else torch.stack(Ns)
+    N = Ns if isinstance(Ns, Tensor) else _stacked(Ns)
     N = N if N.dtype == dtype else N.to(dtype)
     B = B if B.dtype == dtype else B.to(dtype)
     As, Bs = kind.factors_stack(N, B)
@@ -412,8 +419,9 @@ def back(
     times 0) and the others keep their bits; the result is then marked
     :func:`~galore2.core.masked.premasked` (the step does not mask it again: the r-row
     stack is masked instead of the m×n result)."""
-    owned = not isinstance(Ns, Tensor)
-    N = torch.stack(Ns) if owned else Ns  # type: ignore[arg-type]
+    N = Ns if isinstance(Ns, Tensor) else packing.stacked_view(Ns)
+    owned = N is None  # a stack made here (not the entries of one: never written)
+    N = torch.stack(Ns) if N is None else N  # type: ignore[arg-type]
     if N.dtype != dtype:
         N, owned = N.to(dtype), True
     B = B if B.dtype == dtype else B.to(dtype)

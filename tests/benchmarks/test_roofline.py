@@ -21,7 +21,8 @@ RANK = 16
 # (bytes per added layer ÷ torch fused AdamW's, rounded to 0.1; kernels per step at 4 layers)
 BUDGETS = {
     "GaLoreAdamW": (1.7, 63),
-    "GaLoreAdamW8bit": (2.4, 705),
+    # issue 38 item 5: each shape stack's 8-bit moments by one op (before: 2.4, 705)
+    "GaLoreAdamW8bit": (1.3, 42),
     "GaLoreAdafactor": (1.8, 111),
     "Ranger21": (17.2, 109),
     "GaLoreRanger21": (11.1, 150),
@@ -35,7 +36,7 @@ BUDGETS = {
     "GaLoreAdamW, state_dtype=bfloat16": (1.4, 34),
 }
 #: rows with no full-size copy today
-NO_FULL_COPY = ("GaLoreAdamW, state_dtype=bfloat16",)
+NO_FULL_COPY = ("GaLoreAdamW, state_dtype=bfloat16", "GaLoreAdamW8bit")
 
 
 @pytest.fixture(scope="module")
