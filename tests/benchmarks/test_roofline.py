@@ -27,9 +27,10 @@ BUDGETS = {
     "Ranger21": (17.2, 109),
     "GaLoreRanger21": (11.1, 150),
     "Fira": (4.2, 109),
-    # issue 38 item 6: the random bases drawn once per refresh (before: 3.0, 103; 2.5, 99)
-    "APOLLO": (2.8, 88),
-    "APOLLOMini": (2.4, 84),
+    # issue 38 item 6: the random bases drawn once per refresh, S = G·φ made from the bf16
+    # gradient in one pass (before: 3.0, 103; 2.5, 99)
+    "APOLLO": (2.3, 86),
+    "APOLLOMini": (1.7, 81),
     "GaLoreMuon": (2.0, 97),
     "GaLoreAdamW, capturable=True": (2.3, 117),
     # bf16 moments: its plain group on torch's fused AdamW kernel (issue 38 item 3; before
