@@ -16,7 +16,8 @@ On the CPU, where the storage layer quantizes in torch, that happens chunk by ch
 elements of whole blocks), so no full-size fp32 moments are made; the results are the same
 bits. On CUDA with triton installed (see :mod:`galore2.kernels.dispatch`, ``GALORE2_KERNELS``)
 that step is one fused Triton kernel (:mod:`galore2.kernels.adam8bit`) with the same
-arithmetic and block layout; its quantizer picks the exact nearest code (bitsandbytes' CPU
+arithmetic and block layout — batched (``foreach``), one launch per stack of same-shape
+directions (:func:`galore2.optim.adam8bit.adam8bit_stack_`); its quantizer picks the exact nearest code (bitsandbytes' CPU
 quantizer is off by a code or more on a few percent of elements). Quantized moments are
 always updated in fp32 (``state_dtype`` does not apply to them); small directions keep
 ``state_dtype`` moments and match the default exactly.
