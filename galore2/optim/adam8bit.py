@@ -126,12 +126,12 @@ class ScaleByAdam8bit(ScaleByAdam):
             runs.setdefault((t, dim, us[i].shape, us[i].dtype, us[i].device), []).append(i)
         beta1, beta2 = group["betas"]
         cache = self.__dict__.setdefault("_stacks", {})
-        for (t, dim, *_), idx in runs.items():
+        for (t, dim, *like), idx in runs.items():
             run_states = [states[i] for i in idx]
             g = packing.stacked_view([us[i] for i in idx])
             if g is None:
                 g = torch.stack([us[i] for i in idx])
-            m, ma, v, va = _stacks(cache, run_states)
+            m, ma, v, va = _stacks(cache, (dim, *like, len(idx)), run_states)
             done = adam8bit_stack_(g, m, ma, v, va, dim, beta1, beta2, group["eps"], t)
             for i, r in zip(idx, done.unbind(0), strict=True):
                 out[i] = r
@@ -157,12 +157,13 @@ def _local_8bit(state: State) -> bool:
     )
 
 
-def _stacks(cache: dict[tuple[int, ...], Any], states: list[State]) -> list[Tensor]:
+def _stacks(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...], states: list[State]
+            ) -> list[Tensor]:  # fmt: skip
     """The four 8-bit state tensors of ``states`` (:data:`_KEYS`) as ``(k, …)`` stacks whose
     entries are the states' own tensors (:func:`~galore2.core.packing.as_stacks`: views,
-    or the tensors packed once into one buffer per dtype), kept in ``cache`` while the
-    states hold the same tensors at the same addresses."""
-    key = tuple(map(id, states))
+    or the tensors packed once into one buffer per dtype), kept in ``cache`` under ``key``
+    (the run's blocked axis, shape, dtype, device and size: a later list of the same run
+    replaces it) while the states hold the same tensors at the same addresses."""
     tensors = [s[k] for k in _KEYS for s in states]
     kept = cache.get(key)
     if kept is not None:
