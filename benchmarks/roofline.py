@@ -18,9 +18,9 @@ measures each launch:
 
 * **bytes** — every tensor argument read once (an in-place op's ``self`` too, but for ops
   that only write it: :data:`WRITE_ONLY`, :data:`WRITE_ONLY_ARGS`; ``out=`` tensors are
-  not read), plus what it
-  writes: the arguments its schema marks as written (an in-place ``self``, ``out=``), or else
-  its outputs; ``_fused_adam(w)_`` writes the weights and both moments. 0-d tensors (step
+  not read), plus what it writes: the arguments its schema marks as written (an in-place
+  ``self``, ``out=``) and the outputs that alias no argument, or else its outputs;
+  ``_fused_adam(w)_`` writes the weights and both moments. 0-d tensors (step
   counters, scalars) are left out;
 * **FLOPs** — 2·m·k·n per matrix product (a batch: times its count) of its last two
   matrix operands (an ``out=`` tensor is not one), by the operands' dtype; float32
@@ -134,6 +134,11 @@ class RooflineCounter(StepCounter):
         reads = [t for i, v in enumerate(values) if i not in not_read for t in _tensors(v)]
         c.read += _nbytes(reads)
         written = [t for i in writes if i < len(values) for t in _tensors(values[i])]
+        if writes:  # and the outputs that alias no argument (an op that writes and returns)
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            fresh = [o for o, r in zip(outs, func._schema.returns, strict=False)
+                     if r.alias_info is None]  # fmt: skip
+            written += _tensors(fresh)
         c.written += _nbytes(written if writes else _tensors(out))
         if name == "_to_copy" and args[0].dim() > 0:
             c.copies.append((tuple(args[0].shape), _DTYPES.get(args[0].dtype, str(args[0].dtype)),

@@ -81,6 +81,10 @@ def _adam8bit_kernel(
     n_other,
     length,
     n_blocks,
+    n_tiles,
+    g_s_mat,
+    s_mat,
+    a_s_mat,
     g_s_other,
     g_s_block,
     s_other,
@@ -98,18 +102,22 @@ def _adam8bit_kernel(
 ):
     # The tile is OTHER blocks × QB elements: axis 0 across rows (dim 1) or columns
     # (dim 0), axis 1 along the blocked axis, block pid_b of it. A 1-D grid (the y and z
-    # grid axes are limited to 65535 programs), consecutive programs along the blocks.
+    # grid axes are limited to 65535 programs), consecutive programs along the blocks; a
+    # stack of matrices: n_tiles programs per matrix, matrix after matrix (strides *_s_mat).
     pid = tl.program_id(0)
+    mat = (pid // n_tiles).to(tl.int64)
+    pid = pid % n_tiles
     pid_o = pid // n_blocks
     pid_b = pid % n_blocks
     o = (pid_o * OTHER + tl.arange(0, OTHER)).to(tl.int64)
     k = (pid_b * QB + tl.arange(0, QB)).to(tl.int64)
     o_ok = o < n_other
     mask = o_ok[:, None] & (k < length)[None, :]
-    offs = o[:, None] * s_other + k[None, :] * s_block
-    a_offs = o * a_s_other + pid_b * a_s_block
+    offs = mat * s_mat + o[:, None] * s_other + k[None, :] * s_block
+    a_offs = mat * a_s_mat + o * a_s_other + pid_b * a_s_block
 
-    g = tl.load(g_ptr + o[:, None] * g_s_other + k[None, :] * g_s_block, mask=mask, other=0.0)
+    g_offs = mat * g_s_mat + o[:, None] * g_s_other + k[None, :] * g_s_block
+    g = tl.load(g_ptr + g_offs, mask=mask, other=0.0)
     g = g.to(tl.float32)
     qm = tl.load(qm_in + offs, mask=mask, other=0).to(tl.int32)
     qv = tl.load(qv_in + offs, mask=mask, other=0).to(tl.int32)
@@ -175,29 +183,70 @@ def adam8bit_step(
     their decision bounds (:func:`galore2.storage.dynamic8.code_bounds`); ``step`` counts
     this step (t ≥ 1). Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.
     """
-    if dim not in (0, 1):
-        raise ValueError(f"dim must be 0 or 1, got {dim}")
     if g.dim() < 1 or g.numel() == 0:
         raise ValueError(f"the direction must be a non-empty tensor, got shape {tuple(g.shape)}")
-    rows = g.shape[0]
-    cols = g.numel() // rows
-    g2 = g.reshape(rows, cols)
+    return _step(g, (m_codes, m_absmax, v_codes, v_absmax), False, dim, out, into,
+                 (code_m, code_v, bounds_m, bounds_v), beta1, beta2, eps, step)  # fmt: skip
+
+
+def adam8bit_step_stack(
+    g: Tensor,
+    m_codes: Tensor,
+    m_absmax: Tensor,
+    v_codes: Tensor,
+    v_absmax: Tensor,
+    *,
+    dim: int,
+    code_m: Tensor,
+    code_v: Tensor,
+    bounds_m: Tensor,
+    bounds_v: Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    step: int,
+    out: Tensor | None = None,
+) -> Tensor:
+    """:func:`adam8bit_step` of a stack of ``k`` same-shape directions in one launch: ``g``
+    is ``(k, *shape)``, the codes ``(k, *shape)`` and each absmax ``(k, *scales)``, every
+    matrix blocked as :func:`adam8bit_step` blocks it alone (its own 2-D view ``shape[0]`` ×
+    rest), with the same bits as ``k`` such calls; codes and absmax are updated in place."""
+    if g.dim() < 2 or g.numel() == 0:
+        raise ValueError(f"the stack must be a non-empty (k, *shape) tensor, got {tuple(g.shape)}")
+    return _step(g, (m_codes, m_absmax, v_codes, v_absmax), True, dim, out, None,
+                 (code_m, code_v, bounds_m, bounds_v), beta1, beta2, eps, step)  # fmt: skip
+
+
+def _step(
+    g: Tensor, states: tuple[Tensor, Tensor, Tensor, Tensor], stacked: bool, dim: int,
+    out: Tensor | None, into: tuple[Tensor, Tensor, Tensor, Tensor] | None,
+    maps: tuple[Tensor, Tensor, Tensor, Tensor], beta1: float, beta2: float, eps: float,
+    step: int,
+) -> Tensor:  # fmt: skip
+    """The launch of :func:`adam8bit_step` and (``stacked``) :func:`adam8bit_step_stack`."""
+    if dim not in (0, 1):
+        raise ValueError(f"dim must be 0 or 1, got {dim}")
+    k = g.shape[0] if stacked else 1
+    shape = g.shape[1:] if stacked else g.shape
+    rows = shape[0]
+    cols = math.prod(shape) // rows
+    g2 = g.reshape(k, rows, cols)
     blocks = -(-(cols if dim == 1 else rows) // QBLOCK)
     scales = (rows, blocks) if dim == 1 else (blocks, cols)
-    for name, t, dtype, shape in (
-        ("m_codes", m_codes, torch.uint8, (rows, cols)),
-        ("v_codes", v_codes, torch.uint8, (rows, cols)),
-        ("m_absmax", m_absmax, torch.float32, scales),
-        ("v_absmax", v_absmax, torch.float32, scales),
+    for name, t, dtype, size in (
+        ("m_codes", states[0], torch.uint8, rows * cols),
+        ("m_absmax", states[1], torch.float32, scales[0] * scales[1]),
+        ("v_codes", states[2], torch.uint8, rows * cols),
+        ("v_absmax", states[3], torch.float32, scales[0] * scales[1]),
     ):
-        if t.dtype != dtype or t.numel() != shape[0] * shape[1]:
+        if t.dtype != dtype or t.numel() != k * size:
+            what = "×".join(map(str, ((k,) if stacked else ()) + (
+                (rows, cols) if "codes" in name else scales)))  # fmt: skip
             raise ValueError(
-                f"{name} must be {dtype} with {shape[0]}×{shape[1]} elements, "
-                f"got {t.dtype} {tuple(t.shape)}"
+                f"{name} must be {dtype} with {what} elements, got {t.dtype} {tuple(t.shape)}"
             )
-    # contiguous 2-D views (copies when strided; copied back below)
-    states = (m_codes, m_absmax, v_codes, v_absmax)
-    shapes = ((rows, cols), scales, (rows, cols), scales)
+    # contiguous 3-D views (copies when strided; copied back below)
+    shapes = ((k, rows, cols), (k, *scales), (k, rows, cols), (k, *scales))
     src = [t.contiguous().view(s) for t, s in zip(states, shapes, strict=True)]
     dst = (
         src if into is None else [t.contiguous().view(s) for t, s in zip(into, shapes, strict=True)]
@@ -215,26 +264,27 @@ def adam8bit_step(
     w1 = 1 - beta1
     length, n_other = (cols, rows) if dim == 1 else (rows, cols)
     qb, other, warps = _tile(length, dim)
-    # strides of a contiguous rows × cols tensor along (other, block)
+    # strides of a contiguous rows × cols matrix along (other, block)
     s_other, s_block = (cols, 1) if dim == 1 else (1, cols)
     g_s_other, g_s_block = (
-        (g2.stride(0), g2.stride(1)) if dim == 1 else (g2.stride(1), g2.stride(0))
+        (g2.stride(1), g2.stride(2)) if dim == 1 else (g2.stride(2), g2.stride(1))
     )
     a_s_other, a_s_block = (blocks, 1) if dim == 1 else (1, cols)
-    grid = (triton.cdiv(n_other, other) * blocks,)
+    tiles = triton.cdiv(n_other, other) * blocks
     with launch_device(g):
-        _adam8bit_kernel[grid](
+        _adam8bit_kernel[(k * tiles,)](
             g2,
             res,
             *src,
             *dst,
-            code_m,
-            code_v,
-            bounds_m,
-            bounds_v,
+            *maps,
             n_other,
             length,
             blocks,
+            tiles,
+            g2.stride(0),
+            rows * cols,
+            scales[0] * scales[1],
             g_s_other,
             g_s_block,
             s_other,
@@ -268,4 +318,4 @@ def supported(g: Tensor) -> bool:
     )
 
 
-__all__ = ["QBLOCK", "adam8bit_step", "supported"]
+__all__ = ["QBLOCK", "adam8bit_step", "adam8bit_step_stack", "supported"]

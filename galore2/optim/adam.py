@@ -16,7 +16,8 @@ On the CPU, where the storage layer quantizes in torch, that happens chunk by ch
 elements of whole blocks), so no full-size fp32 moments are made; the results are the same
 bits. On CUDA with triton installed (see :mod:`galore2.kernels.dispatch`, ``GALORE2_KERNELS``)
 that step is one fused Triton kernel (:mod:`galore2.kernels.adam8bit`) with the same
-arithmetic and block layout; its quantizer picks the exact nearest code (bitsandbytes' CPU
+arithmetic and block layout — batched (``foreach``), one launch per stack of same-shape
+directions (:func:`galore2.optim.adam8bit.adam8bit_stack_`); its quantizer picks the exact nearest code (bitsandbytes' CPU
 quantizer is off by a code or more on a few percent of elements). Quantized moments are
 always updated in fp32 (``state_dtype`` does not apply to them); small directions keep
 ``state_dtype`` moments and match the default exactly.
@@ -550,11 +551,25 @@ class ScaleByAdam(MomentRule, Transform):
         t = self.count_step(state, group, u.device)
         if out is not None:  # the kernel updated codes and absmax in place
             return out
-        if dynamic8.use_torch(m_codes):  # the CPU: chunk by chunk, see _update_chunks
-            return self._update_chunks(u, m_fmt, v_fmt, t, state, group)
+        return self.torch_quantized(u, m_fmt, v_fmt, t, state, group)
+
+    @staticmethod
+    def torch_quantized(
+        u: Tensor,
+        m_fmt: Dynamic8Format,
+        v_fmt: Dynamic8Format,
+        t: int | Tensor,
+        state: State,
+        group: Group,
+    ) -> Tensor:
+        """Step ``t`` (counted already) of a direction with 8-bit moments on the torch path
+        (no fused kernel): chunk by chunk on the CPU (:meth:`_update_chunks`), else on fp32
+        copies of the moments (bitsandbytes' quantizer)."""
+        if dynamic8.use_torch(m_fmt.local(state, "adam.exp_avg", AXIS)[0]):
+            return ScaleByAdam._update_chunks(u, m_fmt, v_fmt, t, state, group)
         m = m_fmt.view(state, "adam.exp_avg", AXIS)
         v = v_fmt.view(state, "adam.exp_avg_sq", AXIS)
-        out = self._arith(u, m, v, t, group)  # the direction uses the fp32 moments
+        out = ScaleByAdam._arith(u, m, v, t, group)  # the direction uses the fp32 moments
         m_fmt.store(state, "adam.exp_avg", m, AXIS)
         v_fmt.store(state, "adam.exp_avg_sq", v, AXIS)
         return out

@@ -9,12 +9,16 @@ re-exported here for compatibility.
 
 from __future__ import annotations
 
+import operator
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..core import packing
 from ..core.transform import Context, Group, State
+from ..kernels.dispatch import run_kernel
 from ..storage import dynamic8
 from ..storage.dynamic8 import (
     BLOCK,
@@ -24,6 +28,8 @@ from ..storage.dynamic8 import (
     bnb_functional,
     code_bounds,
     dequantize,
+    DYNAMIC8,
+    UDYNAMIC8,
     dynamic_code,
     quantize_,
 )
@@ -51,17 +57,25 @@ class ScaleByAdam8bit(ScaleByAdam):
         whatever its tensor's blocked axis), then one dequantize, Adam step and quantize for
         the whole pack — the same bits as per tensor. The rest as
         :meth:`ScaleByAdam.update_many` (fp32 moments: foreach kernels; 8-bit ones on CUDA:
-        the fused kernel or bitsandbytes, per tensor). ``capturable=True`` and sharded
-        directions: per tensor too (the packs are formed by step count, which would be a
-        host read; a shard's codes are not a plain tensor)."""
+        the fused kernel or bitsandbytes, per tensor). Elsewhere (CUDA; meta) the 8-bit
+        directions of one shape, dtype, blocked axis and step count step as stacks
+        (:func:`_stacks`): one :func:`adam8bit_stack_` per stack — on CUDA one fused
+        kernel for all of its matrices. ``capturable=True`` and sharded directions: per
+        tensor (the packs and stacks are formed by step count, which would be a host read;
+        a shard's codes are not a plain tensor)."""
         cpu_loop = us and us[0].device.type == "cpu" and not group.get("foreach")
         if not us or cpu_loop or group.get("capturable"):
             return super().update_many(us, states, group, ctxs)
-        packable = [
+        local = [
             i
             for i, (state, ctx) in enumerate(zip(states, ctxs, strict=True))
-            if not ctx.placement.distributed and _packable(state)
+            if not ctx.placement.distributed and _local_8bit(state)
         ]
+        out: list[Tensor | None] = [None] * len(us)
+        if local and _on_stacks(states[local[0]]["adam.exp_avg"]):
+            self._step_stacked(us, states, group, local, out)
+            return self._rest(out, us, states, group, ctxs)
+        packable = [i for i in local if _packable(states[i])]
         # every one of them steps below: their host counters advanced now (one add, one
         # read when packed, see galore2.core.counters), packs formed by the new counts
         counted = [states[i] for i in packable]
@@ -73,13 +87,19 @@ class ScaleByAdam8bit(ScaleByAdam):
         packs: dict[tuple[Any, ...], list[int]] = {}
         for i, t in zip(packable, steps, strict=True):
             packs.setdefault((t - 1, us[i].device, us[i].dtype), []).append(i)
-        out: list[Tensor | None] = [None] * len(us)
         for key, idx in packs.items():
             for part in _split(idx, [states[i]["adam.exp_avg"].numel() for i in idx]):
                 done = _step_packed([us[i] for i in part], [states[i] for i in part], group,
                                     key[0], [dims[i] for i in part])  # fmt: skip
                 for i, r in zip(part, done, strict=True):
                     out[i] = r
+        return self._rest(out, us, states, group, ctxs)
+
+    def _rest(
+        self, out: list[Tensor | None], us: list[Tensor], states: list[State], group: Group,
+        ctxs: list[Context],
+    ) -> list[Tensor]:  # fmt: skip
+        """``out`` with the entries it left None by :meth:`ScaleByAdam.update_many`."""
         rest = [i for i, r in enumerate(out) if r is None]
         if rest:
             done = super().update_many(
@@ -89,6 +109,129 @@ class ScaleByAdam8bit(ScaleByAdam):
                 out[i] = r
         return out  # type: ignore[return-value]
 
+    def _step_stacked(
+        self, us: list[Tensor], states: list[State], group: Group, local: list[int],
+        out: list[Tensor | None],
+    ) -> None:  # fmt: skip
+        """:meth:`update_many` off the CPU path: the 8-bit directions ``local`` (unsharded,
+        contiguous codes) by :func:`adam8bit_stack_`, one call per stack of the same shape,
+        dtype, blocked axis and step count (their counters advanced first: one add, one
+        read when packed), their results into ``out``."""
+        counted = [states[i] for i in local]
+        steps = self.count_steps(counted, group, us[0].device)
+        axes = self._counters.packed(counted, AXIS)
+        dims = axes.tolist() if axes is not None else [int(s[AXIS]) for s in counted]
+        runs: dict[tuple[Any, ...], list[int]] = {}
+        for i, t, dim in zip(local, steps, dims, strict=True):
+            runs.setdefault((t, dim, us[i].shape, us[i].dtype, us[i].device), []).append(i)
+        beta1, beta2 = group["betas"]
+        cache = self.__dict__.setdefault("_stacks", {})
+        for (t, dim, *like), idx in runs.items():
+            run_states = [states[i] for i in idx]
+            g = packing.stacked_view([us[i] for i in idx])
+            if g is None:
+                g = torch.stack([us[i] for i in idx])
+            m, ma, v, va = _stacks(cache, (dim, *like, len(idx)), run_states)
+            done = adam8bit_stack_(g, m, ma, v, va, dim, beta1, beta2, group["eps"], t)
+            for i, r in zip(idx, done.unbind(0), strict=True):
+                out[i] = r
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The kept stacks are a cache of this process's tensors: a pickle carries none."""
+        return {k: v for k, v in self.__dict__.items() if k != "_stacks"}
+
+
+_MAX_STACKS = 64  # kept stacks per module (see _stacks)
+
+
+def _on_stacks(codes: Tensor) -> bool:
+    """Do 8-bit directions with codes like ``codes`` step by stacks (off the CPU's torch
+    quantizer, which packs them instead)?"""
+    return not dynamic8.use_torch(codes)
+
+
+def _local_8bit(state: State) -> bool:
+    """An 8-bit direction whose codes and absmax are plain contiguous tensors."""
+    return is_quantized(state, "adam.exp_avg") and all(
+        type(state[k]) is Tensor and state[k].is_contiguous() for k in _KEYS
+    )
+
+
+def _stacks(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...], states: list[State]
+            ) -> list[Tensor]:  # fmt: skip
+    """The four 8-bit state tensors of ``states`` (:data:`_KEYS`) as ``(k, …)`` stacks whose
+    entries are the states' own tensors (:func:`~galore2.core.packing.as_stacks`: views,
+    or the tensors packed once into one buffer per dtype), kept in ``cache`` under ``key``
+    (the run's blocked axis, shape, dtype, device and size: a later list of the same run
+    replaces it) while the states hold the same tensors at the same addresses."""
+    tensors = [s[k] for k in _KEYS for s in states]
+    kept = cache.get(key)
+    if kept is not None:
+        held, addresses, stacks = kept
+        if all(map(operator.is_, held, tensors)) and packing.addresses(tensors) == addresses:
+            return stacks
+    lists = [[s[k] for s in states] for k in _KEYS]
+    codes = packing.as_stacks([lists[0], lists[2]])
+    absmax = packing.as_stacks([lists[1], lists[3]])
+    assert codes is not None and absmax is not None  # contiguous, one dtype and device each
+    stacks = [codes[0], absmax[0], codes[1], absmax[1]]
+    if len(cache) >= _MAX_STACKS:
+        cache.clear()
+    cache[key] = (tensors, packing.addresses(tensors), stacks)
+    return stacks
+
+
+@torch.library.custom_op(
+    "galore2::adam8bit_stack_", mutates_args=("m_codes", "m_absmax", "v_codes", "v_absmax")
+)
+def adam8bit_stack_(
+    g: Tensor, m_codes: Tensor, m_absmax: Tensor, v_codes: Tensor, v_absmax: Tensor, dim: int,
+    beta1: float, beta2: float, eps: float, step: int,
+) -> Tensor:  # fmt: skip
+    """Step ``step`` (t ≥ 1) of 8-bit Adam on a stack of ``k`` same-shape directions ``g``
+    (``(k, *shape)``, any float dtype) whose moments are the ``(k, …)`` stacks of codes and
+    absmax blocked along ``dim`` (updated in place, each matrix blocked as alone); returns
+    the fp32 directions ``(k, *shape)``. One op for the whole stack: on CUDA (or under
+    ``GALORE2_KERNELS=triton``) the fused kernel
+    (:func:`galore2.kernels.adam8bit.adam8bit_step_stack`), one launch; else the torch
+    path matrix by matrix (:meth:`ScaleByAdam.torch_quantized`: the CPU's chunks,
+    bitsandbytes elsewhere) — the bits of a per-tensor ``update`` either way. On meta
+    tensors it is one op that writes the moments and returns the directions (what the
+    roofline counts)."""
+    device = g.device
+    out = run_kernel(
+        "adam8bit",
+        g,
+        m_codes,
+        v_codes,
+        supported=lambda k: k.supported(g),
+        kernel=lambda k: partial(
+            k.adam8bit_step_stack, g, m_codes, m_absmax, v_codes, v_absmax, dim=dim,
+            code_m=DYNAMIC8.code(device), code_v=UDYNAMIC8.code(device),
+            bounds_m=DYNAMIC8.bounds(device), bounds_v=UDYNAMIC8.bounds(device),
+            beta1=beta1, beta2=beta2, eps=eps, step=step,
+        ),  # fmt: skip
+    )
+    if out is not None:
+        return out
+    group = {"betas": (beta1, beta2), "eps": eps}
+    axis = torch.tensor(dim)
+    out = torch.empty(g.shape, dtype=torch.float32, device=device)
+    for j in range(g.shape[0]):
+        state = {"adam.exp_avg": m_codes[j], "adam.exp_avg.absmax": m_absmax[j],
+                 "adam.exp_avg_sq": v_codes[j], "adam.exp_avg_sq.absmax": v_absmax[j],
+                 AXIS: axis}  # fmt: skip
+        out[j] = ScaleByAdam.torch_quantized(g[j], DYNAMIC8, UDYNAMIC8, step, state, group)
+    return out
+
+
+@adam8bit_stack_.register_fake
+def _(
+    g: Tensor, m_codes: Tensor, m_absmax: Tensor, v_codes: Tensor, v_absmax: Tensor, dim: int,
+    beta1: float, beta2: float, eps: float, step: int,
+) -> Tensor:  # fmt: skip
+    return g.new_empty(g.shape, dtype=torch.float32)
+
 
 _PACK = 1 << 21  # elements per pack and moment (bounded temporaries: ~50 bytes per element)
 _SIGNS = (True, False)  # the packed rows: first moments (signed map), second (unsigned)
@@ -97,10 +240,7 @@ _SIGNS = (True, False)  # the packed rows: first moments (signed map), second (u
 def _packable(state: State) -> bool:
     """Does an 8-bit direction step in a pack (else alone)? Packs are formed by its step
     count, device and dtype."""
-    if not is_quantized(state, "adam.exp_avg"):
-        return False
-    codes = state["adam.exp_avg"]
-    return dynamic8.use_torch(codes) and all(state[k].is_contiguous() for k in _KEYS)
+    return dynamic8.use_torch(state["adam.exp_avg"])
 
 
 def _split(idx: list[int], sizes: list[int]) -> list[list[int]]:
@@ -155,6 +295,7 @@ __all__ = [
     "MIN_8BIT_SIZE",
     "ScaleByAdam8bit",
     "absmax_shape",
+    "adam8bit_stack_",
     "block_dim",
     "bnb_functional",
     "code_bounds",

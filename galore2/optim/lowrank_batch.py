@@ -41,9 +41,9 @@ keeps its bases stacked (up to :data:`MAX_CACHED_BYTES` per batch: where a step 
 launch-bound), and re-stacks them when one of the stored tensors was replaced or written
 (its ``_version`` moved: a refresh, ``load_state_dict`` into it). The random projector
 stores a seed only: its Gaussian bases are regenerated from the seeds into one stack
-(one draw per matrix, one scaling), kept under the same bound and drawn again when a seed
-changed; above the bound, at every step (its state stays a seed; the kept stack is a
-bounded cache, not state).
+(one draw per matrix, one scaling, in the projection's dtype), kept whatever its size and
+drawn again when a seed changed (a refresh): its state stays a seed; the kept stack is a
+cache, not state.
 
 Only the common case takes this path (:func:`stackable`): a left or right projection of a
 local (not sharded) 2-D weight, a dense fp32 / bf16 basis (or the random projector's),
@@ -158,14 +158,18 @@ class ShapeBatch:
                 return False
         return True
 
-    def bases(self, projector: Projector) -> Tensor:
+    def bases(self, projector: Projector, at: torch.dtype | None = None) -> Tensor:
         """The batch's bases stacked (k × rows × r, in their stored dtype; the random
-        projector's regenerated from their seeds).
+        projector's regenerated from their seeds, in ``at`` when that is the gradients'
+        dtype: the dtype the projection and the back-projection read them in).
 
         A stack of at most :data:`MAX_CACHED_BYTES` is kept, and made again only when one of
         the state tensors it was made from (bases, or seeds) was replaced or written (a
         refresh, ``load_state_dict``); a larger one is made at every step (a second copy of
-        the bases would cost more memory than making it costs time)."""
+        the bases would cost more memory than making it costs time) — but the random
+        projector's, which is kept whatever its size: drawn once per refresh (APOLLO), not
+        by one ``normal_`` per matrix and step, for the memory of the bases in ``at`` (bf16
+        weights: half of what a stored fp32 basis takes; the draw is the only copy)."""
         random = isinstance(projector, RandomProjector)
         key = "proj.seed" if random else self.kind.basis_key
         if self.stack is not None and self._current(key):
@@ -173,10 +177,12 @@ class ShapeBatch:
         if random:  # regenerated from the seeds (the projector stores nothing else)
             seeds = [int(s[key]) for s in self.states]
             stacked = projector.stacked(seeds, self.kind.left, self.rows, self.rank, self.device)
+            if at == self.dtype and stacked.dtype != at:  # the values .to(at) gives anyway
+                stacked = stacked.to(at)
         else:
             stacked = torch.stack([s[key] for s in self.states])
         self.stack = None
-        if stacked.numel() * stacked.element_size() <= MAX_CACHED_BYTES:
+        if random or stacked.numel() * stacked.element_size() <= MAX_CACHED_BYTES:
             self._hold(key)
             self.stack = stacked
         return stacked
@@ -251,7 +257,7 @@ class ShapeBatch:
         if cast is not None:  # the live bases straight from the state into a stack in ``at``
             B = Y = cast
         else:
-            B = self.bases(projector)
+            B = self.bases(projector, at)
             Y = self.cast_bases(B, at)
         if live is not None and cast is None:
             pick = torch.tensor(live, device=B.device)
@@ -408,6 +414,13 @@ def advance_counters(
         packed.add_(step)
 
 
+def _stacked(ts: list[Tensor]) -> Tensor:
+    """``ts`` as one stack: the view of the stack they are the entries of (a rule's stacked
+    result, unbound), else a new one."""
+    view = packing.stacked_view(ts)
+    return torch.stack(ts) if view is None else view
+
+
 def factors(
     kind: type[Projection], B: Tensor, Ns: list[Tensor] | Tensor, dtype: torch.dtype,
     factor: float, shapes: list[torch.Size],
@@ -419,7 +432,7 @@ def factors(
     β, so no m×n update exists and each weight is read and written once. The casts are of
     the r-sized stacks (one each). ``Ns``: the low-rank updates, or their stack (the inner
     chain's: never written)."""
-    N = Ns if isinstance(Ns, Tensor) else torch.stack(Ns)
+    N = Ns if isinstance(Ns, Tensor) else _stacked(Ns)
     N = N if N.dtype == dtype else N.to(dtype)
     B = B if B.dtype == dtype else B.to(dtype)
     As, Bs = kind.factors_stack(N, B)
@@ -443,8 +456,9 @@ def back(
     times 0) and the others keep their bits; the result is then marked
     :func:`~galore2.core.masked.premasked` (the step does not mask it again: the r-row
     stack is masked instead of the m×n result)."""
-    owned = not isinstance(Ns, Tensor)
-    N = torch.stack(Ns) if owned else Ns  # type: ignore[arg-type]
+    N = Ns if isinstance(Ns, Tensor) else packing.stacked_view(Ns)
+    owned = N is None  # a stack made here (not the entries of one: never written)
+    N = torch.stack(Ns) if N is None else N  # type: ignore[arg-type]
     if N.dtype != dtype:
         N, owned = N.to(dtype), True
     B = B if B.dtype == dtype else B.to(dtype)

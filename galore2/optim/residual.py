@@ -276,6 +276,13 @@ def combine_buckets(buckets: list[Bucket], group: dict[str, Any], decay: float) 
     phis = torch._foreach_div(num, den)
     S, norms = [], []
     for b, r, phi, d in zip(buckets, Rs, phis, dims, strict=True):
+        if scale_type is not None and b.G.dtype in _UP_TO_FP32:
+            # APOLLO: the raw gradient as it is (bf16: read in its dtype); S = G·φ is made
+            # below by the scaling itself, in float32 (a product with a float32 factor)
+            S.append(b.G)
+            if limit:
+                norms.append(_scaled_norm(b.G, phi, d))
+            continue
         Gs = b.G.float()
         kept = not b.owned and Gs.data_ptr() == b.G.data_ptr()  # not to be written
         if scale_type is None:  # Fira: the residual G − P·R ("fira_reference": G − α·P·R)
@@ -296,12 +303,16 @@ def combine_buckets(buckets: list[Bucket], group: dict[str, Any], decay: float) 
     inv = _limit_buckets(norms, buckets, group) if limit else None
     c = decay * (alpha if scale_type is not None else 1.0)
     start = 0
-    for s, phi in zip(S, phis, strict=True):
+    for j, (s, phi) in enumerate(zip(S, phis, strict=True)):
         k = s.shape[0]
         if inv is not None:
             phi = phi.mul_(inv[start : start + k].view(k, 1, 1))
         start += k
-        s.mul_(phi.mul_(c) if c != 1.0 else phi)
+        factor = phi.mul_(c) if c != 1.0 else phi
+        if s.dtype == torch.float32 and s is not buckets[j].G:
+            s.mul_(factor)
+        else:  # APOLLO's raw gradient: S = G·factor, one pass from G into a float32 S
+            S[j] = torch.mul(s, factor)
     if scale_type is None:
         for s, b, n in zip(S, buckets, Ns, strict=True):
             Bs = b.B.float()  # type: ignore[union-attr]
@@ -310,6 +321,10 @@ def combine_buckets(buckets: list[Bucket], group: dict[str, Any], decay: float) 
             else:
                 s.baddbmm_(n, Bs.mT, alpha=alpha * decay)
     return S
+
+
+#: gradient dtypes whose product with a float32 factor is float32 (the float32 path's bits)
+_UP_TO_FP32 = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _norms(x: Tensor, dim: int | tuple[int, int]) -> Tensor:
@@ -326,10 +341,12 @@ def _scaled_norm(res: Tensor, phi: Tensor, dim: int | tuple[int, int]) -> Tensor
     work, in float32 (they overflow only for gradient entries beyond ~1e18, where Adam's
     second moment overflows first); φ — huge when ‖R‖ ≈ 0 — multiplies them in float64,
     where ‖S‖ cannot overflow (the per-tensor path's float64 norm of S, within 1e-7)."""
-    if dim == 1:  # summed squares (see _norms)
-        squares = res.square().sum(dim=1, keepdim=True)
+    if dim == 1:  # summed squares (see _norms), of float32 values
+        squares = res.float().square_() if res.dtype != torch.float32 else res.square()
+        squares = squares.sum(dim=1, keepdim=True)
         return phi.double().square_().mul_(squares).sum(dim=(1, 2)).sqrt_()
-    channel = torch.linalg.vector_norm(res, dim=dim, keepdim=True)
+    # accumulated in float32 whatever res's dtype (its values are exact in float32)
+    channel = torch.linalg.vector_norm(res, dim=dim, keepdim=True, dtype=torch.float32)
     return torch.linalg.vector_norm(phi.double().mul_(channel), dim=(1, 2))
 
 

@@ -30,7 +30,7 @@ import triton  # noqa: F401  (an ImportError here fails the run: CI installs tri
 from galore2.core.optimizer import apply_update
 from galore2.core.transform import LowRankUpdate
 from galore2.kernels import dispatch
-from galore2.kernels.adam8bit import adam8bit_step
+from galore2.kernels.adam8bit import adam8bit_step, adam8bit_step_stack
 from galore2.kernels import ops
 from galore2.kernels.adamw import adamw_step
 from galore2.kernels.hadamard import blockwise_fwht
@@ -256,6 +256,33 @@ def test_triton_adam8bit_matches_torch_path(shape, dim, dtype, monkeypatch):
     )
     assert torch.equal(s["adam.exp_avg.absmax"], into["ma"])
     assert torch.equal(s["adam.exp_avg_sq.absmax"], into["va"])
+
+
+def _kernel_maps(device) -> dict:
+    return {
+        "code_m": A8.dynamic_code(True, device), "code_v": A8.dynamic_code(False, device),
+        "bounds_m": A8.code_bounds(True, device), "bounds_v": A8.code_bounds(False, device),
+        "beta1": BETAS[0], "beta2": BETAS[1], "eps": EPS,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("shape,dim", ADAM_CASES)
+def test_triton_adam8bit_stack_is_bitwise_one_launch_per_matrix(shape, dim):
+    """A stack of three directions in one launch (adam8bit_step_stack, the 8-bit moments of
+    a GaLore shape batch): every matrix blocked on its own, the same bits as three
+    adam8bit_step calls — direction, codes and absmax (bf16 directions, as projected)."""
+    g = _gen(math.prod(shape) + 7 * dim)
+    states = [_random_state(shape, dim, g, zero_blocks=j == 1) for j in range(3)]
+    grads = torch.randn((3, *shape), generator=g).to(DEVICE, torch.bfloat16)
+    stacks = {k: torch.stack([s[k] for s in states]) for k in ("m", "ma", "v", "va")}
+    maps = _kernel_maps(grads.device)
+    out = adam8bit_step_stack(grads, stacks["m"], stacks["ma"], stacks["v"], stacks["va"],
+                              dim=dim, step=5, **maps)  # fmt: skip
+    for j, s in enumerate(states):
+        one = adam8bit_step(grads[j], s["m"], s["ma"], s["v"], s["va"], dim=dim, step=5, **maps)
+        assert torch.equal(out[j], one)
+        for k in ("m", "ma", "v", "va"):
+            assert torch.equal(stacks[k][j], s[k]), k
 
 
 # ---- back-projection epilogue ----------------------------------------------------------

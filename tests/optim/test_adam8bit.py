@@ -463,6 +463,51 @@ def test_update_many_equals_update_loop():
     assert ["adam.exp_avg.absmax" in s for s in a] == [True, False, True]
 
 
+@pytest.mark.parametrize("mode", ["torch", "triton"])
+def test_stacked_update_many_bitwise_equals_update_loop(monkeypatch, mode):
+    """Off the CPU's packs (CUDA, meta; here forced) the 8-bit directions of one shape,
+    blocked axis and step go through one adam8bit_stack_ per stack — its torch path matrix
+    by matrix, or (GALORE2_KERNELS=triton, the interpreter here) one fused launch: the same
+    directions and state bits as per tensor, the states' codes and absmax packed once."""
+    from galore2.kernels import dispatch
+
+    if mode == "triton" and not dispatch.interpreter_enabled():
+        pytest.skip("needs Triton's interpreter (no GPU here) to run the kernel on CPU tensors")
+    monkeypatch.setenv(dispatch.ENV_VAR, mode)
+    monkeypatch.setattr(adam8bit, "_on_stacks", lambda codes: True)
+    calls = []
+    real = adam8bit.adam8bit_stack_
+    monkeypatch.setattr(adam8bit, "adam8bit_stack_",
+                        lambda g, *a: calls.append(tuple(g.shape)) or real(g, *a))  # fmt: skip
+    group = {"betas": (0.9, 0.999), "eps": 1e-8, "state_dtype": "float32", "foreach": True}
+    t = ScaleByAdam8bit()
+    shapes = [(16, 300), (300, 16), (16, 300), (16, 16), (300, 16), (8, 600), (16, 300)]
+    layouts = ["cols", "rows", "cols", "param", "rows", "param", "cols"]
+    ctxs = [Context(param=torch.zeros(s), index=i, layout=lay)
+            for i, (s, lay) in enumerate(zip(shapes, layouts, strict=True))]  # fmt: skip
+    a = [{} for _ in shapes]
+    for s, st, c in zip(shapes, a, ctxs, strict=True):
+        t.init(torch.Size(s), c.param, group, st, c)
+    b = [{k: v.clone() for k, v in st.items()} for st in a]
+    gen = torch.Generator().manual_seed(0)
+    for step in range(3):
+        us = [torch.randn(s, generator=gen).to(torch.bfloat16) for s in shapes]
+        batched = t.update_many(us, a, group, ctxs)
+        looped = [t.update(u, st, group, c) for u, st, c in zip(us, b, ctxs, strict=True)]
+        for x, y, sa, sb in zip(batched, looped, a, b, strict=True):
+            if "adam.exp_avg.absmax" not in sa:  # fp32 moments: torch's fused Adam batched
+                assert_f32_close(x, y, steps=step + 1, what="fp32-moment direction")
+                continue
+            assert torch.equal(x, y)
+            for k in sa:
+                assert torch.equal(sa[k], sb[k]), k
+        assert sorted(calls) == [(1, 8, 600), (2, 300, 16), (3, 16, 300)]
+        calls.clear()
+    # the three (16, 300) first moments are one stack now (packed at the first step)
+    m = [a[i]["adam.exp_avg"] for i in (0, 2, 6)]
+    assert m[0].untyped_storage().data_ptr() == m[2].untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("pack", [None, 5000], ids=["one_pack", "split_packs"])
 def test_packed_update_many_bitwise_equals_update_loop(monkeypatch, pack):
     """foreach=True on the CPU packs every 8-bit direction of a step, whatever its blocked
