@@ -49,6 +49,7 @@ NO_FULL_COPY = (
     "GaLoreMuon",
     "GaLoreAdamW, state_dtype=bfloat16",
     "GaLoreAdamW8bit",
+    "APOLLOMini",
 )
 
 
