@@ -78,6 +78,7 @@ from .resume import (
     refusal,
 )
 from .state import counter
+from .stored import Writes, refuse, store_of
 from .transform import Context, LowRankUpdate, Transform, init_chain, run_chain, state_kind, walk
 
 LR = Option("lr", 1e-3, LearningRate(), "learning rate (LR schedulers write it every step)")
@@ -188,6 +189,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         self._pending_skips: dict[tuple[int, ...], tuple[list[Tensor], Tensor]] = {}
         self._skip_keys: dict[int, tuple[int, ...]] = {}  # per group: its last batch's key
         self._where: tuple[int, dict[int, tuple[dict[str, Any], int]]] | None = None
+        self._writes = Writes()  # int8 weights: this step's working copies (core/stored.py)
         self._settings = Settings(self.declared, walk(self._all_modules))
 
     # ---- copy.deepcopy, pickle ---------------------------------------------------
@@ -317,6 +319,11 @@ class ChainOptimizer(torch.optim.Optimizer):
         and reused by every step (it holds nothing that changes between steps); the cache
         is emptied by :meth:`_derive`, and an entry is rebuilt when the parameter's index
         changed (``add_param_group``) or a group-level ``prepare`` marked it refreshed."""
+        store = store_of(p)
+        if store is not None:  # int8 weights: a dense fp32 working copy (core/stored.py)
+            refuse({}, p, is_dtensor(p))
+            return Context(param=store.dequantize(), index=index, warn_once=self._warn_once,
+                           shape=p.shape)  # fmt: skip
         cached = self._contexts.get(id(p))
         fresh = cached is not None and not cached.refreshed
         if fresh and cached.param is p and cached.index == index:
@@ -594,9 +601,13 @@ class ChainOptimizer(torch.optim.Optimizer):
         """:meth:`_run`, then the weight modules on the parameters stepped, with a masked
         step's flags still set (each module leaves a masked parameter's weights as they are:
         :func:`~galore2.core.masked.masked_factor`), cleared after."""
-        with ExitStack() as masks:
-            stepped = self._run(batches, masks)
-            run_param_transforms(self._param_transforms, self._chain, stepped, _chunks)
+        try:
+            with ExitStack() as masks:
+                stepped = self._run(batches, masks)
+                run_param_transforms(self._param_transforms, self._chain, stepped, _chunks)
+            self._writes.commit(ctx.param for _, _, ctx in stepped)  # int8 weights
+        finally:
+            self._writes.drop()
 
     def _gather(
         self, group: dict[str, Any], items: list[tuple[int, Tensor, Tensor]]
@@ -605,6 +616,9 @@ class ChainOptimizer(torch.optim.Optimizer):
         lr, local views (then :meth:`_prepare`: the gradient modules, the non-finite flags)."""
         if not items:
             return None
+        for _, _, p in items:  # int8 weights: refused settings raise before any change
+            if store_of(p) is not None:
+                refuse(group, p, is_dtensor(p))
         key = id(group)
         if self._schedule is not None:  # built-in schedule: lr = schedule(group, step count)
             for index, _, p in items:
@@ -630,7 +644,10 @@ class ChainOptimizer(torch.optim.Optimizer):
                 if not state:
                     self._init_param_state(p, group, index)
                 ctx = self._context(p, index)
-                plain = plain and ctx.placement is LOCAL and not p.is_complex()
+                store = store_of(p)
+                if store is not None:  # stepped on its working copy, written back after
+                    self._writes.track(ctx.param, store)
+                plain = plain and ctx.placement is LOCAL and not p.is_complex() and store is None
                 grad = _real(ctx.placement.local(grad))
                 if ctx.placement.distributed:  # transforms see local views of DTensor state
                     state = {k: ctx.placement.local(v) for k, v in state.items()}
