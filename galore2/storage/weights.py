@@ -144,11 +144,12 @@ class QuantizedLinear(nn.Linear):
         dtype, device, requires_grad = w.dtype, w.device, w.requires_grad
         module.__class__ = cls
         module.layout = layout
-        del module.weight
         module.register_buffer("weight_codes", codes)
         module.register_buffer("weight_scales", scales)
         module.register_buffer("weight_seed", torch.tensor(seed, dtype=torch.int64))
         module.register_buffer("weight_writes", torch.tensor(0, dtype=torch.int64))
+        # replaces the parameter where it was: the parameters' order (and so an optimizer's
+        # indices) is the dense model's
         module.weight = nn.Parameter(_shell((out_f, in_f), dtype, device), requires_grad)
         module._attach()
         return module  # type: ignore[return-value]
