@@ -71,23 +71,40 @@ def build_model(
     a time (``recipes.init.initialize``): the values are those of
     ``LlamaForCausalLM(config)`` built under the same seed in fp32 and cast, bit for bit,
     for every world size. ``device="meta"``: the bare meta model (no init, no wrapping).
+    ``cfg.weight_bits=8`` quantizes the linear weights last (:func:`quantize`).
     """
     from transformers import LlamaForCausalLM
 
     from .init import InitOrder, initialize
 
+    if cfg.weight_bits is not None and world_size > 1:
+        raise ValueError(
+            "model.weight_bits: int8 weights are not supported under FSDP2 (world size "
+            f"{world_size}); train on one GPU with --train.per_layer true, or leave "
+            "model.weight_bits unset"
+        )
     config = llama_config(cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     device = torch.device(device)
     if device.type == "meta":
-        return model.to(dtype)
+        return quantize(model.to(dtype), cfg)
     order = InitOrder.of(model)  # read before wrapping renames the modules
     model = prepare(model, cfg, dtype, world_size)
     model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gave the head a tensor of its own
         model.tie_weights()
     initialize(model, order, config, device)
+    return quantize(model, cfg)
+
+
+def quantize(model: nn.Module, cfg: ModelConfig) -> nn.Module:
+    """``model.weight_bits``: the linear weights but the head's as int8 codes + scales
+    (``galore2.quantize_weights``; embeddings, head and norms keep the training dtype)."""
+    if cfg.weight_bits is not None:
+        from galore2 import quantize_weights
+
+        quantize_weights(model, cfg.weight_bits, cfg.weight_group_size)
     return model
 
 

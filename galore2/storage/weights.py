@@ -55,9 +55,26 @@ class Layout:
     hadamard: bool = False
 
 
-def dequantize(codes: Tensor, scales: Tensor, layout: Layout) -> Tensor:
-    """The dense fp32 weight of ``codes`` and ``scales``."""
-    return INT8.decode(codes, scales, layout)
+#: rows per piece of a dequantize / write: ≈ 2^22 elements, so the temporaries of one
+#: piece are a few MB whatever the matrix (the dense output is the only full-size tensor)
+_PIECE = 1 << 22
+
+
+def _row_blocks(rows: int, cols: int) -> list[slice]:
+    step = max(1, _PIECE // max(cols, 1))
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+def dequantize(
+    codes: Tensor, scales: Tensor, layout: Layout, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """The dense weight of ``codes`` and ``scales`` in ``dtype`` (decoded in fp32 by the
+    basis format, a block of rows at a time)."""
+    rows = codes.shape[0]
+    out = torch.empty((rows, layout.rank), dtype=dtype, device=codes.device)
+    for b in _row_blocks(rows, layout.rank):
+        out[b] = INT8.decode(codes[b], scales[b], layout)
+    return out
 
 
 class _QuantizedLinearFn(torch.autograd.Function):
@@ -67,7 +84,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, shell: Tensor, codes: Tensor, scales: Tensor,
                 bias: Tensor | None, layout: Layout) -> Tensor:  # fmt: skip
-        w = dequantize(codes, scales, layout).to(shell.dtype)
+        w = dequantize(codes, scales, layout, shell.dtype)
         ctx.save_for_backward(x, codes, scales)
         ctx.layout, ctx.dtype, ctx.has_bias = layout, shell.dtype, bias is not None
         return F.linear(x, w, bias)
@@ -77,7 +94,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
         x, codes, scales = ctx.saved_tensors
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = g @ dequantize(codes, scales, ctx.layout).to(g.dtype)
+            gx = g @ dequantize(codes, scales, ctx.layout, g.dtype)
         g2 = g.reshape(-1, g.shape[-1])
         if ctx.needs_input_grad[1]:
             gw = (g2.t() @ x.reshape(-1, x.shape[-1]).to(g.dtype)).to(ctx.dtype)
@@ -103,17 +120,21 @@ class Int8WeightStore:
         m = self.module
         step = int(m.weight_writes)  # a CPU counter: no device read
         gen = generator_for(x.device, mix_seed(int(m.weight_seed), step))
-        noise = torch.rand(x.shape, generator=gen, device=x.device, dtype=torch.float32)
-        codes, scales = INT8.encode(x, m.layout, noise=noise)
-        del noise
-        ok = torch.isfinite(x).all()
-        m.weight_codes.copy_(torch.where(ok, codes, m.weight_codes))
-        m.weight_scales.copy_(torch.where(ok, scales, m.weight_scales))
+        blocks = _row_blocks(x.shape[0], x.shape[1])
+        ok = torch.stack([torch.isfinite(x[b]).all() for b in blocks]).all()  # on the device
+        for b in blocks:  # the noise of block i follows block i−1's in one stream
+            noise = torch.rand(x[b].shape, generator=gen, device=x.device, dtype=torch.float32)
+            codes, scales = INT8.encode(x[b], m.layout, noise=noise)
+            m.weight_codes[b] = torch.where(ok, codes, m.weight_codes[b])
+            m.weight_scales[b] = torch.where(ok, scales, m.weight_scales[b])
         m.weight_writes.fill_(step + 1)
 
+    def tensors(self) -> tuple[Tensor, ...]:
+        """What is stored: codes and scales (the planner counts them)."""
+        return (self.module.weight_codes, self.module.weight_scales)
+
     def nbytes(self) -> int:
-        m = self.module
-        return sum(t.numel() * t.element_size() for t in (m.weight_codes, m.weight_scales))
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 def _shell(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
