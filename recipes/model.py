@@ -71,7 +71,8 @@ def build_model(
     a time (``recipes.init.initialize``): the values are those of
     ``LlamaForCausalLM(config)`` built under the same seed in fp32 and cast, bit for bit,
     for every world size. ``device="meta"``: the bare meta model (no init, no wrapping).
-    ``cfg.weight_bits=8`` quantizes the linear weights last (:func:`quantize`).
+    ``cfg.weight_bits=8`` quantizes the linear weights on the meta device first
+    (:func:`quantize`): codes and scales are materialized, never the dense weights.
     """
     from transformers import LlamaForCausalLM
 
@@ -80,22 +81,23 @@ def build_model(
     if cfg.weight_bits is not None and world_size > 1:
         raise ValueError(
             "model.weight_bits: int8 weights are not supported under FSDP2 (world size "
-            f"{world_size}); train on one GPU with --train.per_layer true, or leave "
+            f"{world_size}); train on one GPU with --optim.per_layer true, or leave "
             "model.weight_bits unset"
         )
     config = llama_config(cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     device = torch.device(device)
+    model = quantize(model, cfg)  # on meta, before wrapping renames the modules (the seeds)
     if device.type == "meta":
-        return quantize(model.to(dtype), cfg)
+        return model.to(dtype)
     order = InitOrder.of(model)  # read before wrapping renames the modules
     model = prepare(model, cfg, dtype, world_size)
     model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gave the head a tensor of its own
         model.tie_weights()
-    initialize(model, order, config, device)
-    return quantize(model, cfg)
+    initialize(model, order, config, device)  # an int8 weight quantizes its fp32 draw
+    return model
 
 
 def quantize(model: nn.Module, cfg: ModelConfig) -> nn.Module:
@@ -104,7 +106,10 @@ def quantize(model: nn.Module, cfg: ModelConfig) -> nn.Module:
     if cfg.weight_bits is not None:
         from galore2 import quantize_weights
 
-        quantize_weights(model, cfg.weight_bits, cfg.weight_group_size)
+        try:
+            quantize_weights(model, cfg.weight_bits, cfg.weight_group_size)
+        except ValueError as e:
+            raise ValueError(f"model.weight_bits / model.weight_group_size: {e}") from None
     return model
 
 

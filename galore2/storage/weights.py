@@ -55,13 +55,17 @@ class Layout:
     hadamard: bool = False
 
 
-#: rows per piece of a dequantize / write: ≈ 2^22 elements, so the temporaries of one
-#: piece are a few MB whatever the matrix (the dense output is the only full-size tensor)
-_PIECE = 1 << 22
+#: elements per block of rows of a dequantize / write / assign: the temporaries of one
+#: block (≈ 17 bytes per element while encoding) are all that is transient besides the
+#: dense tensor itself. Fewer, larger blocks on accelerators (fewer kernel launches). The
+#: blocks cut the noise stream, so they are part of what makes a write reproducible: the
+#: same on every run on the same device type.
+_BLOCK = {"cpu": 1 << 20}
+_BLOCK_ACCELERATOR = 1 << 24
 
 
-def _row_blocks(rows: int, cols: int) -> list[slice]:
-    step = max(1, _PIECE // max(cols, 1))
+def _row_blocks(rows: int, cols: int, device: torch.device) -> list[slice]:
+    step = max(1, _BLOCK.get(device.type, _BLOCK_ACCELERATOR) // max(cols, 1))
     return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
 
 
@@ -72,7 +76,7 @@ def dequantize(
     basis format, a block of rows at a time)."""
     rows = codes.shape[0]
     out = torch.empty((rows, layout.rank), dtype=dtype, device=codes.device)
-    for b in _row_blocks(rows, layout.rank):
+    for b in _row_blocks(rows, layout.rank, codes.device):
         out[b] = INT8.decode(codes[b], scales[b], layout)
     return out
 
@@ -114,13 +118,22 @@ class Int8WeightStore:
         m = self.module
         return dequantize(m.weight_codes, m.weight_scales, m.layout)
 
+    @torch.no_grad()
+    def assign(self, x: Tensor) -> None:
+        """Set the weight to dense ``x`` rounded to nearest (a new weight: quantization, a
+        recipe's initialization); the write counter is left as it is."""
+        m = self.module
+        for b in _row_blocks(x.shape[0], x.shape[1], x.device):
+            m.weight_codes[b], m.weight_scales[b] = INT8.encode(x[b], m.layout)
+
+    @torch.no_grad()
     def write(self, x: Tensor) -> None:
         """Re-quantize ``x`` (the updated dense weight) with stochastic rounding, seeded by
         (``weight_seed``, ``weight_writes``); nothing is written unless ``x`` is finite."""
         m = self.module
         step = int(m.weight_writes)  # a CPU counter: no device read
         gen = generator_for(x.device, mix_seed(int(m.weight_seed), step))
-        blocks = _row_blocks(x.shape[0], x.shape[1])
+        blocks = _row_blocks(x.shape[0], x.shape[1], x.device)
         ok = torch.stack([torch.isfinite(x[b]).all() for b in blocks]).all()  # on the device
         for b in blocks:  # the noise of block i follows block i−1's in one stream
             noise = torch.rand(x[b].shape, generator=gen, device=x.device, dtype=torch.float32)
@@ -160,19 +173,20 @@ class QuantizedLinear(nn.Linear):
         w = module.weight
         out_f, in_f = w.shape
         layout = Layout(in_f, in_f if group_size is None else min(group_size, in_f))
-        with torch.no_grad():
-            codes, scales = INT8.encode(w.detach(), layout)
         dtype, device, requires_grad = w.dtype, w.device, w.requires_grad
         module.__class__ = cls
         module.layout = layout
+        k = INT8.specs((out_f, in_f), "rows", layout)[".scale"].shape[1]
+        codes = torch.empty(out_f, in_f, dtype=torch.int8, device=device)
         module.register_buffer("weight_codes", codes)
-        module.register_buffer("weight_scales", scales)
+        module.register_buffer("weight_scales", torch.empty(out_f, k, device=device))
         module.register_buffer("weight_seed", torch.tensor(seed, dtype=torch.int64))
         module.register_buffer("weight_writes", torch.tensor(0, dtype=torch.int64))
         # replaces the parameter where it was: the parameters' order (and so an optimizer's
         # indices) is the dense model's
         module.weight = nn.Parameter(_shell((out_f, in_f), dtype, device), requires_grad)
         module._attach()
+        getattr(module.weight, STORE_ATTR).assign(w.detach())
         return module  # type: ignore[return-value]
 
     def _attach(self) -> None:
@@ -190,11 +204,12 @@ class QuantizedLinear(nn.Linear):
     def _apply(self, fn: Any, recurse: bool = True) -> QuantizedLinear:
         """``.to()`` / ``.cuda()`` / ``.bfloat16()``: codes move, scales stay fp32, the
         counters stay on the CPU and the shell stays one element (in the new dtype)."""
-        scales = self.weight_scales
+        kept = self.weight_scales, self.weight_seed, self.weight_writes
         super()._apply(fn, recurse)
         device = self.weight_codes.device
-        self.weight_scales = scales.to(device)
-        self.weight_seed, self.weight_writes = self.weight_seed.cpu(), self.weight_writes.cpu()
+        if self.weight_scales.dtype != torch.float32:  # cast by .to(dtype): the fp32 values
+            self.weight_scales = kept[0].to(device)
+        self.weight_seed, self.weight_writes = kept[1:]  # CPU counters, never converted
         w = self.weight
         w.data = _shell(tuple(w.shape), w.dtype, device)
         self._attach()  # a new Parameter object when torch overwrites parameters
