@@ -409,7 +409,9 @@ class ChainOptimizer(torch.optim.Optimizer):
         ]
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes of optimizer state by kind: ``moments``, ``basis``, ``other`` and ``total``."""
+        """Bytes of optimizer state by kind: ``moments``, ``basis``, ``other`` and ``total``;
+        with int8 weights (``galore2.quantize_weights``) also ``weights``, the codes and
+        scales of the parameters it updates — the model's bytes, not part of ``total``."""
         out = {"moments": 0, "basis": 0, "other": 0}
         for state in self.state.values():
             for key, value in state.items():
@@ -419,6 +421,9 @@ class ChainOptimizer(torch.optim.Optimizer):
                 local = value.to_local() if is_dtensor(value) else value  # this rank's
                 out[kind] = out.get(kind, 0) + local.numel() * local.element_size()
         out["total"] = sum(out.values())
+        stored = [s.nbytes() for _, _, p in self._indexed_params() if (s := store_of(p))]
+        if stored:
+            out["weights"] = sum(stored)
         return out
 
     def refresh_stats(self) -> dict[int, dict[str, float]]:

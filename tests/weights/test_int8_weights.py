@@ -208,6 +208,16 @@ def test_every_preset_trains_int8_weights(name):
     assert not torch.equal(model.norm.weight, dense.weight)  # the plain group trains too
 
 
+def test_state_bytes_counts_the_int8_weights_apart():
+    model = _quantized()
+    opt = galore2.GaLoreAdamW(galore_groups(model, rank=4), lr=1e-2)
+    opt.init_state()
+    got = opt.state_bytes()
+    # codes (1 byte) + one fp32 scale per 8 inputs (24, 40, 40 inputs: 3, 5, 5 groups)
+    assert got["weights"] == 40 * 24 + 40 * 40 + 12 * 40 + 4 * (40 * 3 + 40 * 5 + 12 * 5)
+    assert got["total"] == sum(v for k, v in got.items() if k not in ("total", "weights"))
+
+
 def test_quantized_training_follows_the_dense_run():
     """GaLoreAdamW on int8 weights ends near the same loss as on fp32 weights (loose: the
     rounding noise is of the order of a quantization step per write)."""
