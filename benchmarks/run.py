@@ -100,6 +100,8 @@ TASKS: dict[str, Task] = {
                              "Refresh schedule: together vs staggered (tiny recipe)"),
     "proj_precision": Task("schedule", "proj_precision",
                            "Projection precision: fp32 / TF32 / bf16 (tiny recipe)"),
+    "int8_weights": Task("int8_weights", "int8_weights",
+                         "INT8 weights vs the training dtype (tiny recipe, lr sweep)"),
     "kernels": Task("kernels", "kernels", "Triton kernels (GPU)", needs_cuda=True),
     "gpu_step": Task("gpu_step", "gpu_step", "Optimizer step on a GPU, Llama-7B layer shapes",
                      needs_cuda=True),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from benchmarks import fit_24gb
 from recipes.resolve import parse_args
 
@@ -31,3 +33,23 @@ def test_tiny_fit_16gb_runs_on_cpu_with_the_planner_beside_it():
     assert plan["weights"] < dense["weights"]  # int8 codes + scales + a working copy
     parts = ("weights", "gradients", "state", "activations")
     assert plan["total"] == sum(plan[k] for k in parts)
+
+
+@pytest.mark.slow  # four recipe runs: 7.7 minutes on the loaded 2-core CPU it was written on
+def test_int8_weights_task_reports_both_optimizers(monkeypatch):
+    """The convergence comparison (``--tasks int8_weights``) in a tiny mode: 3 steps."""
+    from benchmarks import int8_weights
+
+    monkeypatch.setattr(int8_weights, "QUICK_STEPS", 3)
+    seen = []
+    real = int8_weights.tiny_run
+
+    def counted(name, lr, flags, steps):
+        seen.append((name, lr, tuple(flags), steps))
+        return real(name, lr, flags, steps)
+
+    monkeypatch.setattr(int8_weights, "tiny_run", counted)
+    text = int8_weights.int8_weights(quick=True)
+    assert "| GaLoreAdamW |" in text and "| Fira |" in text and "INT8 ÷ dtype" in text
+    assert len(seen) == 4 and all(s == 3 and "--optim.per_layer" in f for *_, f, s in seen)
+    assert sum("--model.weight_bits" in f for _, _, f, _ in seen) == 2
