@@ -1,6 +1,6 @@
 """INT8 weights vs the training dtype on the tiny recipe: best validation loss over an lr sweep.
 
-    python -m benchmarks.run --tasks int8_weights            # 400 steps, 3 lrs, ~an hour on 2 CPU cores
+    python -m benchmarks.run --tasks int8_weights            # 400 steps, 3 lrs, 12 runs
     python -m benchmarks.run --tasks int8_weights --quick    # 40 steps, one lr: a smoke run
 
 Each run is ``python -m recipes.pretrain --config tiny --optimizer NAME --optim.lr LR``,

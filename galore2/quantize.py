@@ -94,7 +94,9 @@ def quantize_weights(
             raise ValueError(f"quantize_weights: {name!r} has a {w.dtype} weight; need a float one")
         chosen.append((name, module))
     if not chosen:
-        raise ValueError(f"quantize_weights: target_modules={target_modules!r} selected no nn.Linear")
+        raise ValueError(
+            f"quantize_weights: target_modules={target_modules!r} selected no nn.Linear"
+        )
     for name, module in chosen:
         QuantizedLinear.convert(module, group_size, mix_seed(seed, zlib.crc32(name.encode())))
     return [name for name, _ in chosen]

@@ -621,9 +621,6 @@ class ChainOptimizer(torch.optim.Optimizer):
         lr, local views (then :meth:`_prepare`: the gradient modules, the non-finite flags)."""
         if not items:
             return None
-        for _, _, p in items:  # int8 weights: refused settings raise before any change
-            if store_of(p) is not None:
-                refuse(group, p, is_dtensor(p))
         key = id(group)
         if self._schedule is not None:  # built-in schedule: lr = schedule(group, step count)
             for index, _, p in items:
@@ -643,6 +640,9 @@ class ChainOptimizer(torch.optim.Optimizer):
                 grads = list(torch._foreach_neg(grads)) if len(grads) > 1 else [-grads[0]]
             batch.grads = grads
         else:
+            for _, _, p in items:  # int8 weights (never cached): refusals before any state
+                if store_of(p) is not None:
+                    refuse(group, p, is_dtensor(p))
             plain = True  # local real tensors only: the lists can be reused next step
             for index, grad, p in items:
                 state = self.state[p]

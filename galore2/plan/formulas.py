@@ -11,8 +11,9 @@ embeddings, final norm, output head; :func:`decoder_layers` finds the layers).
 
 * **weights** = Σ numel·p / W; an int8 weight (``galore2.quantize_weights``) counts its
   stored codes and scales instead, plus, once, the largest one's dense fp32 working copy
-  of a step (4 bytes per element; its other temporaries are per block of rows). W > 1 adds FSDP2's unsharded (all-gathered) copies of the
-  root unit (not resharded after forward) and of one decoder layer: + (root + layer)·p.
+  of a step (4 bytes per element; its other temporaries are per block of rows). W > 1
+  adds FSDP2's unsharded (all-gathered) copies of the root unit (not resharded after
+  forward) and of one decoder layer: + (root + layer)·p.
 * **gradients** = Σ numel·p / W, or with per-layer updates (and no gradient accumulation)
   the largest parameter's gradient (W = 1) / the largest unit's flat sharded gradient
   (W > 1). W > 1 adds the larger unit's unsharded gradient·p and, when p < 4, its fp32

@@ -22,9 +22,10 @@ What the module holds (all in its ``state_dict``, plain tensors, so
 
 Forward and backward dequantize the weight on the fly (:class:`_QuantizedLinearFn`: only the
 codes and scales are saved for backward, no dense copy lives between them). The optimizer's
-apply stage (:mod:`galore2.core.stored`) finds the :class:`Int8WeightStore` on the shell (under ``STORE_ATTR``), updates
-a dense fp32 copy (:meth:`Int8WeightStore.dequantize`) and hands it back to
-:meth:`Int8WeightStore.write`, which re-quantizes it with stochastic rounding — codes
+apply stage (:mod:`galore2.core.stored`) finds the :class:`Int8WeightStore` on the shell
+(under ``STORE_ATTR``), updates a dense fp32 copy (:meth:`Int8WeightStore.dequantize`) and
+hands it back to :meth:`Int8WeightStore.write`, which re-quantizes it by stochastic
+rounding — codes
 ``floor(x / s + u)``, u uniform in [0, 1): E[s·code] = x, so an update smaller than a
 quantization step still moves the weight in expectation. A write whose values are not all
 finite leaves the codes and scales as they were (decided on the device, no host read).
