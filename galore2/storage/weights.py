@@ -33,6 +33,7 @@ finite leaves the codes and scales as they were (decided on the device, no host 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,6 +216,18 @@ class QuantizedLinear(nn.Linear):
         w.data = _shell(tuple(w.shape), w.dtype, device)
         self._attach()  # a new Parameter object when torch overwrites parameters
         return self
+
+    def __deepcopy__(self, memo: dict) -> QuantizedLinear:
+        """A copy with its own codes, scales, counters and a one-element shell bound to it
+        (torch's ``Parameter.__deepcopy__`` would clone the shell dense, without its store)."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        w = self.weight
+        memo[id(w)] = nn.Parameter(_shell(tuple(w.shape), w.dtype, w.device), w.requires_grad)
+        for key, value in self.__dict__.items():
+            object.__setattr__(new, key, copy.deepcopy(value, memo))
+        new._attach()
+        return new
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)

@@ -83,6 +83,18 @@ def test_forward_and_backward_match_a_linear_with_the_dequantized_weight():
     assert q.weight.grad.is_contiguous()
 
 
+def test_deepcopy_is_an_independent_quantized_model():
+    model = _quantized()
+    twin = copy.deepcopy(model)
+    assert twin.up.weight.untyped_storage().nbytes() == 4
+    assert getattr(twin.up.weight, "_galore2_weight").module is twin.up
+    before = _snapshot(model)
+    train(twin, galore2.GaLoreAdamW(galore_groups(twin, rank=4), lr=1e-2), range(3))
+    _assert_same(model.state_dict(), before)  # the original is untouched
+    train(model, galore2.GaLoreAdamW(galore_groups(model, rank=4), lr=1e-2), range(3))
+    _assert_same(model.state_dict(), twin.state_dict())  # and trains to the same bits
+
+
 def test_to_dtype_keeps_fp32_scales_and_a_one_element_shell():
     model = _quantized().to(torch.float64)
     assert model.up.weight_scales.dtype == torch.float32
