@@ -360,3 +360,19 @@ def test_fsdp2_is_refused_with_the_alternative():
     from tests.dist import spawn
 
     spawn(_fsdp_refused, 2)
+
+
+def test_bf16_model_keeps_bf16_compute_and_gradients():
+    torch.manual_seed(0)
+    model = TinyNet().to(torch.bfloat16)
+    galore2.quantize_weights(model, group_size=8, target_modules=list(MATS))
+    opt = galore2.GaLoreAdamW(galore_groups(model, rank=4), lr=1e-2)
+    x, y = batch(0)
+    out = model(x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    (out - y.bfloat16()).pow(2).mean().backward()
+    assert model.mid.weight.grad.dtype == torch.bfloat16
+    opt.step()
+    assert int(model.mid.weight_writes) == 1
+    losses = train(model, opt, range(1, 10))
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0]
