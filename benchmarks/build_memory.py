@@ -70,7 +70,12 @@ def measure(argv: list[str]) -> dict:
         model = build_model(cfg, "cpu", dtype=dtype)
     seconds = time.perf_counter() - start
     growth = (_status_kb("VmHWM") - before) * 1024
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    from galore2.core.stored import store_of
+
+    weights = sum(  # int8 weights (--model.weight_bits 8): the codes and scales stored
+        s.nbytes() if (s := store_of(p)) is not None else p.numel() * p.element_size()
+        for p in model.parameters()
+    )
     return {
         "config": args.config,
         "dtype": args.dtype,

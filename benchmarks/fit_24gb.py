@@ -1,4 +1,5 @@
-"""Llama-7B on one 24 GB GPU, for real: the recipe under a capped CUDA allocator (issue 28).
+"""Llama-7B on one 24 GB GPU, for real: the recipe under a capped CUDA allocator (issue 28);
+and on one 16 GB GPU with INT8 weights (``fit_16gb``, issue 40).
 
     python -m benchmarks.run --tasks fit_24gb                  # GPU: llama_7b, 23.5 GiB cap
     python -m benchmarks.run --tasks fit_24gb --card-gib 22    # another card
@@ -19,6 +20,13 @@ On CUDA the allocator is capped first (``torch.cuda.set_per_process_memory_fract
   issue 28 asks for it within 5 %;
 * tokens/s: the median over the steps after the first (the first refreshes every basis).
 
+``fit_16gb`` (:data:`FITS`) is the same with INT8 weights (``--model.weight_bits 8``) and
+an INT4 basis under a 15 GiB cap (what a 16 GB card leaves), against the planner's row
+``galore_adamw8bit_int4 --weight-bits 8``:
+
+    python -m benchmarks.run --tasks fit_16gb                  # GPU: llama_7b, 15 GiB cap
+    python -m benchmarks.run --tasks fit_16gb --config tiny --steps 2 --no-write   # CPU smoke
+
 Settings: seq 2048 (the llama_7b config: batch 1) and GaLore's own (seq 256, batch 16); on
 a CPU (``--config tiny``) the same runs at 1/16 of the sequence lengths, with no cap and no
 CUDA peaks (the table says "not measured"): a structural check only. Each setting's process
@@ -35,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from ._common import Section, table
@@ -43,15 +52,35 @@ ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 TOLERANCE = 0.05  # planner vs measured training peak (issue 28)
 OPTIMIZER, PLANNER_ROW = "galore_adamw8bit", "galore_adamw8bit_int8"
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One fit task: its card (the cap in GiB), basis format, planner row, weight format."""
+
+    card_gib: float
+    basis: str
+    planner_row: str
+    weight_bits: int | None = None
+
+
+FITS = {
+    "fit_24gb": Fit(23.5, "int8", PLANNER_ROW),
+    "fit_16gb": Fit(15.0, "int4", "galore_adamw8bit_int4", weight_bits=8),
+}
 # (label, seq_len, batch_size): the 7B config's own, and GaLore's 7B setting
 SETTINGS = (("seq 2048, batch 1", 2048, 1), ("GaLore's: seq 256, batch 16", 256, 16))
 CPU_SCALE = 16  # on a CPU (tiny config) sequences are this many times shorter
 
 
-def recipe_argv(config: str, seq_len: int, batch_size: int, steps: int, out: str) -> list[str]:
+def recipe_argv(
+    config: str, seq_len: int, batch_size: int, steps: int, out: str, fit: str = "fit_24gb"
+) -> list[str]:
     """The recipe's command line for one setting (every fit_24gb choice is explicit here)."""
+    f = FITS[fit]
+    bits = ["--model.weight_bits", str(f.weight_bits)] if f.weight_bits else []
     return [
-        "--config", config, "--optimizer", OPTIMIZER, "--optim.basis_dtype", "int8",
+        "--config", config, "--optimizer", OPTIMIZER, "--optim.basis_dtype", f.basis, *bits,
         "--optim.per_layer", "true", "--model.activation_checkpointing", "true",
         "--model.dtype", "bf16", "--data.dataset", "embedded", "--data.tokenizer", "byte",
         "--data.seq_len", str(seq_len), "--train.batch_size", str(batch_size),
@@ -61,17 +90,21 @@ def recipe_argv(config: str, seq_len: int, batch_size: int, steps: int, out: str
     ]  # fmt: skip
 
 
-def planner_bytes(config: str, seq_len: int, batch_size: int, card_gib: float) -> dict:
+def planner_bytes(
+    config: str, seq_len: int, batch_size: int, card_gib: float, fit: str = "fit_24gb"
+) -> dict:
     """The planner's row for the same settings (its JSON: weights, ..., total, fits)."""
+    f = FITS[fit]
+    bits = ["--weight-bits", str(f.weight_bits)] if f.weight_bits else []
     cmd = [sys.executable, "-m", "recipes.plan", config, "--batch-size", str(batch_size),
            "--seq-len", str(seq_len), "--per-layer", "on", "--checkpointing", "on",
-           "--optimizers", PLANNER_ROW, "--dtype", "bf16", "--gpu-memory", f"{card_gib}GiB",
-           "--json"]  # fmt: skip
+           "--optimizers", f.planner_row, "--dtype", "bf16", "--gpu-memory", f"{card_gib}GiB",
+           "--json", *bits]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
     rows = json.loads(done.stdout)["rows"]
-    (row,) = [r for r in rows if r["optimizer"] == PLANNER_ROW and r["world_size"] == 1]
+    (row,) = [r for r in rows if r["optimizer"] == f.planner_row and r["world_size"] == 1]
     return row
 
 
@@ -93,6 +126,7 @@ def run_one(argv: list[str]) -> dict:
     p.add_argument("--batch-size", type=int, required=True)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--card-gib", type=float, default=23.5)
+    p.add_argument("--fit", choices=sorted(FITS), default="fit_24gb")
     args = p.parse_args(argv)
     if args.steps < 2:
         p.error("--steps must be >= 2 (tokens/s is taken after the first step)")
@@ -119,7 +153,8 @@ def run_one(argv: list[str]) -> dict:
     modeling.build_model = build_and_reset
     try:
         with tempfile.TemporaryDirectory() as out:
-            argv_ = recipe_argv(args.config, args.seq_len, args.batch_size, args.steps, out)
+            argv_ = recipe_argv(args.config, args.seq_len, args.batch_size, args.steps, out,
+                                args.fit)  # fmt: skip
             history = main(argv_)
     finally:
         modeling.build_model = plain_build
@@ -165,14 +200,32 @@ def _gb(b: int | None) -> str:
     return "not measured" if b is None else f"{b / 1e9:.2f}"
 
 
-def fit_24gb(quick: bool, config: str | None, steps: int | None, card_gib: float) -> Section:
+def fit_24gb(
+    quick: bool, config: str | None, steps: int | None, card_gib: float | None
+) -> Section:
+    """The fit_24gb task: bf16 weights, INT8 basis, a 23.5 GiB cap (``card_gib``)."""
+    return _fit("fit_24gb", quick, config, steps, card_gib)
+
+
+def fit_16gb(
+    quick: bool, config: str | None, steps: int | None, card_gib: float | None
+) -> Section:
+    """The fit_16gb task: INT8 weights, INT4 basis, a 15 GiB cap (``card_gib``)."""
+    return _fit("fit_16gb", quick, config, steps, card_gib)
+
+
+def _fit(
+    fit: str, quick: bool, config: str | None, steps: int | None, card_gib: float | None
+) -> Section:
+    f = FITS[fit]
+    card_gib = f.card_gib if card_gib is None else card_gib
     config = config or ("tiny" if quick else "llama_7b")
     steps = steps or (2 if quick else 4)
     rows, failures = [], []
     for label, seq, batch in settings(config):
-        planned = planner_bytes(config, seq, batch, card_gib)
+        planned = planner_bytes(config, seq, batch, card_gib, fit)
         r = run_child("--config", config, "--seq-len", str(seq), "--batch-size", str(batch),
-                      "--steps", str(steps), "--card-gib", str(card_gib),
+                      "--steps", str(steps), "--card-gib", str(card_gib), "--fit", fit,
                       timeout=float(os.environ.get("GALORE2_FIT_TIMEOUT", "600")))  # fmt: skip
         if "error" in r:
             failures.append(f"{label}: {r['error']}")
@@ -185,10 +238,11 @@ def fit_24gb(quick: bool, config: str | None, steps: int | None, card_gib: float
                      _gb(planned["total"]), ratio, f"{r['tokens_per_s']:.0f}"])  # fmt: skip
     head = ["setting", "build peak (GB)", "training peak (GB)", "planner (GB)",
             f"planner / measured (±{TOLERANCE:.0%})", "tokens/s"]  # fmt: skip
+    weights = "INT8 weights, " if f.weight_bits else ""
     note = (
-        f"`{config}`, `{OPTIMIZER}` with an INT8 basis, per-layer updates, activation "
-        f"checkpointing, bf16, {steps} steps, embedded corpus; CUDA allocator capped at "
-        f"{card_gib} GiB (no cap on a CPU)."
+        f"`{config}`, `{OPTIMIZER}` with an {f.basis.upper()} basis, {weights}per-layer "
+        f"updates, activation checkpointing, bf16, {steps} steps, embedded corpus; CUDA "
+        f"allocator capped at {card_gib} GiB (no cap on a CPU)."
     )
     body = table(head, rows)
     if failures:

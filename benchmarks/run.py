@@ -20,6 +20,7 @@ Usage (repository root, venv with the ``bench`` extra, a quiet machine)::
     python -m benchmarks.run --tasks roofline   # kernels, bytes, FLOPs of a step (CPU-counted)
     python -m benchmarks.run --tasks fit_24gb [--card-gib 23.5]  # opt-in: llama_7b, GPU
     python -m benchmarks.run --tasks fit_24gb --config tiny --steps 2 --no-write  # CPU smoke
+    python -m benchmarks.run --tasks fit_16gb [--card-gib 15]  # the same with INT8 weights
 
 Output goes to ``BENCHMARKS.md`` at the repository root; ``--quick`` (a smoke test: small
 sizes, numbers not meaningful) writes ``runs/BENCHMARKS-quick.md`` instead (``/runs/`` is
@@ -99,6 +100,8 @@ TASKS: dict[str, Task] = {
                              "Refresh schedule: together vs staggered (tiny recipe)"),
     "proj_precision": Task("schedule", "proj_precision",
                            "Projection precision: fp32 / TF32 / bf16 (tiny recipe)"),
+    "int8_weights": Task("int8_weights", "int8_weights",
+                         "INT8 weights vs the training dtype (tiny recipe, lr sweep)"),
     "kernels": Task("kernels", "kernels", "Triton kernels (GPU)", needs_cuda=True),
     "gpu_step": Task("gpu_step", "gpu_step", "Optimizer step on a GPU, Llama-7B layer shapes",
                      needs_cuda=True),
@@ -110,6 +113,9 @@ TASKS: dict[str, Task] = {
                          "Building the recipe's model: peak memory over the weights (CPU)"),
     "fit_24gb": Task("fit_24gb", "fit_24gb",
                      "Llama-7B on one 24 GB GPU: build peak, training peak, planner, tokens/s"),
+    "fit_16gb": Task("fit_24gb", "fit_16gb",
+                     "Llama-7B on one 16 GB GPU, INT8 weights: build peak, training peak, "
+                     "planner, tokens/s"),
     "scale_check": Task("scale_check", "scale_check",
                         "Side-by-side suite: scale check (~20M-parameter Llama, best tiny lrs)",
                         "suite_scale_check"),
@@ -117,7 +123,7 @@ TASKS: dict[str, Task] = {
 DEFAULT = ("peers", "state_7b", "footprint", "convergence")
 # by name only, in no group: hours on a CPU (scale_check); a GPU session's job (fit_24gb:
 # llama_7b under a capped allocator; --config tiny runs it on a CPU)
-OPT_IN = ("scale_check", "fit_24gb")
+OPT_IN = ("scale_check", "fit_24gb", "fit_16gb")
 GROUPS = {  # --tasks names that stand for several tasks
     "suite": DEFAULT,
     "core": ("refresh", "step_time", "step_counts", "memory_7b", "traffic_7b", "recipe_tiny",
@@ -221,8 +227,9 @@ def arg_parser() -> argparse.ArgumentParser:
     fit.add_argument("--config", default=None,
                      help="fit_24gb: recipe config (llama_7b; --quick: tiny, which runs on "
                      "a CPU)")  # fmt: skip
-    fit.add_argument("--card-gib", type=float, default=23.5,
-                     help="fit_24gb: the CUDA allocator's cap in GiB (23.5: a 24 GB card)")  # fmt: skip
+    fit.add_argument("--card-gib", type=float, default=None,
+                     help="fit_24gb / fit_16gb: the CUDA allocator's cap in GiB (default 23.5 "
+                     "/ 15: a 24 GB / 16 GB card)")  # fmt: skip
     timing = p.add_argument_group("timing tasks")
     timing.add_argument("--repeats", type=int, default=None,
                         help="timed repeats (refresh: 5, 2 with --quick; kernels: 50)")  # fmt: skip

@@ -17,6 +17,7 @@ from .presets import (
     GaLoreRanger21,
     Ranger21,
 )
+from .quantize import quantize_weights
 
 # The one version source: pyproject.toml reads this line without importing galore2
 # ([tool.setuptools.dynamic]), so it stays a plain string literal.
@@ -38,4 +39,5 @@ __all__ = [
     "__version__",
     "param_groups",
     "per_layer",
+    "quantize_weights",
 ]

@@ -53,6 +53,10 @@ class ModelConfig:
     dtype: str = "auto"  # parameter dtype: auto = bf16 on GPU, fp32 on CPU; or fp32 / bf16
     activation_checkpointing: bool = False
     compile: bool = False
+    # 8: the linear weights of the decoder layers as int8 codes + scales, re-quantized with
+    # stochastic rounding (galore2.quantize_weights, which checks both values); None: dtype
+    weight_bits: int | None = None
+    weight_group_size: int | None = 256  # inputs per scale of an int8 weight; None: per row
 
 
 @dataclass

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from galore2.core.stored import store_of
+
 RMSNORM = "RMSNorm"
 
 
@@ -121,7 +123,10 @@ def _draw(kind: str, shape: torch.Size, std: float, device: torch.device) -> tor
 def _write(param: torch.Tensor, full: torch.Tensor) -> None:
     """``full`` (the whole fp32 tensor, on every rank) into ``param`` or its local shard, cast
     to the parameter's dtype by ``copy_``."""
-    if isinstance(param, DTensor):
+    store = store_of(param)
+    if store is not None:  # int8 weights: the fp32 draw quantized (round to nearest)
+        store.assign(full)
+    elif isinstance(param, DTensor):
         part = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         param.to_local().copy_(part.to_local())
     else:
@@ -141,8 +146,8 @@ def initialize(model: nn.Module, order: InitOrder, config, device: torch.device)
         del full
     for name, m in model.named_modules():
         buffers = dict(m.named_buffers(recurse=False))
-        if not buffers:
-            continue
+        if not buffers or store_of(getattr(m, "weight", None)) is not None:
+            continue  # int8 weights: their buffers are the weight, written above
         if not type(m).__name__.endswith("RotaryEmbedding"):
             raise ValueError(f"no initialization known for buffers {sorted(buffers)} of {name}")
         with torch.device("cpu"):  # a few numbers, computed as the constructor does

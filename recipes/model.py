@@ -71,15 +71,24 @@ def build_model(
     a time (``recipes.init.initialize``): the values are those of
     ``LlamaForCausalLM(config)`` built under the same seed in fp32 and cast, bit for bit,
     for every world size. ``device="meta"``: the bare meta model (no init, no wrapping).
+    ``cfg.weight_bits=8`` quantizes the linear weights on the meta device first
+    (:func:`quantize`): codes and scales are materialized, never the dense weights.
     """
     from transformers import LlamaForCausalLM
 
     from .init import InitOrder, initialize
 
+    if cfg.weight_bits is not None and world_size > 1:
+        raise ValueError(
+            "model.weight_bits: int8 weights are not supported under FSDP2 (world size "
+            f"{world_size}); train on one GPU with --optim.per_layer true, or leave "
+            "model.weight_bits unset"
+        )
     config = llama_config(cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     device = torch.device(device)
+    model = quantize(model, cfg)  # on meta, before wrapping renames the modules (the seeds)
     if device.type == "meta":
         return model.to(dtype)
     order = InitOrder.of(model)  # read before wrapping renames the modules
@@ -87,7 +96,20 @@ def build_model(
     model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gave the head a tensor of its own
         model.tie_weights()
-    initialize(model, order, config, device)
+    initialize(model, order, config, device)  # an int8 weight quantizes its fp32 draw
+    return model
+
+
+def quantize(model: nn.Module, cfg: ModelConfig) -> nn.Module:
+    """``model.weight_bits``: the linear weights but the head's as int8 codes + scales
+    (``galore2.quantize_weights``; embeddings, head and norms keep the training dtype)."""
+    if cfg.weight_bits is not None:
+        from galore2 import quantize_weights
+
+        try:
+            quantize_weights(model, cfg.weight_bits, cfg.weight_group_size)
+        except ValueError as e:
+            raise ValueError(f"model.weight_bits / model.weight_group_size: {e}") from None
     return model
 
 

@@ -42,6 +42,8 @@ def source(job: JobConfig, label: str) -> Source:
         grad_accum=job.train.grad_accum,
         target_modules=job.optim.target_modules,
         galore=galore_settings(job.optim),
+        weight_bits=job.model.weight_bits,
+        weight_group_size=job.model.weight_group_size,
     )
 
 

@@ -1009,6 +1009,34 @@ MUTATIONS: tuple[Mutation, ...] = (
         "issue 38 item 2: due_for_refresh answers from host counters that count masked steps",
         where="ChainOptimizer.due_for_refresh",
     ),
+    Mutation(
+        "int8_weight_round_to_nearest",
+        "galore2/storage/basis.py",
+        "else torch.floor(c.add_(noises[n]))",
+        "else torch.round(c)",
+        (
+            "tests/weights/test_int8_weights.py::test_stochastic_rounding_is_unbiased",
+            "tests/weights/test_int8_weights.py::"
+            "test_update_below_the_step_moves_the_weight_in_expectation",
+        ),
+        "int8 weights are re-quantized to nearest: sub-step updates are lost",
+    ),
+    Mutation(
+        "int8_weight_nonfinite_written",
+        "galore2/storage/weights.py",
+        "ok = torch.stack([torch.isfinite(x[b]).all() for b in blocks]).all()",
+        "ok = torch.ones((), dtype=torch.bool, device=x.device)",
+        ("tests/weights/test_int8_weights.py::test_a_non_finite_write_leaves_codes_and_scales",),
+        "a non-finite int8 weight write reaches the codes",
+    ),
+    Mutation(
+        "int8_weight_not_written_back",
+        "galore2/core/stored.py",
+        "found[0].write(x)",
+        "pass",
+        ("tests/weights/test_int8_weights.py::test_every_preset_trains_int8_weights",),
+        "the apply stage never re-quantizes: int8 weights do not train",
+    ),
 )
 
 

@@ -79,6 +79,7 @@ from .resume import (
     refusal,
 )
 from .state import counter, counter_on
+from .stored import Writes, refuse, store_of
 from .transform import Context, LowRankUpdate, Transform, init_chain, run_chain, state_kind, walk
 
 LR = Option("lr", 1e-3, LearningRate(), "learning rate (LR schedulers write it every step)")
@@ -199,6 +200,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         self._pending_skips: dict[tuple[int, ...], tuple[list[Tensor], Tensor]] = {}
         self._skip_keys: dict[int, tuple[int, ...]] = {}  # per group: its last batch's key
         self._where: tuple[int, dict[int, tuple[dict[str, Any], int]]] | None = None
+        self._writes = Writes()  # int8 weights: this step's working copies (core/stored.py)
         self._settings = Settings(self.declared, walk(self._all_modules))
 
     # ---- copy.deepcopy, pickle ---------------------------------------------------
@@ -328,6 +330,11 @@ class ChainOptimizer(torch.optim.Optimizer):
         and reused by every step (it holds nothing that changes between steps); the cache
         is emptied by :meth:`_derive`, and an entry is rebuilt when the parameter's index
         changed (``add_param_group``) or a group-level ``prepare`` marked it refreshed."""
+        store = store_of(p)
+        if store is not None:  # int8 weights: a dense fp32 working copy (core/stored.py)
+            refuse({}, p, is_dtensor(p))
+            return Context(param=store.dequantize(), index=index, warn_once=self._warn_once,
+                           shape=p.shape)  # fmt: skip
         cached = self._contexts.get(id(p))
         fresh = cached is not None and not cached.refreshed
         if fresh and cached.param is p and cached.index == index:
@@ -423,7 +430,9 @@ class ChainOptimizer(torch.optim.Optimizer):
         ]
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes of optimizer state by kind: ``moments``, ``basis``, ``other`` and ``total``."""
+        """Bytes of optimizer state by kind: ``moments``, ``basis``, ``other`` and ``total``;
+        with int8 weights (``galore2.quantize_weights``) also ``weights``, the codes and
+        scales of the parameters it updates — the model's bytes, not part of ``total``."""
         out = {"moments": 0, "basis": 0, "other": 0}
         for state in self.state.values():
             for key, value in state.items():
@@ -433,6 +442,9 @@ class ChainOptimizer(torch.optim.Optimizer):
                 local = value.to_local() if is_dtensor(value) else value  # this rank's
                 out[kind] = out.get(kind, 0) + local.numel() * local.element_size()
         out["total"] = sum(out.values())
+        stored = [s.nbytes() for _, _, p in self._indexed_params() if (s := store_of(p))]
+        if stored:
+            out["weights"] = sum(stored)
         return out
 
     def refresh_stats(self) -> dict[int, dict[str, float]]:
@@ -641,9 +653,13 @@ class ChainOptimizer(torch.optim.Optimizer):
         step's flags still set (each module leaves a masked parameter's weights as they are:
         :func:`~galore2.core.masked.masked_factor`), cleared after."""
         self._due_flush(batches)
-        with ExitStack() as masks:
-            stepped = self._run(batches, masks)
-            run_param_transforms(self._param_transforms, self._chain, stepped, _chunks)
+        try:
+            with ExitStack() as masks:
+                stepped = self._run(batches, masks)
+                run_param_transforms(self._param_transforms, self._chain, stepped, _chunks)
+            self._writes.commit(ctx.param for _, _, ctx in stepped)  # int8 weights
+        finally:
+            self._writes.drop()
 
     def _gather(
         self, group: dict[str, Any], items: list[tuple[int, Tensor, Tensor]]
@@ -671,13 +687,19 @@ class ChainOptimizer(torch.optim.Optimizer):
                 grads = list(torch._foreach_neg(grads)) if len(grads) > 1 else [-grads[0]]
             batch.grads = grads
         else:
+            for _, _, p in items:  # int8 weights (never cached): refusals before any state
+                if store_of(p) is not None:
+                    refuse(group, p, is_dtensor(p))
             plain = True  # local real tensors only: the lists can be reused next step
             for index, grad, p in items:
                 state = self.state[p]
                 if not state:
                     self._init_param_state(p, group, index)
                 ctx = self._context(p, index)
-                plain = plain and ctx.placement is LOCAL and not p.is_complex()
+                store = store_of(p)
+                if store is not None:  # stepped on its working copy, written back after
+                    self._writes.track(ctx.param, store)
+                plain = plain and ctx.placement is LOCAL and not p.is_complex() and store is None
                 grad = _real(ctx.placement.local(grad))
                 if ctx.placement.distributed:  # transforms see local views of DTensor state
                     state = {k: ctx.placement.local(v) for k, v in state.items()}

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..quantize import quantize_weights
 from .configs import Source, build_model, load
 from .formulas import Footprint, Shapes
 from .planner import OPTIMIZERS, plan, projected
@@ -65,6 +66,10 @@ def parser(prog: str = "python -m galore2.plan", config_help: str = CONFIG_HELP
                     help="activation checkpointing (default both)")  # fmt: skip
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS),
                     help=f"comma-separated subset of {','.join(OPTIMIZERS)}")  # fmt: skip
+    ap.add_argument("--weight-bits", type=int, choices=[8],
+                    help="8: every linear weight but the head's as int8 codes + scales "
+                    "(galore2.quantize_weights; default: the recipe's model.weight_bits, "
+                    "else the parameter dtype)")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print JSON (bytes) instead of tables")
     ap.add_argument("--plot", metavar="OUT.png", help="also write a bar chart to this PNG")
     return ap
@@ -132,6 +137,9 @@ def build(args: _Args, source: Source) -> Report:
     dtype = DTYPES[ns.dtype] if ns.dtype else source.dtype or DTYPES[HF_DTYPE]
     shapes = Shapes.from_config(source.config)  # checked before anything is built
     model = build_model(source.config, dtype)
+    bits = ns.weight_bits or source.weight_bits
+    if bits is not None:  # the weights (and the optimizers' working copies) as stored
+        quantize_weights(model, bits, source.weight_group_size)
     fp = Footprint.of(model, shapes)
     galore = dict(source.galore)
     recipe_rank = galore.pop("rank", None)
@@ -144,7 +152,8 @@ def build(args: _Args, source: Source) -> Report:
                 per_layer=SWITCH[ns.per_layer], checkpointing=SWITCH[ns.checkpointing],
                 optimizers=args.optimizers, target_modules=targets, galore=galore,
                 grad_accum=accum, footprint=fp)  # fmt: skip
-    return Report(rows, label=source.label, model=type(model).__name__, n_params=fp.n_params,
+    label = source.label + (f", int{bits} weights" if bits else "")
+    return Report(rows, label=label, model=type(model).__name__, n_params=fp.n_params,
                   dtype=str(dtype).removeprefix("torch."), batch_size=batch, seq_len=seq,
                   grad_accum=accum, rank=rank, targets=_targets(targets),
                   gpu_memory=args.gpu_memory, unit=args.unit,

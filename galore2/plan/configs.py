@@ -47,6 +47,8 @@ class Source:
     grad_accum: int | None = None
     target_modules: Any = None  # param_groups' target_modules (None: "all-linear")
     galore: dict[str, Any] = field(default_factory=dict)  # GaLore group settings, rank too
+    weight_bits: int | None = None  # 8: int8 linear weights (galore2.quantize_weights)
+    weight_group_size: int | None = 256  # their inputs per scale (None: one per row)
 
 
 def _transformers(what: str) -> Any:

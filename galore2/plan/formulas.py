@@ -9,8 +9,11 @@ size, every sharded tensor split along dim 0 like ``torch.chunk`` (the largest s
 counts). The FSDP2 units are each decoder layer and the root (everything else:
 embeddings, final norm, output head; :func:`decoder_layers` finds the layers).
 
-* **weights** = Σ numel·p / W. W > 1 adds FSDP2's unsharded (all-gathered) copies of the
-  root unit (not resharded after forward) and of one decoder layer: + (root + layer)·p.
+* **weights** = Σ numel·p / W; an int8 weight (``galore2.quantize_weights``) counts its
+  stored codes and scales instead, plus, once, the largest one's dense fp32 working copy
+  of a step (4 bytes per element; its other temporaries are per block of rows). W > 1
+  adds FSDP2's unsharded (all-gathered) copies of the root unit (not resharded after
+  forward) and of one decoder layer: + (root + layer)·p.
 * **gradients** = Σ numel·p / W, or with per-layer updates (and no gradient accumulation)
   the largest parameter's gradient (W = 1) / the largest unit's flat sharded gradient
   (W > 1). W > 1 adds the larger unit's unsharded gradient·p and, when p < 4, its fp32
@@ -47,6 +50,7 @@ from typing import Any
 
 from torch import nn
 
+from ..core.stored import store_of
 from .state import Piece, nbytes
 
 __all__ = ["Footprint", "Shapes", "activation_bytes", "decoder_layers", "layer_bytes"]
@@ -210,6 +214,10 @@ class Footprint:
     params: tuple[Piece, ...]  # every parameter
     root: tuple[Piece, ...]  # the root unit: every parameter outside the decoder layers
     layer: tuple[Piece, ...]  # one decoder layer (the first)
+    #: the weights as stored where that differs from ``params`` (int8 weights: codes and
+    #: scales, galore2.storage.weights), and the largest such weight's fp32 working copy
+    stored: tuple[Piece, ...] | None = None
+    working: int = 0
 
     @classmethod
     def of(cls, model: nn.Module, shapes: Shapes | None = None) -> Footprint:
@@ -225,12 +233,20 @@ class Footprint:
             return tuple(Piece(tuple(p.shape), p.element_size()) for p in params)
 
         params = list(model.parameters())
+        stores = [store_of(p) for p in params]
+        stored = tuple(
+            piece
+            for p, store in zip(params, stores, strict=True)
+            for piece in (pieces(store.tensors()) if store is not None else pieces([p]))
+        )
         return cls(
             shapes=shapes,
             itemsize=max(p.element_size() for p in params),
             params=pieces(params),
             root=pieces(p for p in params if id(p) not in in_layers),
             layer=pieces(layers[0].parameters()),
+            stored=stored if any(stores) else None,
+            working=max((4 * p.numel() for p, s in zip(params, stores) if s), default=0),
         )
 
     @property
@@ -240,7 +256,7 @@ class Footprint:
 
     def weights(self, world: int = 1) -> int:
         """Parameter bytes per GPU (module docstring: **weights**)."""
-        out = nbytes(self.params, world)
+        out = nbytes(self.stored or self.params, world) + self.working
         if world > 1:  # FSDP2's unsharded (all-gathered) root and current layer
             out += nbytes(self.root) + nbytes(self.layer)
         return out

@@ -194,8 +194,16 @@ class QuantizedBasis(TensorFormat):
     def signs(self, plan: Plan, salt: int, length: int, device: torch.device) -> Tensor:
         return random_signs(mix_seed(plan.basis_seed, salt), length, device)
 
-    def encode(self, basis: Tensor, plan: Plan, salt: int = 0) -> tuple[Tensor, Tensor]:
-        """(codes as stored, fp32 scales rows × k) of a dense ``rows × r`` basis."""
+    def encode(
+        self, basis: Tensor, plan: Plan, salt: int = 0, noise: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """(codes as stored, fp32 scales rows × k) of a dense ``rows × r`` basis.
+
+        Codes round to nearest; with ``noise`` (uniform in [0, 1), the stored row length,
+        no Hadamard rotation) they round stochastically, ``floor(x / s + u)``: unbiased,
+        E[s·code] = x (what quantized weights use, :mod:`galore2.storage.weights`)."""
+        if noise is not None and plan.hadamard:
+            raise ValueError("stochastic rounding (noise) is not defined with basis_hadamard")
         x = basis.float()
         rows, r = x.shape
         g, had = plan.group_size, plan.hadamard
@@ -205,11 +213,13 @@ class QuantizedBasis(TensorFormat):
             x = torch.nn.functional.pad(x, (0, L - r))
             x = rotate(x, g, self.signs(plan, salt, L, x.device))
         codes, scales = [], []
-        for piece in _pieces(x, full, g, tail):
+        noises = _pieces(noise, full, g, tail) if noise is not None else None
+        for n, piece in enumerate(_pieces(x, full, g, tail)):
             amax = piece.abs().amax(dim=-1, keepdim=True)
             ok = amax >= _TINY * self.qmax
             scale = torch.where(ok, amax / self.qmax, torch.zeros_like(amax))
-            c = torch.round(piece / torch.where(ok, scale, torch.ones_like(scale)))
+            c = piece / torch.where(ok, scale, torch.ones_like(scale))
+            c = torch.round(c) if noises is None else torch.floor(c.add_(noises[n]))
             codes.append(c.clamp_(-self.qmax, self.qmax).reshape(rows, c.shape[1] * c.shape[2]))
             scales.append(scale.reshape(rows, c.shape[1]))
         return self.pack(torch.cat(codes, dim=1)), torch.cat(scales, dim=1)

@@ -199,10 +199,10 @@ def test_registry_lists_every_task_and_resolves_each():
                 "recipe_memory_7b", "throughput", "ranger21", "basis_quant", "low_memory", "kernels",
                 "gpu_step", "refresh_schedule", "proj_precision", "overhead", "gpu_throughput",
                 "adafactor_step", "compile_step", "scale_check", "build_memory", "fit_24gb",
-                "roofline"}  # fmt: skip
+                "fit_16gb", "roofline", "int8_weights"}  # fmt: skip
     assert set(run.TASKS) == expected
     assert set(run.DEFAULT) == {"peers", "state_7b", "footprint", "convergence"}
-    opt_in = ("scale_check", "fit_24gb")
+    opt_in = ("scale_check", "fit_24gb", "fit_16gb")
     assert run.parse_tasks("all") == [n for n in run.TASKS if n not in opt_in]
     assert all(n not in tasks for tasks in run.GROUPS.values() for n in opt_in)
     assert run.parse_tasks("scale_check") == ["scale_check"]

@@ -182,7 +182,15 @@ def test_tiny_run_writes_metrics_and_learns(tmp_path, capsys):
     assert f"loss curves        {tmp_path / 'loss.png'}" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("extra", [[], ["--optim.per_layer", "true"], ["--optimizer", "adamw"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--optim.per_layer", "true"],
+        ["--optimizer", "adamw"],
+        ["--model.weight_bits", "8", "--optim.per_layer", "true"],  # int8 weights (issue 40)
+    ],
+)
 def test_stop_and_resume_matches_uninterrupted(tmp_path, extra):
     whole = run(tmp_path / "whole", "--steps", "12", *extra)
     first = run(tmp_path / "split", "--steps", "12", "--train.stop_after", "6", *extra)

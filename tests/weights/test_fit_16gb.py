@@ -1,0 +1,55 @@
+"""The fit_16gb task (issue 40): Llama-7B with INT8 weights under a 15 GiB cap; its settings
+and a tiny run on the CPU (the figures need a CUDA device)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks import fit_24gb
+from recipes.resolve import parse_args
+
+
+def test_fit_16gb_runs_the_recipe_with_int8_weights_and_an_int4_basis():
+    argv = fit_24gb.recipe_argv("llama_7b", 2048, 1, 4, "/tmp/unused", "fit_16gb")
+    job = parse_args(argv)
+    assert job.model.weight_bits == 8 and job.optim.options == {"basis_dtype": "int4"}
+    assert job.optim.per_layer and job.model.activation_checkpointing
+    assert fit_24gb.FITS["fit_16gb"].card_gib == 15.0
+    plain = parse_args(fit_24gb.recipe_argv("llama_7b", 2048, 1, 4, "/tmp/unused"))
+    assert plain.model.weight_bits is None  # fit_24gb unchanged
+
+
+def test_tiny_fit_16gb_runs_on_cpu_with_the_planner_beside_it():
+    _, seq, batch = fit_24gb.settings("tiny")[1]
+    r = fit_24gb.run_child("--config", "tiny", "--seq-len", str(seq), "--batch-size",
+                           str(batch), "--steps", "2", "--fit", "fit_16gb")  # fmt: skip
+    assert "error" not in r, r.get("stderr", r)
+    assert len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"])
+    plan = fit_24gb.planner_bytes("tiny", seq, batch, 15.0, "fit_16gb")
+    dense = fit_24gb.planner_bytes("tiny", seq, batch, 15.0)
+    assert plan["per_layer"] and plan["checkpointing"] and plan["fits"]
+    assert plan["weights"] < dense["weights"]  # int8 codes + scales + a working copy
+    parts = ("weights", "gradients", "state", "activations")
+    assert plan["total"] == sum(plan[k] for k in parts)
+
+
+@pytest.mark.slow  # four recipe runs: 7.7 minutes on the loaded 2-core CPU it was written on
+def test_int8_weights_task_reports_both_optimizers(monkeypatch):
+    """The convergence comparison (``--tasks int8_weights``) in a tiny mode: 3 steps."""
+    from benchmarks import int8_weights
+
+    monkeypatch.setattr(int8_weights, "QUICK_STEPS", 3)
+    seen = []
+    real = int8_weights.tiny_run
+
+    def counted(name, lr, flags, steps):
+        seen.append((name, lr, tuple(flags), steps))
+        return real(name, lr, flags, steps)
+
+    monkeypatch.setattr(int8_weights, "tiny_run", counted)
+    text = int8_weights.int8_weights(quick=True)
+    assert "| GaLoreAdamW |" in text and "| Fira |" in text and "INT8 ÷ dtype" in text
+    assert len(seen) == 4 and all(s == 3 and "--optim.per_layer" in f for *_, f, s in seen)
+    assert sum("--model.weight_bits" in f for _, _, f, _ in seen) == 2
