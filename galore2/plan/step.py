@@ -13,20 +13,27 @@ change to the step's kernels shows up in the plan by itself.
 :func:`measure` runs two steps (galore2's first one refreshes the bases, the second is an
 ordinary step) and returns a :class:`StepMemory`:
 
-* ``held``: bytes alive after the steps beyond the weights, the gradients and the state the
-  planner counts (caches an optimizer keeps between steps);
+* ``held``: bytes the optimizer holds after the steps (every tensor reachable from it)
+  beyond the state the planner counts: caches it keeps between steps. Process-wide
+  constants (galore2's 8-bit code maps, 2 KB a device) are not counted;
 * ``transient``: the peak during the steps minus what is alive after them.
 
 Host reads of meta tensors (galore2's one read of the non-finite flags per step) read
 ones: every gradient is usable, so every parameter is stepped.
 
-The whole-model step runs over the root parameters (embeddings, norms, output head) and
-the first k decoder layers, for k = 1, 2, 3; every term grows by the same bytes per layer
-(foreach lists and shape stacks grow by one layer's tensors), so the model's L layers are
-``f(1) + (L − 1)·(f(2) − f(1))``. When the three depths are not on one line the step runs
-over the whole model instead (exact, slower). Per-layer updates step one parameter at a
-time (``step_param``; torch AdamW: one optimizer per parameter, as a post-accumulate-grad
-hook would run it): their ``transient`` is the largest of one parameter's.
+The step runs over the root parameters (embeddings, norms, output head) and the first k
+decoder layers, for k = 2, 3, 4 (:func:`by_depth`), not the whole model: on the meta
+device each op costs a Python meta kernel, and a 32-layer refresh takes minutes. The
+bytes alive at each point of the step's code (:class:`LiveBytes` ``phases``: the call
+sites of galore2 / torch.optim on the stack, the largest count seen there) grow by the
+same bytes per layer, as foreach lists and shape stacks grow by one layer's tensors; so
+each point is extrapolated on its own line to the model's L layers and the peak is the
+largest of them (the peak may move from the dense parameters' phase at a small depth to
+the matrices' phase at L). Where the depths are not on one line, or the points differ
+between depths, the step runs over the whole model instead (exact, slower). Per-layer
+updates step one parameter at a time (``step_param``; torch AdamW: one optimizer per
+parameter, as a post-accumulate-grad hook would run it): their ``transient`` is the
+largest of one parameter's.
 
 Rules, not measurements: bitsandbytes' ``AdamW8bit`` (its CUDA kernels update the 8-bit
 state in place): 0. Only the torch path of galore2's step runs on the meta device: on a GPU
@@ -37,21 +44,28 @@ dequantized moments, so its figure is an upper bound there.
 from __future__ import annotations
 
 import gc
+import os
+import sys
+import types
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveBytes", "StepMemory", "TorchAdamW", "measure", "storage_bytes"]
+__all__ = ["LiveBytes", "StepMemory", "TorchAdamW", "Trace", "by_depth", "measure", "storage_bytes"]
 
 _aten = torch.ops.aten
-#: depths (decoder layers) the whole-model step is measured at before extrapolating
-DEPTHS = (1, 2, 3)
+#: depths (decoder layers) the step is measured at before extrapolating: from 2 every
+#: shape of a layer has a stack of its own in galore2's batched step
+DEPTHS = (2, 3, 4)
+#: the code whose call sites name a phase of the step
+_OWN = (f"{os.sep}galore2{os.sep}", f"{os.sep}torch{os.sep}optim{os.sep}")
+_HERE = __file__
 
 
 @dataclass(frozen=True)
@@ -61,12 +75,15 @@ class StepMemory:
     held: int = 0  # kept between steps beyond the counted state
     transient: int = 0  # the step's own peak above what it keeps
 
-    def __add__(self, other: StepMemory) -> StepMemory:
-        return StepMemory(self.held + other.held, self.transient + other.transient)
 
-    def scaled(self, k: int) -> StepMemory:
-        """k times these bytes."""
-        return StepMemory(k * self.held, k * self.transient)
+@dataclass(frozen=True)
+class Trace:
+    """One measured run: its :class:`StepMemory`, the bytes alive after it (``end``) and
+    the most bytes alive at each phase of the step (``phases``; whole-model steps only)."""
+
+    memory: StepMemory
+    end: int
+    phases: dict[tuple[tuple[str, int], ...], int]
 
 
 def storage_bytes(tensors: Iterable[Any], device: torch.device) -> int:
@@ -79,16 +96,30 @@ def storage_bytes(tensors: Iterable[Any], device: torch.device) -> int:
     return sum(seen.values())
 
 
+def _phase() -> tuple[tuple[str, int], ...]:
+    """The call sites of galore2's and torch.optim's code on the stack (this file's left out)."""
+    out = []
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name != _HERE and any(x in name for x in _OWN):
+            out.append((name, frame.f_lineno))
+        frame = frame.f_back
+    return tuple(out)
+
+
 class LiveBytes(TorchDispatchMode):
     """Bytes alive on ``device``: storages :meth:`track`-ed before, plus every storage an op
     creates while the mode is on, each until it is freed. ``now`` and ``peak`` (since
-    :meth:`reset_peak`) in bytes. Host reads of meta tensors return ones."""
+    :meth:`reset_peak`) in bytes; ``phases``: the most bytes alive after an op, by the op's
+    call sites (:func:`_phase`). Host reads of meta tensors return ones."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
         self.now = 0
         self.peak = 0
+        self.phases: dict[tuple[tuple[str, int], ...], int] = {}
         self._live: dict[int, tuple[int, weakref.ref]] = {}
 
     def track(self, tensors: Iterable[Any]) -> None:
@@ -105,6 +136,7 @@ class LiveBytes(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.now
+        self.phases = {}
 
     def _free(self, key: int) -> None:
         n, _ = self._live.pop(key)
@@ -124,6 +156,8 @@ class LiveBytes(TorchDispatchMode):
             return args[0].fill_(1)
         out = func(*args, **kwargs)
         self.track(tree_flatten(out)[0])
+        phase = _phase()
+        self.phases[phase] = max(self.phases.get(phase, 0), self.now)
         return out
 
 
@@ -174,7 +208,7 @@ def measure(
     state: int,
     device: torch.device,
     per_layer: bool = False,
-) -> StepMemory:
+) -> Trace:
     """Two steps of ``opt`` over ``params`` (each given a gradient like itself, dropped
     after) under :class:`LiveBytes`; ``state``: the state bytes on ``device`` the planner
     counts for them. ``per_layer``: ``opt.step_param(p)`` twice per parameter, one gradient
@@ -186,7 +220,7 @@ def measure(
     live = LiveBytes(device)
     live.track([*params, *_state_tensors(opt)])
     units = [[p] for p in params] if per_layer else [list(params)]
-    transient = 0
+    transient, end, phases = 0, 0, {}
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -203,6 +237,7 @@ def measure(
                         opt.step()
                 gc.collect(0)
                 transient = max(transient, live.peak - live.now)
+                end, phases = live.now, live.phases
                 for p in unit:
                     p.grad = None
     finally:
@@ -211,28 +246,68 @@ def measure(
         gc.collect(0)
         if enabled:
             gc.enable()
-    held = live.now - storage_bytes(params, device) - state
-    return StepMemory(held, transient)
+    held = storage_bytes(_kept(opt), device) - state
+    return Trace(StepMemory(held, transient), end, {} if per_layer else phases)
 
 
 def _state_tensors(opt: Any) -> list[Tensor]:
     return [v for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)]
 
 
+#: objects :func:`_kept` does not look into: code, classes and modules lead to
+#: process-wide constants (galore2's 8-bit code maps, cached per device), not to the
+#: optimizer's memory
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+           types.MethodType, types.CodeType, types.FrameType, weakref.ref)  # fmt: skip
+
+
+def _kept(opt: Any) -> list[Tensor]:
+    """Every tensor ``opt`` holds (its state, caches, anything reachable from it), but the
+    parameters and their gradients."""
+    seen: set[int] = set()
+    out: list[Tensor] = []
+    todo = [opt]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen or isinstance(x, _OPAQUE):
+            continue
+        seen.add(id(x))
+        if isinstance(x, nn.Parameter):
+            continue
+        if isinstance(x, Tensor):
+            out.append(x)
+            continue
+        todo += gc.get_referents(x)
+    return out
+
+
+def _line(values: Sequence[int], depths: Sequence[int], n: int) -> int | None:
+    """The value at ``n`` of the line through (depths, values), None when they are not on
+    one line of integer slope."""
+    gaps = [(b - a, d - c) for a, b, c, d in zip(values, values[1:], depths, depths[1:])]
+    slopes = {dv // dd for dv, dd in gaps}
+    if len(slopes) != 1 or any(dv % dd for dv, dd in gaps):
+        return None
+    return values[0] + (n - depths[0]) * slopes.pop()
+
+
 def by_depth(
-    run: Callable[[int], StepMemory], n_layers: int, depths: Sequence[int] = DEPTHS
+    run: Callable[[int], Trace], n_layers: int, depths: Sequence[int] = DEPTHS
 ) -> StepMemory:
-    """``run(L)`` for the model's ``n_layers``, from ``run`` at ``depths`` when they lie on
-    one line (each term its own line), else ``run(n_layers)``."""
+    """The step's memory with ``n_layers`` decoder layers from ``run(k)`` at ``depths``
+    (module docstring), or ``run(n_layers)`` where they do not extrapolate."""
     if n_layers <= depths[-1]:
-        return run(n_layers)
-    f = [run(k) for k in depths]
-    steps = [(b.held - a.held, b.transient - a.transient) for a, b in zip(f, f[1:])]
-    gaps = [b - a for a, b in zip(depths, depths[1:])]
-    slopes = {(h // g, t // g) for (h, t), g in zip(steps, gaps)}
-    exact = all(h % g == 0 and t % g == 0 for (h, t), g in zip(steps, gaps))
-    if len(slopes) != 1 or not exact:
-        return run(n_layers)
-    h, t = slopes.pop()
-    k = n_layers - depths[0]
-    return StepMemory(f[0].held + k * h, f[0].transient + k * t)
+        return run(n_layers).memory
+    traces = [run(k) for k in depths]
+    held = _line([t.memory.held for t in traces], depths, n_layers)
+    end = _line([t.end for t in traces], depths, n_layers)
+    if traces[0].phases:  # the whole step: each phase on its own line
+        same = all(t.phases.keys() == traces[0].phases.keys() for t in traces)
+        peaks = [_line([t.phases[k] for t in traces], depths, n_layers)
+                 for k in traces[0].phases] if same else [None]  # fmt: skip
+        peak = None if None in peaks or end is None else max(peaks) - end
+    else:  # one parameter at a time: the largest one's
+        peak = _line([t.memory.transient for t in traces], depths, n_layers)
+    if held is None or peak is None:
+        return run(n_layers).memory
+    return StepMemory(held, max(peak, 0))
