@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..core.transform import walk

@@ -1,6 +1,6 @@
 """The step's own memory in the plan (issue 39 item 15): measured on the meta device by
-``galore2.plan.step``, checked against torch AdamW's known temporaries, and the extrapolation from a few layers against the step
-over every layer."""
+``galore2.plan.step``, checked against torch AdamW's known temporaries, and the
+extrapolation from a few layers against the step over every layer."""
 
 from __future__ import annotations
 
