@@ -212,7 +212,7 @@ def test_llama_7b_recipe_and_llama_2_7b_config_json_agree(llama2_7b, capsys):
 
 def test_plan_refuses_unknown_optimizers_and_bad_sizes():
     model = hf_model(SMALL, "meta")
-    with pytest.raises(ValueError, match="choose from adamw, adamw8bit"):
+    with pytest.raises(ValueError, match="choose from adamw, adamw_foreach, adamw8bit"):
         plan(model, batch_size=1, seq_len=8, rank=4, optimizers=["sgd"])
     with pytest.raises(ValueError, match="seq_len must be an int >= 1"):
         plan(model, batch_size=1, seq_len=0, rank=4)
