@@ -19,7 +19,9 @@ ordinary step) and returns a :class:`StepMemory`:
 * ``transient``: the peak during the steps minus what is alive after them.
 
 Host reads of meta tensors (galore2's one read of the non-finite flags per step) read
-ones: every gradient is usable, so every parameter is stepped.
+ones: every gradient is usable, so every parameter is stepped. Meta tensors take the
+branches a GPU takes (galore2 and torch run single-tensor loops for CPU tensors only), which
+is why the step is measured on the meta device and not on small CPU tensors.
 
 The step runs over the root parameters (embeddings, norms, output head) and the first k
 decoder layers, for k = 2, 3, 4 (:func:`by_depth`), not the whole model: on the meta
@@ -57,7 +59,15 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveBytes", "StepMemory", "TorchAdamW", "Trace", "by_depth", "measure", "storage_bytes"]
+__all__ = [
+    "LiveBytes",
+    "StepMemory",
+    "TorchAdamW",
+    "Trace",
+    "by_depth",
+    "measure",
+    "storage_bytes",
+]
 
 _aten = torch.ops.aten
 #: depths (decoder layers) the step is measured at before extrapolating: from 2 every
