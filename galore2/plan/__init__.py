@@ -9,7 +9,8 @@ model is built on the meta device: nothing is allocated and nothing is downloade
 planner is self-contained (it never imports the recipe of a source checkout): a recipe
 config is planned by the recipe, which passes its resolved settings down,
 ``python -m recipes.plan llama_7b`` with the same options. Per optimizer — AdamW (torch's
-fused and foreach kernels), 8-bit AdamW (bitsandbytes) and every galore2 preset: GaLoreAdamW, GaLoreAdamW8bit with an INT8
+fused and foreach kernels), 8-bit AdamW (bitsandbytes) and every galore2 preset:
+GaLoreAdamW, GaLoreAdamW8bit with an INT8
 and an INT4 basis, GaLoreAdafactor, Fira, APOLLO, APOLLO-Mini (rank 1), GaLoreMuon,
 Ranger21 (full rank), GaLoreRanger21 (:data:`OPTIMIZERS`) — and per option set —
 per-layer updates, activation checkpointing, FSDP world size — the plan lists weights,

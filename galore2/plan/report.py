@@ -15,7 +15,8 @@ _NOTES = (
     "State: galore2 rows measured (init_state() on the meta device: every state tensor "
     "at its final shape; moments fp32 or 8-bit + fp32 absmax per 256, bases fp32 or "
     "INT8/INT4 codes + scales); AdamW counted (two moments in the parameter dtype + a step "
-    "per tensor: on the device for fused, the CPU for foreach); AdamW 8-bit counted by bitsandbytes 0.50.2's rules (uint8 moments "
+    "per tensor: on the device for fused, the CPU for foreach); AdamW 8-bit counted by "
+    "bitsandbytes 0.50.2's rules (uint8 moments "
     "+ fp32 absmax per 256 elements, fp32 below 4096 elements). Embeddings and the output "
     "head stay full rank in every GaLore optimizer; APOLLO-Mini projects at rank 1 (its "
     "definition), Ranger21 at full rank.",
