@@ -166,9 +166,10 @@ def report(job: JobConfig, batch: int, seq: int, world: int, names, label: str, 
         "negative momentum and full-size Lookahead weights (param dtype).",
         "Per-layer updates need a galore2 optimizer (step_param): adamw / adamw8bit rows are "
         "hypothetical there; with train.grad_accum > 1 every gradient stays alive.",
-        "Total = sum of columns. Not included: CUDA context / allocator fragmentation; step "
-        f"temporaries (foreach AdamW's sqrt(v): +{n * dtype.itemsize / world / 1e9:.2f} GB "
-        "after activations are freed; galore2: low-rank temporaries, an fp32 gradient at refresh).",
+        "Total = sum of columns. Not included: CUDA context / allocator fragmentation; the "
+        f"step's own memory (foreach AdamW's sqrt(v): +{n * dtype.itemsize / world / 1e9:.2f} GB "
+        "after activations are freed; fused AdamW: none; galore2's temporaries), which "
+        "python -m recipes.plan measures (its step columns).",
     ]
     if world > 1:
         notes.append("FSDP2: galore2's right bases (Q) are replicated; backward prefetch of the "

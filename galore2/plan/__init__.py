@@ -8,12 +8,14 @@ CONFIG is a Hugging Face ``config.json`` or its folder (:mod:`galore2.plan.confi
 model is built on the meta device: nothing is allocated and nothing is downloaded. The
 planner is self-contained (it never imports the recipe of a source checkout): a recipe
 config is planned by the recipe, which passes its resolved settings down,
-``python -m recipes.plan llama_7b`` with the same options. Per optimizer — AdamW, 8-bit
-AdamW (bitsandbytes) and every galore2 preset: GaLoreAdamW, GaLoreAdamW8bit with an INT8
+``python -m recipes.plan llama_7b`` with the same options. Per optimizer — AdamW (torch's
+fused and foreach kernels), 8-bit AdamW (bitsandbytes) and every galore2 preset:
+GaLoreAdamW, GaLoreAdamW8bit with an INT8
 and an INT4 basis, GaLoreAdafactor, Fira, APOLLO, APOLLO-Mini (rank 1), GaLoreMuon,
 Ranger21 (full rank), GaLoreRanger21 (:data:`OPTIMIZERS`) — and per option set —
 per-layer updates, activation checkpointing, FSDP world size — the plan lists weights,
-gradients, optimizer state, activations and the total per GPU, and whether it fits
+gradients, optimizer state, the step's own memory, activations and the total per GPU,
+and whether it fits
 ``--gpu-memory``. Its header counts the matrices GaLore projects (:func:`projected`: the
 weights of ``nn.Linear`` and ``transformers``' ``Conv1D`` layers but the output head, or
 the recipe's ``target_modules``), or says plainly that nothing is.
@@ -21,6 +23,8 @@ the recipe's ``target_modules``), or says plainly that nothing is.
 * optimizer state is **measured**: each galore2 optimizer is built over the meta model and
   ``init_state()`` creates every state tensor at its final shape
   (:mod:`galore2.plan.state`); AdamW and 8-bit AdamW are counted by their storage rules;
+* the step's own memory is **measured**: two steps run on the meta device under a
+  ``TorchDispatchMode`` that counts the bytes alive (:mod:`galore2.plan.step`);
 * weights, gradients and activations come from the formulas of
   :mod:`galore2.plan.formulas` (its docstring writes them out), the one place they live:
   the recipe's ``python -m recipes.memory`` calls the same functions.
@@ -30,9 +34,10 @@ formulas' inputs), :func:`activation_bytes`, :func:`parse_size`, :class:`Report`
 """
 
 from .formulas import Footprint, Shapes, activation_bytes, decoder_layers, layer_bytes
-from .planner import OPTIMIZERS, Row, plan, projected, state_pieces
+from .planner import OPTIMIZERS, Row, plan, projected, state_pieces, step_memory
 from .report import Report
 from .state import Piece, counted, measured, nbytes
+from .step import StepMemory
 from .units import parse_size
 
 __all__ = [
@@ -42,6 +47,7 @@ __all__ = [
     "Report",
     "Row",
     "Shapes",
+    "StepMemory",
     "activation_bytes",
     "counted",
     "decoder_layers",
@@ -52,4 +58,5 @@ __all__ = [
     "plan",
     "projected",
     "state_pieces",
+    "step_memory",
 ]

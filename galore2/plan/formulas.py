@@ -37,9 +37,8 @@ embeddings, final norm, output head; :func:`decoder_layers` finds the layers).
   without gate, biases, eager attention with its seq² matrix) save somewhat different
   tensors; for them the same formula is an estimate.
 
-Not counted: the CUDA context and allocator fragmentation, step temporaries (foreach
-AdamW's √v, galore2's low-rank temporaries and its fp32 gradient at a refresh), FSDP2's
-prefetch of the next layer's parameters.
+Not counted: the CUDA context and allocator fragmentation, FSDP2's prefetch of the next
+layer's parameters. The optimizer step's own memory is measured (:mod:`galore2.plan.step`).
 """
 
 from __future__ import annotations

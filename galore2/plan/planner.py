@@ -4,7 +4,9 @@ Every row combines one optimizer (:data:`OPTIMIZERS`) with one option set (per-l
 updates on/off, activation checkpointing on/off, an FSDP world size). Weights, gradients
 and activations come from :mod:`galore2.plan.formulas`; optimizer state from
 :mod:`galore2.plan.state` (measured for galore2's optimizers: ``init_state()`` on the
-meta device; counted for ``torch.optim.AdamW`` and bitsandbytes' ``AdamW8bit``).
+meta device; counted for ``torch.optim.AdamW`` and bitsandbytes' ``AdamW8bit``); the
+step's own memory from :mod:`galore2.plan.step` (measured: the step run on the meta
+device). A row's total is the larger of two moments (:attr:`Row.total`).
 """
 
 from __future__ import annotations
@@ -20,17 +22,20 @@ from ..core.transform import walk
 from ..groups import param_groups
 from ..optim.galore import GaLore
 from ..presets import PRESETS
-from .formulas import Footprint
+from .formulas import Footprint, decoder_layers
 from .state import Piece, counted, measured, nbytes
+from .step import StepMemory, TorchAdamW, by_depth, measure
 
-__all__ = ["OPTIMIZERS", "Optimizer", "Row", "plan", "projected", "state_pieces"]
+__all__ = ["OPTIMIZERS", "Optimizer", "Row", "build", "plan", "projected", "state_pieces",
+           "step_memory"]
 
 
 @dataclass(frozen=True)
 class Optimizer:
-    """An optimizer the planner sizes: a counted rule (``rule``) or a galore2 preset
-    (``preset``, a key of ``galore2.presets.PRESETS``) with extra GaLore group keys
-    (``group``) and constructor arguments that change no state (``kwargs``)."""
+    """An optimizer the planner sizes: a counted rule (``rule``; ``adamw`` with its
+    ``kernel`` in ``kwargs``) or a galore2 preset (``preset``, a key of
+    ``galore2.presets.PRESETS``) with extra GaLore group keys (``group``) and constructor
+    arguments that change no state (``kwargs``)."""
 
     name: str
     label: str
@@ -49,7 +54,11 @@ class Optimizer:
 OPTIMIZERS: dict[str, Optimizer] = {
     o.name: o
     for o in (
-        Optimizer("adamw", "AdamW", rule="adamw"),
+        # the recipe's AdamW on a GPU (optim.adamw_kernel auto): torch's fused kernel
+        Optimizer("adamw", "AdamW (fused)", rule="adamw", kwargs={"kernel": "fused"}),
+        Optimizer(
+            "adamw_foreach", "AdamW (foreach)", rule="adamw", kwargs={"kernel": "foreach"}
+        ),
         Optimizer("adamw8bit", "AdamW 8-bit (bnb)", rule="adamw8bit"),
         Optimizer("galore_adamw", "GaLoreAdamW", preset="galore_adamw"),
         Optimizer(
@@ -85,7 +94,10 @@ OPTIMIZERS: dict[str, Optimizer] = {
 
 @dataclass(frozen=True)
 class Row:
-    """Bytes per GPU of one optimizer under one option set."""
+    """Bytes per GPU of one optimizer under one option set.
+
+    ``step``: the optimizer step's own temporaries at its peak; ``held``: what the optimizer
+    keeps between steps beyond its state (:class:`~galore2.plan.step.StepMemory`)."""
 
     optimizer: str
     per_layer: bool
@@ -95,11 +107,22 @@ class Row:
     gradients: int
     state: int
     activations: int
+    step: int = 0
+    held: int = 0
 
     @property
     def total(self) -> int:
-        """weights + gradients + state + activations."""
-        return self.weights + self.gradients + self.state + self.activations
+        """weights + gradients + state + held + the larger of activations and step: the
+        step's temporaries are not alive with the activation peak (the whole-model step
+        runs after backward has freed activations; a per-layer update runs once its
+        parameter's gradient is made, the largest ones, embeddings and output head, at
+        the ends of backward)."""
+        return self.weights + self.gradients + self.state + self.held + self.peak
+
+    @property
+    def peak(self) -> int:
+        """The larger of activations and the step's temporaries."""
+        return max(self.activations, self.step)
 
     def fits(self, budget: int) -> bool:
         """Whether the total is at most ``budget`` bytes."""
@@ -110,17 +133,24 @@ class Row:
         return {**asdict(self), "total": self.total}
 
 
-def state_pieces(
-    optimizer: Optimizer, model: nn.Module, target_modules: Any, galore: dict[str, Any]
-) -> list[Piece]:
-    """The state ``optimizer`` holds for ``model``: counted by rule, or measured from a
-    galore2 optimizer built over it (``init_state()``; a meta model allocates nothing) with
-    ``galore`` (rank, …) on the ``target_modules`` group. A preset's own definition wins
-    over ``galore``: its ``preset_defaults`` (APOLLO's projector, scaling and α) and its
-    ``projected_rank`` (APOLLO-Mini: 1); a preset without GaLore (Ranger21) gets one group
-    of every trainable parameter."""
+def build(
+    optimizer: Optimizer,
+    model: nn.Module,
+    target_modules: Any,
+    galore: dict[str, Any],
+    keep: set[int] | None = None,
+) -> Any:
+    """``optimizer`` over ``model``'s trainable parameters (only those whose ``id`` is in
+    ``keep``, when given), every state tensor created (galore2's ``init_state()``; a meta
+    model allocates nothing) with ``galore`` (rank, …) on the ``target_modules`` group; a
+    :class:`~galore2.plan.step.TorchAdamW` for the ``adamw`` rule, None for ``adamw8bit``.
+    A preset's own definition wins over ``galore``: its ``preset_defaults`` (APOLLO's
+    projector, scaling and α) and its ``projected_rank`` (APOLLO-Mini: 1); a preset without
+    GaLore (Ranger21) gets one group of every trainable parameter."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in params if keep is None or id(p) in keep]
     if optimizer.rule is not None:
-        return counted(optimizer.rule, model)
+        return TorchAdamW(params, **optimizer.kwargs) if optimizer.rule == "adamw" else None
     cls = PRESETS[optimizer.preset]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. rank >= min dim of a small weight
@@ -129,8 +159,12 @@ def state_pieces(
             rank = getattr(cls, "projected_rank", None)
             settings |= {"rank": rank} if rank is not None else {}
             groups = param_groups(model, target_modules, **settings, **optimizer.group)
+            if keep is not None:
+                groups = [{**g, "params": [p for p in g["params"] if id(p) in keep]}
+                          for g in groups]  # fmt: skip
+                groups = [g for g in groups if g["params"]]
         else:
-            groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+            groups = [{"params": params}]
         try:
             opt = cls(groups, **optimizer.kwargs)
         except ImportError as e:  # GaLoreAdamW8bit without bitsandbytes
@@ -140,7 +174,59 @@ def state_pieces(
         except ValueError as e:  # the settings given do not suit this preset
             raise ValueError(f"optimizer {optimizer.name!r} ({cls.__name__}): {e}") from None
         opt.init_state()
+    return opt
+
+
+def _pieces(optimizer: Optimizer, opt: Any, params: Any) -> list[Piece]:
+    if optimizer.rule is not None:
+        fused = optimizer.kwargs.get("kernel") == "fused"
+        return counted(optimizer.rule, params, device_step=fused)
     return measured(opt)
+
+
+def state_pieces(
+    optimizer: Optimizer, model: nn.Module, target_modules: Any, galore: dict[str, Any]
+) -> list[Piece]:
+    """The state ``optimizer`` holds for ``model``: counted by rule, or measured from a
+    galore2 optimizer built over it (:func:`build`)."""
+    opt = None if optimizer.rule is not None else build(optimizer, model, target_modules, galore)
+    return _pieces(optimizer, opt, model)
+
+
+def step_memory(
+    optimizer: Optimizer,
+    model: nn.Module,
+    target_modules: Any,
+    galore: dict[str, Any],
+    per_layer: bool,
+    n_layers: int,
+) -> StepMemory:
+    """The step's own memory (:mod:`galore2.plan.step`): measured on the root parameters
+    and the first decoder layers of ``model`` (``n_layers`` of them), extrapolated to all;
+    0 for bitsandbytes' 8-bit AdamW (a rule: its kernels work in place). An optimizer that
+    refuses per-layer updates (Ranger21: its stable weight decay needs every gradient) has
+    the whole step's memory on its (hypothetical) per-layer rows."""
+    if optimizer.rule == "adamw8bit":
+        return StepMemory()
+    layers = decoder_layers(model, n_layers)
+    inside = {id(p) for p in layers.parameters()}
+    root = {id(p) for p in model.parameters() if id(p) not in inside}
+
+    def run(depth: int) -> StepMemory:
+        keep = root | {id(p) for layer in layers[:depth] for p in layer.parameters()}
+        params = [p for p in model.parameters() if p.requires_grad and id(p) in keep]
+        opt = build(optimizer, model, target_modules, galore, keep)
+        device = params[0].device
+        state = nbytes(x for x in _pieces(optimizer, opt, params) if x.layout != "cpu")
+        try:
+            return measure(opt, params, state, device, per_layer)
+        except ValueError:  # step_param refused (Ranger21's stable weight decay needs
+            if not per_layer:  # every gradient): the row is hypothetical, so is its step
+                raise
+        return measure(build(optimizer, model, target_modules, galore, keep), params, state,
+                       device)  # fmt: skip
+
+    return by_depth(run, n_layers)
 
 
 def projected(model: nn.Module, target_modules: Any) -> int:
@@ -207,12 +293,19 @@ def plan(
     settings = {**(galore or {}), "rank": rank}
     rows = []
     for name in dict.fromkeys(optimizers):
-        pieces = state_pieces(OPTIMIZERS[name], model, target_modules, settings)
+        spec = OPTIMIZERS[name]
+        pieces = state_pieces(spec, model, target_modules, settings)
+        steps = {pl: step_memory(spec, model, target_modules, settings, pl, fp.shapes.n_layers)
+                 for pl in layered}  # fmt: skip
         for w in worlds:
             state = nbytes(pieces, w)
             for pl in layered:
                 grads = fp.gradients(w, pl, grad_accum)
+                own = steps[pl]
+                # FSDP: each rank steps its shards (an estimate, not measured under FSDP)
+                step, held = -(-own.transient // w), -(-own.held // w)
                 for ac in ckpt:
                     acts = fp.activations(batch_size, seq_len, ac)
-                    rows.append(Row(name, pl, ac, w, fp.weights(w), grads, state, acts))
+                    rows.append(Row(name, pl, ac, w, fp.weights(w), grads, state, acts,
+                                    step, held))  # fmt: skip
     return rows

@@ -13,7 +13,8 @@ from .units import UNITS
 __all__ = ["plot"]
 
 _PARTS = (("weights", "weights", "#4C72B0"), ("gradients", "gradients", "#DD8452"),
-          ("state", "optimizer state", "#55A868"), ("activations", "activations", "#C44E52"))  # fmt: skip
+          ("state", "optimizer state", "#55A868"), ("held", "step cache", "#8172B3"),
+          ("peak", "activations or step temporaries (the larger)", "#C44E52"))  # fmt: skip
 _OPTIONS = {(False, False): "plain", (True, False): "PL", (False, True): "AC",
             (True, True): "PL+AC"}  # fmt: skip
 
@@ -32,7 +33,8 @@ def _pyplot() -> Any:
 def plot(report: Report, path: str | Path) -> Path:
     """Write a PNG to ``path``: one panel per FSDP world size; per optimizer one bar per
     option set (PL: per-layer updates, AC: activation checkpointing), stacked weights /
-    gradients / state / activations, and a dashed line at the GPU memory."""
+    gradients / state / step cache / the larger of activations and step temporaries (their
+    sum is the row's total), and a dashed line at the GPU memory."""
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise ValueError(f"--plot must name a .png file, got {str(path)!r}")

@@ -14,17 +14,26 @@ __all__ = ["Report"]
 _NOTES = (
     "State: galore2 rows measured (init_state() on the meta device: every state tensor "
     "at its final shape; moments fp32 or 8-bit + fp32 absmax per 256, bases fp32 or "
-    "INT8/INT4 codes + scales); AdamW counted (two moments in the parameter dtype + a CPU "
-    "step per tensor); AdamW 8-bit counted by bitsandbytes 0.50.2's rules (uint8 moments "
+    "INT8/INT4 codes + scales); AdamW counted (two moments in the parameter dtype + a step "
+    "per tensor: on the device for fused, the CPU for foreach); AdamW 8-bit counted by "
+    "bitsandbytes 0.50.2's rules (uint8 moments "
     "+ fp32 absmax per 256 elements, fp32 below 4096 elements). Embeddings and the output "
     "head stay full rank in every GaLore optimizer; APOLLO-Mini projects at rank 1 (its "
     "definition), Ranger21 at full rank.",
     "Weights, gradients, activations: the formulas of galore2.plan.formulas. Per-layer "
     "updates keep one gradient alive (torch optimizers need a per-parameter optimizer "
     "in a post-accumulate-grad hook for that; galore2 has galore2.per_layer).",
-    "Not counted: CUDA context and allocator fragmentation (~1-2 GB), step temporaries "
-    "(foreach AdamW's sqrt(v) after activations are freed, galore2's fp32 gradient at a "
-    "refresh), FSDP2's prefetch of the next layer.",
+    "Step: measured by running two optimizer steps (a GaLore refresh and an ordinary step) "
+    "on the meta device and counting the bytes alive (galore2.plan.step): 'step cache' is "
+    "kept between steps beyond the state, 'step temp.' is the step's own peak above that "
+    "(foreach AdamW: one temporary the size of every parameter; fused AdamW: none; "
+    "galore2: its torch path, an upper bound where its Triton 8-bit kernel runs). Per-layer "
+    "rows: the largest one parameter's step. The step's temporaries and the activation "
+    "peak are not alive together: total = weights + grads + state + step cache + the "
+    "larger of activations and step temp. FSDP world size > 1: the step's bytes / W (an "
+    "estimate). AdamW 8-bit: 0 (its kernels update in place; not measured).",
+    "Not counted: CUDA context and allocator fragmentation (~1-2 GB), FSDP2's prefetch "
+    "of the next layer.",
 )
 
 
@@ -84,10 +93,10 @@ class Report:
         u, budget = self.unit, self.gpu_memory
         fit = f"fits {format_budget(budget, u)} {u}"
         head = ["optimizer", "per-layer", "act. ckpt", "weights", "grads", "state",
-                "activations", "total", fit]  # fmt: skip
-        lines = ["| " + " | ".join(head) + " |", "|---" * 3 + "|--:" * 5 + "|---|"]
+                "step cache", "activations", "step temp.", "total", fit]  # fmt: skip
+        lines = ["| " + " | ".join(head) + " |", "|---" * 3 + "|--:" * 7 + "|---|"]
         for r in (r for r in self.rows if r.world_size == world):
-            sizes = [r.weights, r.gradients, r.state, r.activations, r.total]
+            sizes = [r.weights, r.gradients, r.state, r.held, r.activations, r.step, r.total]
             verdict = "yes" if r.fits(budget) else f"no (+{format_size(r.total - budget, u)})"
             cells = [OPTIMIZERS[r.optimizer].label, "on" if r.per_layer else "off",
                      "on" if r.checkpointing else "off",

@@ -13,7 +13,8 @@ A state tensor is a :class:`Piece` (shape, bytes per element, how FSDP2 shards i
 * ``torch.optim.AdamW`` and bitsandbytes' ``AdamW8bit`` are **counted** by their storage
   rules (:func:`counted`), per trainable parameter of n elements:
 
-  - ``adamw``: two moments in the parameter dtype + a 0-d fp32 ``step`` (on the CPU);
+  - ``adamw``: two moments in the parameter dtype + a 0-d fp32 ``step`` (on the CPU; on
+    the device with ``fused=True``, ``device_step``);
   - ``adamw8bit`` (bitsandbytes 0.50.2): fewer than 4096 elements, two fp32 moments;
     otherwise two uint8 moments + one fp32 absmax per 256 elements each; plus two
     256-entry fp32 code maps shared by all parameters.
@@ -81,16 +82,22 @@ def _eight_bit(shape: tuple[int, ...]) -> list[Piece]:
     return [Piece(shape, 1)] * 2 + [Piece((-(-n // BNB_BLOCK),), 4)] * 2
 
 
-def counted(name: str, model: nn.Module) -> list[Piece]:
+def counted(
+    name: str, model: nn.Module | Iterable[torch.Tensor], device_step: bool = False
+) -> list[Piece]:
     """The state ``torch.optim.AdamW`` (``name="adamw"``) or bitsandbytes' ``AdamW8bit``
-    (``"adamw8bit"``) holds for ``model``'s trainable parameters, by its storage rules."""
+    (``"adamw8bit"``) holds for ``model``'s trainable parameters (or those given), by its
+    storage rules;
+    ``device_step``: AdamW keeps its step counters on the device (``fused=True``)."""
     if name not in RULES:
         raise ValueError(f"no storage rule for {name!r}; rules: {', '.join(RULES)}")
+    params = model.parameters() if isinstance(model, nn.Module) else model
     out: list[Piece] = []
-    for p in (p for p in model.parameters() if p.requires_grad):
+    for p in (p for p in params if p.requires_grad):
         shape = tuple(p.shape)
         if name == "adamw":
-            out += [Piece(shape, p.element_size())] * 2 + [Piece((), 4, "cpu", "other")]
+            step = Piece((), 4, "replicate" if device_step else "cpu", "other")
+            out += [Piece(shape, p.element_size())] * 2 + [step]
         else:
             out += _eight_bit(shape)
     if name == "adamw8bit":  # the two shared quantization maps

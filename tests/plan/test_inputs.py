@@ -191,4 +191,4 @@ def test_the_planner_imports_without_optional_packages_and_names_what_is_missing
         "    print(e)\n"
     )
     out = run_python(code)
-    assert "need bitsandbytes" in out and "--optimizers adamw,adamw8bit,galore_adamw," in out
+    assert "need bitsandbytes" in out and "--optimizers adamw,adamw_foreach,adamw8bit,galore_adamw," in out
