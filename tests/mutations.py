@@ -10,7 +10,8 @@ or class (``where``: ``"Class.method"``, ``"function"``; found by parsing the so
 for in ``path`` first, then anywhere in the package ``path`` lies in, so moving a function
 to another file does not break its mutations; a missing or ambiguous definition or snippet
 makes the harness fail loudly instead of silently testing nothing. An entry without
-``where`` is located in the whole file. For each mutation the repository
+``where`` (module-level code only, see tests/core/test_mutation_harness.py) is located
+in its whole file. For each mutation the repository
 (galore2/, tests/, recipes/, tools/, pyproject.toml) is copied to a temporary directory,
 the edit is applied there and pytest runs the tests listed for it (``-x``, with
 ``PYTHONPATH`` set to the copy). The mutation is *killed* when pytest reports a failure,
@@ -55,6 +56,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/optim/test_reference_galore_torch.py",),
         "projected matrices decay before the update instead of after it (GaLore is not "
         "handed the step's decay factor: fold dropped)",
+        where="GaLore",
     ),
     Mutation(
         "galore_scale",
@@ -63,6 +65,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "factor = 1.0 * decay",
         ("tests/optim/test_reference_galore_torch.py",),
         "the low-rank update ignores the scale α",
+        where="GaLore._back",
     ),
     Mutation(
         "side_rule",
@@ -71,6 +74,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "return RIGHT if m > n else LEFT",
         ("tests/projectors/test_projectors.py", "tests/optim/test_reference_galore_torch.py"),
         "square matrices project on the left (galore-torch: right)",
+        where="choose_side",
     ),
     Mutation(
         "plain_decay_order",
@@ -79,6 +83,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    p.add_(u, alpha=-lr)\n    if decay != 1.0:\n        p.mul_(decay)",
         ("tests/core/test_adamw_equivalence.py",),
         "dense updates decay after the update (torch.optim.AdamW: before)",
+        where="apply_update",
     ),
     Mutation(
         "bias_correction",
@@ -87,6 +92,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "bias_correction2_sqrt = 1.0",
         ("tests/core/test_adamw_equivalence.py",),
         "per-tensor Adam without the second moment's bias correction",
+        where="ScaleByAdam._arith",
     ),
     Mutation(
         "foreach_moments",
@@ -95,6 +101,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "torch._foreach_mul_(exp_avg_sqs, beta1)",
         ("tests/core/test_foreach.py",),
         "foreach Adam's second moment decays with β₁",
+        where="ScaleByAdam._foreach",
     ),
     Mutation(
         "batched_decay",
@@ -103,6 +110,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            pass\n",
         ("tests/core/test_foreach.py",),
         "the batched (foreach) step drops the weight decay of dense updates",
+        where="apply_updates",
     ),
     Mutation(
         "moments_rotation",
@@ -111,6 +119,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "x = (C * C if squared else C).mT @ x",
         ("tests/optim/test_project_rotation.py",),
         "moments rotated with Cᵀ instead of C = P_newᵀ·P_old on a refresh",
+        where="Projection.rotation.rotate",
     ),
     Mutation(
         "orthonormalization",
@@ -119,6 +128,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        Q, ok = Y, torch.tensor(True)\n",
         ("tests/projectors/test_projectors.py",),
         "randomized / warm-started bases are not orthonormalized",
+        where="certified.fast",
     ),
     Mutation(
         "sketch_rotation",
@@ -127,6 +137,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "return Y[:, :rank]",
         ("tests/projectors/test_projectors.py",),
         "randomized left basis: the sketch's first r directions, not B = YᵀG's top r",
+        where="left_basis",
     ),
     Mutation(
         "cholesky_qr_passes",
@@ -135,6 +146,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "Q = Q1",
         ("tests/projectors/test_projectors.py",),
         "CholeskyQR2 runs one pass (loses orthogonality on ill-conditioned input)",
+        where="cholesky_qr2",
     ),
     Mutation(
         "qr_certificate",
@@ -143,6 +155,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "near = torch.linalg.matrix_norm(gram - eye) <= math.inf",
         ("tests/projectors/test_projectors.py",),
         "CholeskyQR2 trusted on any finite result (rank-deficient or too ill-conditioned sketches)",
+        where="cholesky_qr2",
     ),
     Mutation(
         "sign_alignment",
@@ -151,6 +164,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "signs = torch.where(dots < 0, 1.0, 1.0)",
         ("tests/projectors/test_projectors.py",),
         "refreshed basis columns keep arbitrary signs",
+        where="align_signs",
     ),
     Mutation(
         "block_axis_8bit",
@@ -159,6 +173,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         'dim = 1 if layout == "cols" else 0',
         ("tests/storage/test_moment_storage.py", "tests/optim/test_adam8bit.py"),
         "8-bit moments blocked along the other axis",
+        where="block_dim",
     ),
     Mutation(
         "stable_wd_sigma",
@@ -171,6 +186,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/optim/test_ranger21.py",
         ),
         "stable weight decay divides by σ² instead of σ",
+        where="StableWeightDecay._factor",
     ),
     Mutation(
         "fsdp_reduce_scatter",
@@ -179,6 +195,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "R = R.chunk(plan.placement.world, dim=1)[plan.placement.rank].contiguous()",
         ("tests/fsdp/test_fsdp.py::test_fsdp_matches_single_process",),
         "left side: each rank keeps its columns of its own partial PᵀG (reduction dropped)",
+        where="LeftProjection.reduce",
     ),
     Mutation(
         "limiter_norm_local",
@@ -187,6 +204,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "norm = sq[0].sqrt() / bias",
         ("tests/fsdp/test_fsdp_lowrank.py::test_lowrank_modules_match_single_process",),
         "FSDP: the norm-growth limiter compares this rank's ‖S_i‖ (all-reduce dropped)",
+        where="_limit",
     ),
     Mutation(
         "apollo_tensor_local",
@@ -195,6 +213,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "sums = sums",
         ("tests/fsdp/test_fsdp_lowrank.py::test_lowrank_modules_match_single_process",),
         "FSDP: APOLLO-Mini's ‖N‖_F/‖R‖_F of a RIGHT matrix from this rank's rows only",
+        where="combine",
     ),
     Mutation(
         "muon_gram_local",
@@ -203,6 +222,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "reduce = lambda t: t",
         ("tests/fsdp/test_fsdp_lowrank.py::test_lowrank_modules_match_single_process",),
         "FSDP: Muon orthogonalizes each rank's shard alone (Gram all-reduce dropped)",
+        where="ScaleByMuon.update",
     ),
     Mutation(
         "muon_local_shape",
@@ -211,6 +231,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "return rows, cols",
         ("tests/fsdp/test_fsdp_lowrank.py::test_lowrank_modules_match_single_process",),
         "FSDP: Muon's lr adjustment of a row-sharded direction from the local shard's rows",
+        where="_global_2d",
     ),
     Mutation(
         "muon_replicated_reduce",
@@ -227,6 +248,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "return 0",
         ("tests/fsdp/test_fsdp_lowrank.py::test_lowrank_modules_match_single_process",),
         "FSDP: Muon splits every direction on dim 0 (update's context: the parameter's layout)",
+        where="_split_of",
     ),
     Mutation(
         "muon_param_shape",
@@ -236,6 +258,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    return m, int(ctx.global_shape.numel() // m)",
         ("tests/optim/test_galore_muon.py",),
         "Muon's lr adjustment and short side from the parameter's m×n, not the direction's",
+        where="_global_2d",
     ),
     Mutation(
         "resume_counters",
@@ -248,6 +271,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/optim/test_ranger_modules.py::test_resume_mid_lookahead_cycle_is_bit_identical",
         ),
         "load_state_dict casts int64 counters and seeds to the parameter's dtype",
+        where="ChainOptimizer.load_state_dict",
     ),
     Mutation(
         "newest_checkpoint",
@@ -256,6 +280,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "step = min(found)",
         ("tests/fsdp/test_checkpoint_helper.py",),
         "load_checkpoint loads the oldest complete checkpoint",
+        where="_folder",
     ),
     Mutation(
         "lookahead_alpha",
@@ -264,6 +289,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "slow.lerp_(w, 1.0 - alpha)",
         ("tests/optim/test_ranger_modules.py", "tests/optim/test_ranger21.py"),
         "lookahead moves the slow weights by 1 − α",
+        where="Lookahead._sync",
     ),
     # ---- issue 27: Ranger21's modules on the batched path (foreach=True) -------------------
     Mutation(
@@ -273,6 +299,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "factor = limit.div_(g_norm).nan_to_num_(nan=1.0).clamp_max_(2.0)",
         ("tests/optim/test_ranger_batched.py",),
         "batched AGC scales units under the limit up to it",
+        where="AdaptiveGradientClipping.apply_many",
     ),
     Mutation(
         "batched_lookahead_alpha",
@@ -281,6 +308,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "torch._foreach_lerp_(slows, ws, 1.0 - float(LOOKAHEAD_ALPHA.of(group)))",
         ("tests/optim/test_ranger_batched.py",),
         "batched lookahead moves the slow weights by 1 − α",
+        where="Lookahead.apply_many",
     ),
     Mutation(
         "batched_pnm_passive",
@@ -289,6 +317,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "torch._foreach_add_(out, passive, alpha=beta0 / (norm * bc_passive))",
         ("tests/optim/test_ranger_batched.py",),
         "batched PNM adds the passive momentum instead of subtracting it",
+        where="ScaleByPNM._foreach",
     ),
     # ---- issue 30: behaviours no test pinned, and the checkpoint folder's one run ----------
     Mutation(
@@ -301,6 +330,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_older_step_is_compared_with_the_newest_checkpoint",
         ),
         "a save is compared with the oldest checkpoint in the folder, not the newest",
+        where="choose",
     ),
     Mutation(
         "checkpoint_takeover",
@@ -309,6 +339,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "run_id = (by_step[existing[-1][0]] if existing else None) or new_run_id()",
         ("tests/fsdp/test_checkpoint_runs.py::test_another_model_cannot_take_over_a_folder",),
         "a save without run_id takes the id of the folder's newest checkpoint, whoever saves",
+        where="choose",
     ),
     Mutation(
         "recordless_options_unchecked",
@@ -317,6 +348,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "layout.check_options(folder, state, None)",
         ("tests/fsdp/test_checkpoint_runs.py::test_refused_load_without_record_changes_nothing",),
         "a checkpoint without galore2.json is loaded before its group options are compared",
+        where="_optimizer_state",
     ),
     Mutation(
         "shard_size_one_way",
@@ -328,6 +360,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_a_shard_that_grew_is_refused_without_checksums",
         ),
         "a shard that grew passes the size check (verify=False loads it)",
+        where="verify",
     ),
     # ---- issue 39 items 2, 4, 5, 26: refused loads change nothing, a folder's one writer ----
     Mutation(
@@ -340,6 +373,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_a_load_refused_by_dcp_leaves_a_fresh_optimizer_fresh",
         ),
         "a load refused by DCP leaves the state of its zero-gradient step in a fresh optimizer",
+        where="load_checkpoint",
     ),
     Mutation(
         "owner_by_run_id",
@@ -351,6 +385,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_an_optimizer_loaded_from_a_copy_cannot_save_into_the_original",
         ),
         "an optimizer loaded from a copy of a folder saves into the original (same run id)",
+        where="_implicit",
     ),
     Mutation(
         "recordless_folder_taken",
@@ -362,6 +397,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_an_optimizer_of_another_run_cannot_take_a_folder_without_records",
         ),
         "an optimizer of another run saves into a folder whose newest checkpoint has no record",
+        where="_implicit",
     ),
     Mutation(
         "stray_counts_toward_keep",
@@ -373,6 +409,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_a_stray_step_folder_neither_counts_toward_keep_nor_is_deleted",
         ),
         "a stray step-N folder is listed as a checkpoint (counts toward keep, is pruned)",
+        where="list_checkpoints",
     ),
     Mutation(
         "refresh_due_before_replan",
@@ -385,6 +422,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         "due_for_refresh (CapturedStep's eager/replay choice) reads the schedule before an "
         "edited update_proj_gap is re-planned (issue 39 item 6)",
+        where="ChainOptimizer.due_for_refresh",
     ),
     Mutation(
         "gap_edit_moves_a_due_refresh",
@@ -397,6 +435,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         "issue 39 #25: an edit of update_proj_gap moves a refresh due at the very next step "
         "onto the new schedule",
+        where="GaLore.options_changed",
     ),
     Mutation(
         "gap_edit_moves_a_pending_refresh",
@@ -410,6 +449,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         "issue 39 #25: an edit of update_proj_gap moves a refresh pending after a failed one "
         "(or due at the next step) onto the new schedule",
+        where="GaLore.options_changed",
     ),
     Mutation(
         "gap_edit_pending_gap_unbounded",
@@ -422,6 +462,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         "issue 39 #25: a pending parameter's adaptive gap is left outside the edited range "
         "(max_update_proj_gap cut: the next gap stays the old one)",
+        where="GaLore.options_changed",
     ),
     Mutation(
         "capture_lr_not_a_setting",
@@ -440,6 +481,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/core/test_capture.py::test_a_scheduled_lr_is_a_changed_setting",),
         "issue 39 #23: a tensor lr an LR scheduler rewrites in place compares equal to the "
         "captured one (the same object): the graph replays its stale lr",
+        where="CapturedStep._group_settings",
     ),
     Mutation(
         "tt_plain_gets_rank",
@@ -451,6 +493,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_config_builds_the_container_torchtitan_expects",
         ),
         "torchtitan: the plain group (embeddings, head, norms) gets GaLore's rank, gap, scale",
+        where="plain_options",
     ),
     Mutation(
         "tt_api_by_version_guess",
@@ -459,6 +502,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         'if hasattr(optimizer_module, "OptimizersContainer"):',
         ("tests/integrations/test_torchtitan_api.py",),
         "issue 39 #14: torchtitan 0.2.x's optimizer module taken for 0.3.x's API",
+        where="api_of",
     ),
     Mutation(
         "tt_wheel_for_torch_2_11",
@@ -480,6 +524,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         "a run does not hold its out dir: a second process resuming there drops the first's "
         "metrics rows and rewrites its config.json (issue 39 item 3)",
+        where="prepare",
     ),
     Mutation(
         "skip_streak_total",
@@ -488,6 +533,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "self.streak = self.streak + steps if every_step else self.streak",
         ("tests/recipes/test_divergence_streak.py",),
         "the divergence stop counts every skipping step, not consecutive ones",
+        where="SkipWatch.at_log",
     ),
     Mutation(
         "skip_streak_window_any",
@@ -496,6 +542,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "default=0) >= 1  # fmt: skip",
         ("tests/recipes/test_divergence_streak.py",),
         "a log window with skips at some of its steps extends the streak by all of them",
+        where="SkipWatch.at_log",
     ),
     Mutation(
         "adamw_baseline_fp32",
@@ -504,6 +551,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "2 * p.numel() * (fixed or 4) + 4",
         ("tests/recipes/test_metrics_timing.py",),
         "the summary's AdamW baseline counts fp32 moments whatever the parameters' dtype",
+        where="adamw_state_bytes",
     ),
     Mutation(
         "resume_seed_free",
@@ -523,6 +571,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_weight_decay_setting_reaches_the_decayed_groups_only",
         ),
         "HF: weight_decay from optim_args / create_optimizer never reaches the decayed groups",
+        where="_build",
     ),
     Mutation(
         "hf_no_decay_groups",
@@ -534,6 +583,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_weight_decay_setting_reaches_the_decayed_groups_only",
         ),
         "HF: biases and norm weights are decayed by the galore2 weight_decay setting",
+        where="_build",
     ),
     Mutation(
         "polar_cutoff",
@@ -545,6 +595,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_polar_of_a_rank_deficient_product_drops_the_null_directions",
         ),
         "Muon's exact polar factor inverts rounding-level eigenvalues (no relative cutoff)",
+        where="polar",
     ),
     Mutation(
         "plan_recompute",
@@ -553,6 +604,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a * t * shapes.vocab_size + bwd",
         ("tests/plan/test_formulas_pinned.py",),
         "the planner's checkpointed peak leaves out the recomputed layer",
+        where="activation_bytes",
     ),
     Mutation(
         "plan_fp32_reduce_scatter",
@@ -561,6 +613,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "out += unit",
         ("tests/plan/test_formulas_pinned.py",),
         "the planner leaves out FSDP's fp32 reduce-scatter input of a bf16 unit's gradient",
+        where="Footprint.gradients",
     ),
     Mutation(
         "alias_options_refused",
@@ -572,6 +625,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_alias_option_values_of_an_older_release_load_silently",
         ),
         "an older release's alias option values (state_dtype 'bf16') are refused on load",
+        where="compare_groups",
     ),
     Mutation(
         "subnormal_scale",
@@ -583,6 +637,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_a_group_with_subnormal_absmax_stores_scale_zero",
         ),
         "a quantized-basis group with subnormal absmax stores a subnormal scale",
+        where="QuantizedBasis.encode",
     ),
     Mutation(
         "gap_change_ignored",
@@ -591,6 +646,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "if keys & diff and False:",
         ("tests/optim/test_refresh_schedule.py",),
         "a changed update_proj_gap keeps the old schedule's next refresh (issue 30 item 4)",
+        where="Settings.check",
     ),
     Mutation(
         "frozen_edit_ignored",
@@ -599,6 +655,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "bad = []",
         ("tests/optim/test_refresh_schedule.py",),
         "a rank edited in param_groups mid-run is silently ignored",
+        where="Settings.check",
     ),
     Mutation(
         "left_gather_undeclared",
@@ -607,6 +664,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "",
         ("tests/optim/test_projection.py",),
         "the traffic model forgets the left side's per-step all-gather of N",
+        where="LeftProjection.step_collectives",
     ),
     Mutation(
         "staggered_phase",
@@ -615,6 +673,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "return step + gap",
         ("tests/optim/test_refresh_schedule.py",),
         "refresh_schedule='staggered' refreshes every matrix together",
+        where="next_refresh",
     ),
     Mutation(
         "bf16_projection_ignored",
@@ -623,6 +682,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         'if precision == "bf16" and G.dtype == torch.float64:',
         ("tests/projectors/test_precision.py",),
         "proj_precision='bf16' projects in fp32",
+        where="projection_precision",
     ),
     Mutation(
         "batched_limiter_gamma",
@@ -631,6 +691,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ratio = torch.clamp(norm / (prev + _EPS), min=gamma)",
         ("tests/optim/test_batched_rules.py",),
         "batched Fira / APOLLO: the norm-growth limiter divides by γ× the previous norm's ratio",
+        where="_limit_buckets",
     ),
     Mutation(
         "batched_fira_right_residual",
@@ -639,6 +700,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "else bmm(Gs, r, Bs.mT, alpha=-c)",
         ("tests/optim/test_batched_rules.py",),
         "batched Fira: a right basis's residual is G + R·Qᵀ",
+        where="combine_buckets",
     ),
     Mutation(
         "stacked_entry_one_correction",
@@ -647,6 +709,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "scales.append(scale[a].expand(shape))",
         ("tests/core/test_packing.py",),
         "a stacked entry's members all get its first member's bias correction",
+        where="_per_entry",
     ),
     Mutation(
         "stacked_state_stale",
@@ -655,6 +718,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "return True",
         ("tests/core/test_packing.py",),
         "a batch's stacked state is kept after its tensors were re-pointed elsewhere",
+        where="_InnerStacks.holds",
     ),
     Mutation(
         "stacked_grads_written",
@@ -663,6 +727,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "return True",
         ("tests/core/test_packing.py",),
         "the back-projection is written into gradients that were viewed as a stack",
+        where="writable",
     ),
     Mutation(
         "masked_update_stack_unmasked",
@@ -671,6 +736,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "masked = view",
         ("tests/core/test_packing.py", "tests/core/test_capturable.py"),
         "a capturable step applies a masked parameter's update when it is an entry of a stack",
+        where="masked_updates",
     ),
     Mutation(
         "premasked_back_unmasked",
@@ -679,6 +745,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "scale = mask.clamp(min=1.0) if factor == 1.0 else mask.clamp(min=1.0) * factor",
         ("tests/core/test_packing.py", "tests/core/test_capturable.py"),
         "a capturable step's back-projection of a stack is marked masked but was not masked",
+        where="back",
     ),
     Mutation(
         "derived_stale",
@@ -687,6 +754,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                pass",
         ("tests/core/test_packing.py", "tests/core/test_capturable.py"),
         "a capturable step's Adam weights kept from an earlier step's flags",
+        where="derive",
     ),
     Mutation(
         "inner_context_param_layout",
@@ -695,6 +763,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "firsts = [ctxs[st.idx[0]] for st in stacked]",
         ("tests/optim/test_inner_context.py",),
         "a stacked entry's inner rules see the parameter's layout at update, not the direction's",
+        where="_stacked_ctxs",
     ),
     Mutation(
         "adam_mask_ignored_batched",
@@ -703,6 +772,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "torch._foreach_lerp_(exp_avgs, us, 1 - beta1)",
         ("tests/core/test_capturable.py",),
         "a capturable step's batched Adam moves a masked direction's first moment",
+        where="ScaleByAdam._foreach",
     ),
     Mutation(
         "adam_mask_ignored_single",
@@ -711,6 +781,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "exp_avg_sq.mul_(beta2)",
         ("tests/core/test_capturable.py",),
         "a capturable step's per-tensor Adam decays a masked direction's second moment",
+        where="ScaleByAdam._arith",
     ),
     Mutation(
         "stacked_mask_first_member",
@@ -719,6 +790,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "out.append(first)",
         ("tests/core/test_packing.py",),
         "a stacked entry's moments are masked by its first member's flag only",
+        where="_stacked_ctxs",
     ),
     Mutation(
         "adam_mask_bf16",
@@ -727,6 +799,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "if masks and masks[0] is not None:",
         ("tests/core/test_capture_ready.py",),
         "Adam masks bfloat16 moments by tensor weights: capturable runs leave the host bits",
+        where="ScaleByAdam._masks",
     ),
     Mutation(
         "flag_pick_stale",
@@ -735,6 +808,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "self.last[0] is flags:",
         ("tests/core/test_packing.py",),
         "a stacked entry's flags picked from the flag buffer are last step's",
+        where="_Flags.__call__",
     ),
     Mutation(
         "stacked_grads_written_fira",
@@ -743,6 +817,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "kept = False",
         ("tests/core/test_packing.py",),
         "Fira / APOLLO write their residual into gradients viewed as a stack",
+        where="combine_buckets",
     ),
     Mutation(
         "batch_bases_stale",
@@ -751,6 +826,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "if self.stack is not None:",
         ("tests/optim/test_batch_plan.py",),
         "batched GaLore: a basis written since it was stacked (refresh, load) is read stale",
+        where="ShapeBatch.bases",
     ),
     Mutation(
         "batch_due_ignored",
@@ -759,6 +835,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "out.append([])",
         ("tests/optim/test_batch_plan.py",),
         "batched GaLore: a matrix due for a refresh stays in its shape batch (never refreshed)",
+        where="BatchPlan.due",
     ),
     Mutation(
         "batched_8bit_pack_axis",
@@ -767,6 +844,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "idx = r * -(-cols // BLOCK) + c // BLOCK",
         ("tests/optim/test_batched_rules.py", "tests/optim/test_adam8bit.py"),
         "batched 8-bit Adam: directions blocked along dim 0 packed as if blocked along rows",
+        where="pack_index",
     ),
     Mutation(
         "batched_newton_schulz_norm",
@@ -775,6 +853,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "X = X / torch.linalg.vector_norm(X, dim=2, keepdim=True).clamp_(min=NS_EPS)",
         ("tests/optim/test_batched_rules.py",),
         "batched Muon: each row normalized instead of the matrix",
+        where="newton_schulz",
     ),
     Mutation(
         "batched_adafactor_weight",
@@ -783,6 +862,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "weight = 1.0",
         ("tests/optim/test_batched_rules.py",),
         "batched Adafactor: the second-moment estimate forgets everything each step (β̂₂ = 0)",
+        where="ScaleByAdafactor._step_many",
     ),
     Mutation(
         "masked_restore",
@@ -791,6 +871,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "torch.where(b.flags(bad), current, current, out=current)",
         ("tests/core/test_capturable.py",),
         "capturable: a masked parameter's state is not put back (its moments decay)",
+        where="Snapshot.restore",
     ),
     Mutation(
         "device_bias_correction",
@@ -799,6 +880,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "torch.div(bc[0], bc[1], out=both[0])",
         ("tests/core/test_capture_ready.py",),
         "capturable foreach Adam: the second bias correction is not square-rooted",
+        where="ScaleByAdam._batch",
     ),
     Mutation(
         "capturable_pnm_parity",
@@ -807,6 +889,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "c_pos, c_neg = c_a, c_p",
         ("tests/core/test_capture_rules.py",),
         "capturable PNM: exp_avg always weighted as the active buffer (parity of t ignored)",
+        where="ScaleByPNM._coefficients",
     ),
     Mutation(
         "capturable_adafactor_rho",
@@ -815,6 +898,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "factor = t.sqrt_().reciprocal_().div_(lr)",
         ("tests/core/test_capture_rules.py",),
         "capturable Adafactor: ρ_t = 1/√t even above lr (min(lr, ·) dropped)",
+        where="_device_counts",
     ),
     # ---- the moments mixin (galore2/optim/moments.py): Adam's and PNM's shared code --------
     Mutation(
@@ -827,6 +911,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_stable_weight_decay_reaches_every_parameter_with_sigma_from_adam_states",
         ),
         "stable weight decay's σ sums the second moment without its bias correction",
+        where="MomentRule.second_moment_sum",
     ),
     Mutation(
         "moment_rule_batch_counted_twice",
@@ -835,6 +920,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "return packed.add_(2).tolist()",
         ("tests/core/test_foreach.py",),
         "a batch's host step counters advance by two per step (its bias corrections run ahead)",
+        where="MomentRule.count_steps",
     ),
     Mutation(
         "snapshot_fits_keyerror",
@@ -854,6 +940,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "issue 39 #16: a snapshot bucket whose owner list has as many entries as the group "
         "has flags is taken as every flag in order (a 2-parameter group: one parameter's "
         "two moments)",
+        where="_Flags.__init__",
     ),
     Mutation(
         "masked_dense_flag_by_chunk_index",
@@ -863,6 +950,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/core/test_masked_property.py::test_masked_step_is_the_skip_step_on_each_finding[17]",),
         "issue 39 #17: unstacked dense updates take the flag at their index in the chunk, "
         "not their parameter's (a NaN in a bias or norm gain)",
+        where="masked_updates",
     ),
     Mutation(
         "tucker_back_unscaled",
@@ -871,6 +959,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "return self.projector.project_back(N, state, self.plan, dtype)",
         ("tests/projectors/test_tucker.py::test_tucker_update_carries_scale_and_weight_decay",),
         "issue 39 #24: a Tucker weight's update loses its factor α·(1 − lr·λ)",
+        where="TuckerProjection.back",
     ),
     Mutation(
         "masked_bucket_unsaved_if_any_key_skipped",
@@ -883,6 +972,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         "issue 39 #18: a snapshot bucket is left unsaved when any of its keys is skipped "
         "(GaLoreMuon: a square matrix's momentum shares a bucket with its right basis)",
+        where="Snapshot.save",
     ),
     Mutation(
         "masked_unstacked_not_written_back",
@@ -892,6 +982,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/core/test_masked_property.py::test_masked_step_is_the_skip_step_on_each_finding[19]",),
         "issue 39 #19: an unstacked snapshot bucket is restored into a copy never written "
         "back (Adafactor's state of a unique shape; every bucket under FSDP)",
+        where="Snapshot.restore",
     ),
     Mutation(
         "masked_grad_buckets_kept",
@@ -901,6 +992,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/core/test_masked_property.py::test_masked_step_is_the_skip_step_on_each_finding[20]",),
         "issue 39 #20: the gradients' buckets kept while the set of parameters with "
         "gradients changes at the same count",
+        where="ChainOptimizer._masked_step",
     ),
     Mutation(
         "masked_skip_counter_kept",
@@ -910,6 +1002,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/core/test_masked_property.py::test_masked_step_is_the_skip_step_on_each_finding[20]",),
         "issue 39 #20: the device skip counter kept while the set of parameters with "
         "gradients changes at the same count (skips charged to the wrong parameter)",
+        where="ChainOptimizer._count_skips",
     ),
     Mutation(
         "stacked_first_batch_flags",
@@ -919,6 +1012,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/core/test_masked_property.py::test_masked_step_is_the_skip_step_on_each_finding[21]",),
         "issue 39 #21: every stacked entry takes the first shape batch's flags (a NaN in a "
         "member of the second batch)",
+        where="_stacked_ctxs",
     ),
     Mutation(
         "masked_host_counters_snapshotted",
@@ -929,6 +1023,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "issue 39 #22: host counters (galore.step, next_refresh) snapshotted and put back "
         "for a masked parameter on the CPU (then set back twice: by the snapshot and by the "
         "skips' read, behind the skip path's)",
+        where="ChainOptimizer._masked_step",
     ),
     Mutation(
         "norm_loss_moves_masked",
@@ -937,6 +1032,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            pass",
         ("tests/core/test_capturable.py::test_ranger21_weight_modules_leave_a_masked_parameter",),
         "issue 39 item 1: batched norm loss moves a masked parameter's weights",
+        where="NormLoss.apply_many",
     ),
     Mutation(
         "stable_decay_moves_masked",
@@ -945,6 +1041,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "factors = masked_factor(factor, None).expand(len(ctxs)).unbind()",
         ("tests/core/test_capturable.py::test_ranger21_weight_modules_leave_a_masked_parameter",),
         "issue 39 item 1: batched stable weight decay moves a masked parameter's weights",
+        where="StableWeightDecay.apply_many",
     ),
     Mutation(
         "batched_factors_unscaled",
@@ -953,6 +1050,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "LowRankUpdate(a, b, shape, 1.0)",
         ("tests/optim/test_lowrank_update.py",),
         "batched GaLore's factored updates lose α·(1 − lr·λ)",
+        where="factors",
     ),
     Mutation(
         "fused_adam_step_shifted",
@@ -961,6 +1059,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "t = torch.full((), float(step + 1),",
         ("tests/optim/test_lowrank_update.py",),
         "batched Adam's fused kernel bias-corrects with the next step's count",
+        where="adam_directions",
     ),
     Mutation(
         "masked_device_counters_advance",
@@ -1020,6 +1119,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_update_below_the_step_moves_the_weight_in_expectation",
         ),
         "int8 weights are re-quantized to nearest: sub-step updates are lost",
+        where="QuantizedBasis.encode",
     ),
     Mutation(
         "int8_weight_nonfinite_written",
@@ -1028,6 +1128,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ok = torch.ones((), dtype=torch.bool, device=x.device)",
         ("tests/weights/test_int8_weights.py::test_a_non_finite_write_leaves_codes_and_scales",),
         "a non-finite int8 weight write reaches the codes",
+        where="Int8WeightStore.write",
     ),
     Mutation(
         "int8_weight_not_written_back",
@@ -1036,6 +1137,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "pass",
         ("tests/weights/test_int8_weights.py::test_every_preset_trains_int8_weights",),
         "the apply stage never re-quantizes: int8 weights do not train",
+        where="Writes.commit",
     ),
 )
 

@@ -69,3 +69,15 @@ def test_a_moved_definition_is_found_and_a_missing_one_fails_loudly(tmp_path):
     (pkg / "b.py").write_text("class K:\n    def h(x):\n        return x\n")
     with pytest.raises(SystemExit, match="pattern found 0 times in K.h"):
         locate(m, tmp_path)
+
+
+@pytest.mark.parametrize("m", [m for m in MUTATIONS if not m.where], ids=lambda m: m.name)
+def test_an_entry_without_where_is_module_level_code(m):
+    """Every mutation inside a function or class names it (``where``), so a moved definition
+    keeps its mutations; only module-level code is located in its whole file."""
+    from tests.mutations import _definitions
+
+    rel, at = locate(m)
+    source = (ROOT / rel).read_text()
+    inside = [n for n, spans in _definitions(source).items() for s, e in spans if s <= at < e]
+    assert not inside, f"{m.name}: add where={max(inside, key=len)!r}"
