@@ -203,6 +203,7 @@ def test_recipe_and_hf_config_of_the_same_shapes_agree(tmp_path, capsys):
     assert (recipe["batch_size"], recipe["seq_len"], recipe["rank"]) == (16, 128, 32)
 
 
+@pytest.mark.slow  # two 7B step measurements (minutes); test_recipe_and_hf_config_of_the_same_shapes_agree is the fast one
 def test_llama_7b_recipe_and_llama_2_7b_config_json_agree(llama2_7b, capsys):
     recipe = recipe_json(capsys, "llama_7b", "--world-size", "1,8")
     hf = cli_json(capsys, llama2_7b, "--world-size", "1,8")

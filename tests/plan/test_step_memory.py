@@ -71,7 +71,7 @@ def test_extrapolated_step_memory_equals_the_step_over_every_layer(name, per_lay
         return by_depth(run, n, depths=(n,))
 
     monkeypatch.setattr(planner_module, "by_depth", whole)
-    direct = step_memory(spec, m, "all-linear", {"rank": RANK}, per_layer, 5)
+    direct = planner_module._step_memory(spec, m, "all-linear", {"rank": RANK}, per_layer, 5)
     assert calls == [5]
     assert planned == direct
     if name != "adamw":
@@ -157,3 +157,26 @@ def test_depths_off_one_line_run_the_whole_model():
     assert by_depth(linear, 9) == StepMemory(9, 40 + 90 - 1)
     assert step_module.DEPTHS == (2, 3, 4)
     assert nbytes([]) == 0
+
+
+def test_a_measurement_is_reused_for_the_same_shapes_and_settings_only(monkeypatch):
+    """A 7B measurement takes minutes: a second plan of the same shapes and settings (another
+    world size, a fresh meta model) reuses it; another shape, rank or per-layer choice is
+    measured again."""
+    monkeypatch.setattr(planner_module, "_MEASURED", {})
+    runs = []
+    real = planner_module._step_memory
+
+    def counted(*args):
+        runs.append(args[4:])
+        return real(*args)
+
+    monkeypatch.setattr(planner_module, "_step_memory", counted)
+    spec = OPTIMIZERS["galore_adamw"]
+    first = step_memory(spec, model("meta"), "all-linear", {"rank": RANK}, False, 5)
+    assert step_memory(spec, model("meta"), "all-linear", {"rank": RANK}, False, 5) is first
+    assert len(runs) == 1
+    step_memory(spec, model("meta"), "all-linear", {"rank": RANK}, True, 5)
+    step_memory(spec, model("meta"), "all-linear", {"rank": 2 * RANK}, False, 5)
+    step_memory(spec, model("meta", dtype=torch.float32), "all-linear", {"rank": RANK}, False, 5)
+    assert len(runs) == 4
