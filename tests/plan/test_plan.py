@@ -131,6 +131,7 @@ def test_a_row_fits_up_to_its_total():
     assert row.total == 14 and row.fits(14) and not row.fits(13)
 
 
+@pytest.mark.slow  # a 7B step measurement per optimizer: ~5 min on 2 cores (issue 39 item 15)
 def test_llama_7b_verdicts_on_one_24gb_and_eight_80gb_gpus(capsys):
     one = recipe_json(capsys, "llama_7b", "--gpu-memory", "24GB")
     fits = {(r["optimizer"], r["per_layer"], r["checkpointing"]) for r in one["rows"] if r["fits"]}

@@ -56,8 +56,14 @@ def test_foreach_adamw_holds_one_temporary_per_parameter_and_fused_none():
         assert got == StepMemory(0, 0)
 
 
+#: measured in the default run (one of each kind of step); the others with -m slow
+FAST = ("adamw_foreach", "galore_adamw", "galore_adamw8bit_int4", "apollo_mini")
+
+
 @pytest.mark.parametrize("per_layer", [False, True])
-@pytest.mark.parametrize("name", MEASURED)
+@pytest.mark.parametrize(
+    "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in MEASURED]
+)
 def test_extrapolated_step_memory_equals_the_step_over_every_layer(name, per_layer, monkeypatch):
     """The plan measures 2, 3 and 4 layers and extrapolates each phase of the step to 5;
     the step run over all 5 layers counts the same bytes."""
