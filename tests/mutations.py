@@ -426,22 +426,22 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "gap_edit_moves_a_due_refresh",
-        "galore2/optim/galore.py",
-        "            if due <= step:  # due at the next step, or pending",
-        "            if due < step:  # due at the next step, or pending",
+        "galore2/optim/refresh.py",
+        "        if due <= step:  # due at the next step, or pending",
+        "        if due < step:  # due at the next step, or pending",
         (
             "tests/optim/test_refresh_schedule.py::"
             "test_gap_edit_keeps_a_due_or_pending_refresh_due",
         ),
         "issue 39 #25: an edit of update_proj_gap moves a refresh due at the very next step "
         "onto the new schedule",
-        where="GaLore.options_changed",
+        where="replan",
     ),
     Mutation(
         "gap_edit_moves_a_pending_refresh",
-        "galore2/optim/galore.py",
-        "            if due <= step:  # due at the next step, or pending (retried): it stays due\n"
-        "                continue\n",
+        "galore2/optim/refresh.py",
+        "        if due <= step:  # due at the next step, or pending (retried): it stays due\n"
+        "            continue\n",
         "",
         (
             "tests/optim/test_refresh_schedule.py::"
@@ -449,11 +449,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         "issue 39 #25: an edit of update_proj_gap moves a refresh pending after a failed one "
         "(or due at the next step) onto the new schedule",
-        where="GaLore.options_changed",
+        where="replan",
     ),
     Mutation(
         "gap_edit_pending_gap_unbounded",
-        "galore2/optim/galore.py",
+        "galore2/optim/refresh.py",
         'if group["adaptive_refresh"] and "galore.gap" in state:  # keep it in the new range',
         'if group["adaptive_refresh"] and "galore.gap" in state and due > step:  # keep it',
         (
@@ -462,7 +462,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         "issue 39 #25: a pending parameter's adaptive gap is left outside the edited range "
         "(max_update_proj_gap cut: the next gap stays the old one)",
-        where="GaLore.options_changed",
+        where="replan",
     ),
     Mutation(
         "capture_lr_not_a_setting",
@@ -668,7 +668,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "staggered_phase",
-        "galore2/optim/galore.py",
+        "galore2/optim/refresh.py",
         "return _at_phase(step + (gap + 1) // 2, gap, index)",
         "return step + gap",
         ("tests/optim/test_refresh_schedule.py",),
@@ -758,12 +758,12 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "inner_context_param_layout",
-        "galore2/optim/galore.py",
+        "galore2/optim/lowrank_plan.py",
         "firsts = [ctxs[st.idx[0]].inner_view(st.batch.kind.layout) for st in stacked]",
         "firsts = [ctxs[st.idx[0]] for st in stacked]",
         ("tests/optim/test_inner_context.py",),
         "a stacked entry's inner rules see the parameter's layout at update, not the direction's",
-        where="_stacked_ctxs",
+        where="stacked_ctxs",
     ),
     Mutation(
         "adam_mask_ignored_batched",
@@ -785,12 +785,12 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "stacked_mask_first_member",
-        "galore2/optim/galore.py",
+        "galore2/optim/lowrank_plan.py",
         "out.append(first.with_mask(view))",
         "out.append(first)",
         ("tests/core/test_packing.py",),
         "a stacked entry's moments are masked by its first member's flag only",
-        where="_stacked_ctxs",
+        where="stacked_ctxs",
     ),
     Mutation(
         "adam_mask_bf16",
@@ -831,7 +831,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "batch_due_ignored",
         "galore2/optim/lowrank_batch.py",
-        "out.append([j for j in range(k) if steps[start + j] >= nexts[start + j]])",
+        "out.append([j for j in range(k) if is_due(steps[start + j], nexts[start + j])])",
         "out.append([])",
         ("tests/optim/test_batch_plan.py",),
         "batched GaLore: a matrix due for a refresh stays in its shape batch (never refreshed)",
@@ -1006,13 +1006,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "stacked_first_batch_flags",
-        "galore2/optim/galore.py",
+        "galore2/core/masked.py",
         "view = flags[start : start + k]",
         "view = flags[:k]",
         ("tests/core/test_masked_property.py::test_masked_step_is_the_skip_step_on_each_finding[21]",),
         "issue 39 #21: every stacked entry takes the first shape batch's flags (a NaN in a "
         "member of the second batch)",
-        where="_stacked_ctxs",
+        where="member_flags",
     ),
     Mutation(
         "masked_host_counters_snapshotted",

@@ -521,3 +521,20 @@ class Snapshot:
             if b.stacked is None:  # a copy: write it back
                 torch._foreach_copy_(b.tensors, list(current.unbind()))
         self.saved = []
+
+
+def member_flags(first: Tensor, members: Sequence[Tensor], sizes: Sequence[int],
+                 dims: Sequence[int]) -> list[Tensor]:  # fmt: skip
+    """The flags of stacked entries from their members' 0-d flags ``members`` (views of one
+    batch's flags, as ``first`` is): per entry, the next ``sizes[e]`` members' flags as a
+    ``(k, 1, …)`` view of ``dims[e]`` dims — one pick (a cached ``index_select``) of every
+    member's flag by its place in the batch's flags (its 0-d view's offset)."""
+    base = first if first._base is None else first._base
+    at = [m.storage_offset() - base.storage_offset() for m in members]
+    flags = pick(base, at)
+    out, start = [], 0
+    for k, dim in zip(sizes, dims, strict=True):
+        view = flags[start : start + k].view(k, *(1,) * (dim - 1))
+        out.append(view)
+        start += k
+    return out

@@ -69,10 +69,11 @@ from torch import Tensor
 from ..core import masked, packing
 from ..core.counters import Counters
 from ..core.transform import Context, LowRankUpdate, StackedState, State
-from ..projectors import Projector, get_projector
+from ..projectors import Plan, Projector, get_projector
 from ..projectors.base import projection_precision
 from ..projectors.random import RandomProjector
 from .projection import BY_SIDE, Projection
+from .refresh import is_due
 
 MAX_MATRIX_BYTES = 16 * 2**20
 MAX_BATCH_BYTES = 256 * 2**20
@@ -235,14 +236,14 @@ class ShapeBatch:
         return self.inner.state if self.inner is not None else None
 
     def project(
-        self, us: list[Tensor], projector: Projector, precision: str, live: list[int] | None,
+        self, us: list[Tensor], projector: Projector, plan: Plan, live: list[int] | None,
         stack: bool = True,
     ) -> tuple[Tensor | None, Tensor, Tensor, Tensor]:  # fmt: skip
         """(the stacked gradients G, the stacked bases B as stored, B in the projection's
         operand dtype Y (B itself when that is its dtype: a back-projection in that dtype
-        reads Y rather than casting B again), R = PᵀG or G·Q): one ``bmm`` at the group's
-        ``proj_precision``, R in the gradients' dtype (as :meth:`Projector.project` does per
-        matrix). G is a new stack, or a view of the
+        reads Y rather than casting B again), R = PᵀG or G·Q): one ``bmm`` at the
+        precision of ``plan`` (a member's: they share it), R in the gradients' dtype (as
+        :meth:`Projector.project` does per matrix). G is a new stack, or a view of the
         gradients when they are one already (check ``G._base``: then not to be written).
         ``live``: the positions (in :attr:`idx`) that project this step (None: all).
         ``stack=False`` (the caller needs no G): gradients that are not a stack already are
@@ -252,7 +253,7 @@ class ShapeBatch:
         idx = self.idx if live is None else [self.idx[j] for j in live]
         listed = [us[i] for i in idx]
         dtype = self.dtype
-        at, context = projection_precision(listed[0], precision)
+        at, context = projection_precision(listed[0], plan.precision)
         cast = None if stack else self._cast_each(projector, at, live)
         if cast is not None:  # the live bases straight from the state into a stack in ``at``
             B = Y = cast
@@ -378,15 +379,16 @@ class BatchPlan:
 
     def due(self, counters: Counters) -> list[list[int]] | None:
         """Per batch, the positions (in its ``idx``) of the matrices due for a refresh this
-        step; None when none is (the usual step). Two reads of packed host counters."""
+        step (:func:`.refresh.is_due`, as the per-tensor path asks it); None when none is
+        (the usual step). Two reads of packed host counters."""
         steps = read_counters(counters, self.batched, "galore.step")
         nexts = read_counters(counters, self.batched, "galore.next_refresh")
-        if all(s < n for s, n in zip(steps, nexts, strict=True)):
+        if not any(map(is_due, steps, nexts)):
             return None
         out, start = [], 0
         for batch in self.batches:
             k = len(batch.idx)
-            out.append([j for j in range(k) if steps[start + j] >= nexts[start + j]])
+            out.append([j for j in range(k) if is_due(steps[start + j], nexts[start + j])])
             start += k
         return out
 

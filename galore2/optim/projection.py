@@ -30,11 +30,12 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ..core.transform import LowRankUpdate, State
+from ..core.transform import Context, LowRankUpdate, State
 from ..placement import Collective
 from ..projectors import (
     FULL,
     LEFT,
+    PROJ_PRECISION,
     RIGHT,
     TUCKER,
     Plan,
@@ -363,6 +364,27 @@ BY_SIDE: dict[int, type[Projection]] = {
 }
 
 
+def plan_for(state: State, group: dict, ctx: Context) -> Plan:
+    """The :class:`~galore2.projectors.Plan` of a projected parameter (its side chosen at
+    init, ``galore.side``): the one object that carries its geometry, basis storage and
+    ``proj_precision`` to the projection, per tensor and per shape batch alike."""
+    shape = ctx.global_shape
+    n = 1
+    for d in shape[1:]:
+        n *= int(d)
+    side, rank = int(state["galore.side"]), int(group["rank"])
+    hadamard = bool(group.get("basis_hadamard", False))
+    seed = state.get("galore.seed") if hadamard else None  # the Hadamard signs' seed
+    return Plan(
+        side, int(shape[0]), n, rank, ctx.param.device, ctx.placement,
+        basis=group.get("basis_dtype", "fp32"),
+        group_size=int(group.get("basis_group_size", 256)),
+        hadamard=hadamard,
+        basis_seed=0 if seed is None else int(seed),
+        precision=PROJ_PRECISION.of(group),
+    )  # fmt: skip
+
+
 def projection_for(group: dict, plan: Plan, shape: tuple[int, ...] | torch.Size) -> Projection:
     """The projection of a parameter of global ``shape`` with ``plan`` in ``group``."""
     base = get_projector(group["projector"])
@@ -378,5 +400,6 @@ __all__ = [
     "Projection",
     "RightProjection",
     "TuckerProjection",
+    "plan_for",
     "projection_for",
 ]

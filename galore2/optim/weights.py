@@ -20,7 +20,7 @@ from ..core.modules import WEIGHT_DECAY, ParamTransform, Stats
 from ..core.options import Choice, Int, Option, Optional, Real
 from ..core.state import counter
 from ..core.transform import Context, Group, State
-from .galore import SEED
+from .seeds import SEED
 from .gradient import unit_norms
 from .units import acc_dtype, batchable, layout
 

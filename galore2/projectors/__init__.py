@@ -7,7 +7,7 @@ from .base import (
     FULL,
     LEFT,
     NONE,
-    PRECISIONS,
+    PROJ_PRECISION,
     RIGHT,
     TUCKER,
     Plan,
@@ -48,12 +48,6 @@ POWER_ITERS = Option(
     1,
     Int(low=0),
     "subspace iterations (randomized: after the sketch; power: per refresh, >= 1)",
-)
-PROJ_PRECISION = Option(
-    "proj_precision",
-    "fp32",
-    Choice(PRECISIONS),
-    "precision of the projection matmuls (PᵀG, GQ, Tucker cores): fp32, TF32 on CUDA, bf16",
 )
 OPTIONS = (PROJECTOR, OVERSAMPLE, POWER_ITERS, PROJ_PRECISION)
 

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from .._numerics import all_finite
+from ..core.options import Choice, Option
 from ..placement import LOCAL, Collective, Placement
 from ..storage.basis import KEY_SUFFIXES, basis_format, basis_zeros
 
@@ -42,6 +43,20 @@ State = dict[str, Tensor]
 
 NONE, LEFT, RIGHT, FULL, TUCKER = 0, 1, 2, 3, 4
 SIDE_NAMES = {NONE: "none", LEFT: "left", RIGHT: "right", FULL: "full", TUCKER: "tucker"}
+
+
+#: ``proj_precision`` values: fp32 (TF32 off, whatever the global setting), tf32 (TF32
+#: matmuls on CUDA; the same as fp32 elsewhere), bf16 (fp32 operands rounded to bf16,
+#: the product returned in the gradient's dtype)
+PRECISIONS = ("fp32", "tf32", "bf16")
+#: read into each parameter's :class:`Plan` (``precision``), which both the per-tensor and
+#: the batched projection read (:func:`projection_precision`)
+PROJ_PRECISION = Option(
+    "proj_precision",
+    "fp32",
+    Choice(PRECISIONS),
+    "precision of the projection matmuls (PᵀG, GQ, Tucker cores): fp32, TF32 on CUDA, bf16",
+)
 
 
 class Plan(NamedTuple):
@@ -58,7 +73,7 @@ class Plan(NamedTuple):
     group_size: int = 256  # basis_group_size: quantization group (and Hadamard block)
     hadamard: bool = False  # basis_hadamard: rotate rows before quantizing
     basis_seed: int = 0  # the parameter's galore.seed: the Hadamard signs derive from it
-    precision: str = "fp32"  # proj_precision: the projection matmuls' precision (PRECISIONS)
+    precision: str = PROJ_PRECISION.default  # the projection matmuls' (PROJ_PRECISION)
 
 
 def choose_side(
@@ -133,12 +148,6 @@ BASIS_CHECK = Collective("all_reduce", (1,), torch.int32, "Projector.refresh: an
 
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
-
-
-#: ``proj_precision`` values: fp32 (TF32 off, whatever the global setting), tf32 (TF32
-#: matmuls on CUDA; the same as fp32 elsewhere), bf16 (fp32 operands rounded to bf16,
-#: the product returned in the gradient's dtype)
-PRECISIONS = ("fp32", "tf32", "bf16")
 
 
 @contextmanager

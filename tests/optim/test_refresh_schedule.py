@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import galore2
-from galore2.optim.galore import next_refresh, phase
+from galore2.optim.refresh import next_refresh, phase
 
 N_MATRICES = 12  # each with a bias next to it: the projected indices are 0, 2, 4, …
 

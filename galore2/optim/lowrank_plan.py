@@ -1,0 +1,376 @@
+"""GaLore's batched step, planned: which matrices are due, live or skipped, and their stacks.
+
+:meth:`GaLore.update_many <galore2.optim.galore.GaLore.update_many>` projects, runs the
+inner chain and projects back; this module says over what. Its :class:`BatchPlan
+<.lowrank_batch.BatchPlan>` of the lists (cached per GaLore: :func:`cached`) groups the
+matrices into shape batches; at each step :func:`split` reads which of them are due for a
+refresh (they leave their batch for that step and take the per-tensor path, which refreshes
+them), :func:`project_live` projects the rest batch by batch into :class:`Stacked` entries,
+:func:`run_inner` runs the inner chain with each stacked batch as one entry (its context's
+mask the members' flags: :func:`~galore2.core.masked.member_flags`), and :func:`back_stacks`
+(or :func:`combine_many`, Fira / APOLLO) turns the stacks' results into updates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..core import masked, packing
+from ..core.counters import Counters
+from ..core.transform import (
+    Context,
+    Group,
+    LowRankUpdate,
+    StackedState,
+    State,
+    Transform,
+    dense,
+    run_chain,
+    walk,
+)
+from ..projectors import NONE, TUCKER, Plan, get_projector
+from . import lowrank_batch, residual
+from . import refresh as schedule
+from .projection import Projection, plan_for
+
+#: at most this many cached batch plans per GaLore (one per group and device of a step)
+_MAX_PLANS = 64
+
+
+class Stacked(NamedTuple):
+    """A shape batch's tensors of this step (the matrices ``idx`` projected together)."""
+
+    batch: lowrank_batch.ShapeBatch
+    idx: list[int]
+    G: Tensor | None  # the stacked gradients (None: not stacked, see factored)
+    B: Tensor  # the stacked bases, as stored
+    Y: Tensor  # B in the projection's operand dtype (B itself when that is its dtype)
+    R: Tensor  # the stacked projected gradients
+    state: StackedState | None  # the inner chain's state of them as one stacked entry
+    factored: bool  # along the data: G not stacked, the update as factors (see factored)
+
+
+class Split(NamedTuple):
+    """This step's split of a plan's projected matrices."""
+
+    singles: list[int]  # positions that take the per-tensor path (never batched, or due)
+    live: list[tuple[lowrank_batch.ShapeBatch, list[int] | None]]  # batches, their live members
+    skip: list[int]  # positions in ``plan.batched`` that step on their own this time
+    due: list[list[int]] | None  # per batch, its members due for a refresh (None: none is)
+
+
+def cached(
+    plans: dict[Any, lowrank_batch.BatchPlan], us: list[Tensor], states: list[State],
+    group: Group, ctxs: list[Context],
+) -> lowrank_batch.BatchPlan:  # fmt: skip
+    """The :class:`~.lowrank_batch.BatchPlan` of these lists: last step's (in ``plans``, a
+    GaLore's cache) if it still holds (the same state dicts and contexts, the same
+    group-level batchability and rank), else a new one."""
+    key = _key(states)
+    plan = plans.get(key)
+    can = lowrank_batch.group_batchable(group)
+    if (
+        plan is None
+        or plan.can_batch != can
+        or plan.rank != group["rank"]
+        or not plan.holds(states, ctxs)
+    ):
+        plans.pop(key, None)
+        if len(plans) >= _MAX_PLANS:  # the oldest goes (lists of a past step)
+            plans.pop(next(iter(plans)))
+        plan = plans[key] = lowrank_batch.BatchPlan(us, states, ctxs, group, can)
+    return plan
+
+
+def kept(
+    plans: dict[Any, lowrank_batch.BatchPlan], states: list[State], ctxs: list[Context]
+) -> lowrank_batch.BatchPlan | None:
+    """Last step's plan of these lists in ``plans`` if it still holds, else None."""
+    plan = plans.get(_key(states))
+    return plan if plan is not None and plan.holds(states, ctxs) else None
+
+
+def _key(states: list[State]) -> tuple[int, int]:
+    return (len(states), id(states[0]) if states else 0)
+
+
+def split(plan: lowrank_batch.BatchPlan, counters: Counters) -> Split:
+    """Which of ``plan``'s matrices step alone this time: its singles, and the members of a
+    batch due for a refresh (with the whole batch when fewer than two would stay)."""
+    singles, live = plan.singles, [(b, None) for b in plan.batches]
+    due = plan.due(counters) if plan.batches else None
+    skip: list[int] = []
+    if due is not None:  # some matrices refresh: their own path this step
+        singles, live, start = list(singles), [], 0
+        for batch, at in zip(plan.batches, due, strict=True):
+            k = len(batch.idx)
+            rest = [j for j in range(k) if j not in at]
+            if len(rest) < 2:
+                at = list(range(k))
+            else:
+                live.append((batch, rest if at else None))
+            singles += [batch.idx[j] for j in at]
+            skip += [start + j for j in at]
+            start += k
+        singles.sort()
+    return Split(singles, live, skip, due)  # type: ignore[arg-type]
+
+
+def factored(group: Group, ctxs: list[Context]) -> bool:
+    """Do the shape batches' updates go out as factors
+    (:func:`.lowrank_batch.factors`: the optimizer writes each into its weight by one
+    ``addmm_``, and the gradients are projected where they are, not stacked)? Yes but on
+    a masked step (``capturable=True``: a batch's update is masked on its r-row stack
+    and applied densely, :func:`.lowrank_batch.back`) and for Fira / APOLLO (their dense
+    update needs the gradients stacked: :func:`.residual.combine_buckets`)."""
+    return not residual.active(group) and not (ctxs and ctxs[0].mask is not None)
+
+
+def stack_keys(inner: list[Transform], group: Group, device: torch.device) -> tuple[str, ...] | None:
+    """The inner chain's state keys a shape batch may stack (every transform's
+    ``linear_keys`` and ``quadratic_keys``, wrapped ones' too: those its states hold
+    are stacked), or None when one of them does not take
+    stacked entries (:meth:`~galore2.core.transform.Transform.stacks`)."""
+    if not all(t.stacks(group, device) for t in inner):
+        return None
+    return tuple(k for t in walk(inner) for k in (*t.linear_keys, *t.quadratic_keys))
+
+
+def project_live(
+    live: list[tuple[lowrank_batch.ShapeBatch, list[int] | None]], us: list[Tensor],
+    states: list[State], group: Group, ctxs: list[Context], keys: tuple[str, ...] | None,
+    inner_in: list[Tensor],
+) -> list[Stacked]:  # fmt: skip
+    """Project each live batch (one ``bmm``, by its first member's
+    :func:`~.projection.plan_for`: they share its geometry and precision): its
+    :class:`Stacked` entry. A batch whose inner state does not stack (``keys`` None, or
+    members left out) puts its members' R into ``inner_in``, to go through the chain one
+    by one. Where the updates go out as factors (:func:`factored`; matrices large enough:
+    :func:`.lowrank_batch.along_data`) no stack of the gradients is made: each is read
+    once, by its own matmul."""
+    projector = get_projector(group["projector"])
+    fac = factored(group, ctxs)
+    stacks: list[Stacked] = []
+    for batch, rest in live:
+        first = batch.idx[0]
+        along = fac and lowrank_batch.along_data(us[first])
+        plan = plan_for(states[first], group, ctxs[first])
+        G, B, Y, R = batch.project(us, projector, plan, rest, not along)
+        idx = batch.idx if rest is None else [batch.idx[j] for j in rest]
+        stacked = batch.stacked_state(keys) if keys is not None and rest is None else None
+        if stacked is None:  # its matrices go through the chain one by one
+            for i, r in zip(idx, R.unbind(0), strict=True):
+                inner_in[i] = r
+        stacks.append(Stacked(batch, idx, G, B, Y, R, stacked, along))
+    return stacks
+
+
+def inner_contexts(
+    ctxs: list[Context], projections: dict[int, Projection], stacks: list[Stacked]
+) -> list[Context]:
+    """The contexts the inner rules see: each projected direction's layout, as at init
+    (plain: the parameter's)."""
+    out = list(ctxs)
+    for i, p in projections.items():
+        out[i] = ctxs[i].inner_view(p.layout)
+    for st in stacks:
+        if st.state is None:  # its matrices go through the chain one by one
+            for i in st.idx:
+                out[i] = ctxs[i].inner_view(st.batch.kind.layout)
+    return out
+
+
+def stacked_ctxs(stacked: list[Stacked], ctxs: list[Context]) -> list[Context]:
+    """The context of each stacked entry: its first member's (as the inner chain sees it:
+    :meth:`~galore2.core.module.Context.inner_view`), with (a masked step) the
+    members' flags as its ``mask`` (:func:`~galore2.core.masked.member_flags`: the rules
+    derive their weights from it once)."""
+    firsts = [ctxs[st.idx[0]].inner_view(st.batch.kind.layout) for st in stacked]
+    mask = firsts[0].mask
+    if mask is None:
+        return firsts
+    members = [ctxs[i].mask for st in stacked for i in st.idx]
+    sizes, dims = [len(st.idx) for st in stacked], [st.R.dim() for st in stacked]
+    views = masked.member_flags(mask, members, sizes, dims)  # type: ignore[arg-type]
+    out = []
+    for first, view in zip(firsts, views, strict=True):
+        out.append(first.with_mask(view))
+    return out
+
+
+def run_inner(
+    inner: list[Transform], inner_in: list[Tensor], states: list[State], group: Group,
+    ctxs: list[Context], stacks: list[Stacked],
+) -> tuple[list[Any], list[Tensor | None], list[int], list[Tensor | None]]:  # fmt: skip
+    """The inner chain over the directions, each shape batch with a stacked state as one
+    stacked entry (its ``R``; the last entries of the chain's lists). Returns the
+    per-tensor results (None for a stacked batch's matrices), each batch's stacked result
+    (or None), the order in which the chain saw the states (with stacks expanded), and
+    each batch's stacked mask (a masked step's ``(k, 1, 1)`` flags of a stacked entry;
+    else None)."""
+    stacked = [st for st in stacks if st.state is not None]
+    none: list[Tensor | None] = [None] * len(stacks)
+    if not stacked:
+        return run_chain(inner, inner_in, states, group, ctxs), none, (
+            list(range(len(states)))
+        ), none  # fmt: skip
+    skip = set()
+    for st in stacked:
+        skip.update(st.idx)
+    order = [i for i in range(len(states)) if i not in skip]
+    entries = stacked_ctxs(stacked, ctxs)
+    if len(inner) == 1:  # a factored batch's N is rounded to the weights' dtype first
+        entries = [
+            e.rounded_to(ctxs[st.idx[0]].param.dtype) if st.factored else e
+            for e, st in zip(entries, stacked, strict=True)
+        ]  # fmt: skip
+    res = run_chain(
+        inner,
+        [inner_in[i] for i in order] + [st.R for st in stacked],
+        [states[i] for i in order] + [st.state for st in stacked],  # type: ignore[misc]
+        group,
+        [ctxs[i] for i in order] + entries,
+    )
+    results: list[Any] = [None] * len(states)
+    for i, r in zip(order, res, strict=False):
+        results[i] = r
+    tail = iter(res[len(order) :])
+    stacked_out = [dense(next(tail)) if st.state is not None else None for st in stacks]
+    entry_masks = iter([c.mask for c in entries])
+    masks = [next(entry_masks) if st.state is not None else None for st in stacks]
+    for st in stacked:
+        order += st.idx
+    return results, stacked_out, order, masks
+
+
+def back_stacks(
+    stacks: list[Stacked], stacked_out: list[Tensor | None], masks: list[Tensor | None],
+    results: list[Any], us: list[Tensor], ctxs: list[Context], scale: float,
+) -> dict[int, Tensor | LowRankUpdate]:  # fmt: skip
+    """The shape batches' updates ``scale``·back(N), {index: update}: factors (each weight
+    takes its update in one ``addmm_``) or, on a masked step, dense updates masked on the
+    r-row stacks."""
+    done: dict[int, Tensor | LowRankUpdate] = {}
+    for st, N, mask in zip(stacks, stacked_out, masks, strict=True):
+        Ns = N if N is not None else [dense(results[i]) for i in st.idx]
+        dtype = ctxs[st.idx[0]].param.dtype
+        if st.factored:  # factors: each weight takes its update in one addmm_
+            shapes = [us[i].shape for i in st.idx]
+            # the projection's cast of the bases when in dtype (no second cast)
+            B = st.Y if st.Y.dtype == dtype else st.batch.cast_bases(st.B, dtype)
+            ups = lowrank_batch.factors(st.batch.kind, B, Ns, dtype, scale, shapes)
+            done.update(zip(st.idx, ups, strict=True))
+            continue
+        # a masked step: dense updates, masked on the r-row stacks. G is projected
+        # already: its buffer takes the update (when it is a temporary stack, not a
+        # view of the gradients)
+        G = st.G
+        spent = G if G is not None and G.dtype == dtype and packing.writable(G) else None
+        deltas = lowrank_batch.back(st.batch.kind, st.B, Ns, dtype, scale, spent, mask)
+        done.update(zip(st.idx, masked.entries(deltas), strict=True))
+    return done
+
+
+def biases(inner: list[Transform], states: list[State], group: Group) -> list[float | Tensor]:
+    """Each state's bias correction of the inner chain (the product of its transforms';
+    a transform's ``bias_corrections`` answers for a whole list at once where it has one)."""
+    out: list[Any] | None = None
+    for t in inner:
+        many = getattr(t, "bias_corrections", None)
+        values = many(states, group) if many else [t.bias_correction(s, group) for s in states]
+        out = values if out is None else [a * b for a, b in zip(out, values, strict=True)]
+    return out  # type: ignore[return-value]
+
+
+def combine_many(
+    inner: list[Transform], projections: dict[int, Projection], stacks: list[Stacked],
+    stacked_out: list[Tensor | None], N: list[Tensor | LowRankUpdate], us: list[Tensor],
+    R: list[Tensor], states: list[State], group: Group, counted: list[int], decay: float,
+) -> dict[int, Tensor]:  # fmt: skip
+    """Fira / APOLLO of the whole (unsharded) matrices of a batch at once
+    (:func:`.residual.combine_buckets`): the shape batches' stacks as they are, the
+    matrices projected one by one stacked per shape (when two or more, or along with
+    shape batches); {index: dense update}. Sharded ones go per tensor."""
+    idx = [
+        i
+        for i, p in projections.items()
+        if not p.plan.placement.distributed and p.side != TUCKER
+    ]
+    if not stacks and len(idx) < 2:
+        return {}
+    fira = group["residual"] != "none"
+    # every state's, in the order the inner chain counted them: one read of packed counters
+    bias: list[Any] = [None] * len(states)
+    for i, b in zip(counted, biases(inner, [states[i] for i in counted], group), strict=True):
+        bias[i] = b
+    buckets, order = [], []
+    for st, stacked in zip(stacks, stacked_out, strict=True):
+        st_states = [states[i] for i in st.idx]
+        Ns = stacked if stacked is not None else torch.stack([dense(N[i]) for i in st.idx])
+        B = st.B if fira else None
+        buckets.append(residual.Bucket(st.batch.kind.left, st.G, st.R, Ns, B, st_states,
+                                       [bias[i] for i in st.idx],
+                                       owned=packing.writable(st.G)))  # fmt: skip
+        order.append(st.idx)
+    keyed: dict[tuple[Any, ...], list[int]] = {}
+    for i in idx:
+        g, side = projections[i].matrix(us[i]), projections[i].side
+        keyed.setdefault((side, g.shape, R[i].shape, g.dtype, g.device), []).append(i)
+    for same in keyed.values():
+        ps = [projections[i] for i in same]
+        st_states = [states[i] for i in same]
+        buckets.append(residual.Bucket(
+            ps[0].left, torch.stack([p.matrix(us[i]) for p, i in zip(ps, same, strict=True)]),
+            torch.stack([R[i] for i in same]), torch.stack([dense(N[i]) for i in same]),
+            torch.stack([p.basis(states[i]) for p, i in zip(ps, same, strict=True)])  # type: ignore[misc]
+            if fira else None,
+            st_states, [bias[i] for i in same],
+        ))  # fmt: skip
+        order.append(same)
+    out = residual.combine_buckets(buckets, group, decay)
+    n_stacked = sum(len(st.idx) for st in stacks)
+    done: dict[int, Tensor] = {}
+    for same, s in zip(order, out, strict=True):
+        if len(done) < n_stacked:  # a shape batch's: 2-D matrices as they are
+            done.update(zip(same, s.unbind(0), strict=True))
+            continue
+        done.update((i, m.view(us[i].shape)) for i, m in zip(same, s.unbind(0), strict=True))
+    for i in idx:
+        states[i]["galore.step"] += 1
+    return done
+
+
+def sharded_svds(
+    us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
+) -> Iterator[tuple[State, Plan, dict[str, Tensor] | None, int]]:
+    """Exact refreshes of the sharded matrices due one (``projector="svd"``), batched: every
+    due matrix's scaled rows gathered to its owner rank, each rank's SVDs run (concurrently
+    with the other ranks'), then each result broadcast: yields (state, plan, the checked new
+    bases or None, parameter index) per matrix, to be installed before the next is
+    broadcast. Marks each such context ``refreshed`` (this step's refresh is decided here,
+    done or not). Tucker weights refresh per tensor (one gather for all modes)."""
+    if group["projector"] != "svd" or not any(c.placement.distributed for c in ctxs):
+        return
+    projector = get_projector("svd")
+    due = []
+    for u, state, ctx in zip(us, states, ctxs, strict=True):
+        side = int(state["galore.side"])
+        if side in (NONE, TUCKER) or not ctx.placement.distributed:
+            continue
+        if not schedule.due(state):
+            continue
+        plan = plan_for(state, group, ctx)
+        scaled = projector.refresh_input(u.reshape(-1, plan.n), plan)
+        ctx.refreshed = True
+        if scaled is not None:
+            owner = projector.owner(state, plan)
+            full = plan.placement.gather_rows(scaled, owner)
+            due.append((state, plan, owner, full, u, ctx.index))
+    computed = [projector.compute(full, plan) for _, plan, _, full, _, _ in due]
+    for (state, plan, owner, _, u, index), bases in zip(due, computed, strict=True):
+        new = projector.distribute(bases, owner, plan, u.device)
+        yield state, plan, projector.checked(new, plan), index
