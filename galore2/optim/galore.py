@@ -275,9 +275,7 @@ class GaLore(Transform):
         for i in split.singles:
             projections[i], inner_in[i] = self._project(us[i], states[i], group, ctxs[i])
         keys = lowrank_plan.stack_keys(self.inner, group, us[0].device) if plan.batches else None
-        stacks = lowrank_plan.project_live(
-            split.live, us, states, group, ctxs, keys, inner_in
-        )
+        stacks = lowrank_plan.project_live(split.live, us, group, ctxs, keys, inner_in)
         inner_ctxs = lowrank_plan.inner_contexts(ctxs, projections, stacks)
         N, stacked_N, order, masks = lowrank_plan.run_inner(
             self.inner, inner_in, states, group, inner_ctxs, stacks

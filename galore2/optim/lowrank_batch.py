@@ -69,10 +69,10 @@ from torch import Tensor
 from ..core import masked, packing
 from ..core.counters import Counters
 from ..core.transform import Context, LowRankUpdate, StackedState, State
-from ..projectors import Plan, Projector, get_projector
+from ..projectors import PROJ_PRECISION, Plan, Projector, get_projector
 from ..projectors.base import projection_precision
 from ..projectors.random import RandomProjector
-from .projection import BY_SIDE, Projection
+from .projection import BY_SIDE, Projection, plan_for
 from .refresh import is_due
 
 MAX_MATRIX_BYTES = 16 * 2**20
@@ -125,20 +125,21 @@ class ShapeBatch:
         idx: their positions in the group's lists.
         states: their state dicts.
         dtype: their gradients' dtype (the stacks' and the bases' dtype).
-        device: their device.
-        rows: the basis's rows (m for a left basis, n for a right one).
-        rank: the group's rank (the random projector's basis columns).
+        plan: their first matrix's :class:`~galore2.projectors.Plan` (:func:`.plan_for`),
+            the geometry they share: device, the basis's rows (m for a left basis, n for a
+            right one), rank (the random projector's basis columns), ``proj_precision``.
     """
 
-    __slots__ = ("cast", "device", "dtype", "held", "idx", "inner", "kind", "rank", "rows",
-                 "stack", "states", "versions")  # fmt: skip
+    __slots__ = ("cast", "device", "dtype", "held", "idx", "inner", "kind", "plan", "rank",
+                 "rows", "stack", "states", "versions")  # fmt: skip
 
     def __init__(
         self, kind: type[Projection], idx: list[int], states: list[State], dtype: torch.dtype,
-        device: torch.device, rows: int, rank: int,
+        plan: Plan,
     ) -> None:  # fmt: skip
-        self.kind, self.idx, self.states, self.dtype = kind, idx, states, dtype
-        self.device, self.rows, self.rank = device, rows, rank
+        self.kind, self.idx, self.states, self.dtype, self.plan = kind, idx, states, dtype, plan
+        self.device, self.rank = plan.device, plan.rank
+        self.rows = plan.m if kind.left else plan.n
         self.stack: Tensor | None = None  # the kept stack of bases
         self.held: list[Tensor] = []  # the state tensors ``stack`` was read from
         self.versions: list[int] = []  # and their versions then
@@ -236,13 +237,13 @@ class ShapeBatch:
         return self.inner.state if self.inner is not None else None
 
     def project(
-        self, us: list[Tensor], projector: Projector, plan: Plan, live: list[int] | None,
+        self, us: list[Tensor], projector: Projector, live: list[int] | None,
         stack: bool = True,
     ) -> tuple[Tensor | None, Tensor, Tensor, Tensor]:  # fmt: skip
         """(the stacked gradients G, the stacked bases B as stored, B in the projection's
         operand dtype Y (B itself when that is its dtype: a back-projection in that dtype
         reads Y rather than casting B again), R = PᵀG or G·Q): one ``bmm`` at the
-        precision of ``plan`` (a member's: they share it), R in the gradients' dtype (as
+        precision of :attr:`plan`, R in the gradients' dtype (as
         :meth:`Projector.project` does per matrix). G is a new stack, or a view of the
         gradients when they are one already (check ``G._base``: then not to be written).
         ``live``: the positions (in :attr:`idx`) that project this step (None: all).
@@ -253,7 +254,7 @@ class ShapeBatch:
         idx = self.idx if live is None else [self.idx[j] for j in live]
         listed = [us[i] for i in idx]
         dtype = self.dtype
-        at, context = projection_precision(listed[0], plan.precision)
+        at, context = projection_precision(listed[0], self.plan.precision)
         cast = None if stack else self._cast_each(projector, at, live)
         if cast is not None:  # the live bases straight from the state into a stack in ``at``
             B = Y = cast
@@ -328,11 +329,12 @@ class BatchPlan:
     Built from the lists of one :meth:`GaLore.update_many` call: ``projected`` (the positions
     GaLore projects), ``singles`` (projected, never batched: their own matmuls every step) and
     ``batches`` (:class:`ShapeBatch`, two matrices or more each); ``can_batch``: the group's
-    :func:`group_batchable` then, ``rank`` its rank.
+    :func:`group_batchable` then, ``rank`` and ``precision`` its ``rank`` and
+    ``proj_precision`` (its batches' plans carry them: :meth:`fits`).
     """
 
-    __slots__ = ("batched", "batches", "can_batch", "ctxs", "projected", "rank", "singles",
-                 "states")  # fmt: skip
+    __slots__ = ("batched", "batches", "can_batch", "ctxs", "precision", "projected", "rank",
+                 "singles", "states")  # fmt: skip
 
     def __init__(
         self, us: list[Tensor], states: list[State], ctxs: list[Context], group: dict[str, Any],
@@ -340,6 +342,7 @@ class BatchPlan:
     ) -> None:  # fmt: skip
         self.states, self.ctxs = states, ctxs
         self.can_batch, self.rank = can_batch, group["rank"]
+        self.precision = PROJ_PRECISION.of(group)
         self.projected: list[int] = []
         self.singles: list[int] = []
         by_key: dict[tuple, list[int]] = {}
@@ -354,20 +357,27 @@ class BatchPlan:
             else:
                 self.singles.append(i)
         self.batches: list[ShapeBatch] = []
-        rank = int(group["rank"] or 0)  # the random projector's basis columns
-        for (kind, shape, dtype, device), same in by_key.items():
+        for (kind, _, dtype, _), same in by_key.items():
             size = us[same[0]].numel() * us[same[0]].element_size()
             per = max(1, MAX_BATCH_BYTES // max(size, 1))
             for part in (same[i : i + per] for i in range(0, len(same), per)):
                 if len(part) < 2:  # alone: its own matmuls (stacking would only add copies)
                     self.singles += part
                     continue
-                rows = shape[0] if kind.left else shape[1]
+                plan = plan_for(states[part[0]], group, ctxs[part[0]])
                 part_states = [states[i] for i in part]
-                self.batches.append(ShapeBatch(kind, part, part_states, dtype, device, rows, rank))
+                self.batches.append(ShapeBatch(kind, part, part_states, dtype, plan))
         self.singles.sort()
         #: the batched matrices' states, in batch order (what :meth:`due` reads)
         self.batched = [s for b in self.batches for s in b.states]
+
+    def fits(self, group: dict[str, Any], can_batch: bool) -> bool:
+        """Was it made for this group's batchability, ``rank`` and ``proj_precision``?"""
+        return (
+            self.can_batch == can_batch
+            and self.rank == group["rank"]
+            and self.precision == PROJ_PRECISION.of(group)
+        )
 
     def holds(self, states: list[State], ctxs: list[Context]) -> bool:
         """Is this plan still the plan of these lists (the same state dicts and contexts)?"""

@@ -69,16 +69,11 @@ def cached(
 ) -> lowrank_batch.BatchPlan:  # fmt: skip
     """The :class:`~.lowrank_batch.BatchPlan` of these lists: last step's (in ``plans``, a
     GaLore's cache) if it still holds (the same state dicts and contexts, the same
-    group-level batchability and rank), else a new one."""
+    group-level batchability, rank and ``proj_precision``), else a new one."""
     key = _key(states)
     plan = plans.get(key)
     can = lowrank_batch.group_batchable(group)
-    if (
-        plan is None
-        or plan.can_batch != can
-        or plan.rank != group["rank"]
-        or not plan.holds(states, ctxs)
-    ):
+    if plan is None or not plan.fits(group, can) or not plan.holds(states, ctxs):
         plans.pop(key, None)
         if len(plans) >= _MAX_PLANS:  # the oldest goes (lists of a past step)
             plans.pop(next(iter(plans)))
@@ -142,11 +137,9 @@ def stack_keys(inner: list[Transform], group: Group, device: torch.device) -> tu
 
 def project_live(
     live: list[tuple[lowrank_batch.ShapeBatch, list[int] | None]], us: list[Tensor],
-    states: list[State], group: Group, ctxs: list[Context], keys: tuple[str, ...] | None,
-    inner_in: list[Tensor],
+    group: Group, ctxs: list[Context], keys: tuple[str, ...] | None, inner_in: list[Tensor],
 ) -> list[Stacked]:  # fmt: skip
-    """Project each live batch (one ``bmm``, by its first member's
-    :func:`~.projection.plan_for`: they share its geometry and precision): its
+    """Project each live batch (one ``bmm`` at its plan's precision): its
     :class:`Stacked` entry. A batch whose inner state does not stack (``keys`` None, or
     members left out) puts its members' R into ``inner_in``, to go through the chain one
     by one. Where the updates go out as factors (:func:`factored`; matrices large enough:
@@ -156,10 +149,8 @@ def project_live(
     fac = factored(group, ctxs)
     stacks: list[Stacked] = []
     for batch, rest in live:
-        first = batch.idx[0]
-        along = fac and lowrank_batch.along_data(us[first])
-        plan = plan_for(states[first], group, ctxs[first])
-        G, B, Y, R = batch.project(us, projector, plan, rest, not along)
+        along = fac and lowrank_batch.along_data(us[batch.idx[0]])
+        G, B, Y, R = batch.project(us, projector, rest, not along)
         idx = batch.idx if rest is None else [batch.idx[j] for j in rest]
         stacked = batch.stacked_state(keys) if keys is not None and rest is None else None
         if stacked is None:  # its matrices go through the chain one by one
