@@ -26,8 +26,7 @@ the core per mode). ``rank ≥`` every dim leaves the weight unprojected.
 
 State per projected parameter: the basis (r·m or r·n fp32, see the projector; a
 Tucker weight: its factors), the inner chain's state at the low-rank (core) shape,
-and four int64 CPU counters (``galore.side``, ``galore.step``,
-``galore.next_refresh``, ``galore.refreshes``) plus the parameter's seed.
+``galore.side``, the parameter's seed and the schedule's host counters (:mod:`.refresh`).
 
 A refresh (when :mod:`.refresh` says it is due) whose gradient is non-finite or all zero
 keeps the previous basis and is retried at the next step. On a successful refresh the
@@ -39,6 +38,7 @@ independent coordinates).
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -138,9 +138,7 @@ class GaLore(Transform):
     scaled by ``scale``, as a :class:`~galore2.core.transform.LowRankUpdate` the optimizer
     applies in one fused ``addmm_``. For every other parameter (1-D, ``rank`` unset,
     ``rank ≥ min(m, n)``) GaLore is transparent: the inner chain runs on the full gradient.
-    A refresh whose gradient is non-finite or all zero keeps the previous basis and is
-    retried at the next step; ``moments_on_refresh`` keeps, zeroes or rotates the inner
-    moments at a refresh.
+    ``moments_on_refresh`` keeps, zeroes or rotates the inner moments at a refresh.
 
     Args:
         *inner: the transforms run in the subspace, in order (e.g. ``ScaleByAdam()``).
@@ -358,27 +356,13 @@ class GaLore(Transform):
         shape = u.shape
         factor = group["scale"] * decay
         if projection.side != TUCKER and residual.active(group):  # Fira / APOLLO: dense
-            return self._combine(N, state, group, projection, u, R).mul_(decay).view(shape)
+            bias = math.prod((t.bias_correction(state, group) for t in self.inner), start=1.0)
+            out = residual.combine_projected(projection, u, R, N, state, group, bias)
+            state["galore.step"] += 1
+            return out.mul_(decay).view(shape)
         delta = projection.back(N, state, ctx.param.dtype, shape, factor)
         state["galore.step"] += 1
         return delta
-
-    def _combine(
-        self, N: Tensor, state: State, group: Group, projection: Projection, u: Tensor,
-        R: Tensor,
-    ) -> Tensor:  # fmt: skip
-        """Fira's residual compensation or APOLLO's gradient scaling (:mod:`.residual`)."""
-        N, R = projection.full(N, R)
-        plan = projection.plan
-        P, Q = (
-            projection.projector.bases(state, plan) if group["residual"] != "none" else (None, None)
-        )
-        bias = 1.0
-        for t in self.inner:
-            bias *= t.bias_correction(state, group)
-        out = residual.combine(projection.matrix(u), R, N, P, Q, state, group, plan, bias)
-        state["galore.step"] += 1
-        return out
 
     # ---- refresh -----------------------------------------------------------------
     def prepare(

@@ -61,6 +61,7 @@ from torch import Tensor
 
 from ..core.options import Choice, Option, Optional, Real
 from ..projectors import LEFT, RIGHT, Plan
+from .projection import Projection
 
 RESIDUAL = Option(
     "residual",
@@ -182,6 +183,21 @@ def combine(
     if plan.side == LEFT:
         return S.addmm_(P.float(), N, alpha=alpha)  # type: ignore[union-attr]
     return S.addmm_(N, Q.float().mT, alpha=alpha)  # type: ignore[union-attr]
+
+
+def combine_projected(
+    projection: Projection, u: Tensor, R: Tensor, N: Tensor, state: dict[str, Tensor],
+    group: dict[str, Any], bias: float,
+) -> Tensor:  # fmt: skip
+    """:func:`combine` of one projected matrix: its gradient ``u`` as its ``projection``
+    sees it, R and N brought to the full low-rank shape (:meth:`.Projection.full`), its
+    bases where the residual needs them (Fira; APOLLO's scaling needs none)."""
+    N, R = projection.full(N, R)
+    plan = projection.plan
+    P, Q = (
+        projection.projector.bases(state, plan) if group["residual"] != "none" else (None, None)
+    )
+    return combine(projection.matrix(u), R, N, P, Q, state, group, plan, bias)
 
 
 def _limit(S: Tensor, state: dict[str, Tensor], group: dict[str, Any], plan: Plan,
