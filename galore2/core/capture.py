@@ -184,8 +184,9 @@ class CapturedStep:
 
     def _refresh_due(self) -> bool:
         """Would the next step refresh a basis or create state (the optimizer's
-        ``due_for_refresh``: GaLore's schedule, edits of ``update_proj_gap`` included)?
-        Then it runs eagerly."""
+        ``due_for_refresh``: GaLore's ``refresh_due``, the predicate of its schedule
+        (:func:`galore2.optim.refresh.due`) its step uses, edits of ``update_proj_gap``
+        re-planned first)? Then it runs eagerly."""
         return bool(self.optimizer.due_for_refresh())
 
     def _same_tensors(self) -> bool:

@@ -266,18 +266,21 @@ class GaLore(Transform):
         plan = lowrank_plan.cached(self.__dict__.setdefault("_plans", {}), us, states, group,
                                    ctxs)  # fmt: skip
         split = lowrank_plan.split(plan, self._counters)
-        # the plain tensors as they are, projected ones as R (the inner chain may not modify
-        # its input in place: R is still needed by _back)
+        # project: one by one (due for a refresh, or never batched), then per live shape
+        # batch; plain tensors as they are (the inner chain may not modify its input in
+        # place: R is still needed by _back)
         inner_in: list[Tensor] = list(us)
         projections: dict[int, Projection] = {}
         for i in split.singles:
             projections[i], inner_in[i] = self._project(us[i], states[i], group, ctxs[i])
         keys = lowrank_plan.stack_keys(self.inner, group, us[0].device) if plan.batches else None
         stacks = lowrank_plan.project_live(split.live, us, group, ctxs, keys, inner_in)
+        # the inner chain: one run, each stacked batch as one entry
         inner_ctxs = lowrank_plan.inner_contexts(ctxs, projections, stacks)
         N, stacked_N, order, masks = lowrank_plan.run_inner(
             self.inner, inner_in, states, group, inner_ctxs, stacks
         )
+        # back: the batches' at once (Fira / APOLLO: every unsharded matrix's), the rest alone
         if residual.active(group):
             done = lowrank_plan.combine_many(
                 self.inner, projections, stacks, stacked_N, N, us, inner_in, states, group,
@@ -294,11 +297,7 @@ class GaLore(Transform):
         for st in stacks:
             for i in st.idx:
                 out[i] = done[i]
-        if keys is not None and split.due is not None:  # stack the refreshed batches' state
-            for batch in plan.batches:  # now, so that next step's state is as it will stay
-                batch.stacked_state(keys)
-        if stacks:  # the batched matrices' GaLore steps (per-tensor ones counted their own)
-            lowrank_batch.advance_counters(self._counters, plan.batched, "galore.step", split.skip)
+        lowrank_plan.finish(plan, split, keys, self._counters, bool(stacks))
         return out
 
     def masked_keys(self, group: Group) -> tuple[str, ...]:

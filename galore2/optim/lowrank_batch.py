@@ -9,13 +9,14 @@ by another; the result is a dense update per matrix (a view of the batch), appli
 optimizer's foreach kernels. Fira and APOLLO take the same projection; their combination
 is :func:`.residual.combine_buckets` on the same stacks.
 
-**Along the data** (GaLore without a residual, on an unmasked step: ``galore._factored``;
-matrices of at least :data:`MIN_ALONG_DATA_BYTES`, :func:`along_data`):
-the gradients are not stacked — each is read once, in its own dtype, by its own matmul
-into its entry of the r-sized stack R (:meth:`ShapeBatch.project` with ``stack=False``) —
-and the update goes out as factors (:func:`factors`), which the optimizer writes into
-each weight by one ``addmm_`` (scale, decay and update in the matmul): no tensor of a
-weight's size is made, each gradient is read once and each weight read and written once.
+**Along the data** (GaLore without a residual, on an unmasked step:
+:func:`.lowrank_plan.factored`; matrices of at least :data:`MIN_ALONG_DATA_BYTES`,
+:func:`along_data`): the gradients are not stacked — each is read once, in its own
+dtype, by its own matmul into its entry of the r-sized stack R (:meth:`ShapeBatch.project`
+with ``stack=False``) — and the update goes out as factors (:func:`factors`), which the
+optimizer writes into each weight by one ``addmm_`` (scale, decay and update in the
+matmul): no tensor of a weight's size is made, each gradient is read once and each weight
+read and written once.
 
 The side's products (and which basis they read) are its projection's
 (:class:`~galore2.optim.projection.LeftProjection` / ``RightProjection``: ``basis_key``,
@@ -27,7 +28,8 @@ replaces the state dicts, a changed parameter its context: the plan is rebuilt).
 refresh schedule is read at every step: the ``galore.step`` and ``galore.next_refresh``
 counters of the batched matrices (see :meth:`BatchPlan.due`); a matrix due for a refresh
 leaves its batch for that step and takes the per-tensor path (:meth:`GaLore._project`),
-which refreshes it.
+which refreshes it. Which matrices are due, live or skipped at a step, and how their stacks
+go through the inner chain, is :mod:`.lowrank_plan`'s.
 
 **Stacked entries**: where every rule of the inner chain takes them
 (:meth:`~galore2.core.transform.Transform.stacks`), a batch goes through the inner chain as

@@ -125,7 +125,9 @@ def factored(group: Group, ctxs: list[Context]) -> bool:
     return not residual.active(group) and not (ctxs and ctxs[0].mask is not None)
 
 
-def stack_keys(inner: list[Transform], group: Group, device: torch.device) -> tuple[str, ...] | None:
+def stack_keys(
+    inner: list[Transform], group: Group, device: torch.device
+) -> tuple[str, ...] | None:
     """The inner chain's state keys a shape batch may stack (every transform's
     ``linear_keys`` and ``quadratic_keys``, wrapped ones' too: those its states hold
     are stacked), or None when one of them does not take
@@ -264,6 +266,21 @@ def back_stacks(
         deltas = lowrank_batch.back(st.batch.kind, st.B, Ns, dtype, scale, spent, mask)
         done.update(zip(st.idx, masked.entries(deltas), strict=True))
     return done
+
+
+def finish(
+    plan: lowrank_batch.BatchPlan, split: Split, keys: tuple[str, ...] | None,
+    counters: Counters, stepped: bool,
+) -> None:  # fmt: skip
+    """After a batched step: the shape batches' inner state stacked again where matrices
+    refreshed (so that the next step's state is as it will stay), and, where batches
+    ``stepped``, the batched matrices' GaLore steps counted (the ones that stepped alone
+    counted their own: ``split.skip``)."""
+    if keys is not None and split.due is not None:
+        for batch in plan.batches:
+            batch.stacked_state(keys)
+    if stepped:
+        lowrank_batch.advance_counters(counters, plan.batched, "galore.step", split.skip)
 
 
 def biases(inner: list[Transform], states: list[State], group: Group) -> list[float | Tensor]:
