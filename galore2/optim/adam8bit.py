@@ -1,10 +1,21 @@
 """Adam with 8-bit blockwise-quantized moments: ``ScaleByAdam(moments="dynamic8")``.
 
-:class:`ScaleByAdam8bit` only fixes the moment storage of
-:class:`~galore2.optim.adam.ScaleByAdam`; the update, the fused Triton kernel and the
-small-tensor rule live there and in :mod:`galore2.storage.dynamic8` (the format: block
-layout, bitsandbytes' dynamic code maps, quantize / dequantize), whose names are
-re-exported here for compatibility.
+Every 8-bit path of :class:`~galore2.optim.adam.ScaleByAdam` lives here; the format (block
+layout, bitsandbytes' dynamic code maps, quantize / dequantize) is
+:mod:`galore2.storage.dynamic8`, whose names are re-exported here for compatibility.
+Each step dequantizes the moments to fp32, runs Adam's single-tensor arithmetic
+(:func:`~galore2.optim.adam_paths.adam_single`) and quantizes them back; the returned
+direction is computed from the fp32 moments before requantization (as bitsandbytes' 8-bit
+Adam does). Per direction (:func:`update_quantized`): the fused Triton kernel
+(:mod:`galore2.kernels.adam8bit`, same arithmetic and block layout, on CUDA with triton;
+see :mod:`galore2.kernels.dispatch`, ``GALORE2_KERNELS``), else :func:`torch_quantized` —
+on the CPU, where the storage layer quantizes in torch, chunk by chunk (~2^20 elements of
+whole blocks, :func:`_update_chunks`: no full-size fp32 moments, the same bits), elsewhere
+on fp32 copies of the moments (bitsandbytes' quantizer). The kernel's quantizer picks the
+exact nearest code (bitsandbytes' CPU quantizer is off by a code or more on a few percent
+of elements). Quantized moments are always updated in fp32 (``state_dtype`` does not apply
+to them). Batched (:class:`ScaleByAdam8bit`): the CPU's packs (:func:`_step_packed`), and
+elsewhere one :func:`adam8bit_stack_` per stack of same-shape directions.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ from ..kernels.dispatch import run_kernel
 from ..storage import dynamic8
 from ..storage.dynamic8 import (
     BLOCK,
+    Dynamic8Format,
     MIN_8BIT_SIZE,
     absmax_shape,
     block_dim,
@@ -35,6 +47,7 @@ from ..storage.dynamic8 import (
 )
 from ..storage.moments import is_quantized, stored_format
 from .adam import AXIS, ScaleByAdam
+from .adam_paths import adam_single
 
 _KEYS = ("adam.exp_avg", "adam.exp_avg.absmax", "adam.exp_avg_sq", "adam.exp_avg_sq.absmax")
 
@@ -141,6 +154,113 @@ class ScaleByAdam8bit(ScaleByAdam):
         return {k: v for k, v in self.__dict__.items() if k != "_stacks"}
 
 
+def update_quantized(rule: ScaleByAdam, u: Tensor, state: State, group: Group) -> Tensor:
+    """``rule.update`` of a direction with 8-bit moments: the fused kernel, else the torch
+    path (chunk by chunk on the CPU, else on fp32 copies of the moments). The step is
+    counted once the kernel ran, or was not taken."""
+    m_fmt = stored_format(state, "adam.exp_avg", True)
+    v_fmt = stored_format(state, "adam.exp_avg_sq", False)
+    assert isinstance(m_fmt, Dynamic8Format) and isinstance(v_fmt, Dynamic8Format)
+    m_codes, m_absmax, dim = m_fmt.local(state, "adam.exp_avg", AXIS)
+    v_codes, v_absmax, _ = v_fmt.local(state, "adam.exp_avg_sq", AXIS)
+    out = run_kernel(
+        "adam8bit",
+        u,
+        m_codes,
+        v_codes,
+        # the fused kernel takes the step as a host int: not for a capturable step
+        supported=lambda k: not group.get("capturable") and k.supported(u),
+        kernel=lambda k: partial(
+            k.adam8bit_step,
+            u,
+            m_codes,
+            m_absmax,
+            v_codes,
+            v_absmax,
+            **_fused_args(m_fmt, v_fmt, dim, m_codes.device, state, group),
+        ),
+    )
+    t = rule.count_step(state, group, u.device)
+    if out is not None:  # the kernel updated codes and absmax in place
+        return out
+    return torch_quantized(u, m_fmt, v_fmt, t, state, group)
+
+
+def torch_quantized(
+    u: Tensor,
+    m_fmt: Dynamic8Format,
+    v_fmt: Dynamic8Format,
+    t: int | Tensor,
+    state: State,
+    group: Group,
+) -> Tensor:
+    """Step ``t`` (counted already) of a direction with 8-bit moments on the torch path
+    (no fused kernel): chunk by chunk on the CPU (:func:`_update_chunks`), else on fp32
+    copies of the moments (bitsandbytes' quantizer)."""
+    if dynamic8.use_torch(m_fmt.local(state, "adam.exp_avg", AXIS)[0]):
+        return _update_chunks(u, m_fmt, v_fmt, t, state, group)
+    m = m_fmt.view(state, "adam.exp_avg", AXIS)
+    v = v_fmt.view(state, "adam.exp_avg_sq", AXIS)
+    out = adam_single(u, m, v, t, group)  # the direction uses the fp32 moments
+    m_fmt.store(state, "adam.exp_avg", m, AXIS)
+    v_fmt.store(state, "adam.exp_avg_sq", v, AXIS)
+    return out
+
+
+def _fused_args(
+    m_fmt: Dynamic8Format,
+    v_fmt: Dynamic8Format,
+    dim: int,
+    device: torch.device,
+    state: State,
+    group: Group,
+) -> dict[str, Any]:
+    """The keyword arguments of the fused 8-bit step (galore2.kernels.adam8bit): the same
+    arithmetic, codes and absmax updated in place, the fp32 direction returned. Its
+    ``step`` is the count this step reaches: the caller counts it once the kernel ran
+    or was not taken (see ``dispatch.run_kernel``)."""
+    beta1, beta2 = group["betas"]
+    return {
+        "dim": dim,
+        "code_m": m_fmt.code(device),
+        "code_v": v_fmt.code(device),
+        "bounds_m": m_fmt.bounds(device),
+        "bounds_v": v_fmt.bounds(device),
+        "beta1": beta1,
+        "beta2": beta2,
+        "eps": group["eps"],
+        "step": int(state["adam.step"]) + 1,
+    }
+
+
+def _update_chunks(
+    u: Tensor,
+    m_fmt: Dynamic8Format,
+    v_fmt: Dynamic8Format,
+    t: int | Tensor,
+    state: State,
+    group: Group,
+) -> Tensor:
+    """The 8-bit torch path of step ``t`` on the CPU (where the storage layer quantizes
+    in torch), in chunks of ~2^20 elements of whole blocks
+    (:func:`~galore2.storage.dynamic8.row_chunks`): each chunk's moments are
+    dequantized, stepped and requantized while in cache and its direction written into
+    the fp32 result — :func:`~galore2.optim.adam_paths.adam_single` on whole fp32
+    moments, with no full-size fp32 copy of either moment."""
+    m_codes, m_absmax, dim = m_fmt.local(state, "adam.exp_avg", AXIS)
+    v_codes, v_absmax, _ = v_fmt.local(state, "adam.exp_avg_sq", AXIS)
+    rows = m_codes.shape[0]
+    qm, qv, u2 = m_codes.view(rows, -1), v_codes.view(rows, -1), u.reshape(rows, -1)
+    out = torch.empty(u2.shape, dtype=torch.float32, device=u.device)
+    for r, b in dynamic8.row_chunks(rows, qm.shape[1], dim):
+        m = dynamic8.dequantize(qm[r], m_absmax[b], dim, m_fmt.signed)
+        v = dynamic8.dequantize(qv[r], v_absmax[b], dim, v_fmt.signed)
+        adam_single(u2[r], m, v, t, group, out=out[r])
+        dynamic8.quantize_(m, qm[r], m_absmax[b], dim, m_fmt.signed)
+        dynamic8.quantize_(v, qv[r], v_absmax[b], dim, v_fmt.signed)
+    return out.view(u.shape)
+
+
 _MAX_STACKS = 64  # kept stacks per module (see _stacks)
 
 
@@ -194,7 +314,7 @@ def adam8bit_stack_(
     the fp32 directions ``(k, *shape)``. One op for the whole stack: on CUDA (or under
     ``GALORE2_KERNELS=triton``) the fused kernel
     (:func:`galore2.kernels.adam8bit.adam8bit_step_stack`), one launch; else the torch
-    path matrix by matrix (:meth:`ScaleByAdam.torch_quantized`: the CPU's chunks,
+    path matrix by matrix (:func:`torch_quantized`: the CPU's chunks,
     bitsandbytes elsewhere) — the bits of a per-tensor ``update`` either way. On meta
     tensors it is one op that writes the moments and returns the directions (what the
     roofline counts)."""
@@ -221,7 +341,7 @@ def adam8bit_stack_(
         state = {"adam.exp_avg": m_codes[j], "adam.exp_avg.absmax": m_absmax[j],
                  "adam.exp_avg_sq": v_codes[j], "adam.exp_avg_sq.absmax": v_absmax[j],
                  AXIS: axis}  # fmt: skip
-        out[j] = ScaleByAdam.torch_quantized(g[j], DYNAMIC8, UDYNAMIC8, step, state, group)
+        out[j] = torch_quantized(g[j], DYNAMIC8, UDYNAMIC8, step, state, group)
     return out
 
 
@@ -274,7 +394,7 @@ def _step_packed(
     absmax = torch.cat([s[k + ".absmax"].view(-1) for k in (m_key, v_key) for s in states])
     x = dynamic8.dequantize_packed(codes, absmax, index, _SIGNS)
     u = torch.cat([u.reshape(-1) for u in us])
-    out = ScaleByAdam._arith(u, x[0], x[1], step + 1, group)
+    out = adam_single(u, x[0], x[1], step + 1, group)
     packed = dynamic8.quantize_packed(x, index, blocks, _SIGNS)
     if packed is None:  # a block bitsandbytes must quantize: per tensor, as update() does
         for k, row in ((m_key, 0), (v_key, 1)):
@@ -302,4 +422,6 @@ __all__ = [
     "dequantize",
     "dynamic_code",
     "quantize_",
+    "torch_quantized",
+    "update_quantized",
 ]
