@@ -40,7 +40,7 @@ to rounding, not bitwise; ``compile=False`` runs the eager code unchanged. Quant
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -50,6 +50,7 @@ from ..core.options import Bool, Option, Optional, Pair, Real
 from ..core.transform import Context, Group, State, Transform, members
 from ..storage.dtype import STATE_DTYPE
 from ..storage.moments import is_quantized
+from .adam8bit import AXIS, step_batch, update_quantized
 from .adam_paths import (
     adam_foreach,
     adam_fused,
@@ -96,7 +97,6 @@ FUSED = Option(
 )
 
 _CPU = torch.device("cpu")
-AXIS = "adam.block_dim"  # the blocked axis of both 8-bit moments (same shape and layout)
 
 
 class ScaleByAdam(MomentRule, Transform):
@@ -123,6 +123,9 @@ class ScaleByAdam(MomentRule, Transform):
     #: kept on the parameters' device with ``capturable=True`` (see
     #: :meth:`~galore2.optim.moments.MomentRule.count_step`)
     device_counters = ("adam.step",)
+    #: whether a batch's 8-bit directions step together (packs, stacks:
+    #: :func:`galore2.optim.adam8bit.step_batch`) rather than one by one
+    batches_8bit: ClassVar[bool] = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(moments={self.moments!r})"
@@ -204,8 +207,6 @@ class ScaleByAdam(MomentRule, Transform):
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
         """Update both moments with ``u`` and return ``m̂ / (√v̂ + eps)``."""
         if is_quantized(state, "adam.exp_avg"):
-            from .adam8bit import update_quantized  # adam8bit builds on this module
-
             return update_quantized(self, u, state, group)
         return self._directions([u], [state], group, [ctx], batched=False)[0]
 
@@ -213,14 +214,20 @@ class ScaleByAdam(MomentRule, Transform):
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
     ) -> list[Tensor]:
         """The same arithmetic as :meth:`update` for a batch (:meth:`_directions`; 8-bit
-        moments: :meth:`update` per tensor). On the CPU the batched paths run only when the
-        group asks for them (``foreach=True``)."""
+        moments: :meth:`update` per tensor, or with :attr:`batches_8bit` and host counters
+        :func:`~galore2.optim.adam8bit.step_batch` first). On the CPU the batched paths run
+        only when the group asks for them (``foreach=True``)."""
         if not us or (us[0].device.type == "cpu" and not group.get("foreach")):
             # torch's CPU foreach kernels are a slower per-tensor loop (measured: a step of
             # torch.optim.AdamW(foreach=True) takes ~1.5x its for-loop on 2 cores).
             return [self.update(u, s, group, c) for u, s, c in zip(us, states, ctxs, strict=True)]
-        plain = [i for i, s in enumerate(states) if not is_quantized(s, "adam.exp_avg")]
         out: list[Tensor | None] = [None] * len(us)
+        if self.batches_8bit and not group.get("capturable"):
+            step_batch(self, us, states, group, ctxs, out)
+        plain = [
+            i for i, s in enumerate(states)
+            if out[i] is None and not is_quantized(s, "adam.exp_avg")
+        ]  # fmt: skip
         if plain:
             results = self._directions(
                 [us[i] for i in plain], [states[i] for i in plain], group,
@@ -356,6 +363,22 @@ class ScaleByAdam(MomentRule, Transform):
             if t not in known:
                 known[t] = _host_correction(beta1, beta2, t)
         return [known[t] for t in steps]
+
+
+class ScaleByAdam8bit(ScaleByAdam):
+    """``ScaleByAdam(moments="dynamic8")``: Adam whose moments of large directions are stored
+    8-bit blockwise (bitsandbytes' dynamic map), a batch's 8-bit directions stepped
+    together (:attr:`~ScaleByAdam.batches_8bit`); constructing it without bitsandbytes
+    raises ``ImportError``. Its paths: :mod:`galore2.optim.adam8bit`."""
+
+    batches_8bit = True
+
+    def __init__(self) -> None:
+        super().__init__(moments="dynamic8")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The kept stacks are a cache of this process's tensors: a pickle carries none."""
+        return {k: v for k, v in self.__dict__.items() if k != "_stacks"}
 
 
 def _host_correction(beta1: float, beta2: float, t: int) -> float:
