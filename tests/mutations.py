@@ -769,8 +769,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "adam_mask_ignored_batched",
         "galore2/optim/adam.py",
-        "weights, decays = masked_weights(masks, exp_avgs[0].dtype, beta1, beta2)",
-        "weights, decays = 1 - beta1, masked_weights(masks, exp_avgs[0].dtype, beta1, beta2)[1]",
+        "weights, decays = masked_weights(flags, exp_avgs[0].dtype, beta1, beta2)",
+        "weights, decays = 1 - beta1, masked_weights(flags, exp_avgs[0].dtype, beta1, beta2)[1]",
         ("tests/core/test_capturable.py",),
         "a capturable step's batched Adam moves a masked direction's first moment",
         where="ScaleByAdam._directions",

@@ -54,7 +54,6 @@ from .adam8bit import AXIS, step_batch, update_quantized
 from .adam_paths import (
     adam_foreach,
     adam_fused,
-    adam_math,
     adam_math_many,
     adam_rounded,
     adam_single,
@@ -244,8 +243,7 @@ class ScaleByAdam(MomentRule, Transform):
         """Adam's one dispatcher (moments in ``state_dtype``; 8-bit ones:
         :mod:`galore2.optim.adam8bit`): each step's path among
         :mod:`~galore2.optim.adam_paths`' — one direction (``batched=False``): the
-        single-tensor :func:`adam_single`, compiled :func:`adam_math` with ``compile``; a
-        batch: compiled :func:`adam_math_many` with ``compile``, else bf16 directions by
+        single-tensor :func:`adam_single` (compiled with ``compile``); a batch: compiled :func:`adam_math_many` with ``compile``, else bf16 directions by
         galore2's op (:func:`adam_rounded`, where :func:`rounded_path`), torch's fused Adam
         kernel (:func:`adam_fused`, where :func:`fusable`), else :func:`adam_foreach`; a
         masked step (``capturable``) and steps that differ take the foreach kernels."""
@@ -253,15 +251,10 @@ class ScaleByAdam(MomentRule, Transform):
         if not batched:
             (u,), (state,) = us, states
             t = self.count_step(state, group, u.device)
-            exp_avg, exp_avg_sq = state["adam.exp_avg"], state["adam.exp_avg_sq"]
-            if not group.get("compile"):
-                mask = self._masks(ctxs, group)[0]
-                return [adam_single(u, exp_avg, exp_avg_sq, t, group, mask=mask)]
-            if u.dtype != exp_avg.dtype:
-                u = u.to(exp_avg.dtype)
-            scale, shift = corrections(beta1, beta2, group["eps"], t)
-            return [run_compiled(adam_math, u, exp_avg, exp_avg_sq, 1 - beta1, beta2,
-                                 1 - beta2, scale, shift)]  # fmt: skip
+            return [adam_single(
+                u, state["adam.exp_avg"], state["adam.exp_avg_sq"], t, group,
+                mask=self._masks(ctxs, group)[0], compile=bool(group.get("compile")),
+            )]  # fmt: skip
         if group.get("compile"):
             exp_avgs, exp_avg_sqs, us, scales, shifts, _ = self._batch(us, states, group)
             return run_compiled(adam_math_many, us, exp_avgs, exp_avg_sqs, 1 - beta1, beta2,
@@ -281,7 +274,8 @@ class ScaleByAdam(MomentRule, Transform):
         if unmasked:
             weights, decays = 1 - beta1, beta2
         else:  # a masked step: every direction has its flag
-            weights, decays = masked_weights(masks, exp_avgs[0].dtype, beta1, beta2)  # type: ignore[arg-type]
+            flags: list[Tensor] = masks  # type: ignore[assignment]
+            weights, decays = masked_weights(flags, exp_avgs[0].dtype, beta1, beta2)
         return adam_foreach(us, exp_avgs, exp_avg_sqs, weights, decays, 1 - beta2, scale, shift)
 
     def _batch(

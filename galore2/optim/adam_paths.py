@@ -10,7 +10,8 @@ first two are per-direction tensors, :func:`masked_weights`) and folded bias cor
 (``scale`` = bc₁/√bc₂, ``shift`` = bc₁·eps, :func:`corrections`):
 
 * single tensor — :func:`adam_math` (``compile=True`` compiles this very function;
-  :func:`adam_single` computes its coefficients from a step count);
+  :func:`adam_single` computes its coefficients from a step count and runs it, eager or
+  compiled);
 * a batch, compiled — :func:`adam_math_many` (:func:`adam_math` over a list, one graph);
 * a batch, foreach kernels — :func:`adam_foreach`;
 * a batch, fused — :func:`adam_fused` (torch's fused Adam kernel, float32 directions) and
@@ -29,6 +30,7 @@ from torch import Tensor
 from ..core.masked import derive, usable_or_one
 from ..core.transform import Context, Group, State
 from ..kernels import ops
+from .compiled import run_compiled
 from .moments import bias_correction
 
 #: devices where torch has a fused Adam(W) kernel (and meta: a dry run of one)
@@ -98,10 +100,12 @@ def adam_single(
     group: Group,
     out: Tensor | None = None,
     mask: Tensor | None = None,
+    compile: bool = False,
 ) -> Tensor:
     """Step ``t`` of :func:`adam_math` on one direction (cast to the moments' dtype); where
     ``mask`` is 0 the moments are left as they are. ``t``: a host int, or a device counter
-    (capturable)."""
+    (capturable). ``compile``: through :func:`~galore2.optim.compiled.run_compiled`
+    (``compile=True``, never masked, no ``out``)."""
     if u.dtype != exp_avg.dtype:
         u = u.to(exp_avg.dtype)
     beta1, beta2 = group["betas"]
@@ -110,6 +114,9 @@ def adam_single(
         weight, decay = 1 - beta1, beta2
     else:
         (weight,), (decay,) = masked_weights([mask], exp_avg.dtype, beta1, beta2)
+    if compile:
+        return run_compiled(adam_math, u, exp_avg, exp_avg_sq, weight, decay, 1 - beta2,
+                            scale, shift)  # fmt: skip
     return adam_math(u, exp_avg, exp_avg_sq, weight, decay, 1 - beta2, scale, shift, out)
 
 

@@ -301,7 +301,8 @@ class ScaleByPNM(MomentRule, Transform):
         if bc_passive > 0 and beta0 != 0:
             torch._foreach_add_(out, passive, alpha=-beta0 / (norm * bc_passive))
         # the denominators in one buffer: the per-tensor path's ops, one kernel each
-        denom = torch.cat([x.reshape(-1) for x in v]).sqrt_().div_(math.sqrt(bias_correction(beta2, t)))
+        denom = torch.cat([x.reshape(-1) for x in v]).sqrt_()
+        denom.div_(math.sqrt(bias_correction(beta2, t)))
         if self.softplus:
             denom = F.softplus(denom, beta=float(SOFTPLUS_BETA.of(group)))
         else:
