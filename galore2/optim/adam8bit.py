@@ -164,13 +164,9 @@ def update_quantized(rule: MomentRule, u: Tensor, state: State, group: Group) ->
 
 
 def torch_quantized(
-    u: Tensor,
-    m_fmt: Dynamic8Format,
-    v_fmt: Dynamic8Format,
-    t: int | Tensor,
-    state: State,
+    u: Tensor, m_fmt: Dynamic8Format, v_fmt: Dynamic8Format, t: int | Tensor, state: State,
     group: Group,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """Step ``t`` (counted already) of a direction with 8-bit moments on the torch path
     (no fused kernel): chunk by chunk on the CPU (:func:`_update_chunks`), else on fp32
     copies of the moments (bitsandbytes' quantizer)."""
@@ -185,13 +181,9 @@ def torch_quantized(
 
 
 def _fused_args(
-    m_fmt: Dynamic8Format,
-    v_fmt: Dynamic8Format,
-    dim: int,
-    device: torch.device,
-    state: State,
-    group: Group,
-) -> dict[str, Any]:
+    m_fmt: Dynamic8Format, v_fmt: Dynamic8Format, dim: int, device: torch.device,
+    state: State, group: Group,
+) -> dict[str, Any]:  # fmt: skip
     """The keyword arguments of the fused 8-bit step (galore2.kernels.adam8bit): the same
     arithmetic, codes and absmax updated in place, the fp32 direction returned. Its
     ``step`` is the count this step reaches: the caller counts it once the kernel ran
@@ -211,13 +203,9 @@ def _fused_args(
 
 
 def _update_chunks(
-    u: Tensor,
-    m_fmt: Dynamic8Format,
-    v_fmt: Dynamic8Format,
-    t: int | Tensor,
-    state: State,
+    u: Tensor, m_fmt: Dynamic8Format, v_fmt: Dynamic8Format, t: int | Tensor, state: State,
     group: Group,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """The 8-bit torch path of step ``t`` on the CPU (where the storage layer quantizes
     in torch), in chunks of ~2^20 elements of whole blocks
     (:func:`~galore2.storage.dynamic8.row_chunks`): each chunk's moments are
