@@ -11,7 +11,7 @@ and compiled the way torch's docs recommend — ``torch.compile`` of a function 
 GaLoreAdamW with ``compile`` False and True, per tensor (the CPU default) and with
 ``foreach=True``, and the same four as plain AdamW (``rank=None``), the like-for-like
 comparison with torch's compiled AdamW. galore2's ``compile=True`` compiles only Adam's
-dense math (:func:`galore2.optim.adam.adam_math`, ``adam_math_many`` for foreach); the
+dense math (:func:`galore2.optim.adam_paths.adam_math`, ``adam_math_many`` for foreach); the
 rest of the step (projection, weight decay, the non-finite check, the step counters) stays
 eager.
 
@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 import galore2
-from galore2.optim.adam import adam_math, adam_math_many
+from galore2.optim.adam_paths import adam_math, adam_math_many
 
 from ._common import render, table
 from .step_time import FULL_SIZE, GALORE, HPARAMS, QUICK_SIZE, check_no_refresh, model_config

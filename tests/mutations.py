@@ -87,21 +87,22 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "bias_correction",
-        "galore2/optim/adam.py",
-        "bias_correction2_sqrt = math.sqrt(1 - beta2**t)",
+        "galore2/optim/adam_paths.py",
+        "bias_correction2_sqrt = math.sqrt(bias_correction(beta2, t))",
         "bias_correction2_sqrt = 1.0",
         ("tests/core/test_adamw_equivalence.py",),
-        "per-tensor Adam without the second moment's bias correction",
-        where="ScaleByAdam._arith",
+        "Adam (per tensor, and batched at one host step) without the second moment's bias "
+        "correction",
+        where="corrections",
     ),
     Mutation(
         "foreach_moments",
         "galore2/optim/adam.py",
-        "torch._foreach_mul_(exp_avg_sqs, beta2)",
-        "torch._foreach_mul_(exp_avg_sqs, beta1)",
+        "weights, decays = 1 - beta1, beta2",
+        "weights, decays = 1 - beta1, beta1",
         ("tests/core/test_foreach.py",),
         "foreach Adam's second moment decays with β₁",
-        where="ScaleByAdam._foreach",
+        where="ScaleByAdam._directions",
     ),
     Mutation(
         "batched_decay",
@@ -704,12 +705,12 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "stacked_entry_one_correction",
-        "galore2/optim/adam.py",
+        "galore2/optim/adam_paths.py",
         "scales.append(scale[a:b].view(shape))",
         "scales.append(scale[a].expand(shape))",
         ("tests/core/test_packing.py",),
         "a stacked entry's members all get its first member's bias correction",
-        where="_per_entry",
+        where="per_entry",
     ),
     Mutation(
         "stacked_state_stale",
@@ -768,20 +769,20 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "adam_mask_ignored_batched",
         "galore2/optim/adam.py",
-        "torch._foreach_lerp_(exp_avgs, us, ws)",
-        "torch._foreach_lerp_(exp_avgs, us, 1 - beta1)",
+        "weights, decays = masked_weights(flags, exp_avgs[0].dtype, beta1, beta2)",
+        "weights, decays = 1 - beta1, masked_weights(flags, exp_avgs[0].dtype, beta1, beta2)[1]",
         ("tests/core/test_capturable.py",),
         "a capturable step's batched Adam moves a masked direction's first moment",
-        where="ScaleByAdam._foreach",
+        where="ScaleByAdam._directions",
     ),
     Mutation(
         "adam_mask_ignored_single",
-        "galore2/optim/adam.py",
-        "exp_avg_sq.mul_(d)",
-        "exp_avg_sq.mul_(beta2)",
+        "galore2/optim/adam_paths.py",
+        "(weight,), (decay,) = masked_weights([mask], exp_avg.dtype, beta1, beta2)",
+        "weight, decay = masked_weights([mask], exp_avg.dtype, beta1, beta2)[0][0], beta2",
         ("tests/core/test_capturable.py",),
         "a capturable step's per-tensor Adam decays a masked direction's second moment",
-        where="ScaleByAdam._arith",
+        where="adam_single",
     ),
     Mutation(
         "stacked_mask_first_member",
@@ -904,7 +905,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "moment_rule_sum_uncorrected",
         "galore2/optim/moments.py",
-        'return v.sum(dtype=torch.float64) / (1 - group["betas"][1] ** t)',
+        'return v.sum(dtype=torch.float64) / bias_correction(group["betas"][1], t)',
         "return v.sum(dtype=torch.float64)",
         (
             "tests/optim/test_ranger_modules.py::"

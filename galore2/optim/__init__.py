@@ -6,8 +6,7 @@ from ..core.modules import DecoupledWeightDecay, GradientTransform, ParamTransfo
 from ..core.optimizer import ChainOptimizer
 from ..core.transform import Context, Transform
 from .adafactor import ScaleByAdafactor
-from .adam import ScaleByAdam
-from .adam8bit import ScaleByAdam8bit
+from .adam import ScaleByAdam, ScaleByAdam8bit
 from .galore import GaLore
 from .gradient import AdaptiveGradientClipping, CentralizeGradient, NormalizeGradient
 from .pnm import ScaleByPNM

@@ -1,10 +1,25 @@
 """Adam with 8-bit blockwise-quantized moments: ``ScaleByAdam(moments="dynamic8")``.
 
-:class:`ScaleByAdam8bit` only fixes the moment storage of
-:class:`~galore2.optim.adam.ScaleByAdam`; the update, the fused Triton kernel and the
-small-tensor rule live there and in :mod:`galore2.storage.dynamic8` (the format: block
-layout, bitsandbytes' dynamic code maps, quantize / dequantize), whose names are
-re-exported here for compatibility.
+Every 8-bit path of :class:`~galore2.optim.adam.ScaleByAdam` lives here; the format (block
+layout, bitsandbytes' dynamic code maps, quantize / dequantize) is
+:mod:`galore2.storage.dynamic8`, whose names are re-exported here for compatibility.
+Each step dequantizes the moments to fp32, runs Adam's single-tensor arithmetic
+(:func:`~galore2.optim.adam_paths.adam_single`) and quantizes them back; the returned
+direction is computed from the fp32 moments before requantization (as bitsandbytes' 8-bit
+Adam does). Per direction (:func:`update_quantized`): the fused Triton kernel
+(:mod:`galore2.kernels.adam8bit`, same arithmetic and block layout, on CUDA with triton;
+see :mod:`galore2.kernels.dispatch`, ``GALORE2_KERNELS``), else :func:`torch_quantized` —
+on the CPU, where the storage layer quantizes in torch, chunk by chunk (~2^20 elements of
+whole blocks, :func:`_update_chunks`: no full-size fp32 moments, the same bits), elsewhere
+on fp32 copies of the moments (bitsandbytes' quantizer). The kernel's quantizer picks the
+exact nearest code (bitsandbytes' CPU quantizer is off by a code or more on a few percent
+of elements). Quantized moments are always updated in fp32 (``state_dtype`` does not apply
+to them). Batched (:class:`~galore2.optim.adam.ScaleByAdam8bit`, :func:`step_batch`): the
+CPU's packs (:func:`_step_packed`), and elsewhere one :func:`adam8bit_stack_` per stack of
+same-shape directions. ``ScaleByAdam8bit`` itself (which only fixes the storage and turns
+the batched 8-bit step on) is defined next to ``ScaleByAdam`` and re-exported by
+:mod:`galore2.optim`: this module is below :mod:`galore2.optim.adam`, whose dispatcher
+calls it.
 """
 
 from __future__ import annotations
@@ -22,6 +37,7 @@ from ..kernels.dispatch import run_kernel
 from ..storage import dynamic8
 from ..storage.dynamic8 import (
     BLOCK,
+    Dynamic8Format,
     MIN_8BIT_SIZE,
     absmax_shape,
     block_dim,
@@ -34,111 +50,180 @@ from ..storage.dynamic8 import (
     quantize_,
 )
 from ..storage.moments import is_quantized, stored_format
-from .adam import AXIS, ScaleByAdam
+from .adam_paths import adam_single
+from .moments import MomentRule
 
+AXIS = "adam.block_dim"  # the blocked axis of both 8-bit moments (same shape and layout)
 _KEYS = ("adam.exp_avg", "adam.exp_avg.absmax", "adam.exp_avg_sq", "adam.exp_avg_sq.absmax")
 
 
-class ScaleByAdam8bit(ScaleByAdam):
-    """``ScaleByAdam(moments="dynamic8")``: Adam whose moments of large directions are stored
-    8-bit blockwise (bitsandbytes' dynamic map); constructing it without bitsandbytes raises
-    ``ImportError``."""
-
-    def __init__(self) -> None:
-        super().__init__(moments="dynamic8")
-
-    def update_many(
-        self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
-    ) -> list[Tensor]:
-        """Batched :meth:`update`. Where the storage layer quantizes in torch (the CPU), the
-        8-bit directions at the same step (and direction dtype) are packed: their codes and
-        absmax concatenated flat in storage order, both moments as the two rows of one
-        matrix (:func:`~galore2.storage.dynamic8.pack_index` maps each element to its block,
-        whatever its tensor's blocked axis), then one dequantize, Adam step and quantize for
-        the whole pack — the same bits as per tensor. The rest as
-        :meth:`ScaleByAdam.update_many` (fp32 moments: foreach kernels; 8-bit ones on CUDA:
-        the fused kernel or bitsandbytes, per tensor). Elsewhere (CUDA; meta) the 8-bit
-        directions of one shape, dtype, blocked axis and step count step as stacks
-        (:func:`_stacks`): one :func:`adam8bit_stack_` per stack — on CUDA one fused
-        kernel for all of its matrices. ``capturable=True`` and sharded directions: per
-        tensor (the packs and stacks are formed by step count, which would be a host read;
-        a shard's codes are not a plain tensor)."""
-        cpu_loop = us and us[0].device.type == "cpu" and not group.get("foreach")
-        if not us or cpu_loop or group.get("capturable"):
-            return super().update_many(us, states, group, ctxs)
-        local = [
-            i
-            for i, (state, ctx) in enumerate(zip(states, ctxs, strict=True))
-            if not ctx.placement.distributed and _local_8bit(state)
-        ]
-        out: list[Tensor | None] = [None] * len(us)
-        if local and _on_stacks(states[local[0]]["adam.exp_avg"]):
-            self._step_stacked(us, states, group, local, out)
-            return self._rest(out, us, states, group, ctxs)
-        packable = [i for i in local if _packable(states[i])]
-        # every one of them steps below: their host counters advanced now (one add, one
-        # read when packed, see galore2.core.counters), packs formed by the new counts
-        counted = [states[i] for i in packable]
-        steps = self.count_steps(counted, group, us[0].device) if packable else []
-        # their blocked axes (host scalars that never change) by one read as well
-        axes = self._counters.packed(counted, AXIS) if packable else None
-        dims = dict(zip(packable, axes.tolist() if axes is not None else
-                        [int(states[i][AXIS]) for i in packable], strict=True))  # fmt: skip
-        packs: dict[tuple[Any, ...], list[int]] = {}
-        for i, t in zip(packable, steps, strict=True):
-            packs.setdefault((t - 1, us[i].device, us[i].dtype), []).append(i)
-        for key, idx in packs.items():
-            for part in _split(idx, [states[i]["adam.exp_avg"].numel() for i in idx]):
-                done = _step_packed([us[i] for i in part], [states[i] for i in part], group,
-                                    key[0], [dims[i] for i in part])  # fmt: skip
-                for i, r in zip(part, done, strict=True):
-                    out[i] = r
-        return self._rest(out, us, states, group, ctxs)
-
-    def _rest(
-        self, out: list[Tensor | None], us: list[Tensor], states: list[State], group: Group,
-        ctxs: list[Context],
-    ) -> list[Tensor]:  # fmt: skip
-        """``out`` with the entries it left None by :meth:`ScaleByAdam.update_many`."""
-        rest = [i for i, r in enumerate(out) if r is None]
-        if rest:
-            done = super().update_many(
-                [us[i] for i in rest], [states[i] for i in rest], group, [ctxs[i] for i in rest]
-            )
-            for i, r in zip(rest, done, strict=True):
-                out[i] = r
-        return out  # type: ignore[return-value]
-
-    def _step_stacked(
-        self, us: list[Tensor], states: list[State], group: Group, local: list[int],
-        out: list[Tensor | None],
-    ) -> None:  # fmt: skip
-        """:meth:`update_many` off the CPU path: the 8-bit directions ``local`` (unsharded,
-        contiguous codes) by :func:`adam8bit_stack_`, one call per stack of the same shape,
-        dtype, blocked axis and step count (their counters advanced first: one add, one
-        read when packed), their results into ``out``."""
-        counted = [states[i] for i in local]
-        steps = self.count_steps(counted, group, us[0].device)
-        axes = self._counters.packed(counted, AXIS)
-        dims = axes.tolist() if axes is not None else [int(s[AXIS]) for s in counted]
-        runs: dict[tuple[Any, ...], list[int]] = {}
-        for i, t, dim in zip(local, steps, dims, strict=True):
-            runs.setdefault((t, dim, us[i].shape, us[i].dtype, us[i].device), []).append(i)
-        beta1, beta2 = group["betas"]
-        cache = self.__dict__.setdefault("_stacks", {})
-        for (t, dim, *like), idx in runs.items():
-            run_states = [states[i] for i in idx]
-            g = packing.stacked_view([us[i] for i in idx])
-            if g is None:
-                g = torch.stack([us[i] for i in idx])
-            m, ma, v, va = _stacks(cache, (dim, *like, len(idx)), run_states)
-            done = adam8bit_stack_(g, m, ma, v, va, dim, beta1, beta2, group["eps"], t)
-            for i, r in zip(idx, done.unbind(0), strict=True):
+def step_batch(
+    rule: MomentRule, us: list[Tensor], states: list[State], group: Group,
+    ctxs: list[Context], out: list[Tensor | None],
+) -> None:  # fmt: skip
+    """The batched 8-bit step of :class:`~galore2.optim.adam.ScaleByAdam8bit` (a batch off
+    the CPU's default loop, host counters), its results into ``out`` (the entries it
+    leaves None step as :meth:`~galore2.optim.adam.ScaleByAdam.update_many` does: fp32
+    moments by the batched paths, other 8-bit ones per tensor). Where the storage layer
+    quantizes in torch (the CPU), the 8-bit directions at the same step (and direction
+    dtype) are packed: their codes and absmax concatenated flat in storage order, both
+    moments as the two rows of one matrix (:func:`~galore2.storage.dynamic8.pack_index`
+    maps each element to its block, whatever its tensor's blocked axis), then one
+    dequantize, Adam step and quantize for the whole pack — the same bits as per tensor.
+    Elsewhere (CUDA; meta) the 8-bit directions of one shape, dtype, blocked axis and step
+    count step as stacks (:func:`_stacks`): one :func:`adam8bit_stack_` per stack — on CUDA
+    one fused kernel for all of its matrices. Sharded directions: per tensor (a shard's
+    codes are not a plain tensor)."""
+    local = [
+        i
+        for i, (state, ctx) in enumerate(zip(states, ctxs, strict=True))
+        if not ctx.placement.distributed and _local_8bit(state)
+    ]
+    if local and _on_stacks(states[local[0]]["adam.exp_avg"]):
+        _step_stacked(rule, us, states, group, local, out)
+        return
+    packable = [i for i in local if _packable(states[i])]
+    # every one of them steps below: their host counters advanced now (one add, one
+    # read when packed, see galore2.core.counters), packs formed by the new counts
+    counted = [states[i] for i in packable]
+    steps = rule.count_steps(counted, group, us[0].device) if packable else []
+    # their blocked axes (host scalars that never change) by one read as well
+    axes = rule._counters.packed(counted, AXIS) if packable else None
+    dims = dict(zip(packable, axes.tolist() if axes is not None else
+                    [int(states[i][AXIS]) for i in packable], strict=True))  # fmt: skip
+    packs: dict[tuple[Any, ...], list[int]] = {}
+    for i, t in zip(packable, steps, strict=True):
+        packs.setdefault((t - 1, us[i].device, us[i].dtype), []).append(i)
+    for key, idx in packs.items():
+        for part in _split(idx, [states[i]["adam.exp_avg"].numel() for i in idx]):
+            done = _step_packed([us[i] for i in part], [states[i] for i in part], group,
+                                key[0], [dims[i] for i in part])  # fmt: skip
+            for i, r in zip(part, done, strict=True):
                 out[i] = r
 
-    def __getstate__(self) -> dict[str, Any]:
-        """The kept stacks are a cache of this process's tensors: a pickle carries none."""
-        return {k: v for k, v in self.__dict__.items() if k != "_stacks"}
+
+def _step_stacked(
+    rule: MomentRule, us: list[Tensor], states: list[State], group: Group, local: list[int],
+    out: list[Tensor | None],
+) -> None:  # fmt: skip
+    """:func:`step_batch` off the CPU path: the 8-bit directions ``local`` (unsharded,
+    contiguous codes) by :func:`adam8bit_stack_`, one call per stack of the same shape,
+    dtype, blocked axis and step count (their counters advanced first: one add, one
+    read when packed), their results into ``out``. The stacks are kept on ``rule``
+    (``_stacks``, not pickled)."""
+    counted = [states[i] for i in local]
+    steps = rule.count_steps(counted, group, us[0].device)
+    axes = rule._counters.packed(counted, AXIS)
+    dims = axes.tolist() if axes is not None else [int(s[AXIS]) for s in counted]
+    runs: dict[tuple[Any, ...], list[int]] = {}
+    for i, t, dim in zip(local, steps, dims, strict=True):
+        runs.setdefault((t, dim, us[i].shape, us[i].dtype, us[i].device), []).append(i)
+    beta1, beta2 = group["betas"]
+    cache = rule.__dict__.setdefault("_stacks", {})
+    for (t, dim, *like), idx in runs.items():
+        run_states = [states[i] for i in idx]
+        g = packing.stacked_view([us[i] for i in idx])
+        if g is None:
+            g = torch.stack([us[i] for i in idx])
+        m, ma, v, va = _stacks(cache, (dim, *like, len(idx)), run_states)
+        done = adam8bit_stack_(g, m, ma, v, va, dim, beta1, beta2, group["eps"], t)
+        for i, r in zip(idx, done.unbind(0), strict=True):
+            out[i] = r
+
+
+def update_quantized(rule: MomentRule, u: Tensor, state: State, group: Group) -> Tensor:
+    """``rule.update`` of a direction with 8-bit moments: the fused kernel, else the torch
+    path (chunk by chunk on the CPU, else on fp32 copies of the moments). The step is
+    counted once the kernel ran, or was not taken."""
+    m_fmt = stored_format(state, "adam.exp_avg", True)
+    v_fmt = stored_format(state, "adam.exp_avg_sq", False)
+    assert isinstance(m_fmt, Dynamic8Format) and isinstance(v_fmt, Dynamic8Format)
+    m_codes, m_absmax, dim = m_fmt.local(state, "adam.exp_avg", AXIS)
+    v_codes, v_absmax, _ = v_fmt.local(state, "adam.exp_avg_sq", AXIS)
+    out = run_kernel(
+        "adam8bit",
+        u,
+        m_codes,
+        v_codes,
+        # the fused kernel takes the step as a host int: not for a capturable step
+        supported=lambda k: not group.get("capturable") and k.supported(u),
+        kernel=lambda k: partial(
+            k.adam8bit_step,
+            u,
+            m_codes,
+            m_absmax,
+            v_codes,
+            v_absmax,
+            **_fused_args(m_fmt, v_fmt, dim, m_codes.device, state, group),
+        ),
+    )
+    t = rule.count_step(state, group, u.device)
+    if out is not None:  # the kernel updated codes and absmax in place
+        return out
+    return torch_quantized(u, m_fmt, v_fmt, t, state, group)
+
+
+def torch_quantized(
+    u: Tensor, m_fmt: Dynamic8Format, v_fmt: Dynamic8Format, t: int | Tensor, state: State,
+    group: Group,
+) -> Tensor:  # fmt: skip
+    """Step ``t`` (counted already) of a direction with 8-bit moments on the torch path
+    (no fused kernel): chunk by chunk on the CPU (:func:`_update_chunks`), else on fp32
+    copies of the moments (bitsandbytes' quantizer)."""
+    if dynamic8.use_torch(m_fmt.local(state, "adam.exp_avg", AXIS)[0]):
+        return _update_chunks(u, m_fmt, v_fmt, t, state, group)
+    m = m_fmt.view(state, "adam.exp_avg", AXIS)
+    v = v_fmt.view(state, "adam.exp_avg_sq", AXIS)
+    out = adam_single(u, m, v, t, group)  # the direction uses the fp32 moments
+    m_fmt.store(state, "adam.exp_avg", m, AXIS)
+    v_fmt.store(state, "adam.exp_avg_sq", v, AXIS)
+    return out
+
+
+def _fused_args(
+    m_fmt: Dynamic8Format, v_fmt: Dynamic8Format, dim: int, device: torch.device,
+    state: State, group: Group,
+) -> dict[str, Any]:  # fmt: skip
+    """The keyword arguments of the fused 8-bit step (galore2.kernels.adam8bit): the same
+    arithmetic, codes and absmax updated in place, the fp32 direction returned. Its
+    ``step`` is the count this step reaches: the caller counts it once the kernel ran
+    or was not taken (see ``dispatch.run_kernel``)."""
+    beta1, beta2 = group["betas"]
+    return {
+        "dim": dim,
+        "code_m": m_fmt.code(device),
+        "code_v": v_fmt.code(device),
+        "bounds_m": m_fmt.bounds(device),
+        "bounds_v": v_fmt.bounds(device),
+        "beta1": beta1,
+        "beta2": beta2,
+        "eps": group["eps"],
+        "step": int(state["adam.step"]) + 1,
+    }
+
+
+def _update_chunks(
+    u: Tensor, m_fmt: Dynamic8Format, v_fmt: Dynamic8Format, t: int | Tensor, state: State,
+    group: Group,
+) -> Tensor:  # fmt: skip
+    """The 8-bit torch path of step ``t`` on the CPU (where the storage layer quantizes
+    in torch), in chunks of ~2^20 elements of whole blocks
+    (:func:`~galore2.storage.dynamic8.row_chunks`): each chunk's moments are
+    dequantized, stepped and requantized while in cache and its direction written into
+    the fp32 result — :func:`~galore2.optim.adam_paths.adam_single` on whole fp32
+    moments, with no full-size fp32 copy of either moment."""
+    m_codes, m_absmax, dim = m_fmt.local(state, "adam.exp_avg", AXIS)
+    v_codes, v_absmax, _ = v_fmt.local(state, "adam.exp_avg_sq", AXIS)
+    rows = m_codes.shape[0]
+    qm, qv, u2 = m_codes.view(rows, -1), v_codes.view(rows, -1), u.reshape(rows, -1)
+    out = torch.empty(u2.shape, dtype=torch.float32, device=u.device)
+    for r, b in dynamic8.row_chunks(rows, qm.shape[1], dim):
+        m = dynamic8.dequantize(qm[r], m_absmax[b], dim, m_fmt.signed)
+        v = dynamic8.dequantize(qv[r], v_absmax[b], dim, v_fmt.signed)
+        adam_single(u2[r], m, v, t, group, out=out[r])
+        dynamic8.quantize_(m, qm[r], m_absmax[b], dim, m_fmt.signed)
+        dynamic8.quantize_(v, qv[r], v_absmax[b], dim, v_fmt.signed)
+    return out.view(u.shape)
 
 
 _MAX_STACKS = 64  # kept stacks per module (see _stacks)
@@ -194,7 +279,7 @@ def adam8bit_stack_(
     the fp32 directions ``(k, *shape)``. One op for the whole stack: on CUDA (or under
     ``GALORE2_KERNELS=triton``) the fused kernel
     (:func:`galore2.kernels.adam8bit.adam8bit_step_stack`), one launch; else the torch
-    path matrix by matrix (:meth:`ScaleByAdam.torch_quantized`: the CPU's chunks,
+    path matrix by matrix (:func:`torch_quantized`: the CPU's chunks,
     bitsandbytes elsewhere) — the bits of a per-tensor ``update`` either way. On meta
     tensors it is one op that writes the moments and returns the directions (what the
     roofline counts)."""
@@ -221,7 +306,7 @@ def adam8bit_stack_(
         state = {"adam.exp_avg": m_codes[j], "adam.exp_avg.absmax": m_absmax[j],
                  "adam.exp_avg_sq": v_codes[j], "adam.exp_avg_sq.absmax": v_absmax[j],
                  AXIS: axis}  # fmt: skip
-        out[j] = ScaleByAdam.torch_quantized(g[j], DYNAMIC8, UDYNAMIC8, step, state, group)
+        out[j] = torch_quantized(g[j], DYNAMIC8, UDYNAMIC8, step, state, group)
     return out
 
 
@@ -261,7 +346,7 @@ def _step_packed(
 ) -> list[Tensor]:
     """One 8-bit Adam step of directions whose states were at ``step`` (their counters
     already advanced) and whose moments are blocked along ``dims``, packed (see
-    :meth:`ScaleByAdam8bit.update_many`)."""
+    :func:`step_batch`)."""
     m_key, v_key = "adam.exp_avg", "adam.exp_avg_sq"
     layout = tuple(
         (s[m_key].shape[0], s[m_key].numel() // s[m_key].shape[0], dim)
@@ -274,7 +359,7 @@ def _step_packed(
     absmax = torch.cat([s[k + ".absmax"].view(-1) for k in (m_key, v_key) for s in states])
     x = dynamic8.dequantize_packed(codes, absmax, index, _SIGNS)
     u = torch.cat([u.reshape(-1) for u in us])
-    out = ScaleByAdam._arith(u, x[0], x[1], step + 1, group)
+    out = adam_single(u, x[0], x[1], step + 1, group)
     packed = dynamic8.quantize_packed(x, index, blocks, _SIGNS)
     if packed is None:  # a block bitsandbytes must quantize: per tensor, as update() does
         for k, row in ((m_key, 0), (v_key, 1)):
@@ -293,7 +378,7 @@ def _step_packed(
 __all__ = [
     "BLOCK",
     "MIN_8BIT_SIZE",
-    "ScaleByAdam8bit",
+    "AXIS",
     "absmax_shape",
     "adam8bit_stack_",
     "block_dim",
@@ -302,4 +387,7 @@ __all__ = [
     "dequantize",
     "dynamic_code",
     "quantize_",
+    "step_batch",
+    "torch_quantized",
+    "update_quantized",
 ]

@@ -36,6 +36,17 @@ from ..storage.moments import (
 _CPU = torch.device("cpu")
 
 
+def bias_correction(beta: float | Tensor, t: int | Tensor) -> float | Tensor:
+    """1 − βᵗ, the bias correction of an exponential moving average with decay ``beta``
+    after ``t`` updates from zero: a Python float for a host count; for counts held in a
+    tensor (device counters, ``capturable=True``) a tensor by ``torch.pow`` and ``rsub`` on
+    their device (float64 when ``t`` or ``beta`` is). The one spelling of the correction for
+    every moment rule (Adam, PNM, this mixin)."""
+    if isinstance(t, Tensor):
+        return torch.rsub(torch.pow(beta, t), 1)
+    return 1 - beta**t
+
+
 def moment_rule_kinds(name: str, *moments: str) -> dict[str, str]:
     """The accounting kinds of a moment rule ``name``'s state: its ``moments`` (suffixes of
     ``name.``) in any storage, their shared blocked axis and the step counter."""
@@ -154,13 +165,13 @@ class MomentRule:
         if group.get("capturable"):  # a device counter: no host read
             v = stored_format(state, key, False).view(state, key, self.axis)
             td = state[self.step_key].to(torch.float64)
-            total = v.sum(dtype=torch.float64) / torch.rsub(torch.pow(group["betas"][1], td), 1)
+            total = v.sum(dtype=torch.float64) / bias_correction(group["betas"][1], td)
             return total.masked_fill_(td.eq(0), 0.0)
         t = int(state[self.step_key])
         if t == 0:
             return torch.zeros((), dtype=torch.float64)
         v = stored_format(state, key, False).view(state, key, self.axis)
-        return v.sum(dtype=torch.float64) / (1 - group["betas"][1] ** t)
+        return v.sum(dtype=torch.float64) / bias_correction(group["betas"][1], t)
 
     def reset(self, state: State, group: Group) -> None:
         """Zero every moment and the step counter."""
@@ -173,4 +184,4 @@ class MomentRule:
         rotate_moments(state, self.linear_keys, self.quadratic_keys, rotate_fn, self.axis)
 
 
-__all__ = ["MomentRule", "moment_rule_kinds"]
+__all__ = ["MomentRule", "bias_correction", "moment_rule_kinds"]

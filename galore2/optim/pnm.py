@@ -55,7 +55,7 @@ from ..core.transform import Context, Group, State, Transform
 from ..storage.dtype import STATE_DTYPE
 from ..storage.moments import is_quantized, stored_format
 from .adam import BETAS, EPS
-from .moments import MomentRule, moment_rule_kinds
+from .moments import MomentRule, bias_correction, moment_rule_kinds
 
 PNM_BETA0 = Option(
     "pnm_beta0", 1.0, Real(low=0.0), "β₀, the weight of the negative momentum (1: Ranger21's)"
@@ -83,7 +83,7 @@ def _corrections(t: int, beta1: float, adamd: bool) -> tuple[float, float]:
     if adamd:
         return 1.0, (1.0 if n_passive else 0.0)
     a = beta1 * beta1
-    return 1.0 - a**n_active, (1.0 - a**n_passive if n_passive else 0.0)
+    return bias_correction(a, n_active), (bias_correction(a, n_passive) if n_passive else 0.0)
 
 
 _CPU = torch.device("cpu")
@@ -166,7 +166,7 @@ class ScaleByPNM(MomentRule, Transform):
         out = torch.mul(active, (1 + beta0) / (norm * bc_active))
         if bc_passive > 0 and beta0 != 0:
             out.add_(passive, alpha=-beta0 / (norm * bc_passive))
-        denom = v.sqrt().div_(math.sqrt(1 - beta2**t))
+        denom = v.sqrt().div_(math.sqrt(bias_correction(beta2, t)))
         if self.softplus:
             sp_beta = float(SOFTPLUS_BETA.of(group))
             denom = F.softplus(denom, beta=sp_beta)
@@ -225,7 +225,7 @@ class ScaleByPNM(MomentRule, Transform):
             bc_p = steps.ge(2).to(torch.float64)
         else:
             halves = torch.stack([steps.add(1), steps]).div_(2, rounding_mode="floor")
-            bc = torch.rsub(torch.pow(_numerics.constants((a,), torch.float64, device), halves), 1)
+            bc = bias_correction(_numerics.constants((a,), torch.float64, device), halves)
             bc_a, bc_p = bc.unbind()
         c = _numerics.constants((1 + beta0, -beta0), torch.float64, device)
         c_a = torch.div(c[0], bc_a.mul(norm))
@@ -235,7 +235,7 @@ class ScaleByPNM(MomentRule, Transform):
         w = odd.to(torch.float64).mul_(1 - a)
         w_neg = torch.rsub(odd.to(torch.float64), 1).mul_(1 - a)
         c_pos, c_neg = torch.where(odd, c_a, c_p), torch.where(odd, c_p, c_a)
-        bc2 = torch.rsub(torch.pow(beta2, steps.to(torch.float64)), 1).sqrt_()
+        bc2 = bias_correction(beta2, steps.to(torch.float64)).sqrt_()
         return [w.to(dtype), w_neg.to(dtype), c_pos.to(dtype), c_neg.to(dtype), bc2]
 
     def _captured(
@@ -301,7 +301,8 @@ class ScaleByPNM(MomentRule, Transform):
         if bc_passive > 0 and beta0 != 0:
             torch._foreach_add_(out, passive, alpha=-beta0 / (norm * bc_passive))
         # the denominators in one buffer: the per-tensor path's ops, one kernel each
-        denom = torch.cat([x.reshape(-1) for x in v]).sqrt_().div_(math.sqrt(1 - beta2**t))
+        denom = torch.cat([x.reshape(-1) for x in v]).sqrt_()
+        denom.div_(math.sqrt(bias_correction(beta2, t)))
         if self.softplus:
             denom = F.softplus(denom, beta=float(SOFTPLUS_BETA.of(group)))
         else:
@@ -319,7 +320,7 @@ class ScaleByPNM(MomentRule, Transform):
         if group.get("capturable"):  # device counters: each sum corrected by its own count
             td = torch.stack([s["pnm.step"] for s in states]).to(torch.float64)
             sums = torch.stack(torch._foreach_norm([s["pnm.exp_avg_sq"] for s in states], 1))
-            total = sums.to(torch.float64) / torch.rsub(torch.pow(group["betas"][1], td), 1)
+            total = sums.to(torch.float64) / bias_correction(group["betas"][1], td)
             return total.masked_fill_(td.eq(0), 0.0).sum()
         packed = self._counters.packed(states, "pnm.step")  # the step's pack: one read
         steps = set(packed.tolist()) if packed is not None else {int(s["pnm.step"]) for s in states}
@@ -329,7 +330,7 @@ class ScaleByPNM(MomentRule, Transform):
         if t == 0:
             return torch.zeros((), dtype=torch.float64)
         sums = torch._foreach_norm([s["pnm.exp_avg_sq"] for s in states], 1)
-        return torch.stack(sums).sum(dtype=torch.float64) / (1 - group["betas"][1] ** t)
+        return torch.stack(sums).sum(dtype=torch.float64) / bias_correction(group["betas"][1], t)
 
 
 __all__ = ["PNM_BETA0", "PNM_SWITCHES", "SOFTPLUS_BETA", "ScaleByPNM"]

@@ -10,8 +10,7 @@ import torch
 from ..core.modules import DecoupledWeightDecay
 from ..core.optimizer import ChainOptimizer, ParamsT
 from ..core.transform import Transform
-from ..optim.adam import ScaleByAdam
-from ..optim.adam8bit import ScaleByAdam8bit
+from ..optim.adam import ScaleByAdam, ScaleByAdam8bit
 from ..optim.galore import GaLore
 
 

@@ -44,13 +44,14 @@ def test_foreach_is_a_declared_option():
 
 def test_foreach_true_runs_the_foreach_kernels_on_cpu(monkeypatch):
     calls = []
-    original = ScaleByAdam._foreach
+    original = ScaleByAdam._directions
 
-    def spy(self, us, states, group, *args):
-        calls.append(len(us))
-        return original(self, us, states, group, *args)
+    def spy(self, us, states, group, ctxs, batched):
+        if batched:
+            calls.append(len(us))
+        return original(self, us, states, group, ctxs, batched)
 
-    monkeypatch.setattr(ScaleByAdam, "_foreach", spy)
+    monkeypatch.setattr(ScaleByAdam, "_directions", spy)
     model = TinyNet()
     # galore2's own Adam (fused=False: a batched plain group otherwise runs torch's fused
     # AdamW kernel, tests/optim/test_torch_adamw.py)

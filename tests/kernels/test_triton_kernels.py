@@ -35,8 +35,7 @@ from galore2.kernels import ops
 from galore2.kernels.adamw import adamw_step
 from galore2.kernels.hadamard import blockwise_fwht
 from galore2.kernels.lowrank import lowrank_update
-from galore2.optim.adam import ScaleByAdam
-from galore2.optim.adam8bit import ScaleByAdam8bit
+from galore2.optim.adam import ScaleByAdam, ScaleByAdam8bit
 from galore2.storage import dynamic8 as A8
 from galore2.storage import hadamard as H
 

@@ -13,8 +13,8 @@ from torch import nn
 import galore2
 from galore2.core.transform import Context
 from galore2.optim import adam8bit
-from galore2.optim.adam import ScaleByAdam
-from galore2.optim.adam8bit import ScaleByAdam8bit, dequantize, quantize_
+from galore2.optim.adam import ScaleByAdam, ScaleByAdam8bit
+from galore2.optim.adam8bit import dequantize, quantize_
 from galore2.storage import dynamic8
 
 from ..dist import spawn

@@ -3,7 +3,7 @@
 Compiled steps match eager ones to rounding (per tensor and ``foreach=True``, a GaLore
 group and a plain group), the compiled functions trace without a graph break, changing
 step counts do not recompile, quantized (8-bit) moments keep the eager path, and the option
-validates. The compiled functions are shared by the process (``galore2.optim.adam.compiled``),
+validates. The compiled functions are shared by the process (``galore2.optim.compiled.compiled``),
 so only the first test that steps a layout pays its compilation (a few seconds on a CPU).
 """
 
@@ -16,8 +16,9 @@ import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 import galore2
-from galore2.optim import adam
-from galore2.optim.adam import COMPILE, ScaleByAdam, adam_math, adam_math_many
+from galore2.optim import compiled as compiled_mod
+from galore2.optim.adam import COMPILE, ScaleByAdam
+from galore2.optim.adam_paths import adam_math, adam_math_many
 from galore2.storage.moments import is_quantized
 from tools import options_table
 
@@ -56,8 +57,8 @@ def _compiles(fn) -> int:
 @pytest.mark.parametrize("foreach", [False, True], ids=["per_tensor", "foreach"])
 def test_compiled_steps_match_eager_to_rounding(foreach, monkeypatch):
     used = []
-    real = adam.compiled
-    monkeypatch.setattr(adam, "compiled", lambda fn: used.append(fn) or real(fn))
+    real = compiled_mod.compiled
+    monkeypatch.setattr(compiled_mod, "compiled", lambda fn: used.append(fn) or real(fn))
     compiled_params, opt_c = _run(True, foreach)
     assert set(used) == {adam_math_many if foreach else adam_math}  # the compiled path ran
     used.clear()
@@ -118,8 +119,8 @@ def test_past_the_recompile_limit_the_math_runs_eagerly(monkeypatch):
     if "recompile_limit" not in inspect.signature(torch.compile).parameters:
         pytest.skip("torch.compile has no recompile_limit here")
     tight = torch.compile(adam_math_many, fullgraph=True, dynamic=True, recompile_limit=1)
-    monkeypatch.setattr(adam, "_COMPILED", {adam_math_many: tight})
-    monkeypatch.setattr(adam, "_OVER_LIMIT", set())
+    monkeypatch.setattr(compiled_mod, "_COMPILED", {adam_math_many: tight})
+    monkeypatch.setattr(compiled_mod, "_OVER_LIMIT", set())
 
     def run(compile_: bool) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(3)
@@ -135,7 +136,7 @@ def test_past_the_recompile_limit_the_math_runs_eagerly(monkeypatch):
     with pytest.warns(RuntimeWarning, match="recompile limit") as caught:
         compiled_params = run(True)
     assert len([w for w in caught if "recompile limit" in str(w.message)]) == 1
-    assert {adam_math_many} == adam._OVER_LIMIT
+    assert {adam_math_many} == compiled_mod._OVER_LIMIT
     for c, e in zip(compiled_params, run(False), strict=True):
         assert_f32_close(c.detach(), e.detach(), steps=3)
 
@@ -166,7 +167,7 @@ def test_compiled_functions_have_no_graph_break():
     )  # fmt: skip
     assert (many.graph_count, many.graph_break_count) == (1, 0)
     # traced from outside (torch.compile(opt.step)), the math joins the caller's graph
-    outer = torch._dynamo.explain(adam.run_compiled)(
+    outer = torch._dynamo.explain(compiled_mod.run_compiled)(
         adam_math, u, torch.zeros_like(u), torch.zeros_like(u), *scalars
     )
     assert (outer.graph_count, outer.graph_break_count) == (1, 0)

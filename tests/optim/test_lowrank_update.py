@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 import galore2
 from galore2.optim import lowrank_batch
-from galore2.optim.adam import ScaleByAdam, _fused_directions
+from galore2.optim.adam_paths import adam_fused, adam_single
 
 SHAPES = ((48, 32), (48, 32), (32, 80), (32, 80), (80, 32), (80, 32), (32, 32), (32, 32))
 RANK = 2  # a shape batch's r-sized stacks (2 × 2 × 80) are smaller than any weight
@@ -112,7 +112,7 @@ def test_fp32_weights_batched_equal_per_tensor():
 
 
 def test_fused_directions_are_adam_arithmetic():
-    """torch's fused kernel on a zeroed buffer with lr = −1 gives ``_arith``'s moments and
+    """torch's fused kernel on a zeroed buffer with lr = −1 gives ``adam_single``'s moments and
     direction within a few fp32 ulps (the kernel may fuse a multiply-add; the order of the
     bias corrections' roundings), step after step."""
     g = torch.Generator().manual_seed(0)
@@ -122,9 +122,9 @@ def test_fused_directions_are_adam_arithmetic():
     vs = [torch.rand(u.shape, generator=g) * 0.01 for u in us]
     m2, v2 = [m.clone() for m in ms], [v.clone() for v in vs]
     for t in (1, 7, 1000):
-        got = _fused_directions(us, ms, vs, t, group)
+        got = adam_fused(us, ms, vs, t, *group["betas"], group["eps"])
         for u, m, v, m_ref, v_ref, d in zip(us, ms, vs, m2, v2, got, strict=True):
-            want = ScaleByAdam._arith(u, m_ref, v_ref, t, group)
+            want = adam_single(u, m_ref, v_ref, t, group)
             # a few ulps of each tensor's largest magnitude (a lerp may cancel)
             for a, b in ((m, m_ref), (v, v_ref), (d, want)):
                 atol = 8 * torch.finfo(torch.float32).eps * float(b.abs().max())
@@ -147,7 +147,7 @@ def test_bf16_directions_op_along_the_data(mode, monkeypatch):
         pytest.skip("the kernel runs on CPU tensors under Triton's interpreter only")
     monkeypatch.setenv(dispatch.ENV_VAR, mode)  # both runs (Triton: the lowrank kernel too)
     reference, _ = _run(torch.bfloat16, foreach=True, steps=4)
-    monkeypatch.setattr(adam, "_rounded_path", lambda us, states, rnd: rnd is torch.bfloat16)
+    monkeypatch.setattr(adam, "rounded_path", lambda us, states, rnd: rnd is torch.bfloat16)
     ws, made = _run(torch.bfloat16, foreach=True, steps=4, count_last=True)
     names = [n for n, _ in made.ops]
     assert names.count("adam_directions_") == len(set(SHAPES)), names  # a call per shape

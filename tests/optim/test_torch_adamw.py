@@ -14,7 +14,7 @@ import torch
 import galore2
 from benchmarks.step_counts import count_step
 from galore2.kernels import ops
-from galore2.optim.adam import mixed_path, torch_path
+from galore2.optim.adamw_step import mixed_path, torch_path
 
 SHAPES = [(12, 8), (8,), (5, 3, 2)]
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
