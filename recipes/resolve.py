@@ -12,9 +12,10 @@
 2. parses and validates the options by their declarations
    (:func:`recipes.optimizers.parse_options`: an unknown key is an error naming the allowed
    ones); everything downstream takes ``optim.options`` as parsed;
-3. sets the [optim] fields the preset fixes (APOLLO's α, APOLLO-Mini's rank 1:
-   :func:`recipes.optimizers.preset_fields`), refusing them on the command line, where a
-   value the user chose would not be used;
+3. sets the options the preset fixes (APOLLO's α, APOLLO-Mini's rank 1:
+   :func:`recipes.optimizers.preset_fields`, asked once per run and kept in
+   ``optim.fixed``), refusing them on the command line, where a value the user chose
+   would not be used;
 4. checks ``optim.adamw_kernel`` and ``optim.capture`` (which sets ``capturable=True``:
    :func:`recipes.optimizers.check_kernel_and_capture`).
 """
@@ -27,7 +28,6 @@ from typing import Any
 from . import config
 from .config import JobConfig, OptimConfig
 from .optimizers import (
-    apply_preset_fields,
     check_kernel_and_capture,
     is_own_option,
     option_lines,
@@ -54,15 +54,16 @@ def optim_config(settings: Mapping[str, Any], cli: Collection[str] = ()) -> Opti
         else:  # an option of the chosen optimizer
             options[key] = value
     cfg.options = parse_options(cfg.name, options)
-    fixed = {k: v for k, v in preset_fields(cfg.name).items() if k in cli}
-    if fixed:  # a value the user chose would not be used: refuse instead of ignoring it
-        key, value = next(iter(fixed.items()))
+    cfg.fixed = preset_fields(cfg.name)
+    refused = {k: v for k, v in cfg.fixed.items() if k in cli}
+    if refused:  # a value the user chose would not be used: refuse instead of ignoring it
+        key, value = next(iter(refused.items()))
         raise ValueError(
             f"--optim.{key}: optimizer {cfg.name!r} fixes optim.{key}={value:g} (its "
             f"definition); for another value use galore_adamw with the same options, e.g. "
             "--optimizer galore_adamw --optim.projector random --optim.scale_type channel"
         )
-    apply_preset_fields(cfg)
+    cfg.options.update(cfg.fixed)  # the run's recorded configuration is the one in force
     check_kernel_and_capture(cfg)
     return cfg
 
