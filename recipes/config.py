@@ -87,8 +87,9 @@ class OptimConfig:
     in ``options``, is parsed and validated (:func:`recipes.resolve.resolve`) by the
     option's own declaration (``galore2.<Optimizer>.all_options()``) and goes to the
     optimizer unchanged, so every option of the chosen optimizer is settable and an
-    unknown key is an error naming the allowed ones. The recipe's one default for an
-    option is :data:`recipes.optimizers.RECIPE_DEFAULTS` (rank 128).
+    unknown key is an error naming the allowed ones. The recipe's defaults for options
+    are :data:`recipes.optimizers.RECIPE_DEFAULTS` (rank 128) and, for the optimizers that
+    warm up and down themselves, ``num_iterations`` = ``train.steps``.
     """
 
     name: str = "galore_adamw"
@@ -104,7 +105,6 @@ class OptimConfig:
     warmup_steps: int = 0
     warmup_ratio: float = 0.1  # used when warmup_steps == 0
     min_lr_ratio: float = 0.1
-    num_iterations: int = 0  # 0: train.steps (Ranger21's schedule length)
     # galore2 optimizers: replay non-refresh steps from a CUDA graph (galore2.CapturedStep;
     # sets capturable=True, needs a constant lr; eager on the CPU): recipes.optimizers
     capture: bool = False

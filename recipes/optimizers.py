@@ -68,6 +68,7 @@ from galore2.core.optimizer import ChainOptimizer
 from galore2.core.transform import walk
 from galore2.optim import GaLore
 from galore2.optim.adam import BETAS, EPS
+from galore2.optim.schedules import NUM_ITERATIONS
 from galore2.presets import PRESETS
 
 from .config import OptimConfig
@@ -99,9 +100,16 @@ def _projects(cls: type) -> bool:
 # name -> (galore2 class name, projected?)
 _GALORE2 = {name: (cls.__name__, _projects(cls)) for name, cls in PRESETS.items()}
 #: GaLore's settings every projected contender shares: a config file sets them for any
-#: optimizer (those that do not project ignore them); peers read them
-#: (:func:`galore_settings`). Names only: the options are GaLore's declarations.
+#: optimizer (those that do not project ignore them); peers read them (:func:`setting`).
+#: Names only: the options are GaLore's declarations.
 SHARED = ("rank", "update_proj_gap", "scale", "proj_type")
+#: the options any recipe optimizer may be given, by their galore2 declarations: GaLore's
+#: :data:`SHARED` settings and the schedule length of those that warm up and down
+#: themselves (Ranger21's ``num_iterations``; a peer's too; default: ``train.steps``)
+_ANY_OPTIMIZER = {
+    **{o.name: o for o in GaLore.options if o.name in SHARED},
+    NUM_ITERATIONS.name: NUM_ITERATIONS,
+}
 #: the recipe's own defaults for galore2 options, where galore2's differ: a recipe run
 #: projects at rank 128 unless told otherwise (galore2's rank defaults to None: nothing
 #: projected). The one place the recipe sets an option it was not given.
@@ -239,12 +247,12 @@ def _galore_only(cls: type) -> set[str]:
 
 def declarations(name: str) -> dict[str, Any]:
     """The options ``--optim.KEY`` may set for recipe optimizer ``name``: GaLore's
-    :data:`SHARED` settings for every optimizer (a config file sets them for all
-    contenders; those that do not project ignore them), and every option of a galore2
-    optimizer but those set from [optim]'s fields."""
+    :data:`SHARED` settings and ``num_iterations`` for every optimizer (a config file sets
+    them for all contenders; those that do not read them ignore them), and every option of
+    a galore2 optimizer but those set from [optim]'s fields."""
     cls = PRESETS.get(name)
     own = {} if cls is None else cls.all_options()
-    shared = {k: own.get(k, _GALORE_OPTIONS[k]) for k in SHARED}
+    shared = {k: own.get(k, o) for k, o in _ANY_OPTIMIZER.items()}
     return shared | {k: o for k, o in own.items() if k not in _FROM_FIELDS}
 
 
@@ -260,7 +268,7 @@ def parse_options(name: str, raw: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(
                 f"unknown setting 'optim.{key}' for optimizer {name!r}: only galore2 "
                 f"optimizers ({', '.join(PRESETS)}) take options beyond [optim]'s fields "
-                f"and GaLore's {', '.join(SHARED)}"
+                f"and {', '.join(_ANY_OPTIMIZER)}"
             )
         if option is None:
             why = "set with its [optim] field" if key in _FROM_FIELDS else "unknown setting"
@@ -415,7 +423,7 @@ def build_optimizer(
             device = next(model.parameters()).device
             kwargs.update(adamw_kernel(cfg, device))
     if own_schedule(cfg.name, peers):
-        kwargs["num_iterations"] = cfg.num_iterations or total_steps
+        kwargs["num_iterations"] = cfg.options.get("num_iterations") or total_steps
     return cls(groups, **kwargs)
 
 
