@@ -182,7 +182,7 @@ def test_tiny_run_writes_metrics_and_learns(tmp_path, capsys):
     assert recs[-1]["loss"] < recs[0]["loss"] - 1.0  # from ~ln(257) = 5.5 down
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["opt_state_bytes"] < summary["adamw_state_bytes"]
-    assert json.loads((tmp_path / "config.json").read_text())["optim"]["rank"] == 8
+    assert json.loads((tmp_path / "config.json").read_text())["optim"]["options"]["rank"] == 8
     assert_png(tmp_path / "loss.png")  # the run's own curves, named in its summary
     assert f"loss curves        {tmp_path / 'loss.png'}" in capsys.readouterr().out
 
