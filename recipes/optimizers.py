@@ -68,7 +68,6 @@ from galore2.core.optimizer import ChainOptimizer
 from galore2.core.transform import walk
 from galore2.optim import GaLore
 from galore2.optim.adam import BETAS, EPS
-from galore2.optim.schedules import NUM_ITERATIONS
 from galore2.presets import PRESETS
 
 from .config import OptimConfig
@@ -103,19 +102,12 @@ _GALORE2 = {name: (cls.__name__, _projects(cls)) for name, cls in PRESETS.items(
 #: optimizer (those that do not project ignore them); peers read them (:func:`setting`).
 #: Names only: the options are GaLore's declarations.
 SHARED = ("rank", "update_proj_gap", "scale", "proj_type")
-#: the options any recipe optimizer may be given, by their galore2 declarations: GaLore's
-#: :data:`SHARED` settings and the schedule length of those that warm up and down
-#: themselves (Ranger21's ``num_iterations``; a peer's too; default: ``train.steps``)
-_ANY_OPTIMIZER = {
-    **{o.name: o for o in GaLore.options if o.name in SHARED},
-    NUM_ITERATIONS.name: NUM_ITERATIONS,
-}
 #: the recipe's own defaults for galore2 options, where galore2's differ: a recipe run
 #: projects at rank 128 unless told otherwise (galore2's rank defaults to None: nothing
 #: projected). The one place the recipe sets an option it was not given.
 RECIPE_DEFAULTS: Mapping[str, Any] = types.MappingProxyType({"rank": 128})
 #: galore2 options the recipe sets from its own fields (OptimConfig), not from ``options``
-_FROM_FIELDS = ("lr", "weight_decay")
+FROM_FIELDS = ("lr", "weight_decay")
 NAMES = ("adamw", "adamw8bit", *_GALORE2)
 _GALORE_OPTIONS = {o.name: o for o in GaLore.options}
 _OWN_SCHEDULE = ("ranger21", "galore_ranger21")
@@ -206,7 +198,7 @@ def galore2_options(cfg: OptimConfig) -> dict[str, tuple[Any, bool]]:
     """Option name → (the value the recipe gives galore2 optimizer ``cfg.name``, whether a run
     may change it on resume: its declaration's ``resumable``); ``{}`` for other optimizers.
     Unset options count at their defaults (the recipe's where it has one, GaLore's only where
-    the recipe projects). ``cfg.options`` are parsed (:func:`parse_options`)."""
+    the recipe projects). ``cfg.options`` are parsed (:func:`recipes.resolve.parse_options`)."""
     cls = PRESETS.get(cfg.name)
     if cls is None:
         return {}
@@ -243,51 +235,6 @@ def _galore_only(cls: type) -> set[str]:
     only); a shared one (``seed``, also lookahead's) goes to every group."""
     others = ChainOptimizer.declared_options([m for m in walk(cls.modules) if m is not GaLore])
     return {o.name for o in GaLore.options} - set(others)
-
-
-def declarations(name: str) -> dict[str, Any]:
-    """The options ``--optim.KEY`` may set for recipe optimizer ``name``: GaLore's
-    :data:`SHARED` settings and ``num_iterations`` for every optimizer (a config file sets
-    them for all contenders; those that do not read them ignore them), and every option of
-    a galore2 optimizer but those set from [optim]'s fields."""
-    cls = PRESETS.get(name)
-    own = {} if cls is None else cls.all_options()
-    shared = {k: own.get(k, o) for k, o in _ANY_OPTIMIZER.items()}
-    return shared | {k: o for k, o in own.items() if k not in _FROM_FIELDS}
-
-
-def parse_options(name: str, raw: dict[str, Any]) -> dict[str, Any]:
-    """``optim.options`` parsed (strings from the command line) and validated by the
-    declarations of optimizer ``name`` (:func:`declarations`); errors name the key and what
-    is allowed."""
-    options = declarations(name)
-    out = {}
-    for key, value in raw.items():
-        option = options.get(key)
-        if option is None and name not in PRESETS:
-            raise ValueError(
-                f"unknown setting 'optim.{key}' for optimizer {name!r}: only galore2 "
-                f"optimizers ({', '.join(PRESETS)}) take options beyond [optim]'s fields "
-                f"and {', '.join(_ANY_OPTIMIZER)}"
-            )
-        if option is None:
-            why = "set with its [optim] field" if key in _FROM_FIELDS else "unknown setting"
-            raise ValueError(
-                f"{why} 'optim.{key}' for optimizer {name}; its options: "
-                f"{', '.join(sorted(options))}"
-            )
-        out[key] = option.parse(value) if isinstance(value, str) else option.validate(value)
-    return out
-
-
-def option_lines() -> list[str]:
-    """One usage line per option of every galore2 optimizer (for ``--help``)."""
-    ours = ", ".join(f"{k}={v!r}" for k, v in RECIPE_DEFAULTS.items())
-    lines = [f"  the recipe's own defaults (where an optimizer projects): {ours}"]
-    for name in PRESETS:
-        options = declarations(name).values()
-        lines.append(f"  {name}: " + ", ".join(f"{o.name}={o.default!r}" for o in options))
-    return lines
 
 
 ADAMW_KERNELS = ("auto", "fused", "foreach")
@@ -389,7 +336,7 @@ def build_optimizer(
     total_steps: int,
     peers: Mapping[str, Peer] = NO_PEERS,
 ) -> torch.optim.Optimizer:
-    """The optimizer ``cfg.name`` (its options parsed: :func:`parse_options`) over
+    """The optimizer ``cfg.name`` (its options parsed: :func:`recipes.resolve.parse_options`) over
     ``model``'s trainable parameters; ``peers``: optimizers of other packages by name."""
     if cfg.name not in NAMES and cfg.name not in peers:
         names = ", ".join((*NAMES, *peers))

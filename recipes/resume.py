@@ -53,7 +53,8 @@ from galore2.checkpoint.runs import writer_lock
 
 from . import checkpoint
 from .config import JobConfig, OptimConfig
-from .optimizers import galore2_options, parse_options
+from .optimizers import galore2_options
+from .resolve import parse_options
 
 #: what a run leaves in its out dir
 RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json", "summary.json")

@@ -67,13 +67,12 @@ def test_options_are_parsed_once(monkeypatch):
     """From the command line to a built optimizer, its resume comparison and the planner's
     settings, ``optim.options`` are parsed and validated exactly once."""
     calls = []
-    real = optimizers.parse_options
+    real = resolve.parse_options
 
     def counted(name, raw):
         calls.append(dict(raw))
         return real(name, raw)
 
-    monkeypatch.setattr(optimizers, "parse_options", counted)
     monkeypatch.setattr(resolve, "parse_options", counted)
     monkeypatch.setattr(resuming, "parse_options", counted)
     job = resolve.parse_args(["--config", "tiny", "--optim.projector", "power",
