@@ -23,6 +23,7 @@ import galore2
 from recipes.config import JobConfig, OptimConfig
 from recipes.memory import OPTIMIZERS, report
 from recipes.model import build_model
+from recipes.optimizers import setting
 from recipes.resolve import parse_args
 
 from ._common import render, table
@@ -35,7 +36,7 @@ def shapes(quick: bool) -> tuple[JobConfig, str]:
     name = "llama_60m" if quick else "llama_7b"
     job = parse_args(["--config", name])
     m = job.model
-    return job, f"{name}: dim {m.dim}, {m.n_layers} layers, ffn {m.ffn_dim}, r = {job.optim.rank}"
+    return job, f"{name}: dim {m.dim}, {m.n_layers} layers, ffn {m.ffn_dim}, r = {setting(job.optim, 'rank')}"
 
 
 def meta_model(job: JobConfig) -> nn.Module:
@@ -49,15 +50,15 @@ def state_by_contender(contenders: list[Contender], quick: bool) -> dict[str, in
     model = meta_model(job)
     out: dict[str, int | None] = {}
     for c in contenders:
-        state = optimizer_state(model, c.optim_config(rank=job.optim.rank))
+        state = optimizer_state(model, c.optim_config(rank=setting(job.optim, "rank")))
         out[c.key] = None if state is None else state["total"]
     return out
 
 
 def memory_7b(quick: bool) -> str:
     job, _ = shapes(quick)
-    model, rank, m = meta_model(job), job.optim.rank, job.model
-    galore = OptimConfig(name="galore_adamw", rank=rank)
+    model, rank, m = meta_model(job), setting(job.optim, "rank"), job.model
+    galore = OptimConfig(name="galore_adamw", options={"rank": rank})
     projected = {id(p) for p in projected_params(model, galore)}
     targets = dict.fromkeys(name.split(".")[-2].removesuffix("_proj")
                             for name, p in model.named_parameters() if id(p) in projected)  # fmt: skip

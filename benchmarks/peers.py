@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recipes.config import OptimConfig
+from recipes.optimizers import setting
 
 Keys = Callable[[OptimConfig], dict[str, Any]]
 
@@ -70,10 +71,10 @@ def _galore_keys_as(scale: str = "scale", proj_type: str = "proj_type") -> Keys:
 
     def keys(cfg: OptimConfig) -> dict[str, Any]:
         return {
-            "rank": cfg.rank,
-            "update_proj_gap": cfg.update_proj_gap,
-            scale: cfg.scale,
-            proj_type: cfg.proj_type,
+            "rank": setting(cfg, "rank"),
+            "update_proj_gap": setting(cfg, "update_proj_gap"),
+            scale: setting(cfg, "scale"),
+            proj_type: setting(cfg, "proj_type"),
         }
 
     return keys
@@ -101,10 +102,10 @@ def _qgalore_keys(cfg: OptimConfig) -> dict[str, Any]:
 def _apollo_keys(rank: int | None, scale_type: str, scale: float) -> Keys:
     def keys(cfg: OptimConfig) -> dict[str, Any]:
         return {
-            "rank": cfg.rank if rank is None else rank,
+            "rank": setting(cfg, "rank") if rank is None else rank,
             "proj": "random",
             "scale_type": scale_type,
-            "update_proj_gap": cfg.update_proj_gap,
+            "update_proj_gap": setting(cfg, "update_proj_gap"),
             "scale": scale,
             "proj_type": "std",
         }

@@ -162,9 +162,10 @@ def galore2_maker(name: str, optim: OptimConfig, **options: Any) -> Callable[[nn
     the first step, on the batched path (``foreach=True``), with ``options`` but those the
     preset fixes itself (APOLLO's projector)."""
     fixed = PRESETS[name].preset_defaults
-    options = {"foreach": True, **{k: v for k, v in options.items() if k not in fixed}}
-    cfg = dataclasses.replace(optim, name=name, update_proj_gap=10**9, options=options)
-    optimizers.apply_preset_fields(cfg)
+    options = {**optim.options, "foreach": True, "update_proj_gap": 10**9,
+               **{k: v for k, v in options.items() if k not in fixed},
+               **optimizers.preset_fields(name)}  # fmt: skip
+    cfg = dataclasses.replace(optim, name=name, options=options)
     return lambda model: optimizers.build_optimizer(model, cfg, 1000)
 
 
@@ -269,7 +270,7 @@ def measure(
     galore2 options, see :func:`galore2_maker`); ``labels``: only those galore2 rows (the
     baseline always)."""
     depth = model_cfg.n_layers
-    out: dict[str, Any] = {"depth": depth, "rank": optim.rank, "rows": {}}
+    out: dict[str, Any] = {"depth": depth, "rank": optimizers.setting(optim, "rank"), "rows": {}}
     for label, make in [(BASELINE, None), *rows(optim, **options)]:
         if labels is not None and make is not None and label not in labels:
             continue

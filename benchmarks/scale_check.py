@@ -126,6 +126,7 @@ def verdict(here: dict[str, float], tiny: dict[str, float], labels: dict[str, st
 
 def _model(config: str) -> tuple[str, dict[str, Any]]:
     from recipes.model import build_model
+    from recipes.optimizers import setting
     from recipes.resolve import parse_args
 
     job = parse_args(["--config", config])
@@ -136,7 +137,8 @@ def _model(config: str) -> tuple[str, dict[str, Any]]:
             f"{job.data.seq_len} tokens per step")  # fmt: skip
     o = job.optim
     return text, {"tokens_per_step": job.train.batch_size * job.data.seq_len,
-                  "rank": o.rank, "gap": o.update_proj_gap, "scale": o.scale}  # fmt: skip
+                  "rank": setting(o, "rank"), "gap": setting(o, "update_proj_gap"),
+                  "scale": setting(o, "scale")}  # fmt: skip
 
 
 def _saved(raw: Path, task: str) -> dict[str, Any]:

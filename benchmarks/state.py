@@ -42,10 +42,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from galore2.groups import select
 from galore2.plan import state as plan_state
 from galore2.plan.state import BNB_BLOCK, BNB_MIN_8BIT, Piece, measured, nbytes
 from recipes.config import OptimConfig
-from recipes.optimizers import NAMES, build_optimizer, param_groups, projects
+from recipes.optimizers import NAMES, build_optimizer, projects, setting
 
 from .peers import PEERS
 
@@ -117,7 +118,7 @@ def projected_params(model: nn.Module, cfg: OptimConfig) -> list[nn.Parameter]:
     """The parameters the recipe projects for optimizer ``cfg.name`` (none if it is full rank)."""
     if not projects(cfg.name, PEERS):
         return []
-    return [p for g in param_groups(model, cfg, True) if "rank" in g for p in g["params"]]
+    return select(model, cfg.target_modules)[0]  # the split recipes.optimizers.param_groups makes
 
 
 def optimizer_state(model: nn.Module, cfg: OptimConfig) -> dict[str, int] | None:
@@ -127,5 +128,5 @@ def optimizer_state(model: nn.Module, cfg: OptimConfig) -> dict[str, int] | None
     if cfg.name in GALORE2:
         return galore2_state(build_optimizer(model, cfg, 1, PEERS))
     if cfg.name in RULES:
-        return breakdown(counted(cfg.name, model, projected_params(model, cfg), cfg.rank))
+        return breakdown(counted(cfg.name, model, projected_params(model, cfg), setting(cfg, "rank")))
     return None

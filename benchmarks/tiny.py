@@ -157,7 +157,7 @@ def _optim_config(name: str, rank: int, flags: list[str]) -> OptimConfig:
 def state_7b_variants(quick: bool) -> tuple[dict[str, int], str]:
     """label → Llama-7B state bytes of every low_memory variant, and the model's description."""
     job, _ = shapes(quick)
-    model, rank, m = meta_model(job), job.optim.rank, job.model
+    model, rank, m = meta_model(job), optimizers.setting(job.optim, "rank"), job.model
     out = {}
     for label, name, _, flags in VARIANTS:
         state = optimizer_state(model, _optim_config(name, rank, flags))

@@ -29,6 +29,7 @@ import torch
 
 from galore2.traffic import Traffic, collective_bytes
 from recipes.config import JobConfig
+from recipes.optimizers import setting
 
 from ._common import render, table
 from .llama_7b import meta_model, shapes
@@ -49,7 +50,7 @@ def _pct(x: float) -> str:
 
 def traffic(model: torch.nn.Module, job: JobConfig, p: int, **kw: Any) -> Traffic:
     units = [f"model.layers.{i}" for i in range(job.model.n_layers)]
-    return collective_bytes(model, p, rank=job.optim.rank, target_modules=job.optim.target_modules,
+    return collective_bytes(model, p, rank=setting(job.optim, "rank"), target_modules=job.optim.target_modules,
                             fsdp_units=units, update_proj_gap=GAP, **kw)  # fmt: skip
 
 
@@ -123,7 +124,7 @@ def traffic_7b(quick: bool) -> str:
     down = [c for c in t8.step if c.op == "reduce_scatter"]
     m = job.model
     return render("traffic_7b", dim=m.dim, layers=m.n_layers, ffn=m.ffn_dim, vocab=m.vocab_size,
-                  params=n_params, rank=job.optim.rank, weights=len(t8.galore_params),
+                  params=n_params, rank=setting(job.optim, "rank"), weights=len(t8.galore_params),
                   left=len(down), step_table=table(step_headers, step_rows), gap=GAP,
                   refresh_table=table(refresh_headers, refresh_rows),
                   per_layer_calls=per_layer.calls("step"), calls=t8.calls("step"))  # fmt: skip

@@ -1,4 +1,5 @@
-"""``param_groups``: split a model's parameters into a GaLore group and a plain group."""
+"""``param_groups``: split a model's parameters into a GaLore group and a plain group
+(:func:`select`: which parameters are projected, for callers that build their own groups)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from .presets import PRESETS
 
-__all__ = ["is_linear", "param_groups"]
+__all__ = ["is_linear", "param_groups", "select"]
 
 _OUTPUT_HEADS = ("lm_head", "output", "classifier", "score", "head")
 
@@ -81,7 +82,9 @@ def _matcher(target_modules: str | Sequence[str]) -> tuple[list[str], Any]:
     return targets, lambda name, t: t in name
 
 
-def _warn_unprojected(model: nn.Module, galore_ids: set[int], heads: set[str]) -> None:
+def _warn_unprojected(
+    model: nn.Module, galore_ids: set[int], heads: set[str], stacklevel: int
+) -> None:
     """Name the ≥2-D trainable weights ``"all-linear"`` leaves unprojected that are not an
     embedding's or an output head's (a convolution, a raw ``nn.Parameter``)."""
     skipped = {id(p) for n, m in model.named_modules() if isinstance(m, nn.Embedding) or n in heads
@@ -93,8 +96,55 @@ def _warn_unprojected(model: nn.Module, galore_ids: set[int], heads: set[str]) -
             f"galore2.param_groups: target_modules='all-linear' projects linear layers only; "
             f"these ≥2-D weights stay full rank: {left[:8]}{' …' if len(left) > 8 else ''} "
             "(name their modules in target_modules to project them)",
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
+
+
+def select(
+    model: nn.Module, target_modules: str | Sequence[str] = "all-linear", *, stacklevel: int = 2
+) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(projected, other): every trainable parameter of ``model`` once, the ≥2-D weights of
+    the modules ``target_modules`` selects (see :func:`param_groups`) first. Targets that
+    match nothing, and an empty selection, are named in warnings (``stacklevel``: as
+    :func:`warnings.warn`'s, counted from the caller of this function)."""
+    targets, match = _matcher(target_modules)
+    heads = _output_head_names(model) if match is None else set()
+
+    galore_ids: set[int] = set()
+    hits = dict.fromkeys(targets, 0)
+    for mod_name, module in model.named_modules():
+        if match is None:
+            chosen = is_linear(module) and mod_name not in heads
+        else:
+            matched = [t for t in targets if match(mod_name, t)]
+            for t in matched:
+                hits[t] += 1
+            chosen = bool(matched)
+        if not chosen:
+            continue
+        for _, p in module.named_parameters(recurse=False):
+            if p.requires_grad and p.dim() >= 2:
+                galore_ids.add(id(p))
+    if match is None:
+        _warn_unprojected(model, galore_ids, heads, stacklevel + 1)
+    missing = [t for t, n in hits.items() if n == 0]
+    if missing:
+        warnings.warn(
+            f"galore2.param_groups: target_modules {missing} matched no module",
+            stacklevel=stacklevel,
+        )
+
+    galore_params, other_params, seen = [], [], set()
+    for _, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (galore_params if id(p) in galore_ids else other_params).append(p)
+    if not galore_params:
+        warnings.warn(
+            "galore2.param_groups: no parameter was selected for GaLore", stacklevel=stacklevel
+        )
+    return galore_params, other_params
 
 
 def param_groups(
@@ -129,40 +179,7 @@ def param_groups(
         )
     if galore_settings.get("rank") is None:
         raise ValueError("param_groups needs rank=<int >= 1> for the GaLore group")
-    targets, match = _matcher(target_modules)
-    heads = _output_head_names(model) if match is None else set()
-
-    galore_ids: set[int] = set()
-    hits = dict.fromkeys(targets, 0)
-    for mod_name, module in model.named_modules():
-        if match is None:
-            chosen = is_linear(module) and mod_name not in heads
-        else:
-            matched = [t for t in targets if match(mod_name, t)]
-            for t in matched:
-                hits[t] += 1
-            chosen = bool(matched)
-        if not chosen:
-            continue
-        for _, p in module.named_parameters(recurse=False):
-            if p.requires_grad and p.dim() >= 2:
-                galore_ids.add(id(p))
-    if match is None:
-        _warn_unprojected(model, galore_ids, heads)
-    missing = [t for t, n in hits.items() if n == 0]
-    if missing:
-        warnings.warn(
-            f"galore2.param_groups: target_modules {missing} matched no module", stacklevel=2
-        )
-
-    galore_params, other_params, seen = [], [], set()
-    for _, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        (galore_params if id(p) in galore_ids else other_params).append(p)
-    if not galore_params:
-        warnings.warn("galore2.param_groups: no parameter was selected for GaLore", stacklevel=2)
+    galore_params, other_params = select(model, target_modules, stacklevel=3)
     groups = [
         {"params": galore_params, **galore_settings},
         {"params": other_params, **(no_galore or {})},

@@ -80,12 +80,16 @@ class DataConfig:
 class OptimConfig:
     """Optimizer (by name, see recipes.optimizers) and LR schedule.
 
-    The fields below are the recipe's own and those every contender shares (peers from
-    other packages read them too). Any other option of a galore2 optimizer is set as
-    ``--optim.KEY VALUE`` (or ``KEY = VALUE`` under ``[optim]``): it lands in ``options``
-    and is parsed and validated (:func:`recipes.resolve.resolve`) by the option's own declaration
-    (``galore2.<Optimizer>.all_options()``), so every option of the chosen optimizer is
-    settable and an unknown key is an error naming the allowed ones.
+    The fields below are the recipe's own and the torch.optim arguments every contender
+    takes (torch's AdamW, bitsandbytes', peers from other packages). Every option of a
+    galore2 optimizer — GaLore's ``rank``, ``update_proj_gap``, ``scale``, ``proj_type``
+    too — is set as ``--optim.KEY VALUE`` (or ``KEY = VALUE`` under ``[optim]``): it lands
+    in ``options``, is parsed and validated (:func:`recipes.resolve.resolve`) by the
+    option's own declaration (``galore2.<Optimizer>.all_options()``) and goes to the
+    optimizer unchanged, so every option of the chosen optimizer is settable and an
+    unknown key is an error naming the allowed ones. The recipe's defaults for options
+    are :data:`recipes.optimizers.RECIPE_DEFAULTS` (rank 128) and, for the optimizers that
+    warm up and down themselves, ``num_iterations`` = ``train.steps``.
     """
 
     name: str = "galore_adamw"
@@ -94,11 +98,6 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
-    # GaLore settings every projected contender shares (ignored by the others)
-    rank: int = 128
-    update_proj_gap: int = 200
-    scale: float = 0.25
-    proj_type: str = "std"
     target_modules: list[str] = field(default_factory=lambda: ["attn", "mlp"])
     per_layer: bool = False  # update each parameter inside backward (frees its gradient)
     max_grad_norm: float = 0.0  # 0: no clipping (per_layer refuses clipping)
@@ -106,15 +105,18 @@ class OptimConfig:
     warmup_steps: int = 0
     warmup_ratio: float = 0.1  # used when warmup_steps == 0
     min_lr_ratio: float = 0.1
-    num_iterations: int = 0  # 0: train.steps (Ranger21's schedule length)
     # galore2 optimizers: replay non-refresh steps from a CUDA graph (galore2.CapturedStep;
     # sets capturable=True, needs a constant lr; eager on the CPU): recipes.optimizers
     capture: bool = False
     # --optimizer adamw: torch's kernel, auto = fused on CUDA (what users run), foreach
     # elsewhere; or fused / foreach
     adamw_kernel: str = "auto"
-    # any other option of the galore2 optimizer, by name (--optim.projector power, ...)
+    # every option of the galore2 optimizer, by name (--optim.rank 32, --optim.projector
+    # power, ...), as given and parsed (GaLore's shared settings for every contender)
     options: dict[str, Any] = field(default_factory=dict)
+    # set by recipes.resolve, not by a setting: the options the preset fixes (APOLLO's α,
+    # APOLLO-Mini's rank 1), already in ``options``; recorded so the run can say so
+    fixed: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -197,9 +199,13 @@ def _parse(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+#: fields no setting names: [optim]'s options (set by their own keys) and what resolve fixes
+NOT_SETTINGS = ("options", "fixed")
+
+
 def field_names(section: Any) -> list[str]:
     """The fields of a config section a setting may name (``options`` is not one)."""
-    return [f.name for f in dataclasses.fields(section) if f.name != "options"]
+    return [f.name for f in dataclasses.fields(section) if f.name not in NOT_SETTINGS]
 
 
 def set_field(section: Any, name: str, value: Any, where: str) -> None:

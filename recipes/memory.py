@@ -31,7 +31,7 @@ from galore2.storage.dtype import normalize_state_dtype
 from .cli import DEBUG_HELP, run_cli
 from .config import JobConfig, ModelConfig
 from .model import build_model, llama_config, param_dtype
-from .optimizers import NAMES, build_optimizer, galore_settings
+from .optimizers import NAMES, build_optimizer, galore_settings, setting
 from .resolve import parse_args
 
 # galore2's optimizers and the baselines it replaces (the recipe's names)
@@ -147,8 +147,9 @@ def report(job: JobConfig, batch: int, seq: int, world: int, names, label: str, 
         f"Per-GPU memory, `{label}` ({n / 1e9:.2f}B parameters, "
         f"{str(dtype).removeprefix('torch.')}): batch {batch} × seq {seq} per GPU, FSDP world "
         f"size {world}, activation checkpointing {'on' if m.activation_checkpointing else 'off'}"
-        f"; GaLore r={o.rank} on {', '.join(o.target_modules or HF_TARGETS)} (T="
-        f"{o.update_proj_gap}, α={o.scale}), galore2 moments {sd}. GB = 1e9 bytes (GiB = 2^30)."
+        f"; GaLore r={setting(o, 'rank')} on {', '.join(o.target_modules or HF_TARGETS)} (T="
+        f"{setting(o, 'update_proj_gap')}, α={setting(o, 'scale')}), galore2 moments {sd}. "
+        "GB = 1e9 bytes (GiB = 2^30)."
     ]
     for per_layer in (False, True):
         title = "Per-layer updates (one gradient alive)" if per_layer else "Ordinary step"

@@ -30,13 +30,16 @@ are projected (GaLore's recipe: attention and MLP matrices; embeddings and the o
 head stay full rank). GaLore's options (``--optim.residual fira``,
 ``--optim.scale_type channel``...) apply to any of them.
 
-A preset may fix [optim] fields that define it (:func:`preset_fields`): APOLLO's and
-APOLLO-Mini's α (``optim.scale``: 1 and √128, their ``preset_defaults``) and APOLLO-Mini's
-rank 1 (``APOLLOMini.projected_rank``). The recipe uses those values instead of the
-config file's ``optim.scale`` / ``optim.rank``, writes them into the run's configuration
-(config.json, checkpoints) and prints them; setting them on the command line is an error
-(:func:`recipes.resolve.resolve`). Names whose galore2 class has not been built yet fail
-with a clear message.
+Every option of a galore2 optimizer is its own declaration's: ``--optim.rank 32`` is
+parsed by GaLore's ``rank`` option and goes to the projected group as given
+(:func:`galore_settings`; the recipe's one default of its own, rank 128, is
+:data:`RECIPE_DEFAULTS`). A preset may fix options that define it (:func:`preset_fields`):
+APOLLO's and APOLLO-Mini's α (``optim.scale``: 1 and √128, their ``preset_defaults``) and
+APOLLO-Mini's rank 1 (``APOLLOMini.projected_rank``). The recipe uses those values instead
+of the config file's ``optim.scale`` / ``optim.rank``, writes them into the run's
+configuration (config.json, checkpoints) and prints them; setting them on the command line
+is an error (:func:`recipes.resolve.resolve`, which asks once per run). Names whose
+galore2 class has not been built yet fail with a clear message.
 
 ``optim.capture true`` (galore2 optimizers) runs the non-refresh steps through
 :class:`galore2.CapturedStep`: one CUDA graph replayed per step, refresh steps eager. It
@@ -95,11 +98,18 @@ def _projects(cls: type) -> bool:
 
 # name -> (galore2 class name, projected?)
 _GALORE2 = {name: (cls.__name__, _projects(cls)) for name, cls in PRESETS.items()}
-#: the GaLore settings every projected contender shares (OptimConfig fields; peers read them)
-_SHARED = ("rank", "update_proj_gap", "scale", "proj_type")
-#: options the recipe sets from its own shared fields (OptimConfig), not from ``options``
-_FROM_FIELDS = ("lr", "weight_decay", *_SHARED)
+#: GaLore's settings every projected contender shares: a config file sets them for any
+#: optimizer (those that do not project ignore them); peers read them (:func:`setting`).
+#: Names only: the options are GaLore's declarations.
+SHARED = ("rank", "update_proj_gap", "scale", "proj_type")
+#: the recipe's own defaults for galore2 options, where galore2's differ: a recipe run
+#: projects at rank 128 unless told otherwise (galore2's rank defaults to None: nothing
+#: projected). The one place the recipe sets an option it was not given.
+RECIPE_DEFAULTS: Mapping[str, Any] = types.MappingProxyType({"rank": 128})
+#: galore2 options the recipe sets from its own fields (OptimConfig), not from ``options``
+FROM_FIELDS = ("lr", "weight_decay")
 NAMES = ("adamw", "adamw8bit", *_GALORE2)
+_GALORE_OPTIONS = {o.name: o for o in GaLore.options}
 _OWN_SCHEDULE = ("ranger21", "galore_ranger21")
 
 
@@ -121,29 +131,24 @@ def _split_decay(params: list[nn.Parameter], settings: dict[str, Any], wd: float
 def param_groups(
     model: nn.Module, cfg: OptimConfig, projected: bool, keys: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
-    """Groups for ``cfg``: projected weights (if any), then decayed / undecayed plain params.
-
-    ``keys`` replaces galore2's group keys in the projected group (a peer's own keys)."""
+    """Groups for ``cfg``: the projected group (if ``projected``: the weights
+    ``optim.target_modules`` selects, :func:`galore2.groups.select`, with ``keys`` —
+    default :func:`galore_settings`), then decayed / undecayed plain params."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not projected:
         return _split_decay(params, {}, cfg.weight_decay)
-    found = galore2.param_groups(
-        model, cfg.target_modules, weight_decay=cfg.weight_decay, **galore_settings(cfg)
-    )
-    projected_group = [g for g in found if "rank" in g]
-    if not projected_group:  # the run would be labelled GaLore and project nothing
+    keys = galore_settings(cfg) if keys is None else keys
+    if keys.get("rank") is None:
+        raise ValueError(f"optim.rank must be an int >= 1: {cfg.name} projects; got None")
+    chosen, plain = galore2.groups.select(model, cfg.target_modules, stacklevel=3)
+    if not chosen:  # the run would be labelled GaLore and project nothing
         raise ValueError(
             f"optim.target_modules={cfg.target_modules!r} selects no module of this model "
             f"with a weight to project ({cfg.name} projects the weights of the modules whose "
             "name contains an entry): e.g. --optim.target_modules attn,mlp (the default)"
         )
-    if keys is not None:
-        projected_group = [
-            {"params": g["params"], "weight_decay": cfg.weight_decay, **keys}
-            for g in projected_group
-        ]
-    plain = [p for g in found if "rank" not in g for p in g["params"]]
-    return projected_group + _split_decay(plain, {}, cfg.weight_decay)
+    projected_group = {"params": chosen, "weight_decay": cfg.weight_decay, **keys}
+    return [projected_group, *_split_decay(plain, {}, cfg.weight_decay)]
 
 
 def projects(name: str, peers: Mapping[str, Peer] = NO_PEERS) -> bool:
@@ -155,47 +160,53 @@ def projects(name: str, peers: Mapping[str, Peer] = NO_PEERS) -> bool:
 
 
 def preset_fields(name: str) -> dict[str, Any]:
-    """The shared [optim] fields galore2 optimizer ``name`` fixes itself, as part of its
+    """The shared options galore2 optimizer ``name`` fixes itself, as part of its
     definition: those of its ``preset_defaults`` (APOLLO's α = 1, APOLLO-Mini's √128) and
-    the rank of its ``projected_rank`` (APOLLO-Mini: 1). ``{}`` for every other name."""
+    the rank of its ``projected_rank`` (APOLLO-Mini: 1). ``{}`` for every other name.
+    :func:`recipes.resolve.resolve` asks once per run and writes them into ``options``."""
     cls = PRESETS.get(name)
     if cls is None:
         return {}
-    fixed = {k: v for k, v in cls.preset_defaults.items() if k in _SHARED}
+    fixed = {k: v for k, v in cls.preset_defaults.items() if k in SHARED}
     rank = getattr(cls, "projected_rank", None)
     if rank is not None:
         fixed["rank"] = rank
     return fixed
 
 
-def apply_preset_fields(cfg: OptimConfig) -> None:
-    """Set the fields :func:`preset_fields` fixes on ``cfg``, so that the run's recorded
-    configuration (config.json, checkpoints) is the one in force."""
-    for key, value in preset_fields(cfg.name).items():
-        setattr(cfg, key, value)
-
-
 def galore_settings(cfg: OptimConfig) -> dict[str, Any]:
-    """The projected group's GaLore options: the shared fields (those the preset fixes at
-    its own values, :func:`preset_fields`), then ``optim.options`` (parsed)."""
-    settings = {k: getattr(cfg, k) for k in _SHARED} | preset_fields(cfg.name)
+    """The projected group's GaLore options as the recipe passes them: ``optim.options``'
+    GaLore options (parsed, preset-fixed ones included: :func:`recipes.resolve.resolve`)
+    over :data:`RECIPE_DEFAULTS`."""
     names = {o.name for o in GaLore.options}
-    return {**settings, **{k: v for k, v in cfg.options.items() if k in names}}
+    return {**RECIPE_DEFAULTS, **{k: v for k, v in cfg.options.items() if k in names}}
+
+
+def setting(cfg: OptimConfig, key: str) -> Any:
+    """The value in force of GaLore option ``key`` for ``cfg`` (given, the recipe's default,
+    or the declared default of ``cfg.name``'s optimizer — GaLore's for any other): for
+    labels, reports and peers."""
+    given = galore_settings(cfg)
+    if key in given:
+        return given[key]
+    cls = PRESETS.get(cfg.name)
+    declared = cls.declared_options() if cls is not None else {}
+    return (declared.get(key) or _GALORE_OPTIONS[key]).default
 
 
 def galore2_options(cfg: OptimConfig) -> dict[str, tuple[Any, bool]]:
     """Option name → (the value the recipe gives galore2 optimizer ``cfg.name``, whether a run
     may change it on resume: its declaration's ``resumable``); ``{}`` for other optimizers.
-    Unset options count at their defaults; GaLore's only where the recipe projects.
-    ``cfg.options`` are parsed (:func:`parse_options`)."""
+    Unset options count at their defaults (the recipe's where it has one, GaLore's only where
+    the recipe projects). ``cfg.options`` are parsed (:func:`recipes.resolve.parse_options`)."""
     cls = PRESETS.get(cfg.name)
     if cls is None:
         return {}
     options = cls.all_options()
     values = {name: o.default for name, o in options.items()}
-    values.update(cfg.options)
     if _GALORE2[cfg.name][1]:
-        values.update(galore_settings(cfg))
+        values.update(RECIPE_DEFAULTS)
+    values.update({k: v for k, v in cfg.options.items() if k in options})
     return {name: (value, options[name].resumable) for name, value in values.items()}
 
 
@@ -224,39 +235,6 @@ def _galore_only(cls: type) -> set[str]:
     only); a shared one (``seed``, also lookahead's) goes to every group."""
     others = ChainOptimizer.declared_options([m for m in walk(cls.modules) if m is not GaLore])
     return {o.name for o in GaLore.options} - set(others)
-
-
-def parse_options(name: str, raw: dict[str, Any]) -> dict[str, Any]:
-    """``optim.options`` parsed (strings from the command line) and validated by the
-    declarations of galore2 optimizer ``name``; errors name the key and what is allowed."""
-    if not raw:
-        return {}
-    if name not in PRESETS:
-        raise ValueError(
-            f"unknown setting 'optim.{next(iter(raw))}' for optimizer {name!r}: only galore2 "
-            f"optimizers ({', '.join(PRESETS)}) take options beyond [optim]'s fields"
-        )
-    options = PRESETS[name].all_options()
-    out = {}
-    for key, value in raw.items():
-        option = options.get(key)
-        if option is None or key in _FROM_FIELDS:
-            why = "set with its [optim] field" if key in _FROM_FIELDS else "unknown setting"
-            raise ValueError(
-                f"{why} 'optim.{key}' for optimizer {name}; its options: "
-                f"{', '.join(sorted(options))}"
-            )
-        out[key] = option.parse(value) if isinstance(value, str) else option.validate(value)
-    return out
-
-
-def option_lines() -> list[str]:
-    """One usage line per option of every galore2 optimizer (for ``--help``)."""
-    lines = []
-    for name, cls in PRESETS.items():
-        options = [o for o in cls.all_options().values() if o.name not in _FROM_FIELDS]
-        lines.append(f"  {name}: " + ", ".join(f"{o.name}={o.default!r}" for o in options))
-    return lines
 
 
 ADAMW_KERNELS = ("auto", "fused", "foreach")
@@ -358,7 +336,7 @@ def build_optimizer(
     total_steps: int,
     peers: Mapping[str, Peer] = NO_PEERS,
 ) -> torch.optim.Optimizer:
-    """The optimizer ``cfg.name`` (its options parsed: :func:`parse_options`) over
+    """The optimizer ``cfg.name`` (its options parsed: :func:`recipes.resolve.parse_options`) over
     ``model``'s trainable parameters; ``peers``: optimizers of other packages by name."""
     if cfg.name not in NAMES and cfg.name not in peers:
         names = ", ".join((*NAMES, *peers))
@@ -379,9 +357,12 @@ def build_optimizer(
             # An explicit lr, as the recipe gives galore-torch's GaLoreAdafactor: no 1/√t
             # cap and no RMS(θ) factor (that factor alone divides the step by ~50 here).
             kwargs.update(relative_step=False, scale_parameter=False)
-        # every other option set with --optim.KEY (GaLore's own went on the projected group)
-        galore_only = _galore_only(cls)
-        kwargs.update({k: v for k, v in cfg.options.items() if k not in galore_only})
+        # every other option set with --optim.KEY, as given (GaLore's own went on the
+        # projected group; shared settings the optimizer does not declare are not its)
+        galore_only, declared = _galore_only(cls), cls.all_options()
+        kwargs.update(
+            {k: v for k, v in cfg.options.items() if k in declared and k not in galore_only}
+        )
     else:
         groups = param_groups(model, cfg, False)
         kwargs.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
@@ -389,7 +370,7 @@ def build_optimizer(
             device = next(model.parameters()).device
             kwargs.update(adamw_kernel(cfg, device))
     if own_schedule(cfg.name, peers):
-        kwargs["num_iterations"] = cfg.num_iterations or total_steps
+        kwargs["num_iterations"] = cfg.options.get("num_iterations") or total_steps
     return cls(groups, **kwargs)
 
 

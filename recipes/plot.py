@@ -18,6 +18,7 @@ from pathlib import Path
 from .cli import DEBUG_HELP, run_cli
 from .config import JobConfig
 from .metrics import read_metrics
+from .optimizers import setting
 
 LOSS_PNG = "loss.png"  # a run's own curves, next to its metrics.jsonl
 
@@ -95,7 +96,8 @@ def run_title(job: JobConfig, n_params: int, world: int = 1, projected: bool = F
     size = f"{n_params / 1e6:.1f}M" if n_params < 1e9 else f"{n_params / 1e9:.2f}B"
     settings = [f"lr {o.lr:g}"]
     if projected:
-        settings.append(f"rank {o.rank}, gap {o.update_proj_gap}, α {o.scale:g}")
+        rank, gap, scale = (setting(o, k) for k in ("rank", "update_proj_gap", "scale"))
+        settings.append(f"rank {rank}, gap {gap}, α {scale:g}")
     tokens = t.batch_size * t.grad_accum * world * job.data.seq_len
     settings.append(f"{tokens:,} tokens/step")
     return f"{o.name} · Llama, {size} parameters ({m.n_layers} layers, dim {m.dim})\n" + ", ".join(

@@ -100,15 +100,14 @@ def _run(
     metrics.total_tokens = tokens
     if rank == 0:
         write_config(t.out, job, run.all_changes)
-        fixed = optimizers.preset_fields(o.name)
-        if fixed:  # resolved into job.optim: APOLLO's α, APOLLO-Mini's rank 1
-            values = ", ".join(f"optim.{k}={v:g}" for k, v in fixed.items())
+        if o.fixed:  # resolved into job.optim: APOLLO's α, APOLLO-Mini's rank 1
+            values = ", ".join(f"optim.{k}={v:g}" for k, v in o.fixed.items())
             print(f"{o.name}: {values} (fixed by the preset; other values are not used)")
     opt_bytes = None
     # peers keep Python objects in their state, which weights-only checkpoints refuse
     checkpoints = t.checkpoint_every >= 0 and o.name not in peers
     stop = min(t.stop_after, t.steps) if t.stop_after > 0 else t.steps
-    causes = likely_causes(o.lr, o.scale)
+    causes = likely_causes(o.lr, optimizers.setting(o, "scale"))
     watch = SkipWatch(opt, t.max_skip_steps, rank=rank, world=world, device=device,
                       causes=causes, start_step=start)  # fmt: skip
     halt = None  # why the run stops early (the same on every rank; decided at log steps)

@@ -29,6 +29,7 @@ Checked before the model is built, so a wrong setting costs seconds, not a train
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -52,7 +53,8 @@ from galore2.checkpoint.runs import writer_lock
 
 from . import checkpoint
 from .config import JobConfig, OptimConfig
-from .optimizers import galore2_options, parse_options
+from .optimizers import galore2_options
+from .resolve import parse_options
 
 #: what a run leaves in its out dir
 RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json", "summary.json")
@@ -92,9 +94,12 @@ def _flat(config: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
 
 def _option_diffs(old: dict[str, Any], new: OptimConfig) -> dict[str, tuple[Any, Any]]:
     """``optim.NAME`` → (old, new) for galore2 options declared not resumable that differ."""
+    fields = {f.name for f in dataclasses.fields(OptimConfig)}
+    # an [optim] key that is no field is an option an earlier release kept as a field (rank)
+    options = {k: v for k, v in old.items() if k not in fields} | (old.get("options") or {})
     try:
-        recorded = OptimConfig(**old)
-        recorded.options = parse_options(recorded.name, recorded.options)  # as recorded (JSON)
+        recorded = OptimConfig(**{k: v for k, v in old.items() if k in fields})
+        recorded.options = parse_options(recorded.name, options)  # as recorded (JSON)
         before = galore2_options(recorded)
     except (TypeError, ValueError):  # a configuration of another release: no option check
         return {}

@@ -26,10 +26,11 @@ AdamW's learning rates apply; ``"original"`` by √max(1, rows/cols). For a full
 projection) and ``orthogonalize="newton_schulz"`` the update is torch.optim.Muon's up to
 its bfloat16 rounding.
 
-``MuonOrAdam`` (the chain of :class:`~galore2.GaLoreMuon`) applies Muon to 2-D directions
-of groups with ``rank`` set — the projected low-rank moment, or the whole matrix when
-``rank ≥ min(m, n)`` — and Adam to everything else (embeddings, norms, biases in groups
-without ``rank``), the split Muon is used with.
+``MuonOrAdam`` applies Muon to the 2-D directions of the groups it is handed a test for,
+and Adam to everything else, the split Muon is used with. It reads no other module's
+option: the chain that builds it says which groups are Muon's (:class:`~galore2.GaLoreMuon`:
+the groups GaLore projects — the projected low-rank moment, or the whole matrix when
+``rank ≥ min(m, n)`` — while embeddings, norms and biases in unprojected groups get Adam).
 """
 
 from __future__ import annotations
@@ -282,21 +283,28 @@ def _global_2d(x: Tensor, sharded: int | None, ctx: Context) -> tuple[int, int]:
 
 
 class MuonOrAdam(Transform):
-    """Muon for 2-D directions of groups with ``rank`` set, Adam for every other one."""
+    """Muon for the 2-D directions of the groups ``muon_groups`` picks, Adam for every
+    other one.
+
+    Args:
+        muon_groups: whether a parameter group's 2-D directions are Muon's; handed by the
+            chain that builds this rule (a module-level function, so the optimizer pickles).
+    """
 
     name = "muon_or_adam"
 
-    def __init__(self) -> None:
+    def __init__(self, muon_groups: Callable[[Group], bool]) -> None:
+        self.muon_groups = muon_groups
         self.muon = ScaleByMuon()
         self.adam = ScaleByAdam()
         self.inner: list[Transform] = [self.muon, self.adam]
 
     def complex_problem(self, group: Group) -> str | None:
-        return complex_problem(self) if group["rank"] is not None else None
+        return complex_problem(self) if self.muon_groups(group) else None
 
     def adamw_rule(self, group: Group) -> Transform | None:
-        """Without a rank every direction is Adam's: its answer."""
-        return self.adam.adamw_rule(group) if group["rank"] is None else None
+        """In a group that is not Muon's every direction is Adam's: its answer."""
+        return None if self.muon_groups(group) else self.adam.adamw_rule(group)
 
     def stacks(self, group: Group, device: torch.device) -> bool:
         """Stacked entries where both of its rules take them (a stack holds one's state)."""
@@ -316,7 +324,7 @@ class MuonOrAdam(Transform):
     def init(
         self, shape: torch.Size, ref: Tensor, group: Group, state: State, ctx: Context
     ) -> None:
-        use_muon = group["rank"] is not None and len(shape) == 2
+        use_muon = len(shape) == 2 and self.muon_groups(group)
         (self.muon if use_muon else self.adam).init(shape, ref, group, state, ctx)
 
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:

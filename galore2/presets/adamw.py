@@ -3,6 +3,7 @@ live in a low-rank subspace per targeted matrix."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -38,7 +39,7 @@ class GaLoreAdamW(ChainOptimizer):
 
     modules = (GaLore, ScaleByAdam, DecoupledWeightDecay)
     #: the Adam transform run inside GaLore (at the low-rank shape for projected matrices)
-    adam_transform: ClassVar[type[Transform]] = ScaleByAdam
+    adam_transform: ClassVar[Callable[[], Transform]] = ScaleByAdam
 
     def __init__(
         self,

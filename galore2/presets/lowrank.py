@@ -9,6 +9,7 @@ packages.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, ClassVar
 
@@ -76,6 +77,12 @@ class APOLLOMini(GaLoreAdamW):
     projected_rank: ClassVar[int | None] = 1
 
 
+def galore_projects(group: dict[str, Any]) -> bool:
+    """Whether GaLore projects ``group`` (its ``rank`` is set): the groups whose 2-D
+    directions :class:`GaLoreMuon` hands to Muon."""
+    return group["rank"] is not None
+
+
 class GaLoreMuon(GaLoreAdamW):
     """GaLore with orthogonalized momentum in the subspace (Muon's Newton–Schulz iteration, or
     SUMO's exact polar factor with ``orthogonalize="polar"``).
@@ -88,4 +95,5 @@ class GaLoreMuon(GaLoreAdamW):
     """
 
     modules = (GaLore, MuonOrAdam, ScaleByMuon, ScaleByAdam, DecoupledWeightDecay)
-    adam_transform = MuonOrAdam
+    #: Muon in the groups GaLore projects, Adam in the others
+    adam_transform = staticmethod(functools.partial(MuonOrAdam, galore_projects))

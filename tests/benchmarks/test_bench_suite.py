@@ -45,7 +45,7 @@ def test_every_peer_covers_every_parameter_once():
             with pytest.raises(RuntimeError, match=f"needs {peer.package}"):
                 peer.load()
             continue
-        opt = build_optimizer(model, OptimConfig(name=name, rank=8), 10, PEERS)
+        opt = build_optimizer(model, OptimConfig(name=name, options={"rank": 8}), 10, PEERS)
         covered = [id(p) for g in opt.param_groups for p in g["params"]]
         assert sorted(covered) == sorted(id(p) for p in model.parameters()), name
         assert len(set(covered)) == len(covered), name

@@ -22,7 +22,7 @@ def test_each_setting_runs_the_recipe_as_the_issue_asks():
     assert job.model.dtype == "bf16" and job.model.dim == 4096 and job.model.n_layers == 32
     assert (job.data.dataset, job.data.tokenizer) == ("embedded", "byte")
     assert (job.data.seq_len, job.train.batch_size, job.train.steps) == (256, 16, 4)
-    assert job.optim.rank == 1024  # the 7B config's: the planner reads the same file
+    assert job.optim.options["rank"] == 1024  # the 7B config's: the planner reads the same file
     assert [(s, b) for _, s, b in fit_24gb.SETTINGS] == [(2048, 1), (256, 16)]
     assert [(s, b) for _, s, b in fit_24gb.settings("tiny")] == [(128, 1), (16, 16)]
 

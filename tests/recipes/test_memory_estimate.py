@@ -20,7 +20,7 @@ def small_job(**model) -> JobConfig:
     cfg |= {"dtype": "bf16", "activation_checkpointing": True, **model}
     return JobConfig(
         model=ModelConfig(**cfg),
-        optim=OptimConfig(rank=64, update_proj_gap=500, scale=0.25),
+        optim=OptimConfig(options={"rank": 64, "update_proj_gap": 500, "scale": 0.25}),
         train=TrainConfig(batch_size=2, grad_accum=1),
     )
 
@@ -30,7 +30,10 @@ def llama_7b_job() -> JobConfig:
     model = dataclasses.replace(
         model, max_seq_len=2048, dtype="bf16", activation_checkpointing=True
     )
-    optim = OptimConfig(rank=1024, update_proj_gap=500, scale=0.25, target_modules=["attn", "mlp"])
+    optim = OptimConfig(
+        target_modules=["attn", "mlp"],
+        options={"rank": 1024, "update_proj_gap": 500, "scale": 0.25},
+    )
     return JobConfig(model=model, optim=optim, train=TrainConfig(batch_size=1, grad_accum=1))
 
 
@@ -45,9 +48,7 @@ def real_model(job: JobConfig) -> torch.nn.Module:
 
 def real_galore(job: JobConfig, model: torch.nn.Module) -> galore2.GaLoreAdamW:
     o = job.optim
-    groups = galore2.param_groups(
-        model, o.target_modules, rank=o.rank, update_proj_gap=o.update_proj_gap, scale=o.scale
-    )
+    groups = galore2.param_groups(model, o.target_modules, **o.options)
     opt = galore2.GaLoreAdamW(groups)
     opt.init_state()
     return opt

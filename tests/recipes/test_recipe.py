@@ -17,7 +17,7 @@ from recipes.config import CONFIG_DIR, OptimConfig
 from recipes.metrics import read_metrics
 from recipes.model import build_model, llama_config
 from recipes.pretrain import main
-from recipes.resolve import parse_args
+from recipes.resolve import optim_config, parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,6 +35,11 @@ SMALL = [
 
 def run(out: Path, *extra: str) -> list[dict]:
     return main([*SMALL, "--out", str(out), *extra])
+
+
+def _galore(cfg: OptimConfig) -> tuple:
+    """(rank, update_proj_gap, scale) in force for ``cfg`` (the values of galore2's options)."""
+    return tuple(optimizers.setting(cfg, k) for k in ("rank", "update_proj_gap", "scale"))
 
 
 def _without(argv: list[str], *flags: str) -> list[str]:
@@ -99,11 +104,11 @@ def test_every_shipped_config_loads_and_builds(path):
     if path.stem == "llama_7b":
         assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (4096, 32, 32)
         assert (cfg.intermediate_size, cfg.vocab_size, job.data.seq_len) == (11008, 32000, 2048)
-        assert (job.optim.rank, job.optim.update_proj_gap, job.optim.scale) == (1024, 500, 0.25)
+        assert _galore(job.optim) == (1024, 500, 0.25)
         assert 6.6e9 < n < 6.8e9  # Llama-7B: 6.74B parameters
     if path.stem == "llama_20m":  # the benchmarks' scale check: tiny's data, r = dim / 4
         assert n == 19_242_496 and job.data.tokenizer == "byte" and job.data.dataset == "embedded"
-        assert (job.optim.rank, job.optim.update_proj_gap, job.optim.scale) == (128, 50, 0.25)
+        assert _galore(job.optim) == (128, 50, 0.25)
 
 
 # --- optimizers and schedule -----------------------------------------------------------------
@@ -112,7 +117,7 @@ def test_every_shipped_config_loads_and_builds(path):
 def test_optimizer_factory_names():
     model = build_model(parse_args(SMALL).model)
     for name in optimizers.NAMES:
-        cfg = OptimConfig(name=name, rank=8)
+        cfg = OptimConfig(name=name, options={"rank": 8})
         if optimizers.available(name):
             opt = optimizers.build_optimizer(model, cfg, 10)
             covered = [id(p) for g in opt.param_groups for p in g["params"]]
@@ -127,7 +132,7 @@ def test_optimizer_factory_names():
 
 def test_galore_groups_project_attention_and_mlp_only():
     model = build_model(parse_args(SMALL).model)
-    opt = optimizers.build_optimizer(model, OptimConfig(name="galore_adamw", rank=8), 10)
+    opt = optimizers.build_optimizer(model, OptimConfig(name="galore_adamw", options={"rank": 8}), 10)
     names = {id(p): n for n, p in model.named_parameters()}
     projected = {names[id(p)] for g in opt.param_groups if g.get("rank") for p in g["params"]}
     assert projected and all(("self_attn" in n or "mlp" in n) for n in projected)
@@ -135,7 +140,7 @@ def test_galore_groups_project_attention_and_mlp_only():
     no_decay = [
         names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0 for p in g["params"]
     ]
-    cfg = OptimConfig(name="galore_adamw", rank=8, weight_decay=0.1)
+    cfg = OptimConfig(name="galore_adamw", weight_decay=0.1, options={"rank": 8})
     opt = optimizers.build_optimizer(model, cfg, 10)
     no_decay = {
         names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0 for p in g["params"]
@@ -177,7 +182,7 @@ def test_tiny_run_writes_metrics_and_learns(tmp_path, capsys):
     assert recs[-1]["loss"] < recs[0]["loss"] - 1.0  # from ~ln(257) = 5.5 down
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["opt_state_bytes"] < summary["adamw_state_bytes"]
-    assert json.loads((tmp_path / "config.json").read_text())["optim"]["rank"] == 8
+    assert json.loads((tmp_path / "config.json").read_text())["optim"]["options"]["rank"] == 8
     assert_png(tmp_path / "loss.png")  # the run's own curves, named in its summary
     assert f"loss curves        {tmp_path / 'loss.png'}" in capsys.readouterr().out
 
@@ -307,7 +312,7 @@ def test_recipe_runs_low_rank_presets(tmp_path, capsys, extra):
     assert all(math.isfinite(r["loss"]) for r in hist) and math.isfinite(hist[-1]["val_loss"])
     config = json.loads((tmp_path / "config.json").read_text())["optim"]
     fixed = optimizers.preset_fields(config["name"])
-    assert {k: config[k] for k in fixed} == fixed  # recorded as used
+    assert config["fixed"] == fixed and {k: config["options"][k] for k in fixed} == fixed
     assert (f"{config['name']}: optim." in capsys.readouterr().out) == bool(fixed)
 
 
@@ -319,7 +324,8 @@ def test_apollo_mini_projects_at_rank_1_and_apollo_at_its_alpha():
     assert optimizers.preset_fields("apollo") == {"scale": 1.0}
     assert optimizers.preset_fields("fira") == optimizers.preset_fields("galore_adamw") == {}
     for name, rank, scale in (("apollo_mini", 1, math.sqrt(128)), ("apollo", 8, 1.0)):
-        opt = optimizers.build_optimizer(model, OptimConfig(name=name, rank=8, scale=0.25), 10)
+        cfg = optim_config({"name": name, "rank": 8, "scale": 0.25})  # as a config file sets them
+        opt = optimizers.build_optimizer(model, cfg, 10)
         (group,) = [g for g in opt.param_groups if g["rank"] is not None]
         assert (group["rank"], group["scale"]) == (rank, scale)
         assert group["projector"] == "random" and group["scale_type"] is not None
@@ -327,9 +333,9 @@ def test_apollo_mini_projects_at_rank_1_and_apollo_at_its_alpha():
         moments = [opt.state[p]["adam.exp_avg"].shape for p in group["params"]]
         assert all(rank in shape for shape in moments), moments
     job = parse_args([*_without(SMALL, "--optim.rank"), "--optimizer", "apollo_mini"])
-    assert (job.optim.rank, job.optim.scale) == (1, math.sqrt(128))  # the configuration in force
+    assert _galore(job.optim)[::2] == (1, math.sqrt(128))  # the configuration in force
     job = parse_args([*SMALL, "--optimizer", "galore_adamw"])
-    assert (job.optim.rank, job.optim.scale) == (8, 0.25)  # SMALL's, untouched
+    assert _galore(job.optim)[::2] == (8, 0.25)  # SMALL's, untouched
 
 
 def test_galore_options_apply_to_every_projecting_optimizer():
@@ -342,7 +348,7 @@ def test_galore_options_apply_to_every_projecting_optimizer():
     for name in names:
         if "scale_type" in optimizers.PRESETS[name].preset_defaults:
             continue  # APOLLO's scaling and Fira's residual are alternatives (refused together)
-        cfg = OptimConfig(name=name, rank=8, options={"residual": "fira"})
+        cfg = OptimConfig(name=name, options={"rank": 8, "residual": "fira"})
         opt = optimizers.build_optimizer(model, cfg, 10)
         kinds = {g["rank"] is not None: g["residual"] for g in opt.param_groups}
         assert kinds[True] == "fira", name
@@ -359,9 +365,9 @@ def test_galore_options_apply_to_every_projecting_optimizer():
 def test_a_field_the_preset_fixes_is_refused_on_the_command_line():
     """APOLLO-Mini is rank 1 with α = √128 by definition: --optim.rank / --optim.scale would be
     ignored, so they are an error naming the field (the config file's values are replaced)."""
-    from recipes.resolve import parse_args
+    from recipes.resolve import optim_config, parse_args
 
-    assert parse_args(["--config", "tiny", "--optimizer", "apollo_mini"]).optim.rank == 1
+    assert parse_args(["--config", "tiny", "--optimizer", "apollo_mini"]).optim.options["rank"] == 1
     for flag, value in (("--optim.rank", "4"), ("--optim.scale", "2")):
         with pytest.raises(ValueError, match=flag):
             parse_args(["--config", "tiny", "--optimizer", "apollo_mini", flag, value])

@@ -34,23 +34,52 @@ def test_routing_follows_the_chosen_optimizer():
     assert ada.options == {"eps": (1e-30, 1e-3), "beta1": 0.9}
 
 
+#: GaLore's settings in recipes/configs/tiny.toml's [optim]
+TINY_GALORE = {"rank": 32, "update_proj_gap": 50, "scale": 0.25}
+
+
+def test_galore2_options_are_declared_by_galore2_only():
+    """No [optim] field shares a name with an option of a galore2 optimizer but torch.optim's
+    lr and weight_decay and Adam's beta1/beta2/eps fields (every contender takes them): rank,
+    update_proj_gap, scale, proj_type... are GaLore's declarations, reached as options."""
+    fields = set(config.field_names(config.OptimConfig()))
+    options = {k for cls in optimizers.PRESETS.values() for k in cls.all_options()}
+    assert fields & options == {"lr", "weight_decay", "beta1", "eps"}  # beta1, eps: Adafactor's
+    assert not fields & {o.name for o in optimizers.GaLore.options}
+
+
+def test_rank_reaches_the_projected_group_as_given():
+    """``--optim.rank`` is parsed by GaLore's option and lands on the projected group (built
+    by the recipe, not found by its keys) and nowhere else; without it, the recipe's default."""
+    job = resolve.parse_args(["--config", "tiny", "--optim.rank", "6"])
+    assert job.optim.options["rank"] == 6
+    opt = optimizers.build_optimizer(build_model(job.model), job.optim, 10)
+    assert [g["rank"] for g in opt.param_groups] == [6, None, None]
+    job = resolve.parse_args(["--optimizer", "galore_adamw"])
+    assert job.optim.options == {} and optimizers.galore_settings(job.optim) == {"rank": 128}
+    with pytest.raises(ValueError, match=r"rank must be None .* or an int >= 1, got 0"):
+        resolve.parse_args(["--optim.rank", "0"])
+    with pytest.raises(ValueError, match="optim.rank must be an int >= 1"):
+        optimizers.build_optimizer(build_model(job.model), resolve.optim_config({"rank": None}), 1)
+
+
 def test_options_are_parsed_once(monkeypatch):
     """From the command line to a built optimizer, its resume comparison and the planner's
     settings, ``optim.options`` are parsed and validated exactly once."""
     calls = []
-    real = optimizers.parse_options
+    real = resolve.parse_options
 
     def counted(name, raw):
         calls.append(dict(raw))
         return real(name, raw)
 
-    monkeypatch.setattr(optimizers, "parse_options", counted)
     monkeypatch.setattr(resolve, "parse_options", counted)
     monkeypatch.setattr(resuming, "parse_options", counted)
     job = resolve.parse_args(["--config", "tiny", "--optim.projector", "power",
                               "--optim.basis_dtype", "bf16"])  # fmt: skip
-    assert calls == [{"projector": "power", "basis_dtype": "bf16"}]
-    assert job.optim.options == {"projector": "power", "basis_dtype": "bf16"}
+    given = {**TINY_GALORE, "projector": "power", "basis_dtype": "bf16"}
+    assert calls == [given]
+    assert job.optim.options == given
     opt = optimizers.build_optimizer(build_model(job.model), job.optim, 10)
     (group,) = [g for g in opt.param_groups if g.get("rank")]
     assert (group["projector"], group["basis_dtype"]) == ("power", "bf16")
@@ -58,7 +87,7 @@ def test_options_are_parsed_once(monkeypatch):
     optimizers.galore2_options(job.optim)
     assert len(calls) == 1
     assert compare(job.to_dict(), job) == ({}, {})  # reads a recorded config: its own parse
-    assert len(calls) == 2 and calls[1] == {"projector": "power", "basis_dtype": "bf16"}
+    assert len(calls) == 2 and calls[1] == given
 
 
 def test_optim_errors_come_from_the_one_step(tmp_path):

@@ -1,0 +1,110 @@
+"""Walk an ``--optim.KEY`` setting from ``python -m recipes.pretrain`` to the math.
+
+    python -m tools.walk_setting                 # --optim.rank 7 (tiny, 1 step, CPU)
+    python -m tools.walk_setting --key update_proj_gap --value 9
+
+Runs one step of the tiny recipe under a profiler and lists, in call order, every Python
+function of the checkout (galore2/, recipes/; run from its root) that is handed the
+setting, up to the first call of ``GaLore.init`` (where the value becomes the subspace's
+shape): a call is handed it when an argument is the value itself (the command-line string
+or the parsed int) or holds it (a mapping such as a param group or ``optim.options``, an
+object whose ``KEY`` attribute or ``options[KEY]`` is it, a list of such groups); with
+``--readers`` a holder counts only when the function's code names ``KEY`` (a constant, an
+attribute or a variable). It prints the
+walk and the number of file changes (consecutive calls in different files) over the
+number of files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+ROOT = Path.cwd().resolve()  # the checkout walked (run from its root)
+PACKAGES = ("galore2", "recipes")
+
+
+def _is(v: Any, value: int, text: str) -> bool:
+    return type(v) in (int, str) and v in (value, text)
+
+
+def _holds(x: Any, key: str, value: int, text: str, depth: int = 0) -> bool:
+    if isinstance(x, str):
+        return x == text
+    if isinstance(x, Mapping):
+        return _is(x.get(key), value, text)
+    if isinstance(x, (list, tuple)) and depth == 0:
+        return any(_holds(v, key, value, text, 1) for v in x[:8])
+    if isinstance(x, type):
+        return False
+    options = getattr(x, "options", None)
+    in_options = isinstance(options, Mapping) and _is(options.get(key), value, text)
+    return in_options or _is(getattr(x, key, None), value, text)
+
+
+def walk(key: str, value: int, text: str, readers: bool) -> list[tuple[str, str]]:
+    from galore2.optim.galore import GaLore
+    from recipes.pretrain import main
+
+    stop = GaLore.init.__code__
+    steps: list[tuple[str, str]] = []
+    done = False
+
+    def profile(frame, event, arg):
+        nonlocal done
+        if done or event != "call":
+            return
+        code = frame.f_code
+        path = Path(code.co_filename)
+        try:
+            rel = path.resolve().relative_to(ROOT)
+        except ValueError:
+            return
+        if rel.parts[0] not in PACKAGES:
+            return
+        names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        args = [frame.f_locals.get(n) for n in names]
+        handed = any(_is(a, value, text) for a in args)  # the value itself
+        reads = key in code.co_consts or key in code.co_names or key in code.co_varnames
+        holds = any(_holds(a, key, value, text) for a in args)
+        if handed or (holds and (reads or not readers)):
+            steps.append((str(rel), code.co_qualname))
+        if code is stop:
+            done = True
+
+    with tempfile.TemporaryDirectory() as out:
+        argv = ["--config", "tiny", "--steps", "1", "--out", out, "--train.progress", "false",
+                "--train.eval_batches", "0", f"--optim.{key}", text]  # fmt: skip
+        sys.setprofile(profile)
+        try:
+            main(argv)
+        finally:
+            sys.setprofile(None)
+    return steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--key", default="rank")
+    p.add_argument("--value", type=int, default=7)
+    p.add_argument("--readers", action="store_true",
+                   help="only calls given the value itself or whose code names KEY")  # fmt: skip
+    ns = p.parse_args(argv)
+    steps = walk(ns.key, ns.value, str(ns.value), ns.readers)
+    changes, last = 0, None
+    for path, name in steps:
+        moved = last is not None and path != last
+        changes += moved
+        print(f"{'→' if moved else ' '} {path}: {name}")
+        last = path
+    files = sorted({path for path, _ in steps})
+    print(f"--optim.{ns.key}: {changes} file changes over {len(files)} files: {', '.join(files)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
