@@ -1,18 +1,9 @@
 """``ChainOptimizer``: the one ``torch.optim.Optimizer`` that every galore2 optimizer is.
 
-A preset (``GaLoreAdamW``…) only chooses the chain of transforms and the
-defaults; the step below is shared, never copied. Per parameter, a step is:
-
-1. skip parameters without a gradient; refuse sparse gradients;
-2. create state lazily (every key at its final shape, see :meth:`init_state`);
-3. gradient modules act on the full gradient, in place (AGC, centralization...);
-4. check: the non-finite policy (:mod:`galore2.core.nonfinite`) decides which
-   parameters are updated;
-5. chain: ``u = chain(grad)``; apply: ``p ← decay·p − lr·u``, ``decay = 1 − lr·λ`` the
-   factor of the optimizer's :class:`~galore2.core.modules.DecoupledWeightDecay` (the
-   decay-then-update order of ``torch.optim.AdamW``; 1 without one), which the chain
-   receives too (GaLore folds it into a projected matrix's update);
-6. weight modules act on the updated weights (norm loss, lookahead...).
+A preset (``GaLoreAdamW``…) only chooses the chain of transforms and the defaults; the
+step is shared, never copied: :mod:`galore2.core.step` runs it, one pipeline for
+``step()`` and per-layer ``step_param()``. This class is the ``torch.optim`` face: groups
+and their options, state creation, ``state_dict`` / ``load_state_dict``, pickling.
 
 Options: every group key is declared once, by the module that reads it
 (:mod:`galore2.core.options`); the optimizer's defaults, its validation (unknown keys
@@ -257,9 +248,6 @@ class ChainOptimizer(torch.optim.Optimizer):
             self._warned.add(message)
             warnings.warn(message, stacklevel=4)
 
-    def _init_param_state(self, p: Tensor, group: dict[str, Any], index: int) -> None:
-        self._engine.init_param_state(p, group, index)
-
     def _expected_state(self, p: Tensor, group: dict[str, Any], index: int) -> dict[str, Tensor]:
         """The state the first step would create for ``p``, built on the meta device (keys,
         shapes, dtypes; CPU counters are real): what :meth:`load_state_dict` compares with."""
@@ -289,7 +277,7 @@ class ChainOptimizer(torch.optim.Optimizer):
         self._check_settings(self.param_groups)
         for index, group, p in self._indexed_params():
             if not self.state[p]:
-                self._init_param_state(p, group, index)
+                self._engine.init_param_state(p, group, index)
 
     def due_for_refresh(self) -> list[Tensor]:
         """The parameters whose next ``step()`` refreshes a basis (a module's
@@ -379,29 +367,9 @@ class ChainOptimizer(torch.optim.Optimizer):
         # skips still counted on the device belong to the state being replaced: into it first
         self._flush_skips()
         saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        refused, changed = compare_groups(self.declared, self.param_groups, saved_groups)
-        if refused:
-            raise refusal(owner, refused)
-        renamed: dict[str, str] = {}  # state keys of older releases -> today's
-        for module in walk(self._all_modules):
-            renamed.update(getattr(module, "renamed_keys", {}))
+        changed, renamed = self._check_loaded(state_dict)
         saved_ids = [pid for g in saved_groups for pid in g["params"]]
         saved_state = state_dict["state"]
-        if len(saved_ids) == sum(len(g["params"]) for g in self.param_groups):  # else torch's
-            items = (
-                (
-                    partial(_describe, index, group, p),
-                    {renamed.get(k, k): v for k, v in saved_state.get(pid, {}).items()},
-                    partial(self._expected_state, p, group, index),
-                )
-                for pid, (index, group, p) in zip(saved_ids, self._indexed_params(), strict=True)
-            )
-            modules = [NonFinitePolicy, *walk(self._all_modules)]
-            problems = compare_state(owner, known_prefixes(modules), optional_keys(modules), items)
-            if problems:
-                raise refusal(owner, problems)
         current = [dict(g) for g in self.param_groups]
         super().load_state_dict(state_dict)
         for group, mine, saved in zip(self.param_groups, current, saved_groups, strict=True):
@@ -432,6 +400,37 @@ class ChainOptimizer(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, saved_groups, strict=True):
             self._settings.loaded(group, saved)
         self._check_settings(self.param_groups)
+
+    def _check_loaded(self, state_dict: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+        """Refuse a checkpoint whose groups or state this optimizer cannot take (before
+        anything changes); the settings that differ (this optimizer's win) and the state
+        keys of older releases renamed to today's."""
+        owner = type(self).__name__
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        refused, changed = compare_groups(self.declared, self.param_groups, saved_groups)
+        if refused:
+            raise refusal(owner, refused)
+        renamed: dict[str, str] = {}  # state keys of older releases -> today's
+        for module in walk(self._all_modules):
+            renamed.update(getattr(module, "renamed_keys", {}))
+        saved_ids = [pid for g in saved_groups for pid in g["params"]]
+        saved_state = state_dict["state"]
+        if len(saved_ids) == sum(len(g["params"]) for g in self.param_groups):  # else torch's
+            items = (
+                (
+                    partial(_describe, index, group, p),
+                    {renamed.get(k, k): v for k, v in saved_state.get(pid, {}).items()},
+                    partial(self._expected_state, p, group, index),
+                )
+                for pid, (index, group, p) in zip(saved_ids, self._indexed_params(), strict=True)
+            )
+            modules = [NonFinitePolicy, *walk(self._all_modules)]
+            problems = compare_state(owner, known_prefixes(modules), optional_keys(modules), items)
+            if problems:
+                raise refusal(owner, problems)
+        return changed, renamed
 
     # ---- step --------------------------------------------------------------------
     @torch.no_grad()

@@ -1,16 +1,24 @@
 """The step engine behind :class:`~galore2.core.optimizer.ChainOptimizer`.
 
 One pipeline serves ``step()`` (every parameter with a gradient) and ``step_param()`` (one
-parameter, per-layer updates), :meth:`StepEngine.run`:
+parameter, per-layer updates), :meth:`StepEngine.run`. Per parameter, a step is:
 
-1. refuse sparse gradients; ``nonfinite="raise"``: look at every gradient first;
-2. gather per group (:meth:`StepEngine._gather`): lazy state, the scheduled lr, local
-   views; the lists are reused next step when the same parameters step again;
-3. prepare: the gradient modules on the full gradients, the non-finite flags;
-4. the chain and the apply stage per batch (:mod:`galore2.core.apply`), on the
-   host-indexed path (unusable gradients left out, by index, after one host read) or the
-   masked one (``capturable=True``, :mod:`galore2.core.step_masked`);
-5. the weight modules on the stepped parameters; int8 weights written back.
+1. skip parameters without a gradient; refuse sparse gradients; ``nonfinite="raise"``:
+   look at every gradient before any change;
+2. gather per group (:meth:`StepEngine._gather`): state created lazily (every key at its
+   final shape), the scheduled lr, local views; the lists are reused next step when the
+   same parameters step again;
+3. gradient modules act on the full gradient, in place (AGC, centralization...); the
+   non-finite policy (:mod:`galore2.core.nonfinite`) decides which parameters are updated;
+4. chain: ``u = chain(grad)``; apply (:mod:`galore2.core.apply`): ``p ← decay·p − lr·u``,
+   ``decay = 1 − lr·λ`` the factor of the optimizer's
+   :class:`~galore2.core.modules.DecoupledWeightDecay` (the decay-then-update order of
+   ``torch.optim.AdamW``; 1 without one), which the chain receives too (GaLore folds it
+   into a projected matrix's update) — on the host-indexed path (unusable gradients left
+   out, by index, after one host read) or the masked one (``capturable=True``,
+   :mod:`galore2.core.step_masked`);
+5. weight modules act on the updated weights (norm loss, lookahead...); int8 weights are
+   written back.
 
 Every cache of the step (placements, contexts, gathered lists, masked snapshots, flag
 buffers, skips counted on the device) lives here, keyed by parameter or group ``id()``,
