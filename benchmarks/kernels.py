@@ -213,7 +213,7 @@ def bench_adam8bit(timer: Timer, copy_bw: float) -> list[dict[str, Any]]:
 
 # ---- back-projection epilogue -----------------------------------------------------------
 def bench_lowrank(timer: Timer, copy_bw: float) -> list[dict[str, Any]]:
-    from galore2.core.optimizer import apply_update
+    from galore2.core.apply import apply_update
     from galore2.core.transform import LowRankUpdate
 
     rows = []

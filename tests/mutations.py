@@ -78,7 +78,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "plain_decay_order",
-        "galore2/core/optimizer.py",
+        "galore2/core/apply.py",
         "    if decay != 1.0:\n        p.mul_(decay)\n    p.add_(u, alpha=-lr)",
         "    p.add_(u, alpha=-lr)\n    if decay != 1.0:\n        p.mul_(decay)",
         ("tests/core/test_adamw_equivalence.py",),
@@ -106,7 +106,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "batched_decay",
-        "galore2/core/optimizer.py",
+        "galore2/core/apply.py",
         "            torch._foreach_mul_(ps, decay)\n",
         "            pass\n",
         ("tests/core/test_foreach.py",),
@@ -987,23 +987,23 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "masked_grad_buckets_kept",
-        "galore2/core/optimizer.py",
+        "galore2/core/step_masked.py",
         "flags.write(ok, bad, batch.reused)",
         "flags.write(ok, bad, True)",
         ("tests/core/test_masked_property.py::test_masked_step_is_the_skip_step_on_each_finding[20]",),
         "issue 39 #20: the gradients' buckets kept while the set of parameters with "
         "gradients changes at the same count",
-        where="ChainOptimizer._masked_step",
+        where="MaskedPath.step",
     ),
     Mutation(
         "masked_skip_counter_kept",
-        "galore2/core/optimizer.py",
-        "key = self._skip_keys.get(batch.key) if batch.reused else None",
-        "key = self._skip_keys.get(batch.key)",
+        "galore2/core/step_masked.py",
+        "key = self.skip_keys.get(batch.key) if batch.reused else None",
+        "key = self.skip_keys.get(batch.key)",
         ("tests/core/test_masked_property.py::test_masked_step_is_the_skip_step_on_each_finding[20]",),
         "issue 39 #20: the device skip counter kept while the set of parameters with "
         "gradients changes at the same count (skips charged to the wrong parameter)",
-        where="ChainOptimizer._count_skips",
+        where="MaskedPath._count_skips",
     ),
     Mutation(
         "stacked_first_batch_flags",
@@ -1017,14 +1017,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "masked_host_counters_snapshotted",
-        "galore2/core/optimizer.py",
+        "galore2/core/step_masked.py",
         "                and not _counter(t)\n",
         "",
         ("tests/core/test_masked_property.py::test_masked_step_is_the_skip_step_on_each_finding[21]",),
         "issue 39 #22: host counters (galore.step, next_refresh) snapshotted and put back "
         "for a masked parameter on the CPU (then set back twice: by the snapshot and by the "
         "skips' read, behind the skip path's)",
-        where="ChainOptimizer._masked_step",
+        where="MaskedPath._snapshot",
     ),
     Mutation(
         "norm_loss_moves_masked",
@@ -1074,22 +1074,22 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "masked_host_counters_not_set_back",
-        "galore2/core/optimizer.py",
+        "galore2/core/step_masked.py",
         "                        state[key] -= n  # in place",
         "                        pass  # in place",
         ("tests/core/test_masked_counts.py",),
         "issue 38 item 2: GaLore's host step counter keeps a masked step (its refresh "
         "comes early)",
-        where="ChainOptimizer._flush_skips",
+        where="MaskedPath.flush_skips",
     ),
     Mutation(
         "masked_refresh_without_flush",
-        "galore2/core/optimizer.py",
-        "        self._due_flush(batches)\n",
+        "galore2/core/step.py",
+        "        self.masked.due_flush(batches)\n",
         "",
         ("tests/core/test_masked_counts.py",),
         "issue 38 item 2: a refresh decided on host counters that still count masked steps",
-        where="ChainOptimizer._run_and_apply",
+        where="StepEngine._run_and_apply",
     ),
     Mutation(
         "masked_sigma_counts_masked",
@@ -1102,12 +1102,12 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "due_for_refresh_without_flush",
-        "galore2/core/optimizer.py",
-        "        if self._pending_skips and any(self.state.get(p) for p in found):",
+        "galore2/core/step_masked.py",
+        "        if self.pending_skips and any(state_of.get(p) for p in found):",
         "        if False:",
         ("tests/core/test_masked_counts.py::test_due_for_refresh_is_the_skip_paths_with_skips_pending",),
         "issue 38 item 2: due_for_refresh answers from host counters that count masked steps",
-        where="ChainOptimizer.due_for_refresh",
+        where="MaskedPath.due_for_refresh",
     ),
     Mutation(
         "int8_weight_round_to_nearest",

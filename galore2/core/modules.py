@@ -299,7 +299,7 @@ def run_param_transforms(
     """Apply every parameter module, in order, to every stepped parameter.
 
     ``chunks(params, foreach)`` batches each group's parameters as the chain does (lists of
-    indices, see ``galore2.core.optimizer``): batches of several parameters whose groups
+    indices, see ``galore2.core.apply.chunks``): batches of several parameters whose groups
     give a module the same :meth:`ParamTransform.batch_key` go through one
     :meth:`ParamTransform.apply_many`; a batch of one through ``apply_``. The step's
     :class:`Stats` are computed only if some module will read them.

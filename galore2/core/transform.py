@@ -124,7 +124,7 @@ class Transform(Module):
         keys), or None (the default). When the optimizer's chain is that alone, with only
         decoupled weight decay beside it, the rule's ``torch_adamw`` may run the whole step
         of the group with torch's kernels (see
-        :meth:`~galore2.core.optimizer.ChainOptimizer._adamw_rule`)."""
+        :meth:`~galore2.core.step.StepEngine._adamw_rule`)."""
         return None
 
     def stacks(self, group: Group, device: torch.device) -> bool:

@@ -2,7 +2,7 @@
 
 For a weight viewed as ``M × N`` and a low-rank update ``scale · A @ B`` (A: M × K,
 B: K × N, K the rank), the optimizer applies ``p ← decay·p − lr·scale·(A @ B)``
-(:func:`galore2.core.optimizer.apply_update`; torch path ``p.addmm_(A, B,
+(:func:`galore2.core.apply.apply_update`; torch path ``p.addmm_(A, B,
 beta=decay, alpha=−lr·scale)``). Each program computes one ``BLOCK_M × BLOCK_N`` tile of
 ``A @ B`` with fp32 accumulation, then its epilogue reads that tile of p, forms
 ``β·p + α·acc`` in fp32 (one rounding to p's dtype, as cuBLAS' addmm epilogue) and writes

@@ -100,7 +100,7 @@ def test_the_snapshot_leaves_out_what_adam_masks_itself(mode, saved):
     )
     _grads(model, 0)
     opt.step()
-    names = {name for snapshot in opt._snapshots.values() for name in snapshot.names}
+    names = {name for snapshot in opt._engine.masked.snapshots.values() for name in snapshot.names}
     assert names & {"proj.left", "proj.right"}  # the bases are the snapshot's
     assert ("adam.exp_avg" in names) is saved and ("adam.exp_avg_sq" in names) is saved
 

@@ -60,7 +60,9 @@ def host_counters(opt: torch.optim.Optimizer) -> set[int]:
         t.data_ptr()
         for s in opt.state.values()
         for k, t in s.items()
-        if t.dim() == 0 and not t.is_floating_point() and k not in opt._device_counters
+        if t.dim() == 0
+        and not t.is_floating_point()
+        and k not in opt._engine.masked.device_counters
     }
 
 

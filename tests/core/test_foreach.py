@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import galore2
-from galore2.core.optimizer import _chunks
+from galore2.core.apply import chunks as _chunks
 from galore2.optim import ScaleByAdam
 
 from ..helpers import (

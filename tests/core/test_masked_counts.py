@@ -5,7 +5,7 @@ several steps (a run that logs now and then), across refresh steps, so the count
 be right where the step itself uses them: the device step counters (Adam's bias
 corrections, Adafactor's β̂₂, PNM) are put back for a masked parameter after its step, and
 GaLore's host step counter, which a masked step advances, is set back by the pending skips
-read before any step where a refresh may be due (:meth:`ChainOptimizer._due_flush`). Over
+read before any step where a refresh may be due (:meth:`MaskedPath.due_flush`). Over
 the presets (GaLoreAdamW, 8-bit, Adafactor, Muon, Ranger21 with stable weight decay, plain
 AdamW), a NaN in a projected matrix and in a dense parameter, at steps where a refresh is
 due: the masked optimizer and a ``capturable=False`` twin end with the same counters,

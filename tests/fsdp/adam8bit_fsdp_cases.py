@@ -135,7 +135,7 @@ def quantizer_is_shard_independent(rank: int, world: int) -> None:
 
     model = _shard(ThreeMatrices(), world)
     opt = optimizer(model, {})
-    placement = opt._placement(model.full.weight)
+    placement = opt._engine.placement(model.full.weight)
     g = torch.Generator().manual_seed(7)
     for shape, layout in (((8, 521), "cols"), ((515, 8), "rows"), ((101, 100), "param")):
         x = torch.randn(shape, generator=g) * torch.logspace(-4, 0, shape[1])

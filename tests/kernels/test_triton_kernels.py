@@ -27,7 +27,7 @@ if (
 
 import triton  # noqa: F401  (an ImportError here fails the run: CI installs triton)
 
-from galore2.core.optimizer import apply_update
+from galore2.core.apply import apply_update
 from galore2.core.transform import LowRankUpdate
 from galore2.kernels import dispatch
 from galore2.kernels.adam8bit import adam8bit_step, adam8bit_step_stack

@@ -95,7 +95,9 @@ def test_galore_ranger21_moments_are_low_rank_and_sigma_uses_full_counts():
         shape = tuple(opt.state[p]["pnm.exp_avg_sq"].shape)
         assert 4 in shape and shape != tuple(p.shape), shape
     # σ²: low-rank second moments summed as stored, divided by the full element count
-    items = [(g, opt.state[p], opt._context(p, 0)) for g in opt.param_groups for p in g["params"]]
+    items = [
+        (g, opt.state[p], opt._engine.context(p, 0)) for g in opt.param_groups for p in g["params"]
+    ]
     expected = torch.zeros((), dtype=torch.float64)
     for g, state, _ in items:
         t = int(state["pnm.step"])

@@ -68,7 +68,7 @@ def _basis(opt: torch.optim.Optimizer, p: torch.Tensor, side: str) -> torch.Tens
     """The dense basis (a stored one, or the random projector's regenerated one)."""
     galore = opt._chain[0]
     state = opt.state[p]
-    plan = galore.plan(state, opt.param_groups[0], opt._context(p, 0))
+    plan = galore.plan(state, opt.param_groups[0], opt._engine.context(p, 0))
     P, Q = galore2.projectors.get_projector(opt.param_groups[0]["projector"]).bases(state, plan)
     return P if side == "left" else Q
 
