@@ -79,7 +79,7 @@ from .resume import (
     refusal,
 )
 from .state import counter, counter_on
-from .stored import Writes, refuse, store_of
+from .stored import Writes, parts, refuse, store_of
 from .transform import Context, LowRankUpdate, Transform, init_chain, run_chain, state_kind, walk
 
 LR = Option("lr", 1e-3, LearningRate(), "learning rate (LR schedulers write it every step)")
@@ -610,11 +610,12 @@ class ChainOptimizer(torch.optim.Optimizer):
         self._check_settings(self.param_groups)
         items = self._items()  # refuses a sparse gradient
         NonFinitePolicy.raise_if_any(self.param_groups, self._to_check)
-        gathered = [
-            self._gather(group, found)
-            for group, found in zip(self.param_groups, items, strict=True)
-        ]
-        self._run_and_apply(self._prepare([b for b in gathered if b is not None]))
+        for part in parts(self.param_groups, items, self._param_transforms, is_dtensor):
+            gathered = [
+                self._gather(group, found)
+                for group, found in zip(self.param_groups, part, strict=True)
+            ]
+            self._run_and_apply(self._prepare([b for b in gathered if b is not None]))
         return loss
 
     @torch.no_grad()
