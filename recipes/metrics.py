@@ -9,8 +9,7 @@ CPU runs ``peak_rss_gb``. ``opt_state_bytes`` is the whole job's optimizer state
 ``dense_weight_bytes`` the same parameters dense. A window holding a non-finite loss logs
 ``loss`` as ``NaN`` or ``Infinity`` (as Python's json writes them), adds
 ``nonfinite_losses`` (steps × ranks of the window whose loss was not finite) and warns;
-skipped updates are
-recipes/divergence.py's fields.
+skipped updates are recipes/divergence.py's fields.
 
 ``tokens_per_s`` (and ``mfu``, derived from it) is the window's tokens over its wall time.
 A window ends after the device has finished its work: the host read of the window's
