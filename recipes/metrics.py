@@ -4,10 +4,12 @@
 least ``step``, ``loss``, ``lr``, ``tokens_per_s``, ``tokens``; eval steps add
 ``val_loss``; GPU runs add ``mfu`` and ``peak_mem_gb`` (``max_memory_allocated``),
 CPU runs ``peak_rss_gb``. ``opt_state_bytes`` is the whole job's optimizer state
-(summed over ranks). A window holding a non-finite loss logs ``loss`` as ``NaN`` or
-``Infinity`` (as Python's json writes them), adds ``nonfinite_losses`` (steps × ranks of
-the window whose loss was not finite) and warns; skipped updates are
-recipes/divergence.py's fields.
+(summed over ranks), ``weight_bytes`` the whole model's parameters as stored
+(:func:`weight_bytes`: int8 codes + scales with ``--model.weight_bits 8``) and
+``dense_weight_bytes`` the same parameters dense. A window holding a non-finite loss logs
+``loss`` as ``NaN`` or ``Infinity`` (as Python's json writes them), adds
+``nonfinite_losses`` (steps × ranks of the window whose loss was not finite) and warns;
+skipped updates are recipes/divergence.py's fields.
 
 ``tokens_per_s`` (and ``mfu``, derived from it) is the window's tokens over its wall time.
 A window ends after the device has finished its work: the host read of the window's
@@ -39,6 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from galore2.core.stored import store_of
 
 # Dense bf16 peak FLOP/s by device-name substring (vendor datasheets, no sparsity).
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
@@ -82,6 +86,21 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                     seen.add(key)
                     total += storage.nbytes()
     return total
+
+
+def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """The whole model's parameter bytes (every rank's: a sharded parameter's global size).
+    ``weight_bytes``: as stored — an int8 layer's (``galore2.quantize_weights``,
+    ``--model.weight_bits 8``) codes and scales, every other parameter in its dtype;
+    ``dense_weight_bytes``: the same parameters all dense in their dtypes (the run without
+    int8 weights, bf16 ones in a bf16 run)."""
+    stored = dense = 0
+    for p in model.parameters():
+        n = p.numel() * p.element_size()  # an int8 layer's shell: its logical shape
+        found = store_of(p)
+        dense += n
+        stored += n if found is None else found.nbytes()
+    return {"weight_bytes": stored, "dense_weight_bytes": dense}
 
 
 def adamw_state_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:

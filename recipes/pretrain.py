@@ -28,6 +28,7 @@ from .metrics import (
     adamw_state_bytes,
     all_reduce_sum,
     optimizer_state_bytes,
+    weight_bytes,
 )
 from .plot import write_run_plot
 from .resolve import parse_args
@@ -104,6 +105,7 @@ def _run(
             values = ", ".join(f"optim.{k}={v:g}" for k, v in o.fixed.items())
             print(f"{o.name}: {values} (fixed by the preset; other values are not used)")
     opt_bytes = None
+    weights = weight_bytes(model)  # the stored format's size is fixed
     # peers keep Python objects in their state, which weights-only checkpoints refuse
     checkpoints = t.checkpoint_every >= 0 and o.name not in peers
     stop = min(t.stop_after, t.steps) if t.stop_after > 0 else t.steps
@@ -119,7 +121,7 @@ def _run(
                 opt_bytes = int(all_reduce_sum([float(optimizer_state_bytes(opt))], device)[0])
             skips, halt = watch.at_log(step)  # the skip counters' only read
             last = step == stop or halt is not None
-            extra = {"opt_state_bytes": opt_bytes, **skips}
+            extra = {"opt_state_bytes": opt_bytes, **weights, **skips}
             if t.eval_batches and (step % t.eval_every == 0 or last):
                 extra["val_loss"] = evaluate(model, val_loader, t.eval_batches, device)
             metrics.log(step, sched.get_last_lr()[0], extra)
@@ -142,7 +144,8 @@ def _run(
         projected = optimizers.projects(o.name, peers)
         png = write_run_plot(job, modeling.n_params(model), world, projected)
         adamw = (adamw_state_bytes(model), adamw_baseline(model))  # the AdamW this run would use
-        print_summary(job, metrics.history, opt_bytes, adamw[0], halt, png, adamw[1])
+        print_summary(job, metrics.history, opt_bytes, adamw[0], halt, png, adamw[1],
+                      weights)  # fmt: skip
     teardown(world)
     if halt is not None:
         raise Diverged(halt)

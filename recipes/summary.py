@@ -28,11 +28,14 @@ def summarize(
     adamw_bytes: int,
     stopped: str | None = None,
     adamw: str = "torch AdamW",
+    weights: dict[str, int] | None = None,
 ) -> dict:
     """Final train loss (last log window), last val loss (None without evaluation), mean
     tokens/s, state bytes vs AdamW's (``adamw``: which AdamW, e.g. "torch AdamW with bf16
     moments", the one the run would use: :func:`recipes.metrics.adamw_baseline`), skipped
-    updates (``nonfinite_skips``, None if the optimizer does not count them) and why the run ``stopped`` early (None if it did not).
+    updates (``nonfinite_skips``, None if the optimizer does not count them), why the run
+    ``stopped`` early (None if it did not) and, given ``weights``
+    (:func:`recipes.metrics.weight_bytes`), the weights' bytes as stored and dense.
     A step logged twice counts once (its last row)."""
     by_step = {r["step"]: r for r in history}
     history = [by_step[k] for k in sorted(by_step)]
@@ -53,6 +56,8 @@ def summarize(
     }
     if opt_bytes is not None and adamw_bytes:
         out["state_ratio"] = opt_bytes / adamw_bytes
+    if weights is not None:
+        out.update(weights)
     return out
 
 
@@ -64,10 +69,12 @@ def print_summary(
     stopped: str | None = None,
     loss_plot: Path | None = None,
     adamw: str = "torch AdamW",
+    weights: dict[str, int] | None = None,
 ) -> dict:
     """Print the run's summary (with ``loss_plot``, the PNG of its curves, where one was
-    written) and write it to ``OUT/summary.json``; ``adamw`` names the state baseline."""
-    s = summarize(history, opt_bytes, adamw_bytes, stopped, adamw)
+    written) and write it to ``OUT/summary.json``; ``adamw`` names the state baseline,
+    ``weights`` are the model's weight bytes (:func:`recipes.metrics.weight_bytes`)."""
+    s = summarize(history, opt_bytes, adamw_bytes, stopped, adamw, weights)
     val = f"{s['val_loss']:.4f}" if s["val_loss"] is not None else "n/a"
     lines = [
         f"== {job.optim.name}: {s['step']} steps, {s['tokens']:,} tokens ==",
@@ -80,6 +87,12 @@ def print_summary(
             f"optimizer state    {_gb(opt_bytes)}  vs {_gb(adamw_bytes)} for {adamw} "
             f"({s.get('state_ratio', float('nan')):.3f}×)"
         )
+    if weights is not None:
+        stored, dense = weights["weight_bytes"], weights["dense_weight_bytes"]
+        line = f"weights            {_gb(stored)}"
+        if stored != dense:  # int8 layers (--model.weight_bits 8)
+            line += f" (int8 codes + scales) vs {_gb(dense)} dense ({stored / dense:.3f}×)"
+        lines.append(line)
     if s["nonfinite_skips"] is not None:
         lines.append(f"skipped updates    {s['nonfinite_skips']:,} (non-finite gradients)")
     if stopped:

@@ -1140,6 +1140,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the apply stage never re-quantizes: int8 weights do not train",
         where="Writes.commit",
     ),
+    Mutation(
+        "int8_weights_all_copies_at_once",
+        "galore2/core/stored.py",
+        "    if whole or not stored:",
+        "    if True:",
+        (
+            "tests/weights/test_writeback_peak.py::"
+            "test_the_step_holds_one_working_copy_at_a_time",
+        ),
+        "optimizer.step() holds an fp32 working copy of every int8 weight at once",
+        where="parts",
+    ),
 )
 
 

@@ -51,7 +51,7 @@ from .modules import (
 from .nonfinite import NonFinitePolicy, read_flags
 from .options import Bool, LearningRate, Option, Optional
 from .step_masked import MaskedPath
-from .stored import Writes, refuse, store_of
+from .stored import Writes, parts, refuse, store_of
 from .transform import Context, Transform, run_chain
 
 LR = Option("lr", 1e-3, LearningRate(), "learning rate (LR schedulers write it every step)")
@@ -204,8 +204,10 @@ class StepEngine:
         NonFinitePolicy.raise_if_any(
             groups, lambda g: [(p, real(grad), self.placement(p)) for _, grad, p in by_group[id(g)]]
         )
-        gathered = [self._gather(g, found) for g, found in zip(groups, items, strict=True)]
-        self._run_and_apply(self._prepare([b for b in gathered if b is not None]))
+        # int8 weights: one part per weight, so one working copy is alive at a time
+        for part in parts(groups, list(items), self.param_transforms, is_dtensor):
+            gathered = [self._gather(g, found) for g, found in zip(groups, part, strict=True)]
+            self._run_and_apply(self._prepare([b for b in gathered if b is not None]))
 
     def _check_sparse(self) -> None:
         for group in self.opt.param_groups:

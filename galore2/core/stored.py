@@ -18,10 +18,12 @@ once, per-layer updates (``galore2.per_layer``) one at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, Protocol
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from torch import Tensor
+
+Item = TypeVar("Item", bound=tuple)
 
 #: the attribute of a parameter holding its store (galore2.storage.weights sets it)
 STORE_ATTR = "_galore2_weight"
@@ -56,6 +58,40 @@ def refuse(group: dict[str, Any], p: Tensor, distributed: bool) -> None:
         )
 
 
+def parts(
+    groups: Sequence[dict[str, Any]],
+    items: list[list[Item]],
+    weight_modules: Sequence[Any],
+    distributed: Any,
+) -> list[list[list[Item]]]:
+    """``items`` (per group, (index, gradient, parameter) of a step) cut into the parts
+    ``optimizer.step()`` runs one after the other, each a list per group: every plain
+    parameter in the first part, then one part per int8 weight, so that one working copy
+    is alive at a time. One part only when a weight module reads statistics over every
+    parameter in some group (``needs_stats`` and ``uses_stats``). Every int8 weight's
+    refusal (:func:`refuse`, with ``distributed(p)``) is raised first, before any part
+    changes anything."""
+    stored = [
+        (g, k) for g, found in enumerate(items) for k, item in enumerate(found)
+        if store_of(item[2]) is not None
+    ]  # fmt: skip
+    for g, k in stored:
+        p = items[g][k][2]
+        refuse(groups[g], p, distributed(p))
+    whole = any(t.needs_stats and t.uses_stats(g) for t in weight_modules for g in groups)
+    if whole or not stored:
+        return [items]
+    apart = set(stored)
+    plain = [[it for k, it in enumerate(found) if (g, k) not in apart]
+             for g, found in enumerate(items)]  # fmt: skip
+    out = [plain] if any(plain) else []
+    for g, k in stored:
+        part: list[list[Item]] = [[] for _ in items]
+        part[g].append(items[g][k])
+        out.append(part)
+    return out
+
+
 class Writes:
     """The working copies of one step, by ``id()`` of the copy: made in the gather stage
     (:meth:`track`), handed back to their stores after the weight modules (:meth:`commit`)."""
@@ -82,4 +118,4 @@ class Writes:
         self.pending.clear()
 
 
-__all__ = ["STORE_ATTR", "WeightStore", "Writes", "refuse", "store_of"]
+__all__ = ["STORE_ATTR", "WeightStore", "Writes", "parts", "refuse", "store_of"]

@@ -10,8 +10,11 @@ counts). The FSDP2 units are each decoder layer and the root (everything else:
 embeddings, final norm, output head; :func:`decoder_layers` finds the layers).
 
 * **weights** = Σ numel·p / W; an int8 weight (``galore2.quantize_weights``) counts its
-  stored codes and scales instead, plus, once, the largest one's dense fp32 working copy
-  of a step (4 bytes per element; its other temporaries are per block of rows). W > 1
+  stored codes and scales instead, plus, once, what dequantizing the largest one in a
+  forward or backward allocates: the dense weight (numel·p) and one block of rows' fp32
+  decode temporaries, counted on the meta device (:func:`dequantized_bytes`). The step's
+  fp32 working copy and re-quantization (one weight at a time) are the step's own memory,
+  which ``python -m galore2.plan`` measures with the step. W > 1
   adds FSDP2's unsharded (all-gathered) copies of the root unit (not resharded after
   forward) and of one decoder layer: + (root + layer)·p.
 * **gradients** = Σ numel·p / W, or with per-layer updates (and no gradient accumulation)
@@ -47,10 +50,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..core.stored import store_of
+from ..storage.weights import dequantize
 from .state import Piece, nbytes
+from .step import LiveBytes, storage_bytes
 
 __all__ = ["Footprint", "Shapes", "activation_bytes", "decoder_layers", "layer_bytes"]
 
@@ -203,6 +209,27 @@ def decoder_layers(model: nn.Module, n_layers: int | None = None) -> nn.ModuleLi
     return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
 
 
+def dequantized_bytes(store: Any, dtype: torch.dtype) -> int:
+    """The bytes dequantizing the int8 weight ``store`` (an
+    :class:`~galore2.storage.weights.Int8WeightStore`) into ``dtype`` allocates at its
+    peak, as each forward and backward does: the dense weight and the fp32 temporaries of
+    one block of rows (:func:`galore2.storage.weights.dequantize`, with an accelerator's
+    blocks), counted by :class:`~galore2.plan.step.LiveBytes` on the meta device."""
+    meta = torch.device("meta")
+    codes, scales = (torch.empty(t.shape, dtype=t.dtype, device=meta) for t in store.tensors())
+    live = LiveBytes(meta)
+    live.track([codes, scales])  # held already (their views are not new)
+    with live:
+        dequantize(codes, scales, store.module.layout, dtype)
+    return live.peak - storage_bytes([codes, scales], meta)
+
+
+def _largest(params: list, stores: list) -> list[tuple[Any, Any]]:
+    """(parameter, store) of the int8 weight with the most elements (none: empty)."""
+    found = [(p, s) for p, s in zip(params, stores, strict=True) if s is not None]
+    return [max(found, key=lambda ps: ps[0].numel())] if found else []
+
+
 @dataclass(frozen=True)
 class Footprint:
     """A model's parameters as FSDP2 units, and its shapes: what the weight, gradient and
@@ -214,9 +241,10 @@ class Footprint:
     root: tuple[Piece, ...]  # the root unit: every parameter outside the decoder layers
     layer: tuple[Piece, ...]  # one decoder layer (the first)
     #: the weights as stored where that differs from ``params`` (int8 weights: codes and
-    #: scales, galore2.storage.weights), and the largest such weight's fp32 working copy
+    #: scales, galore2.storage.weights), and the bytes the largest such weight's
+    #: dequantization allocates (forward, backward: :func:`dequantized_bytes`)
     stored: tuple[Piece, ...] | None = None
-    working: int = 0
+    dequantized: int = 0
 
     @classmethod
     def of(cls, model: nn.Module, shapes: Shapes | None = None) -> Footprint:
@@ -245,7 +273,8 @@ class Footprint:
             root=pieces(p for p in params if id(p) not in in_layers),
             layer=pieces(layers[0].parameters()),
             stored=stored if any(stores) else None,
-            working=max((4 * p.numel() for p, s in zip(params, stores) if s), default=0),
+            dequantized=max((dequantized_bytes(s, p.dtype) for p, s in
+                             _largest(params, stores)), default=0),  # fmt: skip
         )
 
     @property
@@ -255,7 +284,7 @@ class Footprint:
 
     def weights(self, world: int = 1) -> int:
         """Parameter bytes per GPU (module docstring: **weights**)."""
-        out = nbytes(self.stored or self.params, world) + self.working
+        out = nbytes(self.stored or self.params, world) + self.dequantized
         if world > 1:  # FSDP2's unsharded (all-gathered) root and current layer
             out += nbytes(self.root) + nbytes(self.layer)
         return out
