@@ -55,7 +55,8 @@ NO_FULL_COPY = (
 
 @pytest.fixture(scope="module")
 def result() -> dict:
-    optim = dataclasses.replace(parse_args(["--config", "tiny"]).optim, rank=RANK)
+    base = parse_args(["--config", "tiny"]).optim
+    optim = dataclasses.replace(base, options={**base.options, "rank": RANK})
     # the exact-SVD projector for the warm-up's refresh (twice as fast on meta tensors; a
     # non-refresh step does not depend on the projector: APOLLO keeps its random one)
     return roofline.measure(SMALL, optim, projector="svd")
