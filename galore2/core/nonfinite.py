@@ -261,6 +261,19 @@ class NonFinitePolicy:
         return out
 
     @staticmethod
+    def folds(group: dict[str, Any]) -> bool:
+        """Is the group's test folded into its first rule's own work (see the module
+        docstring: a projected matrix's R tested instead of its gradient)? On the default
+        path only: ``"skip"``, not ``capturable`` (the masked step masks the gradients),
+        state in a dtype of float32's range or wider (float16's bound, 255.9 on ‖g‖, is kept
+        on the gradient). ``"raise"`` reads every gradient before any change anyway."""
+        return (
+            group["nonfinite"] == "skip"
+            and not group["capturable"]
+            and state_dtype(group) != torch.float16
+        )
+
+    @staticmethod
     def keep(ok: list[bool] | None, states: Sequence[dict[str, Tensor]]) -> list[bool]:
         """Which of a group's parameters to update, from its read flags (None: all); the
         skip of each one not updated is counted in its state."""

@@ -100,6 +100,7 @@ class StepEngine:
         """Empty every cache (rebuilt on use), the masked path's too (its skips counted on
         the device are added to the state first: none is lost)."""
         self.masked.reset()
+        self.chain[0].drop_screened()
         self.placements: dict[int, Placement] = {}
         self.contexts: dict[int, Context] = {}  # plain parameters' contexts, by id()
         # per group (its id()): (state mapping, items, lists) of the last _gather
@@ -205,9 +206,12 @@ class StepEngine:
             groups, lambda g: [(p, real(grad), self.placement(p)) for _, grad, p in by_group[id(g)]]
         )
         # int8 weights: one part per weight, so one working copy is alive at a time
-        for part in parts(groups, list(items), self.param_transforms, is_dtensor):
-            gathered = [self._gather(g, found) for g, found in zip(groups, part, strict=True)]
-            self._run_and_apply(self._prepare([b for b in gathered if b is not None]))
+        try:
+            for part in parts(groups, list(items), self.param_transforms, is_dtensor):
+                gathered = [self._gather(g, found) for g, found in zip(groups, part, strict=True)]
+                self._run_and_apply(self._prepare([b for b in gathered if b is not None]))
+        finally:  # what the first rule projected for the non-finite test (see _screened)
+            self.chain[0].drop_screened()
 
     def _check_sparse(self) -> None:
         for group in self.opt.param_groups:
@@ -317,11 +321,30 @@ class StepEngine:
             )
         # one check for every group sharing a state dtype, device and reduction
         flags = NonFinitePolicy.check_many(
-            [(b.group, b.grads, [c.placement for c in b.ctxs]) for b in batches]
+            [(b.group, self._screened(b), [c.placement for c in b.ctxs]) for b in batches]
         )
         for b, ok in zip(batches, flags, strict=True):
             b.flags = ok
         return batches
+
+    def _screened(self, batch: Batch) -> list[Tensor]:
+        """The tensors whose non-finite test decides ``batch``'s skips: its gradients, but
+        where the group folds the test (:meth:`NonFinitePolicy.folds`) the smaller tensor the
+        chain's first rule computes from a gradient anyway and keeps for this step
+        (:meth:`~galore2.core.transform.Transform.screened`: GaLore's R = PᵀG), asked per
+        ``foreach`` chunk, as :meth:`_step_batch` runs the chain."""
+        if not NonFinitePolicy.folds(batch.group):
+            return batch.grads
+        tested = list(batch.grads)
+        first, group = self.chain[0], batch.group
+        for chunk in chunks(batch.params, group.get("foreach")):
+            got = first.screened([batch.grads[i] for i in chunk],
+                                 [batch.states[i] for i in chunk], group,
+                                 [batch.ctxs[i] for i in chunk])  # fmt: skip
+            for i, small in zip(chunk, got, strict=True):
+                if small is not None:
+                    tested[i] = small
+        return tested
 
     def _run(self, batches: list[Batch], masks: ExitStack) -> list[Stepped]:
         """Read every batch's flags at once (the step's one host read), then per batch the one

@@ -168,6 +168,21 @@ class Transform(Module):
         group and step with every tensor of the group, so work that needs all of them at
         once — e.g. spreading exact SVDs over ranks — can be batched."""
 
+    def screened(
+        self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
+    ) -> list[Tensor | None]:
+        """Per direction, a tensor this rule computes from it anyway, smaller, whose non-finite
+        test stands for the direction's (GaLore: the projected gradient R of a matrix not due
+        for a refresh), or None (the direction itself is tested). Called by the step engine
+        as the first rule of the chain, on the lists :meth:`update` / :meth:`update_many`
+        will see; the rule keeps what it computed and uses it when those same directions
+        come (see :mod:`galore2.core.nonfinite`), until :meth:`drop_screened`. Default:
+        None for every direction."""
+        return [None] * len(us)
+
+    def drop_screened(self) -> None:
+        """Forget what :meth:`screened` kept (the step is over). Default: nothing kept."""
+
     def bias_correction(self, state: State, group: Group) -> float:
         """The scalar by which this step's bias correction multiplied the direction just
         returned (Adam: √(1−β₂ᵗ)/(1−β₁ᵗ); 1 for rules without one). Fira's and APOLLO's

@@ -52,6 +52,7 @@ from ..core.transform import (
     Context,
     Group,
     LowRankUpdate,
+    StackedState,
     State,
     Transform,
     dense,
@@ -72,7 +73,7 @@ from ..projectors import KINDS as PROJECTOR_KINDS
 from ..projectors import OPTIONS as PROJECTOR_OPTIONS
 from ..storage.basis import OPTIONS as BASIS_OPTIONS
 from ..storage.basis import validate_basis_options
-from . import lowrank_batch, lowrank_plan, residual
+from . import lowrank_batch, lowrank_plan, lowrank_screen, residual
 from . import refresh as schedule
 from .projection import Projection, plan_for, projection_for
 from .seeds import SEED
@@ -250,7 +251,8 @@ class GaLore(Transform):
         """
         if int(state["galore.side"]) == NONE:  # plain: full-rank inner update
             return run_chain(self.inner, [u], [state], group, [ctx])[0]
-        projection, R = self._project(u, state, group, ctx)
+        kept = lowrank_screen.screen_of(self).take_one(u, state)  # projected by screened()
+        projection, R = kept if kept is not None else self._project(u, state, group, ctx)
         # the inner rules see the direction's layout, as at init
         (N,) = run_chain(self.inner, [R], [state], group, [ctx.inner_view(projection.layout)])
         return self._back(dense(N), state, group, projection, ctx, u, R, decay)
@@ -268,13 +270,17 @@ class GaLore(Transform):
         split = lowrank_plan.split(plan, self._counters)
         # project: one by one (due for a refresh, or never batched), then per live shape
         # batch; plain tensors as they are (the inner chain may not modify its input in
-        # place: R is still needed by _back)
-        inner_in: list[Tensor] = list(us)
-        projections: dict[int, Projection] = {}
+        # place: R is still needed by _back). What screened() projected is taken as it is.
+        kept = lowrank_screen.screen_of(self).take_many(plan, split, us)
+        inner_in: list[Tensor] = list(us if kept is None else kept.inner_in)
+        projections: dict[int, Projection] = {} if kept is None else dict(kept.projections)
         for i in split.singles:
-            projections[i], inner_in[i] = self._project(us[i], states[i], group, ctxs[i])
-        keys = lowrank_plan.stack_keys(self.inner, group, us[0].device) if plan.batches else None
-        stacks = lowrank_plan.project_live(split.live, us, group, ctxs, keys, inner_in)
+            if i not in projections:
+                projections[i], inner_in[i] = self._project(us[i], states[i], group, ctxs[i])
+        if kept is not None:
+            keys, stacks = kept.keys, kept.stacks
+        else:
+            keys, stacks = self._project_batches(plan, split, us, group, ctxs, inner_in)
         # the inner chain: one run, each stacked batch as one entry
         inner_ctxs = lowrank_plan.inner_contexts(ctxs, projections, stacks)
         N, stacked_N, order, masks = lowrank_plan.run_inner(
@@ -299,6 +305,52 @@ class GaLore(Transform):
                 out[i] = done[i]
         lowrank_plan.finish(plan, split, keys, self._counters, bool(stacks))
         return out
+
+    def _project_batches(
+        self, plan: lowrank_batch.BatchPlan, split: lowrank_plan.Split, us: list[Tensor],
+        group: Group, ctxs: list[Context], inner_in: list[Tensor],
+    ) -> tuple[tuple[str, ...] | None, list[lowrank_plan.Stacked]]:  # fmt: skip
+        """The inner chain's stacked keys and the live shape batches projected
+        (:func:`.lowrank_plan.project_live`, which puts unstacked members' R in ``inner_in``)."""
+        keys = lowrank_plan.stack_keys(self.inner, group, us[0].device) if plan.batches else None
+        return keys, lowrank_plan.project_live(split.live, us, group, ctxs, keys, inner_in)
+
+    def screened(
+        self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
+    ) -> list[Tensor | None]:
+        """R of each matrix projected this step and not due for a refresh (local ones), made
+        now and kept for :meth:`update` / :meth:`update_many` (:mod:`.lowrank_screen`): the
+        step's non-finite test reads R instead of G. None for the others (plain directions,
+        refreshes, sharded matrices) and for Fira / APOLLO, whose update reads G in full."""
+        out: list[Tensor | None] = [None] * len(us)
+        if group["rank"] is None or residual.active(group):
+            return out
+        screen = lowrank_screen.screen_of(self)
+        if len(us) == 1 and type(states[0]) is not StackedState:  # update()'s path
+            if lowrank_screen.foldable(states[0], ctxs[0]):
+                projection, R = self._project(us[0], states[0], group, ctxs[0])
+                screen.one[id(states[0])] = (us[0], projection, R)
+                out[0] = R
+            return out
+        plan = lowrank_plan.cached(self.__dict__.setdefault("_plans", {}), us, states, group,
+                                   ctxs)  # fmt: skip
+        split = lowrank_plan.split(plan, self._counters)
+        inner_in, projections = list(us), {}
+        for i in split.singles:
+            if lowrank_screen.foldable(states[i], ctxs[i]):
+                projections[i], inner_in[i] = self._project(us[i], states[i], group, ctxs[i])
+                out[i] = inner_in[i]
+        keys, stacks = self._project_batches(plan, split, us, group, ctxs, inner_in)
+        for st in stacks:
+            for i, r in zip(st.idx, st.R.unbind(0), strict=True):
+                out[i] = r
+        screen.many[id(plan)] = lowrank_screen.Kept(
+            plan, split, list(us), projections, inner_in, stacks, keys
+        )
+        return out
+
+    def drop_screened(self) -> None:
+        lowrank_screen.screen_of(self).clear()
 
     def masked_keys(self, group: Group) -> tuple[str, ...]:
         """The inner rules' (each direction's flag reaches them: a stacked entry's as the
@@ -328,8 +380,9 @@ class GaLore(Transform):
         return static.union(_REFRESH_ONLY, inner)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Plans are a cache of this process's tensors: a pickled GaLore carries none."""
-        return {k: v for k, v in self.__dict__.items() if k != "_plans"}
+        """Plans and screened projections are a cache of this process's tensors: a pickled
+        GaLore carries neither."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_plans", "_screen")}
 
     def _project(
         self, u: Tensor, state: State, group: Group, ctx: Context
