@@ -29,6 +29,30 @@ synchronization, see :func:`read_flags`), and the parameters with an unusable gr
 are left out of the step by index: the chain and every kernel see only the others.
 ``"raise"`` needs that read too, before anything changes.
 
+**Folded into the projection** (:meth:`NonFinitePolicy.folds`): on that default path with
+``"skip"`` (and state of float32's range or wider), a matrix GaLore projects that is local
+(not sharded) and not due for a refresh is tested on its projection R = PᵀG (or G·Q), not
+on G: GaLore makes R before the read, for its update, and keeps it for that update
+(:meth:`~galore2.core.transform.Transform.screened`, :mod:`galore2.optim.lowrank_screen`).
+R is r/m of G's size, so the check reads a quarter of the bytes at rank m/4 instead of
+every gradient once more. Which parameters are skipped:
+
+* a NaN or an Inf anywhere in G makes R non-finite (every entry of G enters r products of
+  R, and with IEEE products, as cuBLAS, MKL and OpenBLAS compute them, Inf·0 is NaN; the
+  basis is finite: a refresh installs only checked bases), so such a gradient is skipped
+  exactly as before, with the same counts;
+* the overflow test is made on ‖R‖², the sum of squares the low-rank moments accumulate,
+  instead of ‖G‖²: a finite G whose projection overflows is treated as non-finite (for an
+  orthonormal basis ‖R‖ ≤ ‖G‖, so its ‖G‖² overflowed too and it was skipped before), and
+  a finite G whose ‖G‖² overflows float32 (an entry ≥ ~1.8e19) while ‖R‖² does not is now
+  stepped — its moments and its update, made from R, stay finite.
+
+A refresh step's matrices (the refresh reads G in full), plain parameters, sharded
+matrices, Fira and APOLLO (their residual G − P·R reads G in full), ``"raise"``,
+``capturable=True`` (the masked step masks the gradients) and float16 state (its bound is
+on ‖g‖, see below) keep the test on G. Either way nothing non-finite reaches weights or
+state, and the step keeps its one host read.
+
 ``capturable=True`` (as in ``torch.optim``): the flags are not read in the step; it runs
 every parameter on its gradient with unusable entries replaced by zeros, then puts back
 the weights and device state of those whose gradient was unusable (``torch.where``
