@@ -1152,6 +1152,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         "optimizer.step() holds an fp32 working copy of every int8 weight at once",
         where="parts",
     ),
+    Mutation(
+        "nonfinite_fold_flag_ignored",
+        "galore2/core/step.py",
+        "tested[i] = small",
+        "tested[i] = torch.zeros_like(small)",
+        ("tests/core/test_nonfinite_fold.py",),
+        "the non-finite test folded into the projection tests nothing: a projected matrix's "
+        "R stands for its gradient, but its flag is always usable (a NaN reaches its state)",
+        where="StepEngine._screened",
+    ),
+    Mutation(
+        "nonfinite_fold_batch_misattributed",
+        "galore2/optim/galore.py",
+        "for i, r in zip(st.idx, st.R.unbind(0), strict=True):",
+        "for i, r in zip(st.idx, st.R.unbind(0)[::-1], strict=True):",
+        ("tests/core/test_nonfinite_fold.py",),
+        "a shape batch's projections are tested under each other's names: the wrong member "
+        "of the batch is skipped",
+        where="GaLore.screened",
+    ),
 )
 
 
