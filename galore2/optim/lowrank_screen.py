@@ -17,6 +17,10 @@ projecting again — the same ops on the same inputs, so the same bits. Otherwis
 parameter was skipped: the lists lack it, their plan is another) what was kept is not
 used, and the projections are made again as they were before the fold. The engine drops
 what is left at the end of the step (:meth:`Screen.clear`).
+
+Memory: the batched path held every R of a group at once already (projected before the
+inner chain runs); the per-tensor path (the CPU default) now holds its group's R — r/m of
+its gradients — from the check until each matrix's update, where it held one at a time.
 """
 
 from __future__ import annotations
