@@ -127,7 +127,8 @@ EVERY: Mapping[str, Option] = types.MappingProxyType(
 #: - ``rank``: a recipe run projects (galore2's ``rank`` defaults to None: nothing projected),
 #:   at the rank galore2's integrations use when GaLore is asked for without one;
 #: - ``weight_decay`` 0: GaLore's pre-training setup decays no weight, for every contender
-#:   (the presets' constructors default to torch.optim.AdamW's 1e-2, Ranger21's to 1e-4).
+#:   (constructed directly, the AdamW-family presets default to torch.optim.AdamW's 1e-2,
+#:   Ranger21 to 1e-4).
 RECIPE_DEFAULTS: Mapping[str, Any] = types.MappingProxyType(
     {"rank": DEFAULT_RANK, "weight_decay": 0.0}
 )
