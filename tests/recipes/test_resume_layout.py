@@ -15,35 +15,23 @@ from .test_recipe import run
 from .test_resume import _record, _steps
 
 #: the [optim] sections main (7b2a3db) wrote into config.json and its checkpoints for
-#: ``--config tiny`` and the flags named (copied from its output, as JSON)
+#: ``--config tiny`` and the flags named (copied from its output, as JSON; key order aside)
+_REST = {"target_modules": ["attn", "mlp"], "per_layer": False, "max_grad_norm": 0.0,
+         "warmup_steps": 0, "warmup_ratio": 0.1, "min_lr_ratio": 0.1, "capture": False,
+         "adamw_kernel": "auto", "fixed": {}}  # fmt: skip
+_TINY_OPTIONS = {"rank": 32, "update_proj_gap": 50, "scale": 0.25}
 MAIN_OPTIM = {
     # --optim.lr 0.02 --optim.beta2 0.95 --optim.weight_decay 0.1 --optim.eps 1e-7
-    "galore_adamw": {
-        "name": "galore_adamw", "lr": 0.02, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95,
-        "eps": 1e-07, "target_modules": ["attn", "mlp"], "per_layer": False,
-        "max_grad_norm": 0.0, "warmup_steps": 0, "warmup_ratio": 0.1, "min_lr_ratio": 0.1,
-        "capture": False, "adamw_kernel": "auto",
-        "options": {"rank": 32, "update_proj_gap": 50, "scale": 0.25}, "fixed": {},
-    },
+    "galore_adamw": {"name": "galore_adamw", "lr": 0.02, "weight_decay": 0.1, "beta1": 0.9,
+                     "beta2": 0.95, "eps": 1e-07, **_REST, "options": _TINY_OPTIONS},
     # --optim.eps 1e-30,1e-3 --optim.beta1 0.9 (GaLoreAdafactor's own eps and beta1; the
     # fields beta1 / beta2 / eps were Adam's, which Adafactor does not read)
-    "galore_adafactor": {
-        "name": "galore_adafactor", "lr": 0.01, "weight_decay": 0.0, "beta1": 0.9,
-        "beta2": 0.999, "eps": 1e-08, "target_modules": ["attn", "mlp"], "per_layer": False,
-        "max_grad_norm": 0.0, "warmup_steps": 0, "warmup_ratio": 0.1, "min_lr_ratio": 0.1,
-        "capture": False, "adamw_kernel": "auto",
-        "options": {"rank": 32, "update_proj_gap": 50, "scale": 0.25, "eps": [1e-30, 0.001],
-                    "beta1": 0.9},
-        "fixed": {},
-    },
+    "galore_adafactor": {"name": "galore_adafactor", "lr": 0.01, "weight_decay": 0.0,
+                         "beta1": 0.9, "beta2": 0.999, "eps": 1e-08, **_REST,
+                         "options": {**_TINY_OPTIONS, "eps": [1e-30, 0.001], "beta1": 0.9}},
     # --optim.beta1 0.8
-    "adamw": {
-        "name": "adamw", "lr": 0.01, "weight_decay": 0.0, "beta1": 0.8, "beta2": 0.999,
-        "eps": 1e-08, "target_modules": ["attn", "mlp"], "per_layer": False,
-        "max_grad_norm": 0.0, "warmup_steps": 0, "warmup_ratio": 0.1, "min_lr_ratio": 0.1,
-        "capture": False, "adamw_kernel": "auto",
-        "options": {"rank": 32, "update_proj_gap": 50, "scale": 0.25}, "fixed": {},
-    },
+    "adamw": {"name": "adamw", "lr": 0.01, "weight_decay": 0.0, "beta1": 0.8, "beta2": 0.999,
+              "eps": 1e-08, **_REST, "options": _TINY_OPTIONS},
 }  # fmt: skip
 
 TINY = ["--config", "tiny"]
