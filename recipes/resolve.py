@@ -129,8 +129,9 @@ def join_betas(name: str, raw: Mapping[str, Any]) -> dict[str, Any]:
     halves of ``betas``, the other half at its default, for optimizer ``name`` where it has
     no option of that name; ``ValueError`` naming the key for a value that is no beta, or
     when ``betas`` is given too."""
-    pair = declarations(name)["betas"]
-    halves = {k: raw[k] for k in BETA_HALVES if k in raw and k not in declarations(name)}
+    options = declarations(name)
+    pair = options["betas"]
+    halves = {k: raw[k] for k in BETA_HALVES if k in raw and k not in options}
     if not halves:
         return dict(raw)
     if "betas" in raw:
