@@ -87,7 +87,8 @@ def parse_options(name: str, raw: dict[str, Any]) -> dict[str, Any]:
 def option_lines() -> list[str]:
     """One usage line per option of every galore2 optimizer (for ``--help``)."""
     ours = ", ".join(f"{k}={v!r}" for k, v in RECIPE_DEFAULTS.items())
-    lines = [f"  the recipe's own defaults (where an optimizer projects): {ours}"]
+    where = "over those below; rank where an optimizer projects"
+    lines = [f"  the recipe's own defaults ({where}): {ours}"]
     for name in PRESETS:
         options = declarations(name).values()
         lines.append(f"  {name}: " + ", ".join(f"{o.name}={o.default!r}" for o in options))
