@@ -114,7 +114,7 @@ def _apollo_keys(rank: int | None, scale_type: str, scale: float) -> Keys:
 
 
 def _adam_kwargs(cfg: OptimConfig) -> dict[str, Any]:
-    return {"betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
+    return {"betas": setting(cfg, "betas"), "eps": setting(cfg, "eps")}
 
 
 def _quiet_adam_kwargs(cfg: OptimConfig) -> dict[str, Any]:

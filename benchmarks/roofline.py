@@ -172,7 +172,7 @@ def galore2_maker(name: str, optim: OptimConfig, **options: Any) -> Callable[[nn
 def fused_adamw_maker(optim: OptimConfig) -> Callable[[nn.Module], Any]:
     """``torch.optim.AdamW(fused=True)`` on the recipe's split (decay on ≥2-D weights)."""
     return lambda model: torch.optim.AdamW(
-        optimizers.param_groups(model, optim, False), lr=optim.lr, fused=True
+        optimizers.param_groups(model, optim, False), lr=optimizers.setting(optim, "lr"), fused=True
     )
 
 

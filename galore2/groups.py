@@ -1,5 +1,6 @@
 """``param_groups``: split a model's parameters into a GaLore group and a plain group
-(:func:`select`: which parameters are projected, for callers that build their own groups)."""
+(:func:`select`: which parameters are projected, for callers that build their own groups;
+:func:`default_rank`: their rank when GaLore is asked for without one)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ from torch import nn
 
 from .presets import PRESETS
 
-__all__ = ["is_linear", "param_groups", "select"]
+__all__ = ["DEFAULT_RANK", "default_rank", "is_linear", "param_groups", "select"]
+
+#: The rank of a projected group when GaLore is asked for without one (the Hugging Face
+#: Trainer's ``optim="galore_adamw"``, :mod:`galore2.integrations.transformers`, the
+#: recipe's ``--optimizer galore_adamw``). GaLore's ``rank`` option itself defaults to
+#: None (nothing projected), as ``torch.optim.AdamW``; a preset with its own
+#: ``projected_rank`` (APOLLOMini: 1) uses that: :func:`default_rank`.
+DEFAULT_RANK = 128
 
 _OUTPUT_HEADS = ("lm_head", "output", "classifier", "score", "head")
 
@@ -28,6 +36,14 @@ def is_linear(module: nn.Module) -> bool:
         return True
     conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
     return conv1d is not None and isinstance(module, conv1d)
+
+
+def default_rank(optimizer_cls: type) -> int:
+    """The projected groups' rank when none is given: ``optimizer_cls``'s own
+    ``projected_rank`` (APOLLOMini: 1, its definition) if it has one, else
+    :data:`DEFAULT_RANK`."""
+    rank = getattr(optimizer_cls, "projected_rank", None)
+    return DEFAULT_RANK if rank is None else rank
 
 
 def _output_head_names(model: nn.Module) -> set[str]:

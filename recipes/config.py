@@ -80,24 +80,21 @@ class DataConfig:
 class OptimConfig:
     """Optimizer (by name, see recipes.optimizers) and LR schedule.
 
-    The fields below are the recipe's own and the torch.optim arguments every contender
-    takes (torch's AdamW, bitsandbytes', peers from other packages). Every option of a
-    galore2 optimizer — GaLore's ``rank``, ``update_proj_gap``, ``scale``, ``proj_type``
-    too — is set as ``--optim.KEY VALUE`` (or ``KEY = VALUE`` under ``[optim]``): it lands
-    in ``options``, is parsed and validated (:func:`recipes.resolve.resolve`) by the
-    option's own declaration (``galore2.<Optimizer>.all_options()``) and goes to the
-    optimizer unchanged, so every option of the chosen optimizer is settable and an
-    unknown key is an error naming the allowed ones. The recipe's defaults for options
-    are :data:`recipes.optimizers.RECIPE_DEFAULTS` (rank 128) and, for the optimizers that
-    warm up and down themselves, ``num_iterations`` = ``train.steps``.
+    The fields below are the recipe's own. Every optimizer setting — torch.optim's ``lr``
+    and ``weight_decay``, Adam's ``betas`` and ``eps``, GaLore's ``rank``,
+    ``update_proj_gap``, ``scale``, ``proj_type``, every option of a galore2 optimizer —
+    is set as ``--optim.KEY VALUE`` (or ``KEY = VALUE`` under ``[optim]``): it lands in
+    ``options``, is parsed and validated (:func:`recipes.resolve.resolve`) by galore2's
+    declaration of it (``galore2.<Optimizer>.all_options()``;
+    :func:`recipes.optimizers.declarations`) and goes to the optimizer unchanged, so every
+    option of the chosen optimizer is settable and an unknown key is an error naming the
+    allowed ones. Unset, an option is at the recipe's default
+    (:data:`recipes.optimizers.RECIPE_DEFAULTS`: projected rank, no weight decay) or
+    galore2's; for the optimizers that warm up and down themselves ``num_iterations`` =
+    ``train.steps``. The value in force: :func:`recipes.optimizers.setting`.
     """
 
     name: str = "galore_adamw"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
     target_modules: list[str] = field(default_factory=lambda: ["attn", "mlp"])
     per_layer: bool = False  # update each parameter inside backward (frees its gradient)
     max_grad_norm: float = 0.0  # 0: no clipping (per_layer refuses clipping)
@@ -111,8 +108,8 @@ class OptimConfig:
     # --optimizer adamw: torch's kernel, auto = fused on CUDA (what users run), foreach
     # elsewhere; or fused / foreach
     adamw_kernel: str = "auto"
-    # every option of the galore2 optimizer, by name (--optim.rank 32, --optim.projector
-    # power, ...), as given and parsed (GaLore's shared settings for every contender)
+    # every optimizer setting, by its option's name (--optim.lr 0.01, --optim.rank 32,
+    # --optim.projector power, ...), as given and parsed
     options: dict[str, Any] = field(default_factory=dict)
     # set by recipes.resolve, not by a setting: the options the preset fixes (APOLLO's α,
     # APOLLO-Mini's rank 1), already in ``options``; recorded so the run can say so

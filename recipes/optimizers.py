@@ -30,10 +30,13 @@ are projected (GaLore's recipe: attention and MLP matrices; embeddings and the o
 head stay full rank). GaLore's options (``--optim.residual fira``,
 ``--optim.scale_type channel``...) apply to any of them.
 
-Every option of a galore2 optimizer is its own declaration's: ``--optim.rank 32`` is
-parsed by GaLore's ``rank`` option and goes to the projected group as given
-(:func:`galore_settings`; the recipe's one default of its own, rank 128, is
-:data:`RECIPE_DEFAULTS`). A preset may fix options that define it (:func:`preset_fields`):
+Every option is its galore2 declaration's: ``--optim.rank 32`` is parsed by GaLore's
+``rank`` option and goes to the projected group as given (:func:`galore_settings`);
+``--optim.lr``, ``--optim.weight_decay``, ``--optim.betas`` and ``--optim.eps`` by
+galore2's ``lr``, ``weight_decay`` and Adam's ``betas`` / ``eps``, for every optimizer
+(:data:`EVERY`, :func:`declarations`). The recipe's defaults of its own (projected rank
+and no weight decay) are :data:`RECIPE_DEFAULTS`; :func:`setting` is the value in force.
+A preset may fix options that define it (:func:`preset_fields`):
 APOLLO's and APOLLO-Mini's α (``optim.scale``: 1 and √128, their ``preset_defaults``) and
 APOLLO-Mini's rank 1 (``APOLLOMini.projected_rank``). The recipe uses those values instead
 of the config file's ``optim.scale`` / ``optim.rank``, writes them into the run's
@@ -64,10 +67,15 @@ import torch
 from torch import nn
 
 import galore2
+from galore2.core.modules import WEIGHT_DECAY
 from galore2.core.optimizer import ChainOptimizer
+from galore2.core.options import Option
+from galore2.core.step import LR
 from galore2.core.transform import walk
+from galore2.groups import DEFAULT_RANK
 from galore2.optim import GaLore
 from galore2.optim.adam import BETAS, EPS
+from galore2.optim.schedules import NUM_ITERATIONS
 from galore2.presets import PRESETS
 
 from .config import OptimConfig
@@ -102,20 +110,44 @@ _GALORE2 = {name: (cls.__name__, _projects(cls)) for name, cls in PRESETS.items(
 #: optimizer (those that do not project ignore them); peers read them (:func:`setting`).
 #: Names only: the options are GaLore's declarations.
 SHARED = ("rank", "update_proj_gap", "scale", "proj_type")
-#: the recipe's own defaults for galore2 options, where galore2's differ: a recipe run
-#: projects at rank 128 unless told otherwise (galore2's rank defaults to None: nothing
-#: projected). The one place the recipe sets an option it was not given.
-RECIPE_DEFAULTS: Mapping[str, Any] = types.MappingProxyType({"rank": 128})
-#: galore2 options the recipe sets from its own fields (OptimConfig), not from ``options``
-FROM_FIELDS = ("lr", "weight_decay")
+_SHARED_OPTIONS = tuple(o for o in GaLore.options if o.name in SHARED)
+#: torch.optim's settings every contender takes (galore2's, torch's AdamW, bitsandbytes',
+#: the peers), by galore2's declarations: ``lr``, ``weight_decay``, Adam's ``betas``, ``eps``
+COMMON = (LR, WEIGHT_DECAY, BETAS, EPS)
+#: the options any recipe optimizer may be given: :data:`COMMON`, GaLore's :data:`SHARED`
+#: settings and the schedule length of those that warm up and down themselves (Ranger21's
+#: ``num_iterations``; a peer's too; default: ``train.steps``). A config file sets them for
+#: every contender; one that does not read one ignores it. An optimizer's own option of the
+#: same name replaces it (GaLoreAdafactor's pair ``eps``): :func:`declarations`.
+EVERY: Mapping[str, Option] = types.MappingProxyType(
+    {o.name: o for o in (*COMMON, *_SHARED_OPTIONS, NUM_ITERATIONS)}
+)
+#: the recipe's own defaults for options, where galore2's differ; the one place the recipe
+#: sets an option it was not given:
+#: - ``rank``: a recipe run projects (galore2's ``rank`` defaults to None: nothing projected),
+#:   at the rank galore2's integrations use when GaLore is asked for without one;
+#: - ``weight_decay`` 0: GaLore's pre-training setup decays no weight, for every contender
+#:   (constructed directly, the AdamW-family presets default to torch.optim.AdamW's 1e-2,
+#:   Ranger21 to 1e-4).
+RECIPE_DEFAULTS: Mapping[str, Any] = types.MappingProxyType(
+    {"rank": DEFAULT_RANK, "weight_decay": 0.0}
+)
 NAMES = ("adamw", "adamw8bit", *_GALORE2)
-_GALORE_OPTIONS = {o.name: o for o in GaLore.options}
 _OWN_SCHEDULE = ("ranger21", "galore_ranger21")
 
 
 def own_schedule(name: str, peers: Mapping[str, Peer] = NO_PEERS) -> bool:
     """Whether optimizer ``name`` carries its own warmup / warmdown (Ranger21's)."""
     return name in _OWN_SCHEDULE or (name in peers and peers[name].own_schedule)
+
+
+def declarations(name: str) -> dict[str, Option]:
+    """The options ``--optim.KEY`` may set for recipe optimizer ``name``: :data:`EVERY`,
+    each replaced by ``name``'s own option of that name, and every option of a galore2
+    optimizer."""
+    cls = PRESETS.get(name)
+    own = {} if cls is None else cls.all_options()
+    return {k: own.get(k, o) for k, o in EVERY.items()} | own
 
 
 def _split_decay(params: list[nn.Parameter], settings: dict[str, Any], wd: float) -> list[dict]:
@@ -134,9 +166,9 @@ def param_groups(
     """Groups for ``cfg``: the projected group (if ``projected``: the weights
     ``optim.target_modules`` selects, :func:`galore2.groups.select`, with ``keys`` —
     default :func:`galore_settings`), then decayed / undecayed plain params."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    params, wd = [p for p in model.parameters() if p.requires_grad], setting(cfg, "weight_decay")
     if not projected:
-        return _split_decay(params, {}, cfg.weight_decay)
+        return _split_decay(params, {}, wd)
     keys = galore_settings(cfg) if keys is None else keys
     if keys.get("rank") is None:
         raise ValueError(f"optim.rank must be an int >= 1: {cfg.name} projects; got None")
@@ -147,8 +179,8 @@ def param_groups(
             f"with a weight to project ({cfg.name} projects the weights of the modules whose "
             "name contains an entry): e.g. --optim.target_modules attn,mlp (the default)"
         )
-    projected_group = {"params": chosen, "weight_decay": cfg.weight_decay, **keys}
-    return [projected_group, *_split_decay(plain, {}, cfg.weight_decay)]
+    projected_group = {"params": chosen, "weight_decay": wd, **keys}
+    return [projected_group, *_split_decay(plain, {}, wd)]
 
 
 def projects(name: str, peers: Mapping[str, Peer] = NO_PEERS) -> bool:
@@ -177,57 +209,31 @@ def preset_fields(name: str) -> dict[str, Any]:
 def galore_settings(cfg: OptimConfig) -> dict[str, Any]:
     """The projected group's GaLore options as the recipe passes them: ``optim.options``'
     GaLore options (parsed, preset-fixed ones included: :func:`recipes.resolve.resolve`)
-    over :data:`RECIPE_DEFAULTS`."""
+    over :data:`RECIPE_DEFAULTS`'."""
     names = {o.name for o in GaLore.options}
-    return {**RECIPE_DEFAULTS, **{k: v for k, v in cfg.options.items() if k in names}}
+    return {k: v for k, v in {**RECIPE_DEFAULTS, **cfg.options}.items() if k in names}
 
 
 def setting(cfg: OptimConfig, key: str) -> Any:
-    """The value in force of GaLore option ``key`` for ``cfg`` (given, the recipe's default,
-    or the declared default of ``cfg.name``'s optimizer — GaLore's for any other): for
-    labels, reports and peers."""
-    given = galore_settings(cfg)
-    if key in given:
-        return given[key]
-    cls = PRESETS.get(cfg.name)
-    declared = cls.declared_options() if cls is not None else {}
-    return (declared.get(key) or _GALORE_OPTIONS[key]).default
+    """The value in force of option ``key`` for ``cfg``: given (``optim.options``, parsed),
+    else the recipe's default (:data:`RECIPE_DEFAULTS`), else the declared default of
+    ``cfg.name``'s optimizer (:func:`declarations`: :data:`EVERY`'s for any other)."""
+    if key in cfg.options:
+        return cfg.options[key]
+    if key in RECIPE_DEFAULTS:
+        return RECIPE_DEFAULTS[key]
+    return declarations(cfg.name)[key].default
 
 
 def galore2_options(cfg: OptimConfig) -> dict[str, tuple[Any, bool]]:
     """Option name → (the value the recipe gives galore2 optimizer ``cfg.name``, whether a run
     may change it on resume: its declaration's ``resumable``); ``{}`` for other optimizers.
-    Unset options count at their defaults (the recipe's where it has one, GaLore's only where
-    the recipe projects). ``cfg.options`` are parsed (:func:`recipes.resolve.parse_options`)."""
+    Unset options count at the values in force (:func:`setting`). ``cfg.options`` are parsed
+    (:func:`recipes.resolve.parse_options`)."""
     cls = PRESETS.get(cfg.name)
     if cls is None:
         return {}
-    options = cls.all_options()
-    values = {name: o.default for name, o in options.items()}
-    if _GALORE2[cfg.name][1]:
-        values.update(RECIPE_DEFAULTS)
-    values.update({k: v for k, v in cfg.options.items() if k in options})
-    return {name: (value, options[name].resumable) for name, value in values.items()}
-
-
-#: [optim] fields that are Adam's (beta1, beta2, eps): for an optimizer whose option of
-#: that name is not Adam's (GaLoreAdafactor's eps pair and beta1), ``--optim.KEY`` sets the
-#: optimizer's own option instead
-_ADAM_FIELDS = ("beta1", "beta2", "eps")
-
-
-def _adam_form(cls: type) -> bool:
-    declared = cls.declared_options()
-    return declared.get("betas") is BETAS and declared.get("eps") is EPS
-
-
-def is_own_option(name: str, key: str) -> bool:
-    """Whether ``--optim.KEY`` sets an option of galore2 optimizer ``name`` that shadows an
-    [optim] field of the same name (Adam's fields, for a rule that is not Adam's)."""
-    cls = PRESETS.get(name)
-    if cls is None or key not in cls.all_options():
-        return False
-    return key in _ADAM_FIELDS and not _adam_form(cls)
+    return {name: (setting(cfg, name), o.resumable) for name, o in cls.all_options().items()}
 
 
 def _galore_only(cls: type) -> set[str]:
@@ -343,7 +349,8 @@ def build_optimizer(
         peer = "" if peers else " (other packages' optimizers: python -m benchmarks.pretrain)"
         raise ValueError(f"optim.name must be one of {names}; got {cfg.name!r}{peer}")
     cls = _resolve(cfg.name, peers)
-    kwargs: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    common = {o.name: setting(cfg, o.name) for o in COMMON}  # lr, weight_decay, betas, eps
+    kwargs: dict[str, Any] = {"lr": common["lr"], "weight_decay": common["weight_decay"]}
     if cfg.name in peers:
         peer = peers[cfg.name]
         keys = peer.group_keys(cfg) if peer.projected else None
@@ -351,21 +358,21 @@ def build_optimizer(
         kwargs.update(peer.kwargs(cfg))
     elif cfg.name in PRESETS:
         groups = param_groups(model, cfg, _GALORE2[cfg.name][1])
-        if _adam_form(cls):
-            kwargs.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        galore_only, declared = _galore_only(cls), cls.all_options()
+        # the common settings it declares (not GaLoreAdafactor's betas; its own pair eps)
+        kwargs.update({k: v for k, v in common.items() if k in declared})
         if cfg.name == "galore_adafactor":
             # An explicit lr, as the recipe gives galore-torch's GaLoreAdafactor: no 1/√t
             # cap and no RMS(θ) factor (that factor alone divides the step by ~50 here).
             kwargs.update(relative_step=False, scale_parameter=False)
         # every other option set with --optim.KEY, as given (GaLore's own went on the
         # projected group; shared settings the optimizer does not declare are not its)
-        galore_only, declared = _galore_only(cls), cls.all_options()
         kwargs.update(
             {k: v for k, v in cfg.options.items() if k in declared and k not in galore_only}
         )
     else:
         groups = param_groups(model, cfg, False)
-        kwargs.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        kwargs.update(common)
         if cfg.name == "adamw":
             device = next(model.parameters()).device
             kwargs.update(adamw_kernel(cfg, device))

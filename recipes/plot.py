@@ -94,7 +94,7 @@ def run_title(job: JobConfig, n_params: int, world: int = 1, projected: bool = F
     the optimizer ``projected``)."""
     m, o, t = job.model, job.optim, job.train
     size = f"{n_params / 1e6:.1f}M" if n_params < 1e9 else f"{n_params / 1e9:.2f}B"
-    settings = [f"lr {o.lr:g}"]
+    settings = [f"lr {setting(o, 'lr'):g}"]
     if projected:
         rank, gap, scale = (setting(o, k) for k in ("rank", "update_proj_gap", "scale"))
         settings.append(f"rank {rank}, gap {gap}, α {scale:g}")

@@ -109,7 +109,7 @@ def _run(
     # peers keep Python objects in their state, which weights-only checkpoints refuse
     checkpoints = t.checkpoint_every >= 0 and o.name not in peers
     stop = min(t.stop_after, t.steps) if t.stop_after > 0 else t.steps
-    causes = likely_causes(o.lr, optimizers.setting(o, "scale"))
+    causes = likely_causes(optimizers.setting(o, "lr"), optimizers.setting(o, "scale"))
     watch = SkipWatch(opt, t.max_skip_steps, rank=rank, world=world, device=device,
                       causes=causes, start_step=start)  # fmt: skip
     halt = None  # why the run stops early (the same on every rank; decided at log steps)

@@ -6,9 +6,10 @@
 [optim]'s settings as given. :func:`resolve` then, once, with the chosen optimizer
 (``optim.name``) known:
 
-1. routes each [optim] setting: an [optim] field (parsed by its type), or an option of the
-   galore2 optimizer (Adafactor's ``eps`` pair and ``beta1`` are its own options, not
-   Adam's fields: :func:`recipes.optimizers.is_own_option`);
+1. routes each [optim] setting: an [optim] field of the recipe's own (parsed by its type),
+   or an option (``lr``, ``weight_decay``, ``betas``, ``eps``, ``rank``... every option of
+   the optimizer: :func:`recipes.optimizers.declarations`; ``beta1`` / ``beta2``, the
+   halves of ``betas`` an earlier release took, are still read: :func:`join_betas`);
 2. parses and validates the options by their declarations (:func:`parse_options`:
    galore2's, the only ones; an unknown key is an error naming the allowed ones);
    everything downstream takes ``optim.options`` as parsed and passes them on unchanged;
@@ -18,50 +19,46 @@
    would not be used;
 4. checks ``optim.adamw_kernel`` and ``optim.capture`` (which sets ``capturable=True``:
    :func:`recipes.optimizers.check_kernel_and_capture`).
+
+:func:`recorded` reads a recorded [optim] section (a run's config.json) of any release in
+today's layout, for a resume to compare.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from galore2.core.options import Option
-from galore2.optim import GaLore
-from galore2.optim.schedules import NUM_ITERATIONS
+from galore2.optim.adam import EPS
 from galore2.presets import PRESETS
 
 from . import config
 from .config import JobConfig, OptimConfig
 from .optimizers import (
-    FROM_FIELDS,
+    EVERY,
     RECIPE_DEFAULTS,
-    SHARED,
     check_kernel_and_capture,
-    is_own_option,
+    declarations,
     preset_fields,
 )
 
-__all__ = ["declarations", "optim_config", "parse_args", "parse_options", "resolve"]
+__all__ = [
+    "declarations",
+    "join_betas",
+    "optim_config",
+    "parse_args",
+    "parse_options",
+    "recorded",
+    "resolve",
+]
 
-#: the options any recipe optimizer may be given, by their galore2 declarations: GaLore's
-#: :data:`recipes.optimizers.SHARED` settings and the schedule length of those that warm
-#: up and down themselves (Ranger21's ``num_iterations``; a peer's too; default:
-#: ``train.steps``)
-_ANY_OPTIMIZER: dict[str, Option] = {
-    **{o.name: o for o in GaLore.options if o.name in SHARED},
-    NUM_ITERATIONS.name: NUM_ITERATIONS,
-}
-
-
-def declarations(name: str) -> dict[str, Option]:
-    """The options ``--optim.KEY`` may set for recipe optimizer ``name``: GaLore's
-    :data:`~recipes.optimizers.SHARED` settings and ``num_iterations`` for every optimizer (a config file sets
-    them for all contenders; those that do not read them ignore them), and every option of
-    a galore2 optimizer but those set from [optim]'s fields."""
-    cls = PRESETS.get(name)
-    own = {} if cls is None else cls.all_options()
-    shared = {k: own.get(k, o) for k, o in _ANY_OPTIMIZER.items()}
-    return shared | {k: o for k, o in own.items() if k not in FROM_FIELDS}
+#: how [optim] spelled the halves of Adam's ``betas`` before it was an option
+#: (``--optim.beta1 0.9 --optim.beta2 0.95``, fields until 2026-11-28): still read, for an
+#: optimizer without an option of that name (GaLoreAdafactor's ``beta1`` is its own)
+BETA_HALVES = ("beta1", "beta2")
+#: the [optim] fields: every other key of a section is an option
+FIELDS = frozenset(f.name for f in dataclasses.fields(OptimConfig))
 
 
 def parse_options(name: str, raw: dict[str, Any]) -> dict[str, Any]:
@@ -76,12 +73,11 @@ def parse_options(name: str, raw: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(
                 f"unknown setting 'optim.{key}' for optimizer {name!r}: only galore2 "
                 f"optimizers ({', '.join(PRESETS)}) take options beyond [optim]'s fields "
-                f"and {', '.join(_ANY_OPTIMIZER)}"
+                f"and {', '.join(EVERY)}"
             )
         if option is None:
-            why = "set with its [optim] field" if key in FROM_FIELDS else "unknown setting"
             raise ValueError(
-                f"{why} 'optim.{key}' for optimizer {name}; its options: "
+                f"unknown setting 'optim.{key}' for optimizer {name}; its options: "
                 f"{', '.join(sorted(options))}"
             )
         out[key] = option.parse(value) if isinstance(value, str) else option.validate(value)
@@ -91,7 +87,8 @@ def parse_options(name: str, raw: dict[str, Any]) -> dict[str, Any]:
 def option_lines() -> list[str]:
     """One usage line per option of every galore2 optimizer (for ``--help``)."""
     ours = ", ".join(f"{k}={v!r}" for k, v in RECIPE_DEFAULTS.items())
-    lines = [f"  the recipe's own defaults (where an optimizer projects): {ours}"]
+    where = "over those below; rank where an optimizer projects"
+    lines = [f"  the recipe's own defaults ({where}): {ours}"]
     for name in PRESETS:
         options = declarations(name).values()
         lines.append(f"  {name}: " + ", ".join(f"{o.name}={o.default!r}" for o in options))
@@ -109,11 +106,11 @@ def optim_config(settings: Mapping[str, Any], cli: Collection[str] = ()) -> Opti
     fields = config.field_names(cfg)
     options = {}
     for key, value in raw.items():
-        if key in fields and not is_own_option(cfg.name, key):
+        if key in fields:
             config.set_field(cfg, key, value, f"optim.{key}")
         else:  # an option of the chosen optimizer
             options[key] = value
-    cfg.options = parse_options(cfg.name, options)
+    cfg.options = parse_options(cfg.name, join_betas(cfg.name, options))
     cfg.fixed = preset_fields(cfg.name)
     refused = {k: v for k, v in cfg.fixed.items() if k in cli}
     if refused:  # a value the user chose would not be used: refuse instead of ignoring it
@@ -126,6 +123,50 @@ def optim_config(settings: Mapping[str, Any], cli: Collection[str] = ()) -> Opti
     cfg.options.update(cfg.fixed)  # the run's recorded configuration is the one in force
     check_kernel_and_capture(cfg)
     return cfg
+
+
+def join_betas(name: str, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """``raw`` (options as given) with ``beta1`` / ``beta2`` (:data:`BETA_HALVES`) as the
+    halves of ``betas``, the other half at its default, for optimizer ``name`` where it has
+    no option of that name; ``ValueError`` naming the key for a value that is no beta, or
+    when ``betas`` is given too."""
+    options = declarations(name)
+    pair = options["betas"]
+    halves = {k: raw[k] for k in BETA_HALVES if k in raw and k not in options}
+    if not halves:
+        return dict(raw)
+    if "betas" in raw:
+        raise ValueError(
+            f"optim.betas and optim.{'/'.join(halves)} set the same option: give "
+            "optim.betas only (e.g. --optim.betas 0.9,0.95)"
+        )
+    values = list(pair.default)
+    for i, (key, check) in enumerate(zip(BETA_HALVES, (pair.check.first, pair.check.second))):
+        if key in halves:
+            text = halves[key]
+            try:
+                values[i] = check(check.parse(text) if isinstance(text, str) else text)
+            except (TypeError, ValueError):
+                raise ValueError(f"optim.{key} must be {check.describe}, got {text!r}") from None
+    return {**{k: v for k, v in raw.items() if k not in halves}, "betas": tuple(values)}
+
+
+def recorded(section: Mapping[str, Any]) -> dict[str, Any]:
+    """A recorded [optim] section (a run's config.json, a checkpoint's record) in today's
+    layout: the options an earlier release kept as fields (GaLore's ``rank``,
+    ``update_proj_gap``, ``scale``, ``proj_type``; ``lr``, ``weight_decay``; Adam's ``eps``,
+    and its ``beta1`` / ``beta2`` as ``betas``) moved into ``options``. A key no option of
+    the optimizer declares stays where it is (a field of another release)."""
+    out = dict(section)
+    options = declarations(out.get("name", OptimConfig.name))
+    if options["eps"] is not EPS:  # the field was Adam's eps, which this optimizer does not
+        out.pop("eps", None)  # read (GaLoreAdafactor: its own eps is in ``options``)
+    halves = {i: out.pop(k) for i, k in enumerate(BETA_HALVES) if k in out}  # Adam's too
+    moved = {k: out.pop(k) for k in list(out) if k not in FIELDS and k in options}
+    if halves:
+        moved["betas"] = [halves.get(i, v) for i, v in enumerate(options["betas"].default)]
+    out["options"] = {**moved, **(section.get("options") or {})}
+    return out
 
 
 def resolve(args: config.Args) -> JobConfig:

@@ -29,7 +29,6 @@ Checked before the model is built, so a wrong setting costs seconds, not a train
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import sys
@@ -53,8 +52,8 @@ from galore2.checkpoint.runs import writer_lock
 
 from . import checkpoint
 from .config import JobConfig, OptimConfig
-from .optimizers import galore2_options
-from .resolve import parse_options
+from .optimizers import declarations, galore2_options, setting
+from .resolve import FIELDS, parse_options, recorded
 
 #: what a run leaves in its out dir
 RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json", "summary.json")
@@ -93,14 +92,12 @@ def _flat(config: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
 
 
 def _option_diffs(old: dict[str, Any], new: OptimConfig) -> dict[str, tuple[Any, Any]]:
-    """``optim.NAME`` → (old, new) for galore2 options declared not resumable that differ."""
-    fields = {f.name for f in dataclasses.fields(OptimConfig)}
-    # an [optim] key that is no field is an option an earlier release kept as a field (rank)
-    options = {k: v for k, v in old.items() if k not in fields} | (old.get("options") or {})
+    """``optim.NAME`` → (old, new) for galore2 options declared not resumable that differ
+    (``old``: a recorded [optim] section in today's layout, :func:`recipes.resolve.recorded`)."""
     try:
-        recorded = OptimConfig(**{k: v for k, v in old.items() if k in fields})
-        recorded.options = parse_options(recorded.name, options)  # as recorded (JSON)
-        before = galore2_options(recorded)
+        before_cfg = OptimConfig(**{k: v for k, v in old.items() if k in FIELDS})
+        before_cfg.options = parse_options(before_cfg.name, old["options"])  # as recorded (JSON)
+        before = galore2_options(before_cfg)
     except (TypeError, ValueError):  # a configuration of another release: no option check
         return {}
     if old.get("name") != new.name:
@@ -128,11 +125,13 @@ def compare(
     """(changes a resumed run may apply, changes it must refuse) between the recorded
     configuration ``old`` (written at world size ``worlds[0]``) and ``job`` (run at
     ``worlds[1]``), each as ``{key: (old value, new value)}``."""
+    old = {**old, "optim": recorded(old.get("optim", {}))}  # of any release: today's layout
     a, opt_a = _flat(old)
     b, opt_b = _flat(jsonable(job.to_dict()))
-    defaults = galore2_options(OptimConfig(name=job.optim.name))
-    for key in opt_a | opt_b:  # an unset option is at its declared default
-        default = defaults.get(_option_key(key)[6:], (None,))[0]
+    unset, declared = OptimConfig(name=job.optim.name), declarations(job.optim.name)
+    for key in opt_a | opt_b:  # an unset option is at its value in force (the recipe's default
+        name = _option_key(key)[6:]  # or the declared one)
+        default = setting(unset, name) if name in declared else None
         a.setdefault(key, jsonable(default))
         b.setdefault(key, jsonable(default))
     diffs = {}
@@ -142,7 +141,7 @@ def compare(
             continue  # a field only one release has
         if a.get(key) != b.get(key):
             diffs[key] = (a.get(key), b.get(key))
-    refused = {**_option_diffs(old.get("optim", {}), job.optim), **_batch(old, job, worlds)}
+    refused = {**_option_diffs(old["optim"], job.optim), **_batch(old, job, worlds)}
     for key, values in diffs.items():
         if key in FIXED or (key.split(".")[0] in ("model", "data") and key not in EXECUTION):
             refused[key] = values

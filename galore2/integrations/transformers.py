@@ -34,16 +34,13 @@ from transformers.trainer_utils import check_target_module_exists
 from ..core.optimizer import ChainOptimizer
 from ..core.options import Option, closest, hints
 from ..core.transform import walk
-from ..groups import _output_head_names, is_linear, param_groups
+# default_rank: the rank used when neither ``galore_settings`` nor ``args.optim_args`` sets one
+from ..groups import _output_head_names, default_rank, is_linear, param_groups
 from ..optim.adam import BETAS
 from ..optim.galore import GaLore
 from ..presets import PRESETS
 from ..presets.adamw import GaLoreAdamW
 
-#: The rank used when neither ``galore_settings`` nor ``args.optim_args`` sets one
-#: (the default of the Trainer's own ``optim="galore_adamw"``), unless the optimizer
-#: class has its own (``projected_rank``: APOLLOMini's 1), see :func:`default_rank`.
-DEFAULT_RANK = 128
 #: Not an option of the optimizer: which modules are projected (replaces
 #: ``args.optim_target_modules``).
 TARGET_MODULES = "target_modules"
@@ -187,13 +184,6 @@ def target_module_names(model: nn.Module, target_modules: str | list[str] | None
     return names
 
 
-def default_rank(optimizer_cls: type = GaLoreAdamW) -> int:
-    """The projected groups' rank when none is given: the class's own ``projected_rank``
-    (APOLLOMini: 1, its definition) if it has one, else :data:`DEFAULT_RANK`."""
-    rank = getattr(optimizer_cls, "projected_rank", None)
-    return DEFAULT_RANK if rank is None else rank
-
-
 def _optimizer_class(optimizer_cls: type | str | None) -> type:
     """The galore2 optimizer class named by ``optimizer_cls`` (a class, or its name in
     :data:`galore2.presets.PRESETS`: ``"galore_adamw"``…; ``None``: GaLoreAdamW), else
@@ -312,7 +302,7 @@ def create_optimizer(
     ``nn.Linear`` but the output head, see :func:`target_module_names`) and ``optim_args`` (``"rank=128,update_proj_gap=200"``).
     ``galore_settings`` override both. Any option of the optimizer is accepted (the list:
     :func:`allowed_settings`, from the optimizer's own declarations): GaLore's options
-    (``rank`` — default 128, :func:`default_rank` —, ``update_proj_gap``, ``scale``,
+    (``rank`` — default :func:`~galore2.groups.default_rank` —, ``update_proj_gap``, ``scale``,
     ``projector``…) go on the projected groups; every other option (``state_dtype``,
     ``nonfinite``, the moment rule's, a preset's constructor switches) applies to the whole
     optimizer; ``target_modules`` replaces ``args.optim_target_modules``. Any other key raises
@@ -327,7 +317,7 @@ def create_optimizer(
     :class:`~galore2.GaLoreAdamW8bit`, :class:`~galore2.GaLoreAdafactor` — which gets no
     Adam betas / eps —, :class:`~galore2.GaLoreRanger21`, whose ``num_iterations`` defaults
     to ``args.max_steps``, :class:`~galore2.Fira`, :class:`~galore2.APOLLO`,
-    :class:`~galore2.APOLLOMini` — default rank 1, :func:`default_rank` —,
+    :class:`~galore2.APOLLOMini` — default rank 1, :func:`~galore2.groups.default_rank` —,
     :class:`~galore2.GaLoreMuon`); ``optimizer_kwargs`` go to its constructor.
     """
     return _build(

@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from ..core.transform import walk
-from ..groups import param_groups
+from ..groups import param_groups, select
 from ..optim.galore import GaLore
 from ..presets import PRESETS
 from .formulas import Footprint, decoder_layers
@@ -263,13 +263,13 @@ def _step_memory(
 
 def projected(model: nn.Module, target_modules: Any) -> int:
     """How many weights of ``model`` GaLore projects for ``target_modules``
-    (``galore2.param_groups``' choice: with ``"all-linear"``, the weights of ``nn.Linear``
-    and ``transformers``' ``Conv1D`` layers but the output head's); 0 means every GaLore row
-    is its optimizer at full rank."""
+    (:func:`galore2.groups.select`'s choice, ``galore2.param_groups``' too: with
+    ``"all-linear"``, the weights of ``nn.Linear`` and ``transformers``' ``Conv1D`` layers
+    but the output head's); 0 means every GaLore row is its optimizer at full rank."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no parameter was selected": the count says it
-        groups = param_groups(model, target_modules, rank=1)
-    return sum(len(g["params"]) for g in groups if "rank" in g)
+        chosen, _ = select(model, target_modules)
+    return len(chosen)
 
 
 def _choices(name: str, values: Sequence[Any], check) -> list[Any]:

@@ -17,7 +17,7 @@ import galore2
 from galore2.core.optimizer import PASSTHROUGH_KEYS
 from galore2.core.options import Option
 from galore2.presets import PRESETS
-from recipes.optimizers import FROM_FIELDS, build_optimizer, preset_fields
+from recipes.optimizers import build_optimizer, preset_fields
 from recipes.resolve import parse_args
 from tools import options_table
 
@@ -121,13 +121,9 @@ def test_every_option_is_settable_from_the_recipe_cli(name, key):
         with pytest.raises(ValueError, match=f"--optim.{key}"):
             parse_args(["--optimizer", name, f"--optim.{key}", _text(value)])
         return
-    if key in FROM_FIELDS:  # the recipe's shared fields own these
-        field = {"rank": "optim.rank"}.get(key, f"optim.{key}")
-        argv = ["--optimizer", name, f"--{field}", _text(value)]
-    else:
-        argv = ["--optimizer", name, f"--optim.{key}", _text(value)]
-        for k, v in COMPANIONS.get(key, {}).items():
-            argv += [f"--optim.{k}", _text(v)]
+    argv = ["--optimizer", name, f"--optim.{key}", _text(value)]
+    for k, v in COMPANIONS.get(key, {}).items():
+        argv += [f"--optim.{k}", _text(v)]
     cfg = parse_args(argv).optim
     opt = build_optimizer(Tiny(), cfg, total_steps=10)
     got = _value_in(opt, key)

@@ -64,7 +64,7 @@ def test_cli_overrides_and_shorthands(tmp_path):
          "--optim.lr=0.5", "--model.tie_embeddings", "true", "--optim.target_modules", "q_proj,v"]
     )  # fmt: skip
     assert job.optim.name == "adamw" and job.train.steps == 7 and job.train.out == str(tmp_path)
-    assert job.optim.lr == 0.5 and job.model.tie_embeddings is True
+    assert job.optim.options["lr"] == 0.5 and job.model.tie_embeddings is True
     assert job.optim.target_modules == ["q_proj", "v"]
     assert job.model.dim == 128  # from tiny.toml, not the dataclass default (512)
 
@@ -140,7 +140,7 @@ def test_galore_groups_project_attention_and_mlp_only():
     no_decay = [
         names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0 for p in g["params"]
     ]
-    cfg = OptimConfig(name="galore_adamw", weight_decay=0.1, options={"rank": 8})
+    cfg = OptimConfig(name="galore_adamw", options={"weight_decay": 0.1, "rank": 8})
     opt = optimizers.build_optimizer(model, cfg, 10)
     no_decay = {
         names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0 for p in g["params"]

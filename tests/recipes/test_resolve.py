@@ -24,28 +24,83 @@ def test_the_schema_keeps_optim_settings_as_given():
 
 
 def test_routing_follows_the_chosen_optimizer():
-    """``--optim.eps``/``--optim.beta1`` are Adam's fields for galore_adamw, GaLoreAdafactor's
-    own options (an eps pair) for galore_adafactor."""
-    adam = resolve.parse_args(["--optimizer", "galore_adamw", "--optim.eps", "1e-6"]).optim
-    assert adam.eps == 1e-6 and adam.options == {}
+    """``--optim.eps``/``--optim.beta1`` are Adam's ``eps`` and half of its ``betas`` for
+    galore_adamw, GaLoreAdafactor's own options (an eps pair) for galore_adafactor."""
+    adam = resolve.parse_args(["--optimizer", "galore_adamw", "--optim.eps", "1e-6",
+                               "--optim.beta1", "0.8"]).optim  # fmt: skip
+    assert adam.options == {"eps": 1e-6, "betas": (0.8, 0.999)}
     argv = ["--optimizer", "galore_adafactor", "--optim.eps", "1e-30,1e-3", "--optim.beta1", "0.9"]
     ada = resolve.parse_args(argv).optim
-    assert ada.eps == config.OptimConfig().eps  # the field is not Adafactor's eps
     assert ada.options == {"eps": (1e-30, 1e-3), "beta1": 0.9}
+    assert optimizers.setting(ada, "betas") == (0.9, 0.999)  # Adam's, which Adafactor ignores
 
 
-#: GaLore's settings in recipes/configs/tiny.toml's [optim]
-TINY_GALORE = {"rank": 32, "update_proj_gap": 50, "scale": 0.25}
+def test_lr_weight_decay_betas_eps_are_galore2_options_for_every_optimizer():
+    """One declaration each: galore2's ``lr``, ``weight_decay``, ``betas``, ``eps`` parse and
+    check ``--optim.KEY`` for every recipe optimizer (torch's AdamW too); unset, each is at
+    the recipe's default (weight decay 0) or the declared one."""
+    from galore2.core.modules import WEIGHT_DECAY
+    from galore2.core.step import LR
+    from galore2.optim.adam import BETAS, EPS
+
+    for name in optimizers.NAMES:
+        declared = optimizers.declarations(name)
+        assert declared["lr"] is LR and declared["weight_decay"] is WEIGHT_DECAY, name
+        assert declared["betas"] is BETAS, name  # GaLoreAdafactor ignores it, as a peer's
+        assert declared["eps"] is EPS or name == "galore_adafactor"  # its own pair
+        unset = config.OptimConfig(name=name)
+        assert optimizers.setting(unset, "weight_decay") == 0.0  # RECIPE_DEFAULTS
+        assert optimizers.setting(unset, "lr") == LR.default
+    job = resolve.parse_args(["--optimizer", "adamw", "--optim.betas", "0.9,0.95",
+                              "--optim.weight_decay", "0.1", "--optim.lr", "3e-4"])  # fmt: skip
+    assert job.optim.options == {"betas": (0.9, 0.95), "weight_decay": 0.1, "lr": 3e-4}
+    with pytest.raises(ValueError, match=r"weight_decay must be a finite float >= 0, got -1.0"):
+        resolve.parse_args(["--optimizer", "adamw", "--optim.weight_decay", "-1"])
+    with pytest.raises(ValueError, match=r"optim.beta2 must be a finite float in \[0, 1\)"):
+        resolve.parse_args(["--optim.beta2", "1.5"])
+    with pytest.raises(ValueError, match="optim.betas and optim.beta1 set the same option"):
+        resolve.parse_args(["--optim.betas", "0.9,0.95", "--optim.beta1", "0.8"])
+
+
+def test_every_optimizer_gets_the_settings_main_gave_it():
+    """``--config tiny --optimizer X`` builds X with the values main's [optim] fields gave
+    it (tiny.toml's lr 0.01 and weight decay 0; betas (0.9, 0.999), eps 1e-8), every other
+    key of its groups at galore2's default, GaLoreAdafactor's eps its own; given, each
+    setting reaches every group (weight decay: the ≥2-D weights')."""
+    for name in optimizers.NAMES:
+        if not optimizers.available(name):
+            continue
+        for given in ([], ["--optim.lr", "0.02", "--optim.weight_decay", "0.1",
+                           "--optim.beta2", "0.95", "--optim.eps", "1e-7"]):  # fmt: skip
+            if name == "galore_adafactor":
+                given = given[:-2]  # its eps is its own pair
+            job = resolve.parse_args(["--config", "tiny", "--optimizer", name, *given])
+            opt = optimizers.build_optimizer(build_model(job.model), job.optim, 10)
+            want = {"lr": 0.02, "wd": 0.1, "betas": (0.9, 0.95), "eps": 1e-7} if given else {
+                "lr": 0.01, "wd": 0.0, "betas": (0.9, 0.999), "eps": 1e-8}  # fmt: skip
+            for g in opt.param_groups:
+                assert g["lr"] == want["lr"] and g["weight_decay"] in (want["wd"], 0.0), name
+                if name == "galore_adafactor":
+                    assert g["eps"] == (None, 1e-3) and "betas" not in g
+                else:
+                    assert (g["betas"], g["eps"]) == (want["betas"], want["eps"]), name
+                if "rank" in g and g is opt.param_groups[0]:
+                    assert g["rank"] == (1 if name == "apollo_mini" else 32), name
+            assert max(g["weight_decay"] for g in opt.param_groups) == want["wd"], name
+
+
+#: the options in recipes/configs/tiny.toml's [optim]
+TINY_OPTIONS = {"lr": 0.01, "weight_decay": 0.0, "rank": 32, "update_proj_gap": 50, "scale": 0.25}
 
 
 def test_galore2_options_are_declared_by_galore2_only():
-    """No [optim] field shares a name with an option of a galore2 optimizer but torch.optim's
-    lr and weight_decay and Adam's beta1/beta2/eps fields (every contender takes them): rank,
-    update_proj_gap, scale, proj_type... are GaLore's declarations, reached as options."""
+    """No [optim] field shares a name with an option of a recipe optimizer: lr,
+    weight_decay, betas, eps, rank, update_proj_gap, scale, proj_type... are galore2's
+    declarations, reached as options."""
     fields = set(config.field_names(config.OptimConfig()))
-    options = {k for cls in optimizers.PRESETS.values() for k in cls.all_options()}
-    assert fields & options == {"lr", "weight_decay", "beta1", "eps"}  # beta1, eps: Adafactor's
-    assert not fields & {o.name for o in optimizers.GaLore.options}
+    options = {k for name in optimizers.NAMES for k in optimizers.declarations(name)}
+    assert not fields & options
+    assert not fields & set(resolve.BETA_HALVES)
 
 
 def test_rank_reaches_the_projected_group_as_given():
@@ -77,7 +132,7 @@ def test_options_are_parsed_once(monkeypatch):
     monkeypatch.setattr(resuming, "parse_options", counted)
     job = resolve.parse_args(["--config", "tiny", "--optim.projector", "power",
                               "--optim.basis_dtype", "bf16"])  # fmt: skip
-    given = {**TINY_GALORE, "projector": "power", "basis_dtype": "bf16"}
+    given = {**TINY_OPTIONS, "projector": "power", "basis_dtype": "bf16"}
     assert calls == [given]
     assert job.optim.options == given
     opt = optimizers.build_optimizer(build_model(job.model), job.optim, 10)

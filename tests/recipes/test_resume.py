@@ -81,7 +81,7 @@ def test_resume_applies_changed_settings_and_records_them(old_run, tmp_path, cap
     assert "at step 12; from step 13 on: optim.lr: 0.01 → 0.02" in said
     assert "optim.scale: 0.25 → 2.0" in said
     config = json.loads((out / "config.json").read_text())
-    assert config["optim"]["lr"] == 0.02  # the settings in force, and how they came to be
+    assert config["optim"]["options"]["lr"] == 0.02  # the settings in force, and how they came
     changes = {c["key"]: (c["step"], c["from"], c["to"]) for c in config["changes"]}
     assert changes == {
         "optim.lr": (12, 0.01, 0.02),
