@@ -10,6 +10,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # Automatic kernel selection still never picks Triton for CPU tensors (galore2.kernels.dispatch).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# README's command runs the suite on pytest-xdist workers, one per core: one torch thread each,
+# so that two workers' thread pools never fight over the cores (every test holds at any thread
+# count; processes a test starts choose their own).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

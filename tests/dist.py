@@ -9,6 +9,10 @@ Spawning
     and meets the others at a barrier before the group is destroyed: a rank that tears gloo
     down while its peers still talk to it otherwise dies now and then at exit (SIGABRT,
     "terminate called without an active exception") after the body has passed.
+    The ranks are kept between calls (importing torch and galore2 costs each fresh process
+    seconds of CPU; the suite spawns about fifty times): each call starts from the parent's
+    environment, the seed it started with and float32 as the default dtype, and a new process
+    group; any failure or timeout discards every kept rank.
 
 Building
     ``make_model()`` (7×10 left, 13×7 right, 5×13 left, biases plain), ``data(step)``,
@@ -24,11 +28,14 @@ Training and comparing
 
 from __future__ import annotations
 
+import atexit
 import copy
 import gc
 import os
+import queue
 import socket
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -36,7 +43,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch.multiprocessing.spawn import ProcessException
 
 import galore2
 
@@ -49,10 +55,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+def _run_rank(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
@@ -62,33 +66,112 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         dist.destroy_process_group()
 
 
+def _serve(rank: int, inbox: Any, outbox: Any) -> None:
+    """A pooled rank: run each task it is handed, as a fresh process would, and report."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    seed, environ = torch.initial_seed(), dict(os.environ)
+    while (task := inbox.get()) is not None:
+        world, port, env, fn, args = task
+        # what a fresh process starts from: the parent's environment, the seed torch drew at
+        # start, float32 as the default dtype
+        os.environ.clear()
+        os.environ.update({**environ, **env})
+        torch.manual_seed(seed)
+        torch.set_default_dtype(torch.float32)
+        try:
+            _run_rank(rank, world, port, fn, args)
+        except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
+            outbox.put((rank, traceback.format_exc()))
+            return  # a failed rank may leave gloo or globals broken: the pool is discarded
+        outbox.put((rank, None))
+
+
+class _Pool:
+    """Ranks kept alive between ``spawn`` calls (each import of torch and galore2 costs a
+    fresh process seconds of CPU); discarded on any failure or timeout."""
+
+    def __init__(self) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.outbox = self.ctx.Queue()
+        self.ranks: list[tuple[Any, Any]] = []  # (process, inbox)
+
+    def grow(self, world: int) -> None:
+        while len(self.ranks) < world:
+            inbox = self.ctx.SimpleQueue()
+            proc = self.ctx.Process(
+                target=_serve, args=(len(self.ranks), inbox, self.outbox), daemon=True
+            )
+            proc.start()
+            self.ranks.append((proc, inbox))
+
+    def close(self) -> None:
+        for proc, inbox in self.ranks:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+        self.ranks.clear()
+
+
+_POOL: _Pool | None = None
+
+
+def _errors(pool: _Pool, world: int, done: set[int], rank: int, error: str) -> str:
+    """Every rank's traceback, in rank order: the first to report is often a peer that lost
+    its connection, not the rank that raised (waits a few seconds for the others)."""
+    errors = {rank: error}
+    until = time.monotonic() + 5.0
+    while len(done) < world and time.monotonic() < until:
+        try:
+            other, text = pool.outbox.get(timeout=max(0.01, until - time.monotonic()))
+        except queue.Empty:
+            break
+        done.add(other)
+        if text is not None:
+            errors[other] = text
+    return "".join(f"\n(rank {r}):\n{errors[r]}" for r in sorted(errors))
+
+
 def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; fail on any rank's raise or
     after ``timeout`` seconds."""
+    global _POOL
     what = f"{fn.__module__}.{fn.__qualname__} on {world} rank{'s' * (world > 1)}"
-    ctx = mp.start_processes(
-        _entry,
-        args=(world, _free_port(), fn, args),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
+    if _POOL is None:
+        _POOL = _Pool()
+        atexit.register(lambda: _POOL is not None and _POOL.close())
+    pool = _POOL
+    pool.grow(world)
+    port = _free_port()
+    env = dict(os.environ)
+    for proc, inbox in pool.ranks[:world]:
+        inbox.put((world, port, env, fn, args))
     deadline = time.monotonic() + timeout
+    done: set[int] = set()
     try:
-        while not ctx.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
-                alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
-                raise TimeoutError(
-                    f"{what} did not finish in {timeout:g} s; ranks {alive} still running "
-                    "(probably blocked in a collective)"
-                )
-    except ProcessException as err:
-        raise AssertionError(f"{what} failed (rank {err.error_index}):{err}") from None
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        while len(done) < world:
+            try:
+                wait = max(0.01, min(1.0, deadline - time.monotonic()))
+                rank, error = pool.outbox.get(timeout=wait)
+            except queue.Empty:
+                dead = [r for r, (p, _) in enumerate(pool.ranks[:world]) if not p.is_alive()]
+                if dead:
+                    codes = [pool.ranks[r][0].exitcode for r in dead]
+                    raise AssertionError(f"{what} failed: rank {dead[0]} exited ({codes[0]})")
+                if time.monotonic() >= deadline:
+                    alive = [r for r in range(world) if r not in done]
+                    raise TimeoutError(
+                        f"{what} did not finish in {timeout:g} s; ranks {alive} still running "
+                        "(probably blocked in a collective)"
+                    ) from None
+                continue
+            done.add(rank)
+            if error is not None:
+                raise AssertionError(f"{what} failed{_errors(pool, world, done, rank, error)}")
+    except BaseException:
+        pool.close()
+        _POOL = None
+        raise
 
 
 # ---- model, mesh, sharding, data, optimizer --------------------------------------------------

@@ -1,0 +1,30 @@
+"""``tests.dist.spawn`` keeps its ranks between calls: each call must still see what a fresh
+process sees, and a failure must fail the test and never leak into the next call."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist import spawn
+
+from . import pool_cases as cases
+
+
+def test_a_kept_rank_starts_each_call_like_a_fresh_process(monkeypatch):
+    monkeypatch.delenv("GALORE2_POOL_PROBE", raising=False)
+    spawn(cases.dirty, 2)
+    spawn(cases.looks_fresh, 3, None)  # two kept ranks and a new one
+    monkeypatch.setenv("GALORE2_POOL_PROBE", "parent")
+    spawn(cases.looks_fresh, 2, "parent")  # the parent's environment at the call
+
+
+def test_a_raise_names_the_rank_and_the_next_call_runs():
+    with pytest.raises(AssertionError, match=r"(?s)\(rank 1\):\n.*ValueError: planted failure"):
+        spawn(cases.raises_on_rank_one, 2, timeout=120)
+    spawn(cases.looks_fresh, 2, None)
+
+
+def test_a_rank_still_running_at_the_deadline_is_a_timeout():
+    with pytest.raises(TimeoutError, match="did not finish in 2 s"):
+        spawn(cases.sleeps, 2, timeout=2)
+    spawn(cases.looks_fresh, 2, None)
