@@ -1164,13 +1164,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "nonfinite_fold_batch_misattributed",
-        "galore2/optim/galore.py",
+        "galore2/optim/lowrank_screen.py",
         "for i, r in zip(st.idx, st.R.unbind(0), strict=True):",
         "for i, r in zip(st.idx, st.R.unbind(0)[::-1], strict=True):",
         ("tests/core/test_nonfinite_fold.py",),
         "a shape batch's projections are tested under each other's names: the wrong member "
         "of the batch is skipped",
-        where="GaLore.screened",
+        where="screen",
     ),
 )
 

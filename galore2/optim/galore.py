@@ -14,15 +14,10 @@ set. For every other parameter — 1-D, ``rank`` unset, or ``rank ≥ min(m, n)`
 it is transparent and the inner chain runs on the full gradient (plain AdamW for
 ``GaLoreAdamW``).
 
-Weights with more than two dims (convolutions, stacked experts…) get a Tucker
-projection by default (``tensor_projection="tucker"``, side ``TUCKER``, see
-:mod:`galore2.projectors.tucker`): a factor U_k (d_k × min(rank, d_k)) per mode
-that ``rank`` reduces, found by the group's projector from the mode's unfolding of
-the gradient (truncated HOSVD); the inner chain runs on the core
-G ×_0 U_0ᵀ ×_1 U_1ᵀ …, whose result comes back as a dense N ×_0 U_0 ×_1 U_1 …;
-same schedule, robustness and ``moments_on_refresh`` modes (``project`` rotates
-the core per mode). ``rank ≥`` every dim leaves the weight unprojected.
-``tensor_projection="matrix"`` treats it as the matrix ``shape[0] × rest`` instead.
+Weights with more than two dims get a Tucker projection by default
+(``tensor_projection="tucker"``, side ``TUCKER``: a factor per mode from the mode's
+unfolding, the inner chain on the core; :mod:`galore2.projectors.tucker`), or are treated as
+the matrix ``shape[0] × rest`` (``"matrix"``). ``rank ≥`` every dim leaves them unprojected.
 
 State per projected parameter: the basis (r·m or r·n fp32, see the projector; a
 Tucker weight: its factors), the inner chain's state at the low-rank (core) shape,
@@ -52,7 +47,6 @@ from ..core.transform import (
     Context,
     Group,
     LowRankUpdate,
-    StackedState,
     State,
     Transform,
     dense,
@@ -268,19 +262,11 @@ class GaLore(Transform):
         plan = lowrank_plan.cached(self.__dict__.setdefault("_plans", {}), us, states, group,
                                    ctxs)  # fmt: skip
         split = lowrank_plan.split(plan, self._counters)
-        # project: one by one (due for a refresh, or never batched), then per live shape
-        # batch; plain tensors as they are (the inner chain may not modify its input in
-        # place: R is still needed by _back). What screened() projected is taken as it is.
-        kept = lowrank_screen.screen_of(self).take_many(plan, split, us)
-        inner_in: list[Tensor] = list(us if kept is None else kept.inner_in)
-        projections: dict[int, Projection] = {} if kept is None else dict(kept.projections)
-        for i in split.singles:
-            if i not in projections:
-                projections[i], inner_in[i] = self._project(us[i], states[i], group, ctxs[i])
-        if kept is not None:
-            keys, stacks = kept.keys, kept.stacks
-        else:
-            keys, stacks = self._project_batches(plan, split, us, group, ctxs, inner_in)
+        # project (or take what screened() projected); plain tensors as they are (the inner
+        # chain may not modify its input in place: R is still needed by _back)
+        inner_in, projections, keys, stacks = lowrank_screen.project_many(
+            self, plan, split, us, states, group, ctxs
+        )
         # the inner chain: one run, each stacked batch as one entry
         inner_ctxs = lowrank_plan.inner_contexts(ctxs, projections, stacks)
         N, stacked_N, order, masks = lowrank_plan.run_inner(
@@ -306,48 +292,16 @@ class GaLore(Transform):
         lowrank_plan.finish(plan, split, keys, self._counters, bool(stacks))
         return out
 
-    def _project_batches(
-        self, plan: lowrank_batch.BatchPlan, split: lowrank_plan.Split, us: list[Tensor],
-        group: Group, ctxs: list[Context], inner_in: list[Tensor],
-    ) -> tuple[tuple[str, ...] | None, list[lowrank_plan.Stacked]]:  # fmt: skip
-        """The inner chain's stacked keys and the live shape batches projected
-        (:func:`.lowrank_plan.project_live`, which puts unstacked members' R in ``inner_in``)."""
-        keys = lowrank_plan.stack_keys(self.inner, group, us[0].device) if plan.batches else None
-        return keys, lowrank_plan.project_live(split.live, us, group, ctxs, keys, inner_in)
-
     def screened(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
     ) -> list[Tensor | None]:
-        """R of each matrix projected this step and not due for a refresh (local ones), made
-        now and kept for :meth:`update` / :meth:`update_many` (:mod:`.lowrank_screen`): the
-        step's non-finite test reads R instead of G. None for the others (plain directions,
-        refreshes, sharded matrices) and for Fira / APOLLO, whose update reads G in full."""
-        out: list[Tensor | None] = [None] * len(us)
+        """R of each local matrix projected this step and not due for a refresh, kept for
+        :meth:`update` / :meth:`update_many` (:func:`.lowrank_screen.screen`): the step's
+        non-finite test reads R instead of G. None for the rest, and for Fira / APOLLO, whose
+        update reads G in full."""
         if group["rank"] is None or residual.active(group):
-            return out
-        screen = lowrank_screen.screen_of(self)
-        if len(us) == 1 and type(states[0]) is not StackedState:  # update()'s path
-            if lowrank_screen.foldable(states[0], ctxs[0]):
-                projection, R = self._project(us[0], states[0], group, ctxs[0])
-                screen.one[id(states[0])] = (us[0], projection, R)
-                out[0] = R
-            return out
-        plan = lowrank_plan.cached(self.__dict__.setdefault("_plans", {}), us, states, group,
-                                   ctxs)  # fmt: skip
-        split = lowrank_plan.split(plan, self._counters)
-        inner_in, projections = list(us), {}
-        for i in split.singles:
-            if lowrank_screen.foldable(states[i], ctxs[i]):
-                projections[i], inner_in[i] = self._project(us[i], states[i], group, ctxs[i])
-                out[i] = inner_in[i]
-        keys, stacks = self._project_batches(plan, split, us, group, ctxs, inner_in)
-        for st in stacks:
-            for i, r in zip(st.idx, st.R.unbind(0), strict=True):
-                out[i] = r
-        screen.many[id(plan)] = lowrank_screen.Kept(
-            plan, split, list(us), projections, inner_in, stacks, keys
-        )
-        return out
+            return [None] * len(us)
+        return lowrank_screen.screen(self, us, states, group, ctxs)
 
     def drop_screened(self) -> None:
         lowrank_screen.screen_of(self).clear()
@@ -366,15 +320,12 @@ class GaLore(Transform):
         self, states: list[State], group: Group, ctxs: list[Context]
     ) -> frozenset[str]:
         """:meth:`masked_keys`, and on a step where none of ``states`` is due for a refresh
-        (their host counters, read as :meth:`update_many` reads them: these lists' batch
-        plan must be last step's) what only a refresh writes — the bases, the subspace
-        similarity — and the inner rules' masked keys whatever ``moments_on_refresh`` (only
-        a refresh resets or rotates moments). Unknown (a new plan): :meth:`masked_keys`."""
+        (:func:`.lowrank_plan.none_due`) what only a refresh writes — the bases, the
+        subspace similarity — and the inner rules' masked keys whatever
+        ``moments_on_refresh`` (only a refresh resets or rotates moments)."""
         static = frozenset(self.masked_keys(group))
-        plan = lowrank_plan.kept(self.__dict__.get("_plans", {}), states, ctxs)
-        if plan is None or any(schedule.due(states[i]) for i in plan.singles):
-            return static
-        if plan.batches and plan.due(self._counters) is not None:
+        if not lowrank_plan.none_due(self.__dict__.get("_plans", {}), states, ctxs,
+                                     self._counters):  # fmt: skip
             return static
         inner = (k for t in self.inner for k in t.masked_keys(group))
         return static.union(_REFRESH_ONLY, inner)
@@ -420,9 +371,8 @@ class GaLore(Transform):
     def prepare(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
     ) -> None:
-        """Exact refreshes of sharded matrices, batched (:func:`.lowrank_plan.sharded_svds`:
-        every due matrix gathered to its owner rank, each rank running its own SVDs
-        concurrently with the others, then broadcast); installed here as any refresh."""
+        """Exact refreshes of sharded matrices, batched over ranks
+        (:func:`.lowrank_plan.sharded_svds`), installed here as any refresh."""
         for state, plan, new, index in lowrank_plan.sharded_svds(us, states, group, ctxs):
             step = int(state["galore.step"])
             self.refresh(None, state, group, plan, step, new, index=index)
@@ -473,11 +423,8 @@ class GaLore(Transform):
 
     def refresh_due(self, state: State, group: Group) -> bool:
         """Is a projected parameter due for a refresh at its next step (its host counters)?
-        The one predicate of the schedule: the step refreshes exactly when it holds (the
-        batched path compares the same counters in bulk: ``BatchPlan.due``), and a
-        :class:`~galore2.core.capture.CapturedStep` runs that step eagerly (through the
-        optimizer's ``due_for_refresh``, which re-plans an edited gap first, as the step
-        does)."""
+        The schedule's one predicate: the step (``BatchPlan.due`` in bulk) and
+        :class:`~galore2.core.capture.CapturedStep` (``due_for_refresh``) both read it."""
         return schedule.due(state)
 
     def refresh_stats(self, state: State, group: Group) -> dict[str, float] | None:

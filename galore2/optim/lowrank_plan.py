@@ -93,6 +93,19 @@ def _key(states: list[State]) -> tuple[int, int]:
     return (len(states), id(states[0]) if states else 0)
 
 
+def none_due(
+    plans: dict[Any, lowrank_batch.BatchPlan], states: list[State], ctxs: list[Context],
+    counters: Counters,
+) -> bool:
+    """Is none of these lists' matrices due for a refresh at this step, their host counters
+    read as ``GaLore.update_many`` reads them (the lists' batch plan must be last step's:
+    unknown, a new plan, is False)?"""
+    plan = kept(plans, states, ctxs)
+    if plan is None or any(schedule.due(states[i]) for i in plan.singles):
+        return False
+    return not (plan.batches and plan.due(counters) is not None)
+
+
 def split(plan: lowrank_batch.BatchPlan, counters: Counters) -> Split:
     """Which of ``plan``'s matrices step alone this time: its singles, and the members of a
     batch due for a refresh (with the whole batch when fewer than two would stay)."""
@@ -135,6 +148,16 @@ def stack_keys(
     if not all(t.stacks(group, device) for t in inner):
         return None
     return tuple(k for t in walk(inner) for k in (*t.linear_keys, *t.quadratic_keys))
+
+
+def project_batches(
+    inner: list[Transform], plan: lowrank_batch.BatchPlan, split: Split, us: list[Tensor],
+    group: Group, ctxs: list[Context], inner_in: list[Tensor],
+) -> tuple[tuple[str, ...] | None, list[Stacked]]:  # fmt: skip
+    """The inner chain's stacked keys and the live shape batches projected
+    (:func:`project_live`, which puts unstacked members' R in ``inner_in``)."""
+    keys = stack_keys(inner, group, us[0].device) if plan.batches else None
+    return keys, project_live(split.live, us, group, ctxs, keys, inner_in)
 
 
 def project_live(

@@ -12,7 +12,8 @@ tests R = PᵀG (or G·Q), r/m of G's size, instead of reading G a second time.
 When :meth:`GaLore.update <galore2.optim.galore.GaLore.update>` /
 :meth:`~galore2.optim.galore.GaLore.update_many` then come with the same directions (the
 same gradient tensors, the same state dicts, the same batch plan and split: a step where
-no parameter of the list was skipped), they take the kept projections instead of
+no parameter of the list was skipped), they take the kept projections
+(:func:`project_many` on the batched path) instead of
 projecting again — the same ops on the same inputs, so the same bits. Otherwise (a
 parameter was skipped: the lists lack it, their plan is another) what was kept is not
 used, and the projections are made again as they were before the fold. The engine drops
@@ -29,13 +30,15 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from ..core.transform import Context, State
-from . import lowrank_batch
+from ..core.transform import Context, Group, StackedState, State
+from . import lowrank_batch, lowrank_plan
 from .lowrank_plan import Split, Stacked
 from .projection import Projection
 from .refresh import due
 
 _NONE = 0  # galore.side of a matrix GaLore does not project
+#: the inner chain's inputs, the single projections by index, the stacked keys, the stacks
+Projected = tuple[list[Tensor], dict[int, Projection], tuple[str, ...] | None, list[Stacked]]
 
 
 class Kept(NamedTuple):
@@ -93,6 +96,59 @@ def foldable(state: State, ctx: Context) -> bool:
         and not ctx.refreshed
         and not due(state)
     )
+
+
+def screen(
+    galore: Any, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
+) -> list[Tensor | None]:
+    """:meth:`GaLore.screened <galore2.optim.galore.GaLore.screened>` for a group GaLore
+    projects: each foldable matrix (:func:`foldable`) projected now — alone by
+    ``galore._project``, or with its live shape batch as ``update_many`` would — and kept
+    in ``galore``'s :class:`Screen`; its R returned, None for the others."""
+    out: list[Tensor | None] = [None] * len(us)
+    kept = screen_of(galore)
+    if len(us) == 1 and type(states[0]) is not StackedState:  # update()'s path
+        if foldable(states[0], ctxs[0]):
+            projection, R = galore._project(us[0], states[0], group, ctxs[0])
+            kept.one[id(states[0])] = (us[0], projection, R)
+            out[0] = R
+        return out
+    plans = galore.__dict__.setdefault("_plans", {})
+    plan = lowrank_plan.cached(plans, us, states, group, ctxs)
+    split = lowrank_plan.split(plan, galore._counters)
+    inner_in, projections = list(us), {}
+    for i in split.singles:
+        if foldable(states[i], ctxs[i]):
+            projections[i], inner_in[i] = galore._project(us[i], states[i], group, ctxs[i])
+            out[i] = inner_in[i]
+    keys, stacks = lowrank_plan.project_batches(galore.inner, plan, split, us, group, ctxs,
+                                                inner_in)  # fmt: skip
+    for st in stacks:
+        for i, r in zip(st.idx, st.R.unbind(0), strict=True):
+            out[i] = r
+    kept.many[id(plan)] = Kept(plan, split, list(us), projections, inner_in, stacks, keys)
+    return out
+
+
+def project_many(
+    galore: Any, plan: lowrank_batch.BatchPlan, split: Split, us: list[Tensor],
+    states: list[State], group: Group, ctxs: list[Context],
+) -> Projected:  # fmt: skip
+    """``GaLore.update_many``'s projections: the matrices projected one by one (due for a
+    refresh, or never batched: by ``galore._project``), then the live shape batches — or
+    what :func:`screen` kept for these very lists. Returns the inner chain's inputs (R where
+    projected), the single projections by index, the stacked keys and the stacks."""
+    kept = screen_of(galore).take_many(plan, split, us)
+    inner_in = list(us if kept is None else kept.inner_in)
+    projections: dict[int, Projection] = {} if kept is None else dict(kept.projections)
+    for i in split.singles:
+        if i not in projections:
+            projections[i], inner_in[i] = galore._project(us[i], states[i], group, ctxs[i])
+    if kept is not None:
+        return inner_in, projections, kept.keys, kept.stacks
+    keys, stacks = lowrank_plan.project_batches(galore.inner, plan, split, us, group, ctxs,
+                                                inner_in)  # fmt: skip
+    return inner_in, projections, keys, stacks
 
 
 def screen_of(owner: Any) -> Screen:
