@@ -9,10 +9,11 @@ Spawning
     and meets the others at a barrier before the group is destroyed: a rank that tears gloo
     down while its peers still talk to it otherwise dies now and then at exit (SIGABRT,
     "terminate called without an active exception") after the body has passed.
-    The ranks are kept between calls (importing torch and galore2 costs each fresh process
-    seconds of CPU; the suite spawns about fifty times): each call starts from the parent's
-    environment, the seed it started with and float32 as the default dtype, and a new process
-    group; any failure or timeout discards every kept rank.
+    The ranks are kept between the calls of one test file (importing torch and galore2
+    costs each fresh process seconds of CPU; the suite spawns about fifty times): each call
+    starts from the parent's environment, the seed it started with and float32 as the
+    default dtype, and a new process group; another file's calls, a failure or a timeout
+    get new ranks. A body that patches a class or module puts back what it found.
 
 Building
     ``make_model()`` (7×10 left, 13×7 right, 5×13 left, biases plain), ``data(step)``,
@@ -95,6 +96,7 @@ class _Pool:
         self.ctx = mp.get_context("spawn")
         self.outbox = self.ctx.Queue()
         self.ranks: list[tuple[Any, Any]] = []  # (process, inbox)
+        self.owner = ""  # the test file whose calls the ranks serve
 
     def grow(self, world: int) -> None:
         while len(self.ranks) < world:
@@ -140,6 +142,12 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600) 
     if _POOL is None:
         _POOL = _Pool()
         atexit.register(lambda: _POOL is not None and _POOL.close())
+    # a test file's calls share ranks, another file's get new ones: what a body leaves
+    # behind (a patched class, a library's singleton) can reach only its own file's tests
+    where = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]
+    if _POOL.owner != where:
+        _POOL.close()
+        _POOL.owner = where
     pool = _POOL
     pool.grow(world)
     port = _free_port()

@@ -304,6 +304,7 @@ class GaLore(Transform):
         return lowrank_screen.screen(self, us, states, group, ctxs)
 
     def drop_screened(self) -> None:
+        """Forget the projections :meth:`screened` kept (the step is over)."""
         lowrank_screen.screen_of(self).clear()
 
     def masked_keys(self, group: Group) -> tuple[str, ...]:

@@ -54,12 +54,16 @@ def exact_refresh_is_split_and_batched(rank: int, world: int) -> None:
     from galore2.projectors.svd import SVDProjector
 
     events: list[str] = []
+    # the class attributes as stored (a staticmethod stays one when put back: the ranks
+    # are kept for later calls, see tests/dist.py)
     real_svd, real_gather, real_bcast = (
-        SVDProjector._svd,
+        vars(SVDProjector)["_svd"],
         ShardedPlacement.gather_rows,
         ShardedPlacement.broadcast,
     )
-    SVDProjector._svd = staticmethod(lambda *a: (events.append("svd"), real_svd(*a))[1])
+    SVDProjector._svd = staticmethod(
+        lambda *a: (events.append("svd"), real_svd.__func__(*a))[1]
+    )
     ShardedPlacement.gather_rows = lambda self, *a: (
         events.append("gather"),
         real_gather(self, *a),

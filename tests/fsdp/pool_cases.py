@@ -32,3 +32,8 @@ def raises_on_rank_one(rank: int, world: int) -> None:
 
 def sleeps(rank: int, world: int) -> None:
     time.sleep(60)
+
+
+def write_pid(rank: int, world: int, folder: str) -> None:
+    with open(os.path.join(folder, f"{rank}.pid"), "a") as f:
+        f.write(f"{os.getpid()}\n")

@@ -3,6 +3,8 @@ process sees, and a failure must fail the test and never leak into the next call
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.dist import spawn
@@ -28,3 +30,16 @@ def test_a_rank_still_running_at_the_deadline_is_a_timeout():
     with pytest.raises(TimeoutError, match="did not finish in 2 s"):
         spawn(cases.sleeps, 2, timeout=2)
     spawn(cases.looks_fresh, 2, None)
+
+
+def test_ranks_are_kept_within_a_test_file_and_new_for_another(tmp_path, monkeypatch):
+    def pids() -> list[str]:
+        return (tmp_path / "0.pid").read_text().split()
+
+    spawn(cases.write_pid, 2, str(tmp_path))
+    spawn(cases.write_pid, 2, str(tmp_path))
+    assert len(set(pids())) == 1  # kept
+    here = os.environ["PYTEST_CURRENT_TEST"]
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", here.replace("test_spawn_pool.py", "other.py"))
+    spawn(cases.write_pid, 2, str(tmp_path))
+    assert len(set(pids())) == 2  # another file: new ranks
