@@ -107,8 +107,18 @@ class _Pool:
             proc.start()
             self.ranks.append((proc, inbox))
 
-    def close(self) -> None:
-        for proc, inbox in self.ranks:
+    def close(self, *, idle: bool = False) -> None:
+        """End the ranks: idle ones are asked to exit and given a few seconds (a rank killed
+        right after it reported may still hold the outbox's write lock, which would block
+        every later rank's report), then any still alive are killed. The outbox is never
+        reused: a closed pool is dropped."""
+        if idle:
+            for proc, inbox in self.ranks:
+                if proc.is_alive():
+                    inbox.put(None)
+            for proc, _ in self.ranks:
+                proc.join(timeout=10)
+        for proc, _ in self.ranks:
             if proc.is_alive():
                 proc.kill()
             proc.join()
@@ -116,6 +126,12 @@ class _Pool:
 
 
 _POOL: _Pool | None = None
+
+
+@atexit.register
+def _close_pool() -> None:
+    if _POOL is not None:
+        _POOL.close(idle=True)
 
 
 def _errors(pool: _Pool, world: int, done: set[int], rank: int, error: str) -> str:
@@ -139,14 +155,14 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600) 
     after ``timeout`` seconds."""
     global _POOL
     what = f"{fn.__module__}.{fn.__qualname__} on {world} rank{'s' * (world > 1)}"
+    # a test file's calls share ranks, another file's get new ones (and a new outbox): what a
+    # body leaves behind (a patched class, a library's singleton) reaches only its own file
+    where = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]
+    if _POOL is not None and _POOL.owner != where:
+        _POOL.close(idle=True)
+        _POOL = None
     if _POOL is None:
         _POOL = _Pool()
-        atexit.register(lambda: _POOL is not None and _POOL.close())
-    # a test file's calls share ranks, another file's get new ones: what a body leaves
-    # behind (a patched class, a library's singleton) can reach only its own file's tests
-    where = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]
-    if _POOL.owner != where:
-        _POOL.close()
         _POOL.owner = where
     pool = _POOL
     pool.grow(world)

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from tests import dist
 from tests.dist import spawn
 
 from . import pool_cases as cases
@@ -39,7 +40,22 @@ def test_ranks_are_kept_within_a_test_file_and_new_for_another(tmp_path, monkeyp
     spawn(cases.write_pid, 2, str(tmp_path))
     spawn(cases.write_pid, 2, str(tmp_path))
     assert len(set(pids())) == 1  # kept
+    kept = [proc for proc, _ in dist._POOL.ranks]
     here = os.environ["PYTEST_CURRENT_TEST"]
     monkeypatch.setenv("PYTEST_CURRENT_TEST", here.replace("test_spawn_pool.py", "other.py"))
     spawn(cases.write_pid, 2, str(tmp_path))
     assert len(set(pids())) == 2  # another file: new ranks
+    # the old ranks were asked to exit, not killed: a rank killed just after it reported can
+    # die holding the shared outbox's write lock and block every later report (CI, stop 45)
+    assert [proc.exitcode for proc in kept] == [0, 0]
+
+
+def test_many_file_changes_in_a_row_never_block():
+    """The hang CI met: ranks ended right after their report, again and again."""
+    here = os.environ["PYTEST_CURRENT_TEST"]
+    try:
+        for i in range(6):
+            os.environ["PYTEST_CURRENT_TEST"] = here.replace("test_spawn_pool.py", f"f{i}.py")
+            spawn(cases.looks_fresh, 2, None, timeout=120)
+    finally:
+        os.environ["PYTEST_CURRENT_TEST"] = here
