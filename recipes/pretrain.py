@@ -57,12 +57,20 @@ def main(
     """One run; ``peers``: optimizers of other packages it may be given by name (the
     benchmarks' ``benchmarks.peers.PEERS``)."""
     with ExitStack() as held:  # the out dir's lock, from resume.prepare until the run ends
-        return _run(argv, peers, held)
+        history, halt, world = _run(argv, peers, held)
+        # _run's model, optimizer and FSDP state are gone now: a rank that destroys the
+        # process group while they still hold it dies now and then at exit (SIGABRT)
+        teardown(world)
+    if halt is not None:
+        raise Diverged(halt)
+    return history
 
 
 def _run(
     argv: list[str] | None, peers: Mapping[str, optimizers.Peer], held: ExitStack
-) -> list[dict]:
+) -> tuple[list[dict], str | None, int]:
+    """The run up to its last log line: (metrics history, why it stopped early or None,
+    world size)."""
     job = parse_args(argv)  # the one step that knows the optimizer's options
     t, o = job.train, job.optim
     if o.per_layer and o.max_grad_norm:
@@ -146,10 +154,7 @@ def _run(
         adamw = (adamw_state_bytes(model), adamw_baseline(model))  # the AdamW this run would use
         print_summary(job, metrics.history, opt_bytes, adamw[0], halt, png, adamw[1],
                       weights)  # fmt: skip
-    teardown(world)
-    if halt is not None:
-        raise Diverged(halt)
-    return metrics.history
+    return metrics.history, halt, world
 
 
 if __name__ == "__main__":

@@ -7,8 +7,11 @@ Runs the tiny recipe for 200 steps with each optimizer below (logging every step
 evaluating every 50) and compares every field of ``metrics.jsonl`` except timings and
 memory (``tokens_per_s``, ``peak_rss_gb``, ``peak_*``) with the reference exactly: losses,
 validation losses, learning rates and optimizer-state bytes must be bitwise identical.
-The reference is machine-specific (float rounding of the CPU's kernels), so record it
-on the machine that checks.
+The reference is machine-specific (float rounding of the CPU's kernels) and depends on the
+intra-op thread count (a reduction split over more threads sums in another order), so
+record it on the machine that checks, at the thread count it checks with (``--threads``,
+default 1: the recipe's ``--train.threads``; the count is stored with the reference and a
+comparison at another count is refused).
 
 ``TOLERANT`` optimizers (recorded before issue 27's batched kernels, which may reorder
 floating-point sums) are compared with a relative and absolute tolerance of 1e-6 on every
@@ -32,9 +35,10 @@ TOLERANCE = 1e-6
 STEPS = 200
 REFERENCE = Path(__file__).with_name("unchanged_reference.json")
 IGNORED = ("tokens_per_s", "peak_", "time", "seconds")
+META = "_recorded"  # the reference's own settings (the thread count), not an optimizer
 
 
-def run(name: str, out: Path) -> list[dict]:
+def run(name: str, out: Path, threads: int) -> list[dict]:
     cmd = [
         sys.executable,
         "-m",
@@ -57,6 +61,8 @@ def run(name: str, out: Path) -> list[dict]:
         "-1",
         "--train.resume",
         "false",
+        "--train.threads",
+        str(threads),
     ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -81,15 +87,27 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write", action="store_true", help="record the reference instead")
     ap.add_argument("--only", nargs="*", default=OPTIMIZERS, help="optimizers to run")
+    ap.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (default 1)")
+    ap.add_argument("--reference", type=Path, default=REFERENCE, help="the reference file")
     args = ap.parse_args()
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads}")
+    bad_names = sorted(set(args.only) - set(OPTIMIZERS))
+    if bad_names:
+        ap.error(f"--only: unknown {bad_names}; allowed: {', '.join(OPTIMIZERS)}")
+    ref = json.loads(args.reference.read_text()) if args.reference.exists() else {}
+    recorded = ref.pop(META, {}).get("threads")
+    if recorded is not None and recorded != args.threads and not args.write:
+        ap.error(f"--threads {args.threads}: the reference was recorded at {recorded} threads")
     with tempfile.TemporaryDirectory() as tmp:
-        got = {name: run(name, Path(tmp) / name) for name in args.only}
+        got = {name: run(name, Path(tmp) / name, args.threads) for name in args.only}
     if args.write:
-        old = json.loads(REFERENCE.read_text()) if REFERENCE.exists() else {}
-        REFERENCE.write_text(json.dumps({**old, **got}, indent=0) + "\n")
-        print(f"wrote {REFERENCE} ({', '.join(got)})")
+        if recorded is not None and recorded != args.threads:
+            ref = {}  # another thread count: the old rows are not comparable, start over
+        meta = {META: {"threads": args.threads}}
+        args.reference.write_text(json.dumps({**meta, **ref, **got}, indent=0) + "\n")
+        print(f"wrote {args.reference} ({', '.join(got)}; {args.threads} threads)")
         return 0
-    ref = json.loads(REFERENCE.read_text())
     bad = 0
     for name, rows in got.items():
         if name not in ref:
