@@ -239,6 +239,9 @@ def arg_parser() -> argparse.ArgumentParser:
     timing.add_argument("--processes", type=int, default=None,
                         help="overhead: fresh processes timed one after another, their "
                         "median and range reported (3; --quick: 1)")  # fmt: skip
+    timing.add_argument("--jobs", type=int, default=None,
+                        help="int8_weights: recipe runs at once, each on one thread (1: one "
+                        "at a time at --threads)")  # fmt: skip
     timing.add_argument("--warmup", type=int, default=None,
                         help="kernels: untimed calls first (10)")  # fmt: skip
     timing.add_argument("--json", dest="json_path", metavar="PATH", default=None,

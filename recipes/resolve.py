@@ -141,7 +141,7 @@ def join_betas(name: str, raw: Mapping[str, Any]) -> dict[str, Any]:
             "optim.betas only (e.g. --optim.betas 0.9,0.95)"
         )
     values = list(pair.default)
-    for i, (key, check) in enumerate(zip(BETA_HALVES, (pair.check.first, pair.check.second))):
+    for i, (key, check) in enumerate(zip(BETA_HALVES, (pair.check.first, pair.check.second), strict=True)):
         if key in halves:
             text = halves[key]
             try:

@@ -33,7 +33,7 @@ import os
 import shutil
 import sys
 import warnings
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,8 +60,7 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json", "summary.json")
 #: what a second process on the same out dir is told (galore2.checkpoint.runs.writer_lock)
 RUNNING = (
     "running in",
-    "A run folder has one writer for the whole run: use another --out, or wait for that "
-    "run to end",
+    "A run folder has one writer for the whole run: use another --out, or wait for that run to end",
 )
 #: settings of one invocation, not of the run: never compared
 INVOCATION = frozenset(
@@ -346,10 +345,8 @@ def prepare(job: JobConfig) -> Run:
 
 def _remove_if_empty(out: Path) -> None:
     if _rank() == 0:
-        try:
+        with suppress(OSError):  # the run wrote into it
             out.rmdir()
-        except OSError:  # the run wrote into it
-            pass
 
 
 def _prepare(job: JobConfig, out: Path) -> Run:

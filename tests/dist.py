@@ -82,7 +82,7 @@ def _serve(rank: int, inbox: Any, outbox: Any) -> None:
         torch.set_default_dtype(torch.float32)
         try:
             _run_rank(rank, world, port, fn, args)
-        except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
+        except BaseException:  # reported to the parent, which fails the test
             outbox.put((rank, traceback.format_exc()))
             return  # a failed rank may leave gloo or globals broken: the pool is discarded
         outbox.put((rank, None))
@@ -168,7 +168,7 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600) 
     pool.grow(world)
     port = _free_port()
     env = dict(os.environ)
-    for proc, inbox in pool.ranks[:world]:
+    for _proc, inbox in pool.ranks[:world]:
         inbox.put((world, port, env, fn, args))
     deadline = time.monotonic() + timeout
     done: set[int] = set()
@@ -181,7 +181,9 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600) 
                 dead = [r for r, (p, _) in enumerate(pool.ranks[:world]) if not p.is_alive()]
                 if dead:
                     codes = [pool.ranks[r][0].exitcode for r in dead]
-                    raise AssertionError(f"{what} failed: rank {dead[0]} exited ({codes[0]})")
+                    raise AssertionError(
+                        f"{what} failed: rank {dead[0]} exited ({codes[0]})"
+                    ) from None
                 if time.monotonic() >= deadline:
                     alive = [r for r in range(world) if r not in done]
                     raise TimeoutError(

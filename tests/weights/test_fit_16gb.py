@@ -49,7 +49,7 @@ def test_int8_weights_task_reports_both_optimizers(monkeypatch):
         return real(name, lr, flags, steps)
 
     monkeypatch.setattr(int8_weights, "tiny_run", counted)
-    text = int8_weights.int8_weights(quick=True)
+    text = int8_weights.int8_weights(quick=True, jobs=None)
     assert "| GaLoreAdamW |" in text and "| Fira |" in text and "INT8 ÷ dtype" in text
     assert len(seen) == 4 and all(s == 3 and "--optim.per_layer" in f for *_, f, s in seen)
     assert sum("--model.weight_bits" in f for _, _, f, _ in seen) == 2
