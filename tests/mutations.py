@@ -515,6 +515,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         "import DataParallelMeshDims there)",
     ),
     Mutation(
+        "teardown_with_the_model_alive",
+        "recipes/pretrain.py",
+        "    return metrics.history, halt, world",
+        "    teardown(world)\n    return metrics.history, halt, world",
+        (
+            "tests/recipes/test_recipe.py::"
+            "test_the_process_group_goes_after_the_model_and_optimizer",
+        ),
+        "the process group is destroyed while the run's FSDP model and optimizer still hold "
+        "it: a torchrun rank aborts now and then at exit (SIGABRT)",
+        where="_run",
+    ),
+    Mutation(
         "run_folder_unlocked",
         "recipes/resume.py",
         "        held.enter_context(writer_lock(out, RUNNING))",

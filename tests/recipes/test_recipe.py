@@ -240,6 +240,38 @@ def test_run_plot_without_matplotlib_says_so_and_writes_nothing(tmp_path, monkey
     assert lines == ["loss.png not written: matplotlib is not installed (pip install matplotlib)"]
 
 
+def test_the_process_group_goes_after_the_model_and_optimizer(tmp_path, monkeypatch):
+    """A rank that destroys its process group while FSDP state still holds it dies now and
+    then at exit (SIGABRT): by teardown, nothing of the run's model or optimizer is alive."""
+    import gc
+    import weakref
+
+    from recipes import pretrain
+
+    built: list[weakref.ref] = []
+    real_model, real_opt = pretrain.modeling.build_model, pretrain.optimizers.build_optimizer
+
+    def model(*args, **kwargs):
+        built.append(weakref.ref(m := real_model(*args, **kwargs)))
+        return m
+
+    def optimizer(*args, **kwargs):
+        built.append(weakref.ref(o := real_opt(*args, **kwargs)))
+        return o
+
+    alive: list[bool] = []
+
+    def teardown(world: int) -> None:
+        gc.collect()
+        alive.extend(ref() is not None for ref in built)
+
+    monkeypatch.setattr(pretrain.modeling, "build_model", model)
+    monkeypatch.setattr(pretrain.optimizers, "build_optimizer", optimizer)
+    monkeypatch.setattr(pretrain, "teardown", teardown)
+    run(tmp_path, "--steps", "2")
+    assert alive == [False, False]
+
+
 def _torchrun(out: Path, steps: int, *extra: str, nproc: int = 2) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -53,3 +53,14 @@ def test_int8_weights_task_reports_both_optimizers(monkeypatch):
     assert "| GaLoreAdamW |" in text and "| Fira |" in text and "INT8 ÷ dtype" in text
     assert len(seen) == 4 and all(s == 3 and "--optim.per_layer" in f for *_, f, s in seen)
     assert sum("--model.weight_bits" in f for _, _, f, _ in seen) == 2
+
+
+def test_int8_weights_task_refuses_jobs_below_one_and_never_picks_a_diverged_run():
+    from benchmarks import int8_weights
+
+    with pytest.raises(ValueError, match="--jobs must be >= 1, got 0"):
+        int8_weights.int8_weights(quick=True, jobs=0)
+    nan = float("nan")
+    assert int8_weights.best([(nan, "3e-2"), (2.0, "3e-3"), (1.5, "1e-2")]) == (1.5, "1e-2")
+    loss, lr = int8_weights.best([(nan, "3e-2")])
+    assert loss != loss and lr == "-"
