@@ -515,6 +515,28 @@ MUTATIONS: tuple[Mutation, ...] = (
         "import DataParallelMeshDims there)",
     ),
     Mutation(
+        "scaled_update_mask_ignored",
+        "galore2/core/apply.py",
+        "u = ScaledUpdate(u.G, u.factor * ok, u.shape)",
+        "u = ScaledUpdate(u.G, u.factor, u.shape)",
+        ("tests/core/test_scaled_update.py::test_masked_apply_leaves_a_masked_weight_and_steps_the_other",),
+        "the capturable path applies APOLLO's scaled gradient of a masked parameter",
+        where="apply_masked",
+    ),
+    Mutation(
+        "scaled_update_undecayed",
+        "galore2/core/apply.py",
+        "target.mul_(decay)",
+        "pass",
+        (
+            "tests/core/test_scaled_update.py::test_a_16_bit_weight_takes_the_update_rounded_once",
+            "tests/core/test_scaled_update.py::"
+            "test_apollo_batched_bf16_weights_match_the_per_tensor_path",
+        ),
+        "a weight taking APOLLO's scaled gradient as its operands is not decayed",
+        where="apply_update",
+    ),
+    Mutation(
         "teardown_with_the_model_alive",
         "recipes/pretrain.py",
         "    return metrics.history, halt, world",

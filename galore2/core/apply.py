@@ -1,8 +1,9 @@
 """The apply stage of a step: ``p ← decay·p − lr·u`` for a chunk of parameters.
 
-A chain's outputs are dense updates (tensors) or low-rank ones
-(:class:`~galore2.core.transform.LowRankUpdate`, applied by one fused matmul each, no m×n
-temporary); :func:`chunks` says which tensors of a group go through the chain together
+A chain's outputs are dense updates (tensors) or factored ones, applied in one fused pass
+each with no m×n temporary: low-rank (:class:`~galore2.core.transform.LowRankUpdate`, one
+matmul into the weight) or a scaled gradient (:class:`~galore2.core.transform.ScaledUpdate`,
+one ``addcmul_``); :func:`chunks` says which tensors of a group go through the chain together
 (the group's ``foreach``). :func:`apply_masked` is the masked step's (``capturable=True``)
 apply, its flags and decay factors device tensors (:mod:`galore2.core.masked`).
 """
@@ -16,7 +17,7 @@ from torch import Tensor
 
 from ..kernels.dispatch import run_kernel
 from .masked import FlagBuffer, masked_updates
-from .transform import LowRankUpdate
+from .transform import FACTORED, LowRankUpdate, ScaledUpdate
 
 
 def chunks(params: list[Tensor], foreach: bool | None = None) -> list[list[int]]:
@@ -40,25 +41,26 @@ def chunks(params: list[Tensor], foreach: bool | None = None) -> list[list[int]]
     return [[i] for i in cpu] + ([rest] if rest else [])
 
 
-def apply_updates(
-    params: list[Tensor], updates: list[Tensor | LowRankUpdate], lr: float, decay: float
-) -> None:
+Update = Tensor | LowRankUpdate | ScaledUpdate
+
+
+def apply_updates(params: list[Tensor], updates: list[Update], lr: float, decay: float) -> None:
     """:func:`apply_update` over a batch: dense updates of several tensors by two foreach
-    kernels (decay, then ``p ← p − lr·u``), low-rank ones one by one (one fused matmul each)."""
-    dense = [i for i, u in enumerate(updates) if not isinstance(u, LowRankUpdate)]
+    kernels (decay, then ``p ← p − lr·u``), factored ones one by one (one fused pass each)."""
+    dense = [i for i, u in enumerate(updates) if not isinstance(u, FACTORED)]
     if len(dense) > 1:
         ps = [params[i] for i in dense]
         if decay != 1.0:
             torch._foreach_mul_(ps, decay)
         torch._foreach_add_(ps, [updates[i] for i in dense], alpha=-lr)  # type: ignore[misc]
     for p, u in zip(params, updates, strict=True):
-        if len(dense) <= 1 or isinstance(u, LowRankUpdate):
+        if len(dense) <= 1 or isinstance(u, FACTORED):
             apply_update(p, u, lr, decay)
 
 
 def apply_masked(
     params: list[Tensor],
-    updates: list[Tensor | LowRankUpdate],
+    updates: list[Update],
     lr: float,
     flags: FlagBuffer,
     positions: list[int],
@@ -70,7 +72,7 @@ def apply_masked(
     and applied by foreach kernels, low-rank ones by their factor ``B`` times the mask and one
     fused matmul each. Updates are finite (a masked parameter stepped on a zero gradient), so
     ``u·0`` is 0."""
-    dense = [i for i, u in enumerate(updates) if not isinstance(u, LowRankUpdate)]
+    dense = [i for i, u in enumerate(updates) if not isinstance(u, FACTORED)]
     if dense:
         ps = [params[i] for i in dense]
         if decays is not None:
@@ -81,15 +83,29 @@ def apply_masked(
         torch._foreach_add_(ps, us, alpha=-lr)
     oks = flags.entries
     for p, u, i in zip(params, updates, range(len(params)), strict=True):
-        if isinstance(u, LowRankUpdate):
+        if isinstance(u, FACTORED):
             if decays is not None:
                 p.mul_(decays[i])
-            apply_update(p, LowRankUpdate(u.A, u.B * oks[positions[i]], u.shape, u.scale), lr, 1.0)
+            ok = oks[positions[i]]
+            if isinstance(u, LowRankUpdate):
+                u = LowRankUpdate(u.A, u.B * ok, u.shape, u.scale)
+            else:
+                u = ScaledUpdate(u.G, u.factor * ok, u.shape)
+            apply_update(p, u, lr, 1.0)
 
 
-def apply_update(p: Tensor, u: Tensor | LowRankUpdate, lr: float, decay: float) -> None:
+def apply_update(p: Tensor, u: Update, lr: float, decay: float) -> None:
     """p ← decay·p − lr·u; a low-rank u is applied by one fused ``addmm_`` (no m×n temporary),
-    or on CUDA by the Triton matmul with that epilogue (:mod:`galore2.kernels.lowrank`)."""
+    or on CUDA by the Triton matmul with that epilogue (:mod:`galore2.kernels.lowrank`); a
+    scaled gradient by one ``addcmul_`` (p − lr·G·factor, in float32 for a 16-bit p)."""
+    if isinstance(u, ScaledUpdate):
+        if p.is_contiguous():
+            target = p.view(u.G.shape)
+            if decay != 1.0:
+                target.mul_(decay)
+            target.addcmul_(u.G, u.factor, value=-lr)
+            return
+        u = u.dense()  # type: ignore[assignment]
     if isinstance(u, LowRankUpdate):
         target = p.view(u.A.shape[0], u.B.shape[1]) if p.is_contiguous() else None
         if target is not None:

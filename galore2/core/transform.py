@@ -60,6 +60,26 @@ class LowRankUpdate:
         return out if self.scale == 1.0 else out.mul_(self.scale)
 
 
+@dataclass
+class ScaledUpdate:
+    """A full-space direction ``G ⊙ factor`` kept as its two operands: the gradient ``G``
+    (a matrix, in its own dtype, never written) and a float32 ``factor`` broadcast over it
+    (per column ``(1, n)``, per row ``(m, 1)`` or per matrix ``(1, 1)``) — APOLLO's scaled
+    gradient. The optimizer applies it with one ``addcmul_`` into the weight (no m×n
+    float32 update is made); :meth:`dense` materializes it (``shape``: the weight's)."""
+
+    G: Tensor
+    factor: Tensor
+    shape: torch.Size
+
+    def dense(self) -> Tensor:
+        return torch.mul(self.G, self.factor).view(self.shape)
+
+
+#: the directions kept as operands, applied by the optimizer in one fused pass each
+FACTORED = (LowRankUpdate, ScaledUpdate)
+
+
 class StackedState(dict):
     """The state of a *stacked entry* of a batch: ``k`` same-shape directions as one
     ``(k, *shape)`` tensor (GaLore's projected gradients of one shape batch), whose state
@@ -263,9 +283,9 @@ def run_chain(
     return out
 
 
-def dense(u: Tensor | LowRankUpdate) -> Tensor:
-    """A direction as a dense tensor (a low-rank one is materialized)."""
-    return u.dense() if isinstance(u, LowRankUpdate) else u
+def dense(u: Tensor | LowRankUpdate | ScaledUpdate) -> Tensor:
+    """A direction as a dense tensor (a factored one is materialized)."""
+    return u.dense() if isinstance(u, FACTORED) else u
 
 
 def init_chain(

@@ -25,6 +25,7 @@ from ..core.transform import (
     Context,
     Group,
     LowRankUpdate,
+    ScaledUpdate,
     StackedState,
     State,
     Transform,
@@ -321,11 +322,12 @@ def combine_many(
     inner: list[Transform], projections: dict[int, Projection], stacks: list[Stacked],
     stacked_out: list[Tensor | None], N: list[Tensor | LowRankUpdate], us: list[Tensor],
     R: list[Tensor], states: list[State], group: Group, counted: list[int], decay: float,
-) -> dict[int, Tensor]:  # fmt: skip
+) -> dict[int, Tensor | ScaledUpdate]:  # fmt: skip
     """Fira / APOLLO of the whole (unsharded) matrices of a batch at once
     (:func:`.residual.combine_buckets`): the shape batches' stacks as they are, the
     matrices projected one by one stacked per shape (when two or more, or along with
-    shape batches); {index: dense update}. Sharded ones go per tensor."""
+    shape batches); {index: dense update, or APOLLO's scaled gradient as its operands}.
+    Sharded ones go per tensor."""
     idx = [
         i
         for i, p in projections.items()
@@ -364,12 +366,16 @@ def combine_many(
         order.append(same)
     out = residual.combine_buckets(buckets, group, decay)
     n_stacked = sum(len(st.idx) for st in stacks)
-    done: dict[int, Tensor] = {}
+    done: dict[int, Tensor | ScaledUpdate] = {}
     for same, s in zip(order, out, strict=True):
-        if len(done) < n_stacked:  # a shape batch's: 2-D matrices as they are
+        whole = len(done) < n_stacked  # a shape batch's: 2-D matrices as they are
+        if isinstance(s, residual.Scaled):  # APOLLO: G ⊙ factor, applied as such
+            shapes = [s.G.shape[1:] if whole else us[i].shape for i in same]
+            done.update(zip(same, s.updates(shapes), strict=True))
+        elif whole:
             done.update(zip(same, s.unbind(0), strict=True))
-            continue
-        done.update((i, m.view(us[i].shape)) for i, m in zip(same, s.unbind(0), strict=True))
+        else:
+            done.update((i, m.view(us[i].shape)) for i, m in zip(same, s.unbind(0), strict=True))
     for i in idx:
         states[i]["galore.step"] += 1
     return done

@@ -60,6 +60,7 @@ import torch
 from torch import Tensor
 
 from ..core.options import Choice, Option, Optional, Real
+from ..core.transform import ScaledUpdate
 from ..projectors import LEFT, RIGHT, Plan
 from .projection import Projection
 
@@ -230,54 +231,33 @@ class Bucket(NamedTuple):
     owned: bool = True  # G is a temporary of the step (else, a view of the caller's: kept)
 
 
-def combine_many(
-    G: list[Tensor],
-    R: list[Tensor],
-    N: list[Tensor],
-    B: list[Tensor | None],
-    states: list[dict[str, Tensor]],
-    group: dict[str, Any],
-    sides: list[int],
-    biases: list[float],
-    decay: float,
-) -> list[Tensor]:
-    """:func:`combine` of several whole (unsharded) matrices, times ``decay``: the batched path.
+class Scaled(NamedTuple):
+    """APOLLO's stacked update kept as its operands, ``G ⊙ factor``: the gradients (k × m × n,
+    their dtype, never written) and the float32 factors broadcast over them (k × 1 × n per
+    column, k × m × 1 per row, k × 1 × 1 per matrix): each weight takes its matrix's by one
+    ``addcmul_`` (:class:`~galore2.core.transform.ScaledUpdate`), no float32 m×n update."""
 
-    ``B[i]``: matrix i's basis on its side (P for a left basis, Q for a right one; None for
-    APOLLO), ``sides[i]`` that side. Matrices of the same (side, shapes, dtype, device) are
-    stacked into a :class:`Bucket` each (:func:`combine_buckets`). Returns one m×n view per
-    matrix, in the order given.
-    """
-    keyed: dict[tuple[Any, ...], list[int]] = {}
-    for i, (g, r) in enumerate(zip(G, R, strict=True)):
-        key = (sides[i], tuple(g.shape), tuple(r.shape), g.dtype, g.device)
-        keyed.setdefault(key, []).append(i)
-    idxs = list(keyed.values())
-    buckets = [
-        Bucket(
-            sides[idx[0]] == LEFT,
-            torch.stack([G[i] for i in idx]),
-            torch.stack([R[i] for i in idx]),
-            torch.stack([N[i] for i in idx]),
-            None if B[idx[0]] is None else torch.stack([B[i] for i in idx]),  # type: ignore[misc]
-            [states[i] for i in idx],
-            [biases[i] for i in idx],
-        )
-        for idx in idxs
-    ]
-    out: list[Tensor] = [None] * len(G)  # type: ignore[list-item]
-    for idx, s in zip(idxs, combine_buckets(buckets, group, decay), strict=True):
-        for j, i in enumerate(idx):
-            out[i] = s[j]
-    return out
+    G: Tensor
+    factor: Tensor
+
+    def updates(self, shapes: list[torch.Size]) -> list[ScaledUpdate]:
+        """One :class:`~galore2.core.transform.ScaledUpdate` per matrix (``shapes``: the
+        weights')."""
+        return [
+            ScaledUpdate(g, f, shape)
+            for g, f, shape in zip(self.G.unbind(0), self.factor.unbind(0), shapes, strict=True)
+        ]
 
 
-def combine_buckets(buckets: list[Bucket], group: dict[str, Any], decay: float) -> list[Tensor]:
+def combine_buckets(
+    buckets: list[Bucket], group: dict[str, Any], decay: float
+) -> list[Tensor | Scaled]:
     """:func:`combine` of each :class:`Bucket`'s matrices, times ``decay``: one stacked
-    update (k × m × n, float32) per bucket. Every op runs once per bucket — the channel
-    norms, Fira's two products (``baddbmm``), the scaling — or once for all of them (ratios,
-    the limiter's scalars); no host read. A stack's tensors may be written in place (the
-    caller's stacks are temporaries).
+    update (k × m × n, float32) per bucket, or for APOLLO's gradients of up to 32 bits its
+    operands (:class:`Scaled`: the update is never made). Every op runs once per bucket —
+    the channel norms, Fira's two products (``baddbmm``), the scaling — or once for all of
+    them (ratios, the limiter's scalars); no host read. A stack's tensors may be written in
+    place (the caller's stacks are temporaries).
     """
     alpha, scale_type = float(group["scale"]), group["scale_type"]
     limit = group["norm_growth_limit"] is not None
@@ -327,10 +307,12 @@ def combine_buckets(buckets: list[Bucket], group: dict[str, Any], decay: float) 
         factor = phi.mul_(c) if c != 1.0 else phi
         if s.dtype == torch.float32 and s is not buckets[j].G:
             s.mul_(factor)
-        else:  # APOLLO's raw gradient: S = G·factor, one pass from G into a float32 S
+        elif scale_type is not None:  # APOLLO's raw gradient: G ⊙ factor, applied as such
+            S[j] = Scaled(s, factor)
+        else:  # Fira's residual written into the caller's float32 stack: a new S
             S[j] = torch.mul(s, factor)
     if scale_type is None:
-        for s, b, n in zip(S, buckets, Ns, strict=True):
+        for s, b, n in zip(S, buckets, Ns, strict=True):  # type: ignore[assignment]
             Bs = b.B.float()  # type: ignore[union-attr]
             if b.left:
                 s.baddbmm_(Bs, n, alpha=alpha * decay)
@@ -344,9 +326,10 @@ _UP_TO_FP32 = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _norms(x: Tensor, dim: int | tuple[int, int]) -> Tensor:
-    """2-norms of a stack over ``dim`` (kept). Over dim 1 (a left basis's columns) as the
-    root of summed squares: torch's CPU ``vector_norm`` over a strided dim is ~20× slower."""
-    if dim == 1:
+    """2-norms of a stack over ``dim`` (kept). Over dim 1 (a left basis's columns) on the
+    CPU as the root of summed squares: torch's CPU ``vector_norm`` over a strided dim is
+    ~20× slower (elsewhere it reads x once and writes no squares)."""
+    if dim == 1 and x.device.type == "cpu":
         return x.square().sum(dim=1, keepdim=True).sqrt_()
     return torch.linalg.vector_norm(x, dim=dim, keepdim=True)
 
@@ -357,11 +340,12 @@ def _scaled_norm(res: Tensor, phi: Tensor, dim: int | tuple[int, int]) -> Tensor
     work, in float32 (they overflow only for gradient entries beyond ~1e18, where Adam's
     second moment overflows first); φ — huge when ‖R‖ ≈ 0 — multiplies them in float64,
     where ‖S‖ cannot overflow (the per-tensor path's float64 norm of S, within 1e-7)."""
-    if dim == 1:  # summed squares (see _norms), of float32 values
+    if dim == 1 and res.device.type == "cpu":  # summed squares (see _norms), in float32
         squares = res.float().square_() if res.dtype != torch.float32 else res.square()
         squares = squares.sum(dim=1, keepdim=True)
         return phi.double().square_().mul_(squares).sum(dim=(1, 2)).sqrt_()
-    # accumulated in float32 whatever res's dtype (its values are exact in float32)
+    # accumulated in float32 whatever res's dtype (its values are exact in float32): one
+    # read of res, no float32 copy
     channel = torch.linalg.vector_norm(res, dim=dim, keepdim=True, dtype=torch.float32)
     return torch.linalg.vector_norm(phi.double().mul_(channel), dim=(1, 2))
 
@@ -394,10 +378,10 @@ __all__ = [
     "RESIDUAL",
     "SCALE_TYPE",
     "Bucket",
+    "Scaled",
     "active",
     "combine",
     "combine_buckets",
-    "combine_many",
     "init_state",
     "validate",
 ]
