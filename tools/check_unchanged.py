@@ -135,7 +135,8 @@ def main() -> int:
             )
         else:
             fields = sorted({k for r in rows for k in r})
-            how = f"within {TOLERANCE:g}" if tolerant else "identical"
+            bitwise = rows == want  # a tolerant preset may still be identical: say so
+            how = "identical" if bitwise else f"within {TOLERANCE:g}"
             print(f"{name}: {how} ({len(rows)} rows; fields {', '.join(fields)})")
     return 1 if bad else 0
 
