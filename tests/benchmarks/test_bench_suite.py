@@ -214,7 +214,7 @@ def test_registry_lists_every_task_and_resolves_each():
         fn = getattr(importlib.import_module(f"benchmarks.{task.module}"), task.function)
         params = set(inspect.signature(fn).parameters)
         assert params <= {"quick", "suite", "repeats", "rounds", "warmup", "json_path",
-                          "steps", "config", "card_gib", "processes"}, name  # fmt: skip
+                          "steps", "config", "card_gib", "processes", "jobs"}, name  # fmt: skip
         assert name in listing and task.title in listing
     assert "needs CUDA" in listing.splitlines()[list(run.TASKS).index("kernels")]
     for name in opt_in:

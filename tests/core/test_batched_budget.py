@@ -28,9 +28,11 @@ NS_MATMULS = 2 * 3 * 5  # Muon: 2 short × long shapes (16×128, 16×352) × 3 p
 RANGER21_MODULES = 15
 EXTRA = {"galore2_muon": NS_MATMULS, "ranger21": RANGER21_MODULES}
 UNPROJECTED = ("ranger21",)  # no projected matrix: no per-matrix allowance, no matmul
-# launches per projected matrix outside the matmuls, by design: none (APOLLO's random
+# launches per projected matrix outside the matmuls, by design: APOLLO's apply — each
+# weight takes G ⊙ φ by one addcmul_ (galore2.core.ScaledUpdate: the m×n update is never
+# made, issue 38 item 6; within issue 27's 3 per matrix); nothing else (its random
 # projector keeps its small bases stacked between refreshes, galore2.optim.lowrank_batch)
-PER_MATRIX: dict[str, int] = {}
+PER_MATRIX = {"galore2_apollo": 1, "galore2_apollo_mini": 1}
 KEYS = ("galore_adamw", "galore_adamw8bit", "galore2_fira", "galore2_apollo",
         "galore2_apollo_mini", "galore2_muon", "galore_adafactor", "ranger21",
         "galore_ranger21")  # fmt: skip
