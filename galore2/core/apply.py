@@ -69,8 +69,8 @@ def apply_masked(
     """``p ← decay·p − lr·mask·u`` with ``mask = flags.entries[position]`` (the batch's
     flags: each parameter's 0-d 1.0 / 0.0, on the device) and ``decay`` a 0-d device tensor per
     parameter (the masked step, ``capturable=True``): dense updates masked per stack they form (:func:`masked_updates`)
-    and applied by foreach kernels, low-rank ones by their factor ``B`` times the mask and one
-    fused matmul each. Updates are finite (a masked parameter stepped on a zero gradient), so
+    and applied by foreach kernels, factored ones by one fused pass each with the mask in
+    their small operand (a low-rank update's ``B``, a scaled gradient's factor). Updates are finite (a masked parameter stepped on a zero gradient), so
     ``u·0`` is 0."""
     dense = [i for i, u in enumerate(updates) if not isinstance(u, FACTORED)]
     if dense:
