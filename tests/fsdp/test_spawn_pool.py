@@ -50,11 +50,12 @@ def test_ranks_are_kept_within_a_test_file_and_new_for_another(tmp_path, monkeyp
     assert [proc.exitcode for proc in kept] == [0, 0]
 
 
-def test_many_file_changes_in_a_row_never_block():
-    """The hang CI met: ranks ended right after their report, again and again."""
+def test_file_changes_in_a_row_never_block():
+    """The hang CI met: ranks ended right after their report, twice in a row (each change
+    starts two fresh ranks: seconds of imports, so only two)."""
     here = os.environ["PYTEST_CURRENT_TEST"]
     try:
-        for i in range(6):
+        for i in range(2):
             os.environ["PYTEST_CURRENT_TEST"] = here.replace("test_spawn_pool.py", f"f{i}.py")
             spawn(cases.looks_fresh, 2, None, timeout=120)
     finally:
