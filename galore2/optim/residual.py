@@ -325,11 +325,17 @@ def combine_buckets(
 _UP_TO_FP32 = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def _summed_squares(x: Tensor, dim: int | tuple[int, int]) -> bool:
+    """Whether channel norms of ``x`` over ``dim`` are taken from summed squares rather than
+    ``vector_norm``: over dim 1 (a left basis's columns) on the CPU, where torch's
+    ``vector_norm`` over a strided dim is ~20× slower (elsewhere it reads x once and
+    writes no squares)."""
+    return dim == 1 and x.device.type == "cpu"
+
+
 def _norms(x: Tensor, dim: int | tuple[int, int]) -> Tensor:
-    """2-norms of a stack over ``dim`` (kept). Over dim 1 (a left basis's columns) on the
-    CPU as the root of summed squares: torch's CPU ``vector_norm`` over a strided dim is
-    ~20× slower (elsewhere it reads x once and writes no squares)."""
-    if dim == 1 and x.device.type == "cpu":
+    """2-norms of a stack over ``dim`` (kept); see :func:`_summed_squares`."""
+    if _summed_squares(x, dim):
         return x.square().sum(dim=1, keepdim=True).sqrt_()
     return torch.linalg.vector_norm(x, dim=dim, keepdim=True)
 
@@ -340,7 +346,7 @@ def _scaled_norm(res: Tensor, phi: Tensor, dim: int | tuple[int, int]) -> Tensor
     work, in float32 (they overflow only for gradient entries beyond ~1e18, where Adam's
     second moment overflows first); φ — huge when ‖R‖ ≈ 0 — multiplies them in float64,
     where ‖S‖ cannot overflow (the per-tensor path's float64 norm of S, within 1e-7)."""
-    if dim == 1 and res.device.type == "cpu":  # summed squares (see _norms), in float32
+    if _summed_squares(res, dim):  # in float32
         squares = res.float().square_() if res.dtype != torch.float32 else res.square()
         squares = squares.sum(dim=1, keepdim=True)
         return phi.double().square_().mul_(squares).sum(dim=(1, 2)).sqrt_()
