@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
-# One GPU session's checks in ONE call of at most 9 minutes, each part time-boxed.
+# One GPU session's checks in ONE call of at most 8 minutes, each part time-boxed (a drawn
+# task has 15 minutes of device time, the machine's start included).
 #
 #   bash benchmarks/gpu_session.sh                      # repository root, on the GPU machine
 #   GPU_SESSION_DRY=1 bash benchmarks/gpu_session.sh    # print the plan, run nothing (CPU)
 #   GPU_SESSION_TINY=1 bash benchmarks/gpu_session.sh   # every part at tiny shapes (CPU smoke,
 #                                                       # 10x the time boxes)
 #
-# Parts (logs under $OUT, else runs/gpu_session; one NAME.log per part, no sub-folders):
-#   throughput   issue 38: the recipe's tokens/s by wall clock over whole log windows at
-#                llama_350m, torch AdamW fused (the baseline) and foreach, every preset,
-#                GaLoreAdamW with --optim.capture (benchmarks/gpu_throughput.py)
+# Parts, most needed first (logs under $OUT, else runs/gpu_session; one NAME.log per part,
+# no sub-folders):
 #   step_alone   the optimizer step alone at llama_350m: random bf16 gradients, CUDA events
 #                around 10 steps after 3 warm-ups, synchronized (benchmarks/step_alone.py)
+#   profile      one step of GaLoreAdamW, GaLoreAdamW8bit and Fira under torch.profiler:
+#                ops by their own device time (benchmarks/step_alone.py --part profile)
+#   throughput   issue 38: the recipe's tokens/s by wall clock over whole log windows at
+#                llama_350m, torch AdamW fused (the baseline), every preset, GaLoreAdamW
+#                with --optim.capture, foreach last (benchmarks/gpu_throughput.py)
+#   fit_16gb     issue 40: llama_7b with INT8 weights under a 15 GiB allocator cap, seq 2048
+#                and GaLore's seq 256 batch 16 (build peak, training peak, planner, tokens/s)
+#   gpu_tests    the tests marked `gpu` (pytest -m gpu), run beside fit_16gb (whose figure
+#                is memory; its tokens/s shares the GPU with them)
 #   refresh_schedule  worst and median step of GaLoreAdamW, refresh_schedule together vs
 #                staggered (benchmarks/step_alone.py --part schedule)
-#   fit_24gb     issue 28 item 2: llama_7b under a 23.5 GiB allocator cap, seq 2048 and
-#                GaLore's seq 256 batch 16 (build peak, training peak, planner, tokens/s)
 # Each part prints its rows as it measures them, so a part cut by its time box keeps the
-# rows it finished. Optional, outside the 9 minutes: GPU_SESSION_TORCHTITAN=1 adds the
+# rows it finished. Optional, outside the 8 minutes: GPU_SESSION_FIT24=1 adds fit_24gb
+# (issue 28: llama_7b, bf16 weights, 23.5 GiB cap); GPU_SESSION_TORCHTITAN=1 adds the
 # torchtitan guide's command (needs torchtitan: carry .whl from benchmarks/gpu_wheels.sh;
 # this script installs them into /tmp/site).
 # Summary: $OUT/summary.txt (one line per part: exit status, seconds).
@@ -25,11 +32,11 @@ set -u
 OUT=${OUT:-runs/gpu_session}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-BUDGET=${GPU_SESSION_BUDGET:-530}  # seconds for all parts together (9 minutes: 540)
+BUDGET=${GPU_SESSION_BUDGET:-470}  # seconds for all parts together (8 minutes: 480)
 DRY=${GPU_SESSION_DRY:-0}
 TINY=${GPU_SESSION_TINY:-0}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 GALORE2_FIT_TIMEOUT=${GALORE2_FIT_TIMEOUT:-70}
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 GALORE2_FIT_TIMEOUT=${GALORE2_FIT_TIMEOUT:-55}
 SUMMARY="$OUT/summary.txt"
 START=$SECONDS
 SCALE=1
@@ -58,6 +65,16 @@ part() {
     tail -n 30 "$OUT/$name.log"
 }
 
+# beside NAME SECONDS CMD...: `part` in the background (`wait` collects it): for a part that
+# may share the GPU with the next one
+beside() {
+    if [ "$DRY" = 1 ]; then
+        part "$@"
+    else
+        part "$@" &
+    fi
+}
+
 torchtitan_part() {
     if [ "$DRY" != 1 ] && ! $PY -c "import torchtitan.train" >/dev/null 2>&1; then
         echo "torchtitan: skipped (not importable; carry .whl from benchmarks/gpu_wheels.sh)" \
@@ -74,13 +91,17 @@ torchtitan_part() {
 QUICK=()
 THROUGHPUT_ROWS=()
 STEP_ROWS=()
-FIT=(--tasks fit_24gb --no-write)
+TESTS=(-m pytest -q -m gpu -p no:cacheprovider tests)
+FIT16=(--tasks fit_16gb --no-write)
+FIT24=(--tasks fit_24gb --no-write)
 if [ "$TINY" = 1 ]; then  # the same parts at tiny shapes, few rows: a CPU smoke test,
     QUICK=(--quick)         # with 10× the time boxes (they are sized for the GPU)
     BUDGET=$((BUDGET * 10)) SCALE=10 GALORE2_FIT_TIMEOUT=600
     THROUGHPUT_ROWS=(--rows "adamw (fused),galore_adamw + capture")
     STEP_ROWS=(--rows "torch AdamW (fused),galore_adamw + CapturedStep")
-    FIT=(--tasks fit_24gb --config tiny --steps 2 --no-write)
+    TESTS=(-m pytest -q -m gpu -p no:cacheprovider tests/recipes/test_recipe_gpu.py)
+    FIT16=(--tasks fit_16gb --config tiny --steps 2 --no-write)
+    FIT24=(--tasks fit_24gb --config tiny --steps 2 --no-write)
 fi
 
 : >"$SUMMARY"
@@ -97,10 +118,15 @@ if [ "$DRY" != 1 ] && [ "$TINY" != 1 ]; then
       git log -1 --format='commit %H' 2>/dev/null; } >>"$SUMMARY" 2>&1
 fi
 
-part throughput 230 $PY -m benchmarks.gpu_throughput "${QUICK[@]}" "${THROUGHPUT_ROWS[@]}"
 part step_alone 80 $PY -m benchmarks.step_alone --part step "${QUICK[@]}" "${STEP_ROWS[@]}"
-part refresh_schedule 60 $PY -m benchmarks.step_alone --part schedule "${QUICK[@]}"
-part fit_24gb 160 $PY -m benchmarks.run "${FIT[@]}"
+part profile 30 $PY -m benchmarks.step_alone --part profile "${QUICK[@]}"
+part throughput 170 $PY -m benchmarks.gpu_throughput "${QUICK[@]}" "${THROUGHPUT_ROWS[@]}"
+beside gpu_tests 120 $PY "${TESTS[@]}"
+part fit_16gb 120 $PY -m benchmarks.run "${FIT16[@]}"
+wait
+part refresh_schedule 40 $PY -m benchmarks.step_alone --part schedule "${QUICK[@]}"
+[ "${GPU_SESSION_FIT24:-0}" = 1 ] && BUDGET=$((BUDGET + 160)) part fit_24gb 160 \
+    $PY -m benchmarks.run "${FIT24[@]}"
 [ "${GPU_SESSION_TORCHTITAN:-0}" = 1 ] && torchtitan_part
 
 echo "total: $((SECONDS - START)) s" | tee -a "$SUMMARY"

@@ -1,6 +1,6 @@
 """The optimizer step alone, and the worst step under each refresh schedule (issue 38 item 9).
 
-``python -m benchmarks.step_alone [--part step|schedule|both] [--quick]`` (what
+``python -m benchmarks.step_alone [--part step|profile|schedule|both] [--quick]`` (what
 ``benchmarks/gpu_session.sh`` runs; prints each row as it is measured):
 
 * **step** — the recipe's model at ``llama_350m`` shapes (bf16 on CUDA), random gradients
@@ -12,6 +12,9 @@
   ratio) and foreach, every galore2 preset, GaLoreAdamW with ``capturable=True`` and with
   it under :class:`galore2.CapturedStep` (CUDA only). On a CPU the host clock around the 10
   steps (the CPU runs them synchronously).
+* **profile** — where one non-refresh step's device time goes: for each of ``PROFILED``
+  (built as in *step*, after the same warm-up), a ``torch.profiler`` table of one step,
+  ops sorted by their own device time (host time on a CPU): what to fuse next.
 * **schedule** — GaLoreAdamW with ``refresh_schedule`` ``together`` and ``staggered`` at
   the same shapes, refresh gap ``GAP``: ``STEPS`` steps each timed on its own with CUDA
   events (:func:`benchmarks.timing.time_calls`, synchronized after the last) after the
@@ -133,6 +136,44 @@ def step_part(
     return out
 
 
+PROFILED = ("galore_adamw", "galore_adamw8bit", "fira")
+PROFILE_ROWS = 15
+
+
+def profile_part(
+    quick: bool, echo: Callable[[str], None] = print, names: tuple[str, ...] = PROFILED
+) -> dict[str, str]:
+    """A profiler table of one step of each of ``names`` (or why not), keyed by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build(quick)
+    cuda = _device().type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    out = {}
+    for name in names:
+        try:
+            opt = make(model, quick, name)
+            for _ in range(WARMUP):
+                opt.step()
+            if cuda:
+                torch.cuda.synchronize()
+            with profile(activities=activities) as prof:
+                opt.step()
+                if cuda:
+                    torch.cuda.synchronize()
+            out[name] = prof.key_averages().table(sort_by=key, row_limit=PROFILE_ROWS,
+                                                  max_name_column_width=50)  # fmt: skip
+            del opt
+        except Exception as err:  # one that cannot run here: its entry says why
+            out[name] = f"error {type(err).__name__}: {str(err)[:160]}"
+        echo(f"profile: {name}, one step at {_config(quick)} on {_device()}, by {key}")
+        echo(out[name])
+        if cuda:
+            torch.cuda.empty_cache()
+    return out
+
+
 def schedule_part(quick: bool, echo: Callable[[str], None] = print) -> dict[str, dict]:
     """Median and worst step of GaLoreAdamW under each ``refresh_schedule``."""
     model = build(quick)
@@ -156,22 +197,28 @@ def schedule_part(quick: bool, echo: Callable[[str], None] = print) -> dict[str,
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--part", choices=("step", "schedule", "both"), default="both")
+    p.add_argument("--part", choices=("step", "profile", "schedule", "both"), default="both")
     p.add_argument("--quick", action="store_true", help="tiny config (CPU smoke test)")
-    p.add_argument("--rows", default="", help="step part: comma-separated labels (default: all)")
+    p.add_argument(
+        "--rows",
+        default="",
+        help="step part: comma-separated labels, the baseline first (default: all)",
+    )
     args = p.parse_args(argv)
     wanted = [s.strip() for s in args.rows.split(",") if s.strip()]
     labels = [r[0] for r in STEP_ROWS]
     unknown = [w for w in wanted if w not in labels]
     if unknown:
         p.error(f"--rows: unknown {unknown}; rows: {', '.join(labels)}")
-    rows = tuple(r for r in STEP_ROWS if not wanted or r[0] in wanted)
+    rows = tuple(r for w in wanted for r in STEP_ROWS if r[0] == w) or STEP_ROWS  # as named
 
     def echo(line: str) -> None:
         print(line, flush=True)
 
     if args.part in ("step", "both"):
         step_part(args.quick, echo, rows)
+    if args.part == "profile":
+        profile_part(args.quick, echo)
     if args.part in ("schedule", "both"):
         schedule_part(args.quick, echo)
 

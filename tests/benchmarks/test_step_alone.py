@@ -28,3 +28,14 @@ def test_step_part_on_the_cpu(capsys):
     with pytest.raises(SystemExit):
         step_alone.main(["--rows", "adamw"])
     assert "unknown ['adamw']" in capsys.readouterr().err
+
+
+def test_profile_part_tables_one_step_by_own_time(capsys):
+    out = step_alone.profile_part(True, names=("galore_adamw",))
+    table = out["galore_adamw"]
+    assert "Self CPU" in table and "aten::" in table  # ops of the step, not an error line
+    assert (
+        "galore_adamw, one step at tiny on cpu, by self_cpu_time_total" in capsys.readouterr().out
+    )
+    bad = step_alone.profile_part(True, names=("no_such_optimizer",))
+    assert bad["no_such_optimizer"].startswith("error ")  # a row that cannot run says why
