@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import re
@@ -13,6 +14,7 @@ from datetime import datetime, timezone
 from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple
+from unittest import mock
 
 import torch
 
@@ -136,3 +138,15 @@ def tiny_run(
 
 def val_losses(history: list[dict[str, Any]]) -> list[float]:
     return [r["val_loss"] for r in history if "val_loss" in r]
+
+
+def along_the_data(on: bool) -> contextlib.AbstractContextManager:
+    """Every GaLore shape batch along the data while ``on`` (each gradient read by its own
+    projection, each update written by its own ``addmm_``), as a GPU session compares it
+    with the default (stacked): :data:`galore2.optim.lowrank_batch.MIN_ALONG_DATA_ELEMENTS`
+    set to 0."""
+    if not on:
+        return contextlib.nullcontext()
+    from galore2.optim import lowrank_batch
+
+    return mock.patch.object(lowrank_batch, "MIN_ALONG_DATA_ELEMENTS", 0)

@@ -176,7 +176,8 @@ def run_one(argv: list[str]) -> dict:
 
 def run_child(*argv: str, timeout: float = 600) -> dict:
     """``run_one`` in a fresh process (its own allocator and cap); its JSON, or the error."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
     cmd = [sys.executable, "-m", "benchmarks.fit_24gb", *argv]
     try:
@@ -200,16 +201,12 @@ def _gb(b: int | None) -> str:
     return "not measured" if b is None else f"{b / 1e9:.2f}"
 
 
-def fit_24gb(
-    quick: bool, config: str | None, steps: int | None, card_gib: float | None
-) -> Section:
+def fit_24gb(quick: bool, config: str | None, steps: int | None, card_gib: float | None) -> Section:
     """The fit_24gb task: bf16 weights, INT8 basis, a 23.5 GiB cap (``card_gib``)."""
     return _fit("fit_24gb", quick, config, steps, card_gib)
 
 
-def fit_16gb(
-    quick: bool, config: str | None, steps: int | None, card_gib: float | None
-) -> Section:
+def fit_16gb(quick: bool, config: str | None, steps: int | None, card_gib: float | None) -> Section:
     """The fit_16gb task: INT8 weights, INT4 basis, a 15 GiB cap (``card_gib``)."""
     return _fit("fit_16gb", quick, config, steps, card_gib)
 

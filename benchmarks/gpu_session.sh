@@ -10,16 +10,19 @@
 # Parts, most needed first (logs under $OUT, else runs/gpu_session; one NAME.log per part,
 # no sub-folders):
 #   step_alone   the optimizer step alone at llama_350m: random bf16 gradients, CUDA events
-#                around 10 steps after 3 warm-ups, synchronized (benchmarks/step_alone.py)
+#                around 10 steps after 3 warm-ups, synchronized; GaLore stacked (the
+#                default) and along the data (benchmarks/step_alone.py)
 #   profile      one step of GaLoreAdamW, GaLoreAdamW8bit and Fira under torch.profiler:
-#                ops by their own device time (benchmarks/step_alone.py --part profile)
+#                ops by their own device time, and the host's functions by their own time
+#                (benchmarks/step_alone.py --part profile)
 #   throughput   issue 38: the recipe's tokens/s by wall clock over whole log windows at
 #                llama_350m, torch AdamW fused (the baseline), every preset, GaLoreAdamW
 #                with --optim.capture, foreach last (benchmarks/gpu_throughput.py)
 #   fit_16gb     issue 40: llama_7b with INT8 weights under a 15 GiB allocator cap, seq 2048
 #                and GaLore's seq 256 batch 16 (build peak, training peak, planner, tokens/s)
-#   gpu_tests    the tests marked `gpu` (pytest -m gpu), run beside fit_16gb (whose figure
-#                is memory; its tokens/s shares the GPU with them)
+#   gpu_tests    the files holding the tests marked `gpu` (the Triton kernels' tests among
+#                them, on the GPU), run beside fit_16gb (whose figure is memory; its
+#                tokens/s shares the GPU with them)
 #   refresh_schedule  worst and median step of GaLoreAdamW, refresh_schedule together vs
 #                staggered (benchmarks/step_alone.py --part schedule)
 # Each part prints its rows as it measures them, so a part cut by its time box keeps the
@@ -88,10 +91,14 @@ torchtitan_part() {
         >>"$OUT/torchtitan.log" 2>/dev/null
 }
 
+# the files of the `gpu`-marked tests, whole: their CPU tests too, and the Triton kernels'
+# tests on the GPU (off the GPU they run under Triton's interpreter)
+GPU_TEST_FILES=(tests/kernels/test_triton_kernels.py tests/core/test_capture.py
+    tests/core/test_gpu_step.py tests/recipes/test_recipe_gpu.py)
 QUICK=()
 THROUGHPUT_ROWS=()
 STEP_ROWS=()
-TESTS=(-m pytest -q -m gpu -p no:cacheprovider tests)
+TESTS=(-m pytest -q -p no:cacheprovider -o addopts= -m "not slow" "${GPU_TEST_FILES[@]}")
 FIT16=(--tasks fit_16gb --no-write)
 FIT24=(--tasks fit_24gb --no-write)
 if [ "$TINY" = 1 ]; then  # the same parts at tiny shapes, few rows: a CPU smoke test,
@@ -99,7 +106,7 @@ if [ "$TINY" = 1 ]; then  # the same parts at tiny shapes, few rows: a CPU smoke
     BUDGET=$((BUDGET * 10)) SCALE=10 GALORE2_FIT_TIMEOUT=600
     THROUGHPUT_ROWS=(--rows "adamw (fused),galore_adamw + capture")
     STEP_ROWS=(--rows "torch AdamW (fused),galore_adamw + CapturedStep")
-    TESTS=(-m pytest -q -m gpu -p no:cacheprovider tests/recipes/test_recipe_gpu.py)
+    TESTS=(-m pytest -q -p no:cacheprovider -o addopts= -m gpu tests/recipes/test_recipe_gpu.py)
     FIT16=(--tasks fit_16gb --config tiny --steps 2 --no-write)
     FIT24=(--tasks fit_24gb --config tiny --steps 2 --no-write)
 fi
@@ -118,11 +125,11 @@ if [ "$DRY" != 1 ] && [ "$TINY" != 1 ]; then
       git log -1 --format='commit %H' 2>/dev/null; } >>"$SUMMARY" 2>&1
 fi
 
-part step_alone 80 $PY -m benchmarks.step_alone --part step "${QUICK[@]}" "${STEP_ROWS[@]}"
+part step_alone 60 $PY -m benchmarks.step_alone --part step "${QUICK[@]}" "${STEP_ROWS[@]}"
 part profile 30 $PY -m benchmarks.step_alone --part profile "${QUICK[@]}"
-part throughput 170 $PY -m benchmarks.gpu_throughput "${QUICK[@]}" "${THROUGHPUT_ROWS[@]}"
-beside gpu_tests 120 $PY "${TESTS[@]}"
-part fit_16gb 120 $PY -m benchmarks.run "${FIT16[@]}"
+part throughput 150 $PY -m benchmarks.gpu_throughput "${QUICK[@]}" "${THROUGHPUT_ROWS[@]}"
+beside gpu_tests 110 $PY "${TESTS[@]}"
+part fit_16gb 110 $PY -m benchmarks.run "${FIT16[@]}"
 wait
 part refresh_schedule 40 $PY -m benchmarks.step_alone --part schedule "${QUICK[@]}"
 [ "${GPU_SESSION_FIT24:-0}" = 1 ] && BUDGET=$((BUDGET + 160)) part fit_24gb 160 \

@@ -6,15 +6,17 @@
 * **step** — the recipe's model at ``llama_350m`` shapes (bf16 on CUDA), random gradients
   (``randn × 1e-3`` in the parameters' dtype, assigned once), and each optimizer built as
   the recipe builds it (:func:`recipes.optimizers.build_optimizer`: the same groups, r = 256,
-  the refresh gap so large that no timed step refreshes): 3 untimed steps (the first
+  the refresh gap so large that no timed step refreshes), and the GaLore rows again with
+  every shape batch along the data (:func:`along_the_data`): 3 untimed steps (the first
   creates state and the bases), then 10 steps between two CUDA events, synchronized after
   the last; milliseconds per step. Rows: torch AdamW fused (the baseline, named in the
   ratio) and foreach, every galore2 preset, GaLoreAdamW with ``capturable=True`` and with
   it under :class:`galore2.CapturedStep` (CUDA only). On a CPU the host clock around the 10
   steps (the CPU runs them synchronously).
-* **profile** — where one non-refresh step's device time goes: for each of ``PROFILED``
-  (built as in *step*, after the same warm-up), a ``torch.profiler`` table of one step,
-  ops sorted by their own device time (host time on a CPU): what to fuse next.
+* **profile** — where one non-refresh step's time goes: for each of ``PROFILED`` (built as
+  in *step*, after the same warm-up), a ``torch.profiler`` table of one step, ops sorted by
+  their own device time (host time on a CPU), and the host's Python functions of three
+  steps by their own time (cProfile): what to fuse next, and what the host spends.
 * **schedule** — GaLoreAdamW with ``refresh_schedule`` ``together`` and ``staggered`` at
   the same shapes, refresh gap ``GAP``: ``STEPS`` steps each timed on its own with CUDA
   events (:func:`benchmarks.timing.time_calls`, synchronized after the last) after the
@@ -27,10 +29,14 @@ meaningful).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -40,6 +46,7 @@ from recipes import model as modeling
 from recipes import optimizers
 from recipes.resolve import parse_args
 
+from ._common import along_the_data
 from .timing import time_calls
 
 WARMUP, TIMED = 3, 10
@@ -97,13 +104,27 @@ def ms_per_step(step: Callable[[], object]) -> float:
     return a.elapsed_time(b) / TIMED
 
 
-#: (label, recipe optimizer, flags, wrap in CapturedStep)
-STEP_ROWS: tuple[tuple[str, str, tuple[str, ...], bool], ...] = (
-    ("torch AdamW (fused)", "adamw", ("--optim.adamw_kernel", "fused"), False),
-    ("torch AdamW (foreach)", "adamw", ("--optim.adamw_kernel", "foreach"), False),
-    *((n, n, (), False) for n in PRESETS),
-    ("galore_adamw capturable", "galore_adamw", ("--optim.capturable", "true"), False),
-    ("galore_adamw + CapturedStep", "galore_adamw", ("--optim.capturable", "true"), True),
+class StepRow(NamedTuple):
+    label: str
+    optimizer: str  # recipe optimizer name
+    flags: tuple[str, ...] = ()
+    captured: bool = False  # wrapped in galore2.CapturedStep (CUDA only)
+    along: bool = False  # every shape batch along the data (lowrank_batch.along_data)
+
+
+#: the baseline first, then in the order a time-boxed GPU session most needs them
+STEP_ROWS: tuple[StepRow, ...] = (
+    StepRow("torch AdamW (fused)", "adamw", ("--optim.adamw_kernel", "fused")),
+    StepRow("galore_adamw", "galore_adamw"),
+    StepRow("galore_adamw along the data", "galore_adamw", along=True),
+    StepRow("galore_adamw8bit", "galore_adamw8bit"),
+    StepRow("galore_adamw8bit along the data", "galore_adamw8bit", along=True),
+    *(StepRow(n, n) for n in PRESETS if n not in ("galore_adamw", "galore_adamw8bit")),
+    StepRow("galore_adamw capturable", "galore_adamw", ("--optim.capturable", "true")),
+    StepRow(
+        "galore_adamw + CapturedStep", "galore_adamw", ("--optim.capturable", "true"), captured=True
+    ),  # fmt: skip
+    StepRow("torch AdamW (foreach)", "adamw", ("--optim.adamw_kernel", "foreach")),
 )
 
 
@@ -116,13 +137,15 @@ def step_part(
          f"timed; ratios to {rows[0][0]}")  # fmt: skip
     echo("| optimizer | ms/step | ÷ baseline |")
     out: dict[str, float | str] = {}
-    for label, name, flags, captured in rows:
+    for label, name, flags, captured, along in rows:
         try:
             opt = make(model, quick, name, *flags)
             if captured and _device().type != "cuda":
                 out[label] = "n/a (CUDA graphs need a GPU)"
             else:
-                out[label] = ms_per_step(galore2.CapturedStep(opt) if captured else opt.step)
+                with along_the_data(along):
+                    step = galore2.CapturedStep(opt) if captured else opt.step
+                    out[label] = ms_per_step(step)
             del opt
         except Exception as err:  # one that cannot run here: its row says why
             out[label] = f"error {type(err).__name__}: {str(err)[:160]}"
@@ -164,6 +187,7 @@ def profile_part(
                     torch.cuda.synchronize()
             out[name] = prof.key_averages().table(sort_by=key, row_limit=PROFILE_ROWS,
                                                   max_name_column_width=50)  # fmt: skip
+            out[name] += "\n" + host_profile(opt.step)
             del opt
         except Exception as err:  # one that cannot run here: its entry says why
             out[name] = f"error {type(err).__name__}: {str(err)[:160]}"
@@ -172,6 +196,20 @@ def profile_part(
         if cuda:
             torch.cuda.empty_cache()
     return out
+
+
+def host_profile(step: Callable[[], object], calls: int = 3) -> str:
+    """Where the host's time of ``calls`` steps goes: cProfile's functions by their own time
+    (the Python of the step and each op's dispatch, which a launch-bound GPU waits for)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        step()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(PROFILE_ROWS)
+    text = buf.getvalue()
+    return f"host, {calls} steps, functions by own time:\n" + text[text.find("   ncalls") :]
 
 
 def schedule_part(quick: bool, echo: Callable[[str], None] = print) -> dict[str, dict]:
@@ -206,11 +244,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     wanted = [s.strip() for s in args.rows.split(",") if s.strip()]
-    labels = [r[0] for r in STEP_ROWS]
+    labels = [r.label for r in STEP_ROWS]
     unknown = [w for w in wanted if w not in labels]
     if unknown:
         p.error(f"--rows: unknown {unknown}; rows: {', '.join(labels)}")
-    rows = tuple(r for w in wanted for r in STEP_ROWS if r[0] == w) or STEP_ROWS  # as named
+    rows = tuple(r for w in wanted for r in STEP_ROWS if r.label == w) or STEP_ROWS  # as named
 
     def echo(line: str) -> None:
         print(line, flush=True)

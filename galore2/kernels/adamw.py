@@ -17,8 +17,13 @@ nvcc contracts ``add_``'s ``a + α·b``) rounded again. The corrections' ``pow``
 host's here, the device's there (an ulp apart at most), so results agree with those
 passes to the last bit of a rounding, not necessarily bit for bit.
 
-Called through :func:`galore2.kernels.ops.adamw_` (a ``torch.library`` custom op: one
-launch per weight, counted as one by dispatch modes, shapes only on meta tensors).
+Called through :func:`galore2.kernels.ops.adamw_` (a ``torch.library`` custom op, counted
+as one launch by dispatch modes, shapes only on meta tensors): a list of weights in ONE
+launch (:func:`adamw_list_step`, a multi-tensor apply reading a table of addresses), one
+weight by :func:`adamw_step`. On an H200 (torch 2.11, Triton 3.6) a launch through the op
+cost the host about 0.1-0.2 ms, so a plain group of 51 weights (Llama-350M's embeddings,
+head and norms) launched one by one spent about 9 ms of host time per step on 3.6 ms of
+device work (BENCHMARKS.md, "GPU session").
 """
 
 from __future__ import annotations
@@ -45,6 +50,29 @@ def _to_bf16(x):
 
 
 @triton.jit
+def _adamw_block(
+    p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, beta1, beta2, eps, inv_bc1, bc2_sqrt, decay,
+    neg_lr, DECAY: tl.constexpr,
+):  # fmt: skip
+    """One block of AdamW (the elements ``offs`` under ``mask``) of one weight."""
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
+    g2 = g * g
+    v = tl.fma(beta2, v, tl.fma(-beta2, g2, g2))
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    d = tl.div_rn(inv_bc1 * m, denom)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    if DECAY:  # its own rounding to bf16, as the separate multiply
+        p = _to_bf16(p.to(tl.float32) * decay)
+    p = tl.fma(neg_lr, d, p.to(tl.float32))
+    tl.store(p_ptr + offs, _to_bf16(p), mask=mask)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+
+
+@triton.jit
 def _adamw_kernel(
     p_ptr,
     g_ptr,
@@ -62,22 +90,37 @@ def _adamw_kernel(
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-    m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
-    g2 = g * g
-    v = tl.fma(beta2, v, tl.fma(-beta2, g2, g2))
-    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    d = tl.div_rn(inv_bc1 * m, denom)
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    if DECAY:  # its own rounding to bf16, as the separate multiply
-        p = _to_bf16(p.to(tl.float32) * decay)
-    p = tl.fma(neg_lr, d, p.to(tl.float32))
-    tl.store(p_ptr + offs, _to_bf16(p), mask=mask)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
+    _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < n, beta1, beta2, eps, inv_bc1,
+                 bc2_sqrt, decay, neg_lr, DECAY)  # fmt: skip
+
+
+@triton.jit
+def _adamw_list_kernel(
+    table,  # int64: the weights', gradients', m's and v's addresses, sizes, first blocks
+    count,  # weights in the list (T): the table's sections are T long
+    block_owner,  # int64, one per block of the launch: the weight it belongs to
+    beta1,
+    beta2,
+    eps,
+    inv_bc1,
+    bc2_sqrt,
+    decay,
+    neg_lr,
+    DECAY: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # multi-tensor apply: block pid belongs to weight t (block_owner), its pid − first[t]-th
+    pid = tl.program_id(0)
+    t = tl.load(block_owner + pid)
+    n = tl.load(table + 4 * count + t)
+    first = tl.load(table + 5 * count + t)
+    offs = (pid - first) * BLOCK + tl.arange(0, BLOCK)
+    p_ptr = tl.load(table + t).to(tl.pointer_type(tl.bfloat16))
+    g_ptr = tl.load(table + count + t).to(tl.pointer_type(tl.bfloat16))
+    m_ptr = tl.load(table + 2 * count + t).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(table + 3 * count + t).to(tl.pointer_type(tl.float32))
+    _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < n, beta1, beta2, eps, inv_bc1,
+                 bc2_sqrt, decay, neg_lr, DECAY)  # fmt: skip
 
 
 @triton.jit
@@ -149,6 +192,77 @@ def adamw_step(
     return True  # it ran (galore2.kernels.dispatch.run_kernel: None means the torch path)
 
 
+#: the device tables of recent lists (:func:`_list_table`), by device and addresses
+_TABLES: dict[tuple, tuple[Tensor, Tensor, int]] = {}
+_TABLES_KEPT = 8
+
+
+def _list_table(lists: tuple[list[Tensor], ...]) -> tuple[Tensor, Tensor, int]:
+    """(table, block owners, blocks) of :func:`adamw_list_step`'s launch over ``lists``
+    (weights, gradients, m, v): the addresses, sizes and first blocks, and each block's
+    weight, on the weights' device. Kept for the same tensors at the same addresses (one
+    host→device copy when they move: new gradients each step, mostly where they were)."""
+    ps = lists[0]
+    sizes = [p.numel() for p in ps]
+    key = (ps[0].device, *(t.data_ptr() for ts in lists for t in ts), *sizes)
+    hit = _TABLES.get(key)
+    if hit is not None:
+        return hit
+    blocks = [triton.cdiv(n, BLOCK) for n in sizes]
+    firsts = np.concatenate(([0], np.cumsum(blocks)[:-1]))
+    owners = np.repeat(np.arange(len(ps)), blocks)
+    addresses = [t.data_ptr() for ts in lists for t in ts]
+    host = torch.from_numpy(np.concatenate((addresses, sizes, firsts, owners)).astype(np.int64))
+    table = host.to(ps[0].device, non_blocking=True)  # staged at once: host may go
+    count = len(ps)
+    made = (table[: 6 * count], table[6 * count :], int(sum(blocks)))
+    if len(_TABLES) >= _TABLES_KEPT:
+        _TABLES.pop(next(iter(_TABLES)))
+    _TABLES[key] = made
+    return made
+
+
+def adamw_list_step(
+    ps: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: list[Tensor], *, step: int,
+    lr: float, beta1: float, beta2: float, eps: float, decay: float,
+) -> bool:  # fmt: skip
+    """:func:`adamw_step` of every weight of ``ps`` in ONE launch (multi-tensor apply: a
+    table of addresses read by each block), the same arithmetic element by element, so
+    the same bits. Every tensor as :func:`supported` takes it, all on one device. Not
+    while a CUDA graph is captured (its table would be a host→device copy): the caller
+    launches per weight there (:func:`supported_list`). Returns True."""
+    if not supported_list(ps, gs, ms, vs):
+        raise ValueError(
+            "adamw_list_step takes lists of one length on one device, each weight as "
+            "adamw_step takes it, outside a CUDA graph's capture"
+        )
+    if step < 1:
+        raise ValueError(f"step counts this step (>= 1), got {step}")
+    inv_bc1, bc2_sqrt = corrections(beta1, beta2, step)
+    table, owners, blocks = _list_table((ps, gs, ms, vs))
+    with launch_device(ps[0]):
+        _adamw_list_kernel[(blocks,)](
+            table, len(ps), owners, beta1, beta2, eps, inv_bc1, bc2_sqrt, decay, -lr,
+            DECAY=decay != 1.0, BLOCK=BLOCK,
+        )  # fmt: skip
+    return True
+
+
+def supported_list(ps: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: list[Tensor]) -> bool:
+    """What :func:`adamw_list_step` takes: lists of one length, each weight's four tensors
+    as :func:`supported` takes them, all on the first weight's device, and no CUDA graph
+    being captured."""
+    if not ps or not (len(ps) == len(gs) == len(ms) == len(vs)):
+        return False
+    device = ps[0].device
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return all(
+        supported(p, g, m, v) and p.device == g.device == m.device == v.device == device
+        for p, g, m, v in zip(ps, gs, ms, vs, strict=True)
+    )
+
+
 def directions_step(
     g: Tensor, m: Tensor, v: Tensor, out: Tensor, *, step: int, beta1: float, beta2: float,
     eps: float,
@@ -201,4 +315,7 @@ def supported(p: Tensor, g: Tensor, m: Tensor, v: Tensor) -> bool:
     )
 
 
-__all__ = ["BLOCK", "adamw_step", "directions_step", "supported", "supported_directions"]
+__all__ = [
+    "BLOCK", "adamw_list_step", "adamw_step", "directions_step", "supported", "supported_directions",
+    "supported_list",
+]  # fmt: skip

@@ -2,9 +2,9 @@
 
 * ``galore2::adamw_`` (:func:`adamw_`) — an AdamW step of weights with float32 moments
   (bf16 weights with galore2's default ``state_dtype``), for which torch has no fused
-  kernel (its fused AdamW keeps the moments in the weights' dtype). Per weight, the Triton
-  kernel :mod:`galore2.kernels.adamw` (one launch: each weight, gradient and moment read
-  once, weights and moments written once) where :mod:`~galore2.kernels.dispatch` runs
+  kernel (its fused AdamW keeps the moments in the weights' dtype). The Triton kernel
+  :mod:`galore2.kernels.adamw` (one launch for the whole list: each weight, gradient and
+  moment read once, weights and moments written once) where :mod:`~galore2.kernels.dispatch` runs
   Triton, else the torch passes it replaces (:func:`adamw_torch`: the gradients cast to
   float32, torch's fused Adam kernel writing the directions into zeroed buffers, then the
   decay and the update of the weights). On meta tensors it only checks (shapes, no values):
@@ -73,18 +73,26 @@ def adamw_(
 ) -> None:  # fmt: skip
     """Step ``step`` (≥ 1, counted already) of AdamW, ``p ← p·decay − lr·m̂/(√v̂ + eps)``,
     for each weight ``p`` of ``params`` with its gradient (in ``p``'s dtype) and float32
-    moments (updated in place); see the module docstring. Call it with one weight where
-    the Triton kernel runs (its launches are one per weight: so is a dispatch mode's count)."""
+    moments (updated in place); see the module docstring. Where the Triton kernel runs,
+    the whole list is one launch (:func:`galore2.kernels.adamw.adamw_list_step`; one call
+    is one launch, as a dispatch mode counts it); else (a CUDA graph being captured, or
+    inputs it does not take) one launch per weight, or the torch passes."""
+    hyper = {"step": step, "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps,
+             "decay": decay}  # fmt: skip
+    lists = (params, grads, exp_avgs, exp_avg_sqs)
+    if len(params) > 1 and run_kernel(
+        "adamw", *(t for ts in lists for t in ts),
+        supported=lambda k: k.supported_list(*lists),
+        kernel=lambda k: partial(k.adamw_list_step, *lists, **hyper),
+    ):  # fmt: skip
+        return
     rest = []
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
         args = (p, g, m, v)
         done = run_kernel(
             "adamw", *args,
             supported=lambda k, args=args: k.supported(*args),
-            kernel=lambda k, args=args: partial(
-                k.adamw_step, *args, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                decay=decay,
-            ),
+            kernel=lambda k, args=args: partial(k.adamw_step, *args, **hyper),
         )  # fmt: skip
         if done is None:  # the torch path (adamw_step returns True once it ran)
             rest.append(i)
@@ -174,5 +182,11 @@ def triton_would_run() -> bool:
     return kernel_mode() != "torch" and triton_available()
 
 
-__all__ = ["adam_directions", "adam_directions_", "adamw_", "adamw_torch", "directions_torch",
-           "triton_would_run"]
+__all__ = [
+    "adam_directions",
+    "adam_directions_",
+    "adamw_",
+    "adamw_torch",
+    "directions_torch",
+    "triton_would_run",
+]

@@ -29,8 +29,8 @@ def _fused_wanted(params: list[Tensor], group: Group) -> bool:
 def mixed_path(
     params: list[Tensor], grads: list[Tensor], states: list[State], group: Group
 ) -> bool:
-    """Whether galore2's fused AdamW op (:func:`galore2.kernels.ops.adamw_`, a Triton
-    kernel per weight) runs a plain AdamW group's step of bf16 weights with float32
+    """Whether galore2's fused AdamW op (:func:`galore2.kernels.ops.adamw_`, one Triton
+    launch for the group's weights) runs a plain AdamW group's step of bf16 weights with float32
     moments, which torch's fused kernel does not take: where :func:`_fused_wanted`, on CUDA
     (or meta: a count of that step, :mod:`benchmarks.roofline`) with the kernels on
     (``GALORE2_KERNELS`` not ``torch``, triton importable; a GPU it cannot run on takes
@@ -94,6 +94,14 @@ def _by_device_dtype(params: list[Tensor]) -> list[list[int]]:
     return list(out.values())
 
 
+def _by_step(steps: list[int]) -> dict[int, list[int]]:
+    """Positions by step count: one op call (one launch) each; one for the usual step."""
+    out: dict[int, list[int]] = {}
+    for i, t in enumerate(steps):
+        out.setdefault(t, []).append(i)
+    return out
+
+
 def _step_tensors(steps: list[int], device: torch.device) -> list[Tensor]:
     """torch's float32 0-d step counters holding ``steps`` on ``device``, which its fused
     kernel reads: one fill when every count is the same (the usual step)."""
@@ -109,16 +117,18 @@ def adamw_fused(
     steps: list[int], mixed: bool,
 ) -> None:  # fmt: skip
     """The step (counted already: ``steps``) of a plain AdamW group's tensors: by galore2's
-    op, one call (launch) a weight (``mixed``: :func:`mixed_path`), else by torch's fused
+    op, one call (one launch) per step count (``mixed``: :func:`mixed_path`), else by torch's fused
     AdamW kernel, one launch per (device, dtype) list (:func:`torch_path`)."""
     beta1, beta2 = group["betas"]
-    if mixed:  # bf16 weights, float32 moments: galore2's op, one call (launch) a weight
+    if mixed:  # bf16 weights, float32 moments: galore2's op, one call per step count
         lr = float(group["lr"])
         decay = DecoupledWeightDecay.factor(group)  # the optimizer's (see _adamw_rule)
-        for p, g, s, t in zip(params, grads, states, steps, strict=True):
+        for t, idx in _by_step(steps).items():
             ops.adamw_(
-                [p], [g], [s["adam.exp_avg"]], [s["adam.exp_avg_sq"]], t, lr, beta1,
-                beta2, group["eps"], decay,
+                [params[i] for i in idx], [grads[i] for i in idx],
+                [states[i]["adam.exp_avg"] for i in idx],
+                [states[i]["adam.exp_avg_sq"] for i in idx], t, lr, beta1, beta2,
+                group["eps"], decay,
             )  # fmt: skip
         return
     for idx in _by_device_dtype(params):

@@ -10,8 +10,9 @@ optimizer's foreach kernels. Fira and APOLLO take the same projection; their com
 is :func:`.residual.combine_buckets` on the same stacks.
 
 **Along the data** (GaLore without a residual, on an unmasked step:
-:func:`.lowrank_plan.factored`; matrices of at least :data:`MIN_ALONG_DATA_BYTES`,
-:func:`along_data`): the gradients are not stacked — each is read once, in its own
+:func:`.lowrank_plan.factored`; matrices of at least :data:`MIN_ALONG_DATA_ELEMENTS`,
+:func:`along_data`, which no batch reaches on today's GPU hosts): the gradients are not
+stacked — each is read once, in its own
 dtype, by its own matmul into its entry of the r-sized stack R (:meth:`ShapeBatch.project`
 with ``stack=False``) — and the update goes out as factors (:func:`factors`), which the
 optimizer writes into each weight by one ``addmm_`` (scale, decay and update in the
@@ -81,8 +82,24 @@ MAX_MATRIX_BYTES = 16 * 2**20
 MAX_BATCH_BYTES = 256 * 2**20
 #: the largest stack of a batch's stored bases kept between steps (see ShapeBatch.bases)
 MAX_CACHED_BYTES = 4 * 2**20
-#: the smallest matrix whose batch goes along the data (:func:`along_data`)
-MIN_ALONG_DATA_BYTES = 2**20
+#: the host time of one eager launch (an op's Python and dispatch) on a GPU's host: about
+#: 40 µs, measured on an H200 machine with torch 2.11 (BENCHMARKS.md, "GPU session":
+#: Llama-350M's 168 matrices along the data, 336 launches, made GaLoreAdamW's step 30.8 ms
+#: where Fira's, stacked, took 16.4)
+HOST_LAUNCH_S = 40e-6
+#: the device bandwidth those launches are weighed against (an H100's 3.35 TB/s)
+DEVICE_BYTES_PER_S = 3.35e12
+#: bytes a matrix's element saves along the data (no gradient stack written and read, no
+#: dense update written and read, the weight's decay and update in the matmul)
+SAVED_BYTES_PER_ELEMENT = 12
+#: the smallest matrix whose batch goes along the data (:func:`along_data`): where the
+#: device time of the bytes saved passes the host time of its two launches (a projection
+#: and an ``addmm_`` per matrix, against one ``bmm`` each way per batch). About 22 M
+#: elements, more than :data:`MAX_MATRIX_BYTES` allows a batch in 16-bit or fp32: every
+#: batch is stacked on today's hosts. (It was 1 MiB, from a model that charged a launch
+#: only its ~5 µs of device time: on an H200 GaLoreAdamW's step then took 30.8 ms of host
+#: time for 3.6 ms of device work.)
+MIN_ALONG_DATA_ELEMENTS = round(2 * HOST_LAUNCH_S * DEVICE_BYTES_PER_S / SAVED_BYTES_PER_ELEMENT)
 _DENSE_BASES = ("fp32", "bf16")
 _NONE = 0  # galore.side of a matrix GaLore does not project
 
@@ -104,9 +121,9 @@ def along_data(u: Tensor) -> bool:
     ``addmm_``: two matmuls per matrix, no weight-sized copy), rather than by one ``bmm``
     each way per shape (two launches per shape, the gradients stacked and the dense updates
     applied by foreach kernels)? Where a matrix holds at least
-    :data:`MIN_ALONG_DATA_BYTES`: there the bytes saved (≥ 12 per element) cost more device
-    time than the launches added (a few µs each); smaller ones are launch-bound."""
-    return u.numel() * u.element_size() >= MIN_ALONG_DATA_BYTES
+    :data:`MIN_ALONG_DATA_ELEMENTS`: there the bytes saved cost more device time than the
+    host spends on the launches added; smaller ones are launch-bound."""
+    return u.numel() >= MIN_ALONG_DATA_ELEMENTS
 
 
 def stackable(u: Tensor, ctx: Context, kind: type[Projection]) -> bool:

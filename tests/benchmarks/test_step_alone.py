@@ -12,10 +12,14 @@ from galore2.presets import PRESETS
 
 
 def test_rows_the_baseline_first_every_preset_and_capture():
-    labels = [r[0] for r in step_alone.STEP_ROWS]
-    assert labels[:2] == ["torch AdamW (fused)", "torch AdamW (foreach)"]
-    assert set(PRESETS) <= set(labels)
-    assert step_alone.STEP_ROWS[-1][3] is True  # the CapturedStep row
+    labels = [r.label for r in step_alone.STEP_ROWS]
+    assert labels[0] == "torch AdamW (fused)" and "torch AdamW (foreach)" in labels
+    assert set(PRESETS) <= set(labels) and len(set(labels)) == len(labels)
+    assert [r.label for r in step_alone.STEP_ROWS if r.captured] == ["galore_adamw + CapturedStep"]
+    assert {r.label for r in step_alone.STEP_ROWS if r.along} == {
+        "galore_adamw along the data",
+        "galore_adamw8bit along the data",
+    }
 
 
 def test_step_part_on_the_cpu(capsys):

@@ -515,6 +515,76 @@ def test_triton_adam_directions_match_the_torch_passes(shape, dtype, monkeypatch
     assert (diff > 0).float().mean() < 0.01
 
 
+@pytest.mark.parametrize("decay", [1.0, 1 - 1e-2 * 0.1])
+def test_triton_adamw_list_is_one_launch_with_the_bits_of_one_launch_a_weight(decay, monkeypatch):
+    """galore2::adamw_ over a list (a plain group: sizes not multiples of the block, one
+    weight smaller than a block, one of several blocks) runs ONE launch of the list kernel
+    (a table of addresses read by each block), bit for bit what a launch per weight
+    writes; a second step with the same tensors reuses the device table, and new
+    gradients at other addresses build a new one."""
+    from galore2.kernels import adamw as K
+
+    g = _gen(11)
+    shapes = [(3,), (1024,), (5, 333), (2 * 1024 + 5,)]
+    ps = [(torch.randn(s, generator=g) * 0.5).to(torch.bfloat16) for s in shapes]
+    grads = [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes]
+    ms = [torch.randn(s, generator=g) * 0.1 for s in shapes]
+    vs = [torch.rand(s, generator=g) * 0.01 for s in shapes]
+    args = (5, 1e-2, 0.9, 0.999, 1e-8, decay)
+    listed = [[t.clone().to(DEVICE) for t in ts] for ts in (ps, grads, ms, vs)]
+    each = [[t.clone().to(DEVICE) for t in ts] for ts in (ps, grads, ms, vs)]
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    K._TABLES.clear()
+    launches = []
+    real = K._adamw_list_kernel
+    monkeypatch.setattr(K, "_adamw_list_kernel", _Spy(real, launches))
+    ops.adamw_(*listed, *args)
+    assert len(launches) == 1 and len(K._TABLES) == 1
+    for i in range(len(shapes)):
+        ops.adamw_(*([ts[i]] for ts in each), *args)
+    assert len(launches) == 1  # one weight: the kernel of one weight
+    for a, b in zip(listed, each, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)
+    assert not torch.equal(listed[0][2], ps[2].to(DEVICE))  # it stepped
+    ops.adamw_(*listed, *args)
+    assert len(launches) == 2 and len(K._TABLES) == 1  # the same addresses: kept
+    listed[1] = [t.clone() for t in listed[1]]  # new gradients, elsewhere
+    ops.adamw_(*listed, *args)
+    assert len(launches) == 3 and len(K._TABLES) == 2
+
+
+class _Spy:
+    """A Triton kernel whose launches (``kernel[grid](...)``) are recorded, then run."""
+
+    def __init__(self, kernel, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def run(*a, **k):
+            self.launches.append(grid)
+            return self.kernel[grid](*a, **k)
+
+        return run
+
+
+def test_triton_adamw_list_refuses_what_it_does_not_take():
+    """A clear error before anything is written: lists of unequal lengths, a weight on
+    another dtype; and the op falls back to a launch per weight for a list the list
+    kernel does not take."""
+    from galore2.kernels.adamw import adamw_list_step, supported_list
+
+    p = torch.zeros(8, dtype=torch.bfloat16, device=DEVICE)
+    m = torch.zeros(8, device=DEVICE)
+    kw = {"step": 1, "lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "decay": 1.0}
+    with pytest.raises(ValueError, match="lists of one length on one device"):
+        adamw_list_step([p, p], [p], [m, m], [m, m], **kw)
+    with pytest.raises(ValueError, match="lists of one length on one device"):
+        adamw_list_step([p, p.half()], [p, p.half()], [m, m], [m, m], **kw)
+    assert not supported_list([], [], [], [])
+    assert not p.any() and not m.any()
+
+
 def test_triton_adamw_refuses_what_it_does_not_take():
     """A clear error before anything is written: a fp16 weight, moments of another size."""
     p = torch.zeros(8, dtype=torch.bfloat16, device=DEVICE)

@@ -1,5 +1,5 @@
 """The batched GaLore step along the data (``foreach=True``, unmasked, matrices of at least
-``lowrank_batch.MIN_ALONG_DATA_BYTES``: 0 here): each gradient is
+``lowrank_batch.MIN_ALONG_DATA_ELEMENTS``: 0 here): each gradient is
 read by its projection where it is (no stack, no copy), the low-rank Adam moments are
 stepped by torch's fused Adam kernel, and each update goes into its weight by one
 ``addmm_`` (decay as its β) — no tensor of a weight's size is made, and a bf16 weight's
@@ -26,7 +26,7 @@ RANK = 2  # a shape batch's r-sized stacks (2 × 2 × 80) are smaller than any w
 @pytest.fixture(autouse=True)
 def _quiet(monkeypatch):
     # small matrices here: every batch along the data (lowrank_batch.along_data)
-    monkeypatch.setattr(lowrank_batch, "MIN_ALONG_DATA_BYTES", 0)
+    monkeypatch.setattr(lowrank_batch, "MIN_ALONG_DATA_ELEMENTS", 0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
