@@ -126,8 +126,8 @@ if [ "$DRY" != 1 ] && [ "$TINY" != 1 ]; then
 fi
 
 part step_alone 60 $PY -m benchmarks.step_alone --part step "${QUICK[@]}" "${STEP_ROWS[@]}"
-part profile 30 $PY -m benchmarks.step_alone --part profile "${QUICK[@]}"
-part throughput 150 $PY -m benchmarks.gpu_throughput "${QUICK[@]}" "${THROUGHPUT_ROWS[@]}"
+part profile 40 $PY -m benchmarks.step_alone --part profile "${QUICK[@]}"
+part throughput 140 $PY -m benchmarks.gpu_throughput "${QUICK[@]}" "${THROUGHPUT_ROWS[@]}"
 beside gpu_tests 110 $PY "${TESTS[@]}"
 part fit_16gb 110 $PY -m benchmarks.run "${FIT16[@]}"
 wait
