@@ -204,16 +204,22 @@ def _list_table(lists: tuple[list[Tensor], ...]) -> tuple[Tensor, Tensor, int]:
     host→device copy when they move: new gradients each step, mostly where they were)."""
     ps = lists[0]
     sizes = [p.numel() for p in ps]
-    key = (ps[0].device, *(t.data_ptr() for ts in lists for t in ts), *sizes)
+    addresses = [t.data_ptr() for ts in lists for t in ts]
+    key = (ps[0].device, *addresses, *sizes)  # the table is these numbers, nothing else
     hit = _TABLES.get(key)
     if hit is not None:
         return hit
     blocks = [triton.cdiv(n, BLOCK) for n in sizes]
     firsts = np.concatenate(([0], np.cumsum(blocks)[:-1]))
     owners = np.repeat(np.arange(len(ps)), blocks)
-    addresses = [t.data_ptr() for ts in lists for t in ts]
-    host = torch.from_numpy(np.concatenate((addresses, sizes, firsts, owners)).astype(np.int64))
-    table = host.to(ps[0].device, non_blocking=True)  # staged at once: host may go
+    values = np.concatenate((addresses, sizes, firsts, owners)).astype(np.int64)
+    device = ps[0].device
+    # pinned on CUDA: the copy is queued, never a wait for the device (from pageable memory
+    # a copy may wait for the stream's work); the host allocator keeps the buffer until
+    # the copy has run
+    host = torch.empty(len(values), dtype=torch.int64, pin_memory=device.type == "cuda")
+    host.numpy()[:] = values
+    table = host.to(device, non_blocking=True)
     count = len(ps)
     made = (table[: 6 * count], table[6 * count :], int(sum(blocks)))
     if len(_TABLES) >= _TABLES_KEPT:

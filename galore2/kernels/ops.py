@@ -1,4 +1,5 @@
-"""galore2's custom ops (``torch.library``): one dispatch each, whatever runs inside.
+"""galore2's custom ops (``torch.library``): one dispatch each, whatever runs inside; in a
+plain eager call the implementation is called directly (:mod:`galore2.kernels.direct`).
 
 * ``galore2::adamw_`` (:func:`adamw_`) — an AdamW step of weights with float32 moments
   (bf16 weights with galore2's default ``state_dtype``), for which torch has no fused
@@ -27,6 +28,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from .direct import direct
 from .dispatch import run_kernel
 
 
@@ -65,8 +67,7 @@ def adamw_torch(
     torch._foreach_add_(params, dirs, alpha=-lr)
 
 
-@torch.library.custom_op("galore2::adamw_", mutates_args=("params", "exp_avgs", "exp_avg_sqs"))
-def adamw_(
+def _adamw(
     params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor], step: int, lr: float, beta1: float, beta2: float, eps: float,
     decay: float,
@@ -103,7 +104,12 @@ def adamw_(
         )  # fmt: skip
 
 
-@adamw_.register_fake
+adamw_op = torch.library.custom_op(
+    "galore2::adamw_", _adamw, mutates_args=("params", "exp_avgs", "exp_avg_sqs")
+)
+
+
+@adamw_op.register_fake
 def _adamw_meta(
     params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor], step: int, lr: float, beta1: float, beta2: float, eps: float,
@@ -128,10 +134,7 @@ def directions_torch(
     torch._foreach_copy_(outs, dirs)
 
 
-@torch.library.custom_op(
-    "galore2::adam_directions_", mutates_args=("exp_avgs", "exp_avg_sqs", "outs")
-)
-def adam_directions_(
+def _adam_directions(
     us: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], outs: list[Tensor],
     step: int, beta1: float, beta2: float, eps: float,
 ) -> None:  # fmt: skip
@@ -160,7 +163,12 @@ def adam_directions_(
         )  # fmt: skip
 
 
-@adam_directions_.register_fake
+adam_directions_op = torch.library.custom_op(
+    "galore2::adam_directions_", _adam_directions, mutates_args=("exp_avgs", "exp_avg_sqs", "outs")
+)
+
+
+@adam_directions_op.register_fake
 def _directions_meta(
     us: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], outs: list[Tensor],
     step: int, beta1: float, beta2: float, eps: float,
@@ -171,6 +179,13 @@ def _directions_meta(
                 f"adam_directions_: moments and out must have the direction's shape "
                 f"{tuple(u.shape)}, got {tuple(m.shape)}, {tuple(v.shape)}, {tuple(o.shape)}"
             )
+
+
+#: the ops as galore2 calls them: the implementation itself in plain eager calls (no
+#: torch.library wrapper walking 200 tensors per call), the op for everything else
+#: (:mod:`galore2.kernels.direct`)
+adamw_ = direct(adamw_op, _adamw, mutated=(0, 2, 3))
+adam_directions_ = direct(adam_directions_op, _adam_directions, mutated=(1, 2, 3))
 
 
 def triton_would_run() -> bool:
