@@ -30,8 +30,10 @@ measures each launch:
 From the 2- and 4-layer counts: the **per-layer** increment ((4-layer − 2-layer) / 2), the
 **depth-independent** part (2-layer − 2 × per-layer: embeddings, head, final norm, fixed
 costs) and the extrapolation to the full depth (24 layers, 32 layers). The predicted H100
-time of a step is the largest of kernels × 5 µs, bytes ÷ 3 TB/s and, per dtype, FLOPs ÷ the
-dense tensor-core peak (:data:`PEAK`), next to torch fused AdamW's at the same depth.
+time of a step is the largest of kernels × 40 µs (the host's time per eager launch measured
+on an H200 machine, :data:`HOST_LAUNCH_S`; the device's own 5 µs is smaller), bytes ÷ 3
+TB/s and, per dtype, FLOPs ÷ the dense tensor-core peak (:data:`PEAK`), next to torch fused
+AdamW's at the same depth.
 Raw figures go to ``results/roofline.json``.
 """
 
@@ -50,6 +52,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from galore2.optim import lowrank_batch
 from galore2.presets import PRESETS
 from recipes import optimizers
 from recipes.config import ModelConfig, OptimConfig
@@ -61,6 +64,9 @@ from .step_counts import MATMULS, Counts, StepCounter, count_step, meta_reads
 
 #: seconds per launch, bytes per second, FLOPs per second by dtype: one H100 SXM (dense)
 LAUNCH_S = 5e-6
+#: the host's time per launch of an eager step (galore2's own figure, measured on an H200
+#: machine: galore2.optim.lowrank_batch.HOST_LAUNCH_S), which a launch-bound step waits for
+HOST_LAUNCH_S = lowrank_batch.HOST_LAUNCH_S
 BANDWIDTH = 3e12
 PEAK = {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12, "fp64": 67e12}
 #: in-place ops that only write ``self`` (it is not read)
@@ -253,9 +259,11 @@ def extrapolate(
 
 
 def predicted(x: dict[str, Any]) -> float:
-    """max(kernels × 5 µs, bytes ÷ 3 TB/s, Σ FLOPs ÷ peak of their dtype) at ``x``'s depth."""
+    """max(kernels × the host's 40 µs per launch (never less than the device's 5 µs), bytes
+    ÷ 3 TB/s, Σ FLOPs ÷ peak of their dtype) at ``x``'s depth."""
     flops = sum(v["total"] / PEAK[d] for d, v in x["flops"].items())
-    return max(x["kernels"]["total"] * LAUNCH_S, x["bytes"]["total"] / BANDWIDTH, flops)
+    launch = max(LAUNCH_S, HOST_LAUNCH_S)
+    return max(x["kernels"]["total"] * launch, x["bytes"]["total"] / BANDWIDTH, flops)
 
 
 def measure(
@@ -335,4 +343,4 @@ def roofline(quick: bool = False, suite: Any = None) -> str:
         for w, r in results.items()
     }  # fmt: skip
     return render("roofline", tables="\n\n".join(tables.values()),
-                  launch_us=LAUNCH_S * 1e6, bandwidth=BANDWIDTH / 1e12)  # fmt: skip
+                  launch_us=max(LAUNCH_S, HOST_LAUNCH_S) * 1e6, bandwidth=BANDWIDTH / 1e12)  # fmt: skip

@@ -143,7 +143,7 @@ class ScaleByAdam(MomentRule, Transform):
         by torch's fused AdamW kernel, one launch per (device, dtype) list, bit for bit
         ``torch.optim.AdamW(fused=True)``'s, where :func:`torch_path` allows it; bf16
         weights with float32 moments (which that kernel does not take) by galore2's fused
-        op where :func:`mixed_path` allows it (one launch per weight reading and writing
+        op where :func:`mixed_path` allows it (one launch for the group, reading and writing
         each byte once, galore2's own arithmetic to the last bit of a rounding); see
         :func:`~galore2.optim.adamw_step.adamw_fused`. False (nothing done) otherwise: the
         chain runs. The step counters (``adam.step``) count as always; the kernel reads
