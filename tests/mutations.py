@@ -1207,6 +1207,48 @@ MUTATIONS: tuple[Mutation, ...] = (
         "of the batch is skipped",
         where="screen",
     ),
+    Mutation(
+        "adamw_list_first_block",
+        "galore2/kernels/adamw.py",
+        "offs = (pid - first) * BLOCK + tl.arange(0, BLOCK)",
+        "offs = pid * BLOCK + tl.arange(0, BLOCK)",
+        ("tests/kernels/test_triton_kernels.py::"
+         "test_triton_adamw_list_is_one_launch_with_the_bits_of_one_launch_a_weight",),
+        "the list kernel's blocks ignore where their weight's blocks start: every weight but "
+        "the first is read and written at the wrong offsets",
+        where="_adamw_list_kernel",
+    ),
+    Mutation(
+        "adamw_list_stale_table",
+        "galore2/kernels/adamw.py",
+        "key = (ps[0].device, *addresses, *sizes)",
+        "key = (ps[0].device, *sizes)",
+        ("tests/kernels/test_triton_kernels.py::"
+         "test_triton_adamw_list_is_one_launch_with_the_bits_of_one_launch_a_weight",),
+        "the list kernel's table is kept by sizes alone: new gradients elsewhere are read "
+        "at the old addresses",
+        where="_list_table",
+    ),
+    Mutation(
+        "direct_versions_unbumped",
+        "galore2/kernels/direct.py",
+        "        bump_versions(list(_tensors(tuple(args[i] for i in mutated))))\n",
+        "",
+        ("tests/kernels/test_direct.py",),
+        "a custom op called directly leaves its mutated tensors' version counters where they "
+        "were (autograd cannot see a Triton kernel's writes)",
+        where="direct",
+    ),
+    Mutation(
+        "along_data_for_every_batch",
+        "galore2/optim/lowrank_batch.py",
+        "return u.numel() >= MIN_ALONG_DATA_ELEMENTS",
+        "return True",
+        ("tests/benchmarks/test_roofline.py::test_350m_budgets",),
+        "every shape batch goes along the data: two launches per matrix, the host-bound "
+        "step measured on an H200",
+        where="along_data",
+    ),
 )
 
 
