@@ -16,8 +16,8 @@ from benchmarks import run, step_alone
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
-PARTS = ("step_alone", "profile", "throughput", "gpu_tests", "fit_16gb", "refresh_schedule")
-OPTIONAL = ("fit_24gb",)  # GPU_SESSION_FIT24=1
+PARTS = ("step_alone", "profile", "throughput", "gpu_tests", "fit_16gb")
+OPTIONAL = ("refresh_schedule", "fit_24gb")  # GPU_SESSION_SCHEDULE=1, GPU_SESSION_FIT24=1
 
 
 def _run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
@@ -38,13 +38,15 @@ def test_script_parses_and_its_dry_run_lists_every_part(tmp_path):
     assert (f"part gpu_tests 110s: {py} -m pytest -q -p no:cacheprovider -o addopts= -m not slow "
             "tests/kernels/test_triton_kernels.py tests/core/test_capture.py "
             "tests/core/test_gpu_step.py tests/recipes/test_recipe_gpu.py\n") in plan  # fmt: skip
-    assert f"part fit_16gb 110s: {py} -m benchmarks.run --tasks fit_16gb --no-write\n" in plan
-    assert f"part refresh_schedule 40s: {py} -m benchmarks.step_alone --part schedule\n" in plan
+    assert f"part fit_16gb 200s: {py} -m benchmarks.run --tasks fit_16gb --no-write\n" in plan
     assert re.findall(r"^part (\w+)", plan, flags=re.M) == list(PARTS)
     assert {"fit_16gb", "fit_24gb"} <= set(run.TASKS)  # the tasks it runs are registered
-    plan = _run(tmp_path, GPU_SESSION_DRY="1", GPU_SESSION_FIT24="1").stdout
+    plan = _run(
+        tmp_path, GPU_SESSION_DRY="1", GPU_SESSION_FIT24="1", GPU_SESSION_SCHEDULE="1"
+    ).stdout
     assert re.findall(r"^part (\w+)", plan, flags=re.M) == [*PARTS, *OPTIONAL]
     assert f"part fit_24gb 160s: {py} -m benchmarks.run --tasks fit_24gb --no-write\n" in plan
+    assert f"part refresh_schedule 40s: {py} -m benchmarks.step_alone --part schedule\n" in plan
 
 
 def test_time_boxes_fit_one_call_of_eight_minutes():
@@ -61,9 +63,11 @@ def test_time_boxes_fit_one_call_of_eight_minutes():
 
 
 def test_tiny_mode_plan_runs_every_part_at_tiny_shapes(tmp_path):
-    plan = _run(tmp_path, GPU_SESSION_DRY="1", GPU_SESSION_TINY="1").stdout
+    plan = _run(
+        tmp_path, GPU_SESSION_DRY="1", GPU_SESSION_TINY="1", GPU_SESSION_SCHEDULE="1"
+    ).stdout
     py = sys.executable
-    assert re.findall(r"^part (\w+)", plan, flags=re.M) == list(PARTS)
+    assert re.findall(r"^part (\w+)", plan, flags=re.M) == [*PARTS, "refresh_schedule"]
     assert (f"part throughput 1400s: {py} -m benchmarks.gpu_throughput --quick --rows "
             "adamw (fused),galore_adamw + capture\n") in plan  # fmt: skip
     assert "-m benchmarks.step_alone --part schedule --quick\n" in plan
@@ -76,11 +80,12 @@ def test_tiny_mode_plan_runs_every_part_at_tiny_shapes(tmp_path):
 
 @pytest.mark.slow  # every part in its own process: 5-20 minutes on a loaded 2-core CPU
 def test_tiny_mode_runs_every_part_on_the_cpu(tmp_path):
-    _run(tmp_path, GPU_SESSION_TINY="1", CUDA_VISIBLE_DEVICES="")
+    _run(tmp_path, GPU_SESSION_TINY="1", GPU_SESSION_SCHEDULE="1", CUDA_VISIBLE_DEVICES="")
     summary = (tmp_path / "summary.txt").read_text()
-    for name in PARTS:
+    parts = (*PARTS, "refresh_schedule")
+    for name in parts:
         assert re.search(rf"^{name}: exit 0, \d+ s$", summary, flags=re.M), summary
-    logs = {name: (tmp_path / f"{name}.log").read_text() for name in PARTS}
+    logs = {name: (tmp_path / f"{name}.log").read_text() for name in parts}
     assert re.search(r"^\| adamw \(fused\) \| [\d,]+ \| 1\.000 \|$", logs["throughput"], re.M)
     assert re.search(r"^\| galore_adamw \+ capture \| [\d,]+ \|", logs["throughput"], re.M)
     assert "ratios to torch AdamW (fused)" in logs["step_alone"]
@@ -94,5 +99,5 @@ def test_tiny_mode_runs_every_part_on_the_cpu(tmp_path):
                          logs["refresh_schedule"], re.M)  # fmt: skip
     assert "fit_16gb" in logs["fit_16gb"] and "failed" not in logs["fit_16gb"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["summary.txt", *(f"{n}.log" for n in PARTS)]
+        ["summary.txt", *(f"{n}.log" for n in parts)]
     )
