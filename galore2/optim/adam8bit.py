@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ..core import packing
 from ..core.transform import Context, Group, State
+from ..kernels.direct import direct
 from ..kernels.dispatch import run_kernel
 from ..storage import dynamic8
 from ..storage.dynamic8 import (
@@ -266,10 +267,7 @@ def _stacks(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...], states: lis
     return stacks
 
 
-@torch.library.custom_op(
-    "galore2::adam8bit_stack_", mutates_args=("m_codes", "m_absmax", "v_codes", "v_absmax")
-)
-def adam8bit_stack_(
+def _adam8bit_stack(
     g: Tensor, m_codes: Tensor, m_absmax: Tensor, v_codes: Tensor, v_absmax: Tensor, dim: int,
     beta1: float, beta2: float, eps: float, step: int,
 ) -> Tensor:  # fmt: skip
@@ -310,12 +308,23 @@ def adam8bit_stack_(
     return out
 
 
-@adam8bit_stack_.register_fake
+adam8bit_stack_op = torch.library.custom_op(
+    "galore2::adam8bit_stack_", _adam8bit_stack,
+    mutates_args=("m_codes", "m_absmax", "v_codes", "v_absmax"),
+)  # fmt: skip
+
+
+@adam8bit_stack_op.register_fake
 def _(
     g: Tensor, m_codes: Tensor, m_absmax: Tensor, v_codes: Tensor, v_absmax: Tensor, dim: int,
     beta1: float, beta2: float, eps: float, step: int,
 ) -> Tensor:  # fmt: skip
     return g.new_empty(g.shape, dtype=torch.float32)
+
+
+#: the op as galore2 calls it: its implementation directly in plain eager calls, the op
+#: otherwise (:mod:`galore2.kernels.direct`)
+adam8bit_stack_ = direct(adam8bit_stack_op, _adam8bit_stack, mutated=(1, 2, 3, 4))
 
 
 _PACK = 1 << 21  # elements per pack and moment (bounded temporaries: ~50 bytes per element)
