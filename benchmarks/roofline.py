@@ -30,7 +30,7 @@ measures each launch:
 From the 2- and 4-layer counts: the **per-layer** increment ((4-layer − 2-layer) / 2), the
 **depth-independent** part (2-layer − 2 × per-layer: embeddings, head, final norm, fixed
 costs) and the extrapolation to the full depth (24 layers, 32 layers). The predicted H100
-time of a step is the largest of kernels × 40 µs (the host's time per eager launch measured
+time of a step is the largest of kernels × 25 µs (the host's time per eager launch measured
 on an H200 machine, :data:`HOST_LAUNCH_S`; the device's own 5 µs is smaller), bytes ÷ 3
 TB/s and, per dtype, FLOPs ÷ the dense tensor-core peak (:data:`PEAK`), next to torch fused
 AdamW's at the same depth.
@@ -259,7 +259,7 @@ def extrapolate(
 
 
 def predicted(x: dict[str, Any]) -> float:
-    """max(kernels × the host's 40 µs per launch (never less than the device's 5 µs), bytes
+    """max(kernels × the host's 25 µs per launch (never less than the device's 5 µs), bytes
     ÷ 3 TB/s, Σ FLOPs ÷ peak of their dtype) at ``x``'s depth."""
     flops = sum(v["total"] / PEAK[d] for d, v in x["flops"].items())
     launch = max(LAUNCH_S, HOST_LAUNCH_S)

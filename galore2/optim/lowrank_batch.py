@@ -83,10 +83,10 @@ MAX_BATCH_BYTES = 256 * 2**20
 #: the largest stack of a batch's stored bases kept between steps (see ShapeBatch.bases)
 MAX_CACHED_BYTES = 4 * 2**20
 #: the host time of one eager launch (an op's Python and dispatch) on a GPU's host: about
-#: 40 µs, measured on an H200 machine with torch 2.11 (BENCHMARKS.md, "GPU session":
-#: Llama-350M's 168 matrices along the data, 336 launches, made GaLoreAdamW's step 30.8 ms
-#: where Fira's, stacked, took 16.4)
-HOST_LAUNCH_S = 40e-6
+#: 25 µs, measured on an H200 machine with torch 2.11 (BENCHMARKS.md, "GPU session": with
+#: Llama-350M's 168 matrices along the data, 336 launches more, GaLoreAdamW's step took
+#: 14.95 ms against 6.59 stacked in the same call: 8.36 ms, 24.9 µs a launch)
+HOST_LAUNCH_S = 25e-6
 #: the device bandwidth those launches are weighed against (an H100's 3.35 TB/s)
 DEVICE_BYTES_PER_S = 3.35e12
 #: bytes a matrix's element saves along the data (no gradient stack written and read, no
@@ -94,7 +94,7 @@ DEVICE_BYTES_PER_S = 3.35e12
 SAVED_BYTES_PER_ELEMENT = 12
 #: the smallest matrix whose batch goes along the data (:func:`along_data`): where the
 #: device time of the bytes saved passes the host time of its two launches (a projection
-#: and an ``addmm_`` per matrix, against one ``bmm`` each way per batch). About 22 M
+#: and an ``addmm_`` per matrix, against one ``bmm`` each way per batch). About 14 M
 #: elements, more than :data:`MAX_MATRIX_BYTES` allows a batch in 16-bit or fp32: every
 #: batch is stacked on today's hosts. (It was 1 MiB, from a model that charged a launch
 #: only its ~5 µs of device time: on an H200 GaLoreAdamW's step then took 30.8 ms of host
