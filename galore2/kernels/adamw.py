@@ -50,26 +50,34 @@ def _to_bf16(x):
 
 
 @triton.jit
-def _adamw_block(
-    p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, beta1, beta2, eps, inv_bc1, bc2_sqrt, decay,
-    neg_lr, DECAY: tl.constexpr,
-):  # fmt: skip
-    """One block of AdamW (the elements ``offs`` under ``mask``) of one weight."""
+def _adam_block(g_ptr, m_ptr, v_ptr, offs, mask, beta1, beta2, eps, inv_bc1, bc2_sqrt):
+    """Adam's moments of one block (read, updated, written back in float32) and its
+    direction ``(1/bc1)·m / (√v/√bc2 + eps)`` in float32, as torch's fused Adam kernel
+    computes them (see the module docstring)."""
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
     m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
     g2 = g * g
     v = tl.fma(beta2, v, tl.fma(-beta2, g2, g2))
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    d = tl.div_rn(inv_bc1 * m, denom)
+    return tl.div_rn(inv_bc1 * m, denom)
+
+
+@triton.jit
+def _adamw_block(
+    p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, beta1, beta2, eps, inv_bc1, bc2_sqrt, decay,
+    neg_lr, DECAY: tl.constexpr,
+):  # fmt: skip
+    """One block of AdamW (the elements ``offs`` under ``mask``) of one weight."""
+    d = _adam_block(g_ptr, m_ptr, v_ptr, offs, mask, beta1, beta2, eps, inv_bc1, bc2_sqrt)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
     if DECAY:  # its own rounding to bf16, as the separate multiply
         p = _to_bf16(p.to(tl.float32) * decay)
     p = tl.fma(neg_lr, d, p.to(tl.float32))
     tl.store(p_ptr + offs, _to_bf16(p), mask=mask)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
 
 
 @triton.jit
@@ -140,16 +148,8 @@ def _directions_kernel(
     # the moments and direction of _adamw_kernel; the direction rounded to bf16 into out
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-    m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
-    g2 = g * g
-    v = tl.fma(beta2, v, tl.fma(-beta2, g2, g2))
-    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    tl.store(out_ptr + offs, _to_bf16(tl.div_rn(inv_bc1 * m, denom)), mask=mask)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
+    d = _adam_block(g_ptr, m_ptr, v_ptr, offs, mask, beta1, beta2, eps, inv_bc1, bc2_sqrt)
+    tl.store(out_ptr + offs, _to_bf16(d), mask=mask)
 
 
 def _f32(x: float) -> np.float32:
