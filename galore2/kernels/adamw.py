@@ -242,6 +242,16 @@ def adamw_list_step(
             "adamw_list_step takes lists of one length on one device, each weight as "
             "adamw_step takes it, outside a CUDA graph's capture"
         )
+    return launch_list(ps, gs, ms, vs, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                       decay=decay)  # fmt: skip
+
+
+def launch_list(
+    ps: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: list[Tensor], *, step: int,
+    lr: float, beta1: float, beta2: float, eps: float, decay: float,
+) -> bool:  # fmt: skip
+    """:func:`adamw_list_step` for lists :func:`supported_list` has taken already (the
+    op's path: its dispatch asked, so the ~200 tensors are not checked twice a step)."""
     if step < 1:
         raise ValueError(f"step counts this step (>= 1), got {step}")
     inv_bc1, bc2_sqrt = corrections(beta1, beta2, step)
@@ -322,6 +332,6 @@ def supported(p: Tensor, g: Tensor, m: Tensor, v: Tensor) -> bool:
 
 
 __all__ = [
-    "BLOCK", "adamw_list_step", "adamw_step", "directions_step", "supported", "supported_directions",
-    "supported_list",
+    "BLOCK", "adamw_list_step", "adamw_step", "directions_step", "launch_list", "supported",
+    "supported_directions", "supported_list",
 ]  # fmt: skip

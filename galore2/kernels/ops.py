@@ -84,7 +84,7 @@ def _adamw(
     if len(params) > 1 and run_kernel(
         "adamw", *(t for ts in lists for t in ts),
         supported=lambda k: k.supported_list(*lists),
-        kernel=lambda k: partial(k.adamw_list_step, *lists, **hyper),
+        kernel=lambda k: partial(k.launch_list, *lists, **hyper),  # supported_list asked
     ):  # fmt: skip
         return
     rest = []
