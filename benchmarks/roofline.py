@@ -77,7 +77,9 @@ WRITE_ONLY = frozenset(
 #: torch's fused Adam kernels: the arguments they write (weights, exp_avgs, exp_avg_sqs)
 FUSED_ADAM = {"_fused_adam_": (0, 2, 3), "_fused_adamw_": (0, 2, 3)}
 #: ops whose written arguments (by name) are only written, never read (galore2's custom ops)
-WRITE_ONLY_ARGS = {"adam_directions_": frozenset({"outs"})}
+WRITE_ONLY_ARGS = {"adam_directions_": frozenset({"outs"}), "mm_each_": frozenset({"outs"})}
+#: galore2's grouped matmuls: the arguments holding each entry's two factors
+LIST_MATMULS = {"mm_each_": ("As", "Bs"), "addmm_each_": ("As", "Bs")}
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
            torch.float64: "fp64"}  # fmt: skip
 #: the recipe configs whose widths and ranks are measured (rank 256, 1024)
@@ -111,6 +113,14 @@ def _nbytes(ts: list[torch.Tensor]) -> int:
         seen.add(id(t))
         total += t.numel() * t.element_size()
     return total
+
+
+def _flop_dtype(x: torch.Tensor) -> str:
+    """The dtype a product with operand ``x`` runs at (fp32 as TF32 where torch allows it)."""
+    dtype = _DTYPES.get(x.dtype, str(x.dtype))
+    if dtype == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return dtype
 
 
 class RooflineCounter(StepCounter):
@@ -149,15 +159,17 @@ class RooflineCounter(StepCounter):
         if name == "_to_copy" and args[0].dim() > 0:
             c.copies.append((tuple(args[0].shape), _DTYPES.get(args[0].dtype, str(args[0].dtype)),
                              _DTYPES.get(out.dtype, str(out.dtype))))  # fmt: skip
-        if name in MATMULS:  # its factors: an ``out=`` tensor (written, kwarg-only) is not one
+        if name in LIST_MATMULS:  # one product per entry of the lists
+            names = [a.name for a in schema]
+            xs, ys = (values[names.index(n)] for n in LIST_MATMULS[name])
+            for x, y in zip(xs, ys, strict=True):
+                c.flops[_flop_dtype(x)] += 2 * x.numel() * y.shape[-1]
+        elif name in MATMULS:  # its factors: an ``out=`` tensor (written, kwarg-only) is not one
             operands = [v for i, v in enumerate(values) if i not in not_read]
             mats = [t for t in _tensors(operands) if t.dim() >= 2]
             if len(mats) >= 2:
                 x, y = mats[-2], mats[-1]
-                dtype = _DTYPES.get(x.dtype, str(x.dtype))
-                if dtype == "fp32" and torch.backends.cuda.matmul.allow_tf32:
-                    dtype = "tf32"
-                c.flops[dtype] += 2 * x.numel() * y.shape[-1]
+                c.flops[_flop_dtype(x)] += 2 * x.numel() * y.shape[-1]
 
 
 # ---- the models and optimizers -------------------------------------------------------

@@ -52,8 +52,9 @@ from .peers import PEERS, quiet_peers
 from .timing import llama
 
 MATMULS = frozenset(
-    {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "matmul", "_grouped_mm"}
-)
+    {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "matmul", "_grouped_mm",
+     "mm_each_", "addmm_each_"}
+)  # fmt: skip
 NOT_LAUNCHES = frozenset(
     {
         "_local_scalar_dense",

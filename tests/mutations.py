@@ -1221,8 +1221,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "adamw_list_stale_table",
         "galore2/kernels/adamw.py",
-        "key = (ps[0].device, *addresses, *sizes)",
-        "key = (ps[0].device, *sizes)",
+        'key = ("adamw", *addresses, *sizes)',
+        'key = ("adamw", *sizes)',
         ("tests/kernels/test_triton_kernels.py::"
          "test_triton_adamw_list_is_one_launch_with_the_bits_of_one_launch_a_weight",),
         "the list kernel's table is kept by sizes alone: new gradients elsewhere are read "

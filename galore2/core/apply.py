@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.dispatch import run_kernel
+from ..kernels.ops_lowrank import addmm_each_
 from .masked import FlagBuffer, masked_updates
 from .transform import FACTORED, LowRankUpdate, ScaledUpdate
 
@@ -46,16 +47,41 @@ Update = Tensor | LowRankUpdate | ScaledUpdate
 
 def apply_updates(params: list[Tensor], updates: list[Update], lr: float, decay: float) -> None:
     """:func:`apply_update` over a batch: dense updates of several tensors by two foreach
-    kernels (decay, then ``p ← p − lr·u``), factored ones one by one (one fused pass each)."""
+    kernels (decay, then ``p ← p − lr·u``), low-rank ones of one shape batch by one grouped
+    ``addmm_`` (:func:`_low_rank_lists`), the other factored ones one by one (one fused pass
+    each)."""
     dense = [i for i, u in enumerate(updates) if not isinstance(u, FACTORED)]
     if len(dense) > 1:
         ps = [params[i] for i in dense]
         if decay != 1.0:
             torch._foreach_mul_(ps, decay)
         torch._foreach_add_(ps, [updates[i] for i in dense], alpha=-lr)  # type: ignore[misc]
-    for p, u in zip(params, updates, strict=True):
-        if len(dense) <= 1 or isinstance(u, FACTORED):
+    grouped = _low_rank_lists(params, updates)
+    for idx in grouped:
+        first = updates[idx[0]]
+        assert isinstance(first, LowRankUpdate)
+        targets = [params[i].view(first.A.shape[0], first.B.shape[1]) for i in idx]
+        As = [updates[i].A for i in idx]  # type: ignore[union-attr]
+        Bs = [updates[i].B for i in idx]  # type: ignore[union-attr]
+        addmm_each_(targets, As, Bs, -lr * first.scale, decay)
+    done = {i for idx in grouped for i in idx}
+    for i, (p, u) in enumerate(zip(params, updates, strict=True)):
+        if i not in done and (len(dense) <= 1 or isinstance(u, FACTORED)):
             apply_update(p, u, lr, decay)
+
+
+def _low_rank_lists(params: list[Tensor], updates: list[Update]) -> list[list[int]]:
+    """The positions of low-rank updates that one grouped ``addmm_`` applies: two or more of
+    one shape batch (the same factor shapes, strides, dtype and scale) into contiguous
+    weights of their dtype on one device. What :func:`apply_update` does to each, one
+    launch for them all where the grouped kernel runs (:mod:`galore2.kernels.ops_lowrank`)."""
+    by: dict[tuple, list[int]] = {}
+    for i, (p, u) in enumerate(zip(params, updates, strict=True)):
+        if isinstance(u, LowRankUpdate) and p.is_contiguous() and p.dtype == u.A.dtype:
+            key = (u.A.shape, u.B.shape, u.A.stride(), u.B.stride(), u.A.dtype, u.B.dtype,
+                   u.scale, p.device)  # fmt: skip
+            by.setdefault(key, []).append(i)
+    return [idx for idx in by.values() if len(idx) > 1]
 
 
 def apply_masked(

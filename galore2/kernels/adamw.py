@@ -35,6 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .dispatch import launch_device
+from .tables import capturing, device_table
 
 BLOCK = 1024
 
@@ -192,40 +193,22 @@ def adamw_step(
     return True  # it ran (galore2.kernels.dispatch.run_kernel: None means the torch path)
 
 
-#: the device tables of recent lists (:func:`_list_table`), by device and addresses
-_TABLES: dict[tuple, tuple[Tensor, Tensor, int]] = {}
-_TABLES_KEPT = 8
-
-
 def _list_table(lists: tuple[list[Tensor], ...]) -> tuple[Tensor, Tensor, int]:
     """(table, block owners, blocks) of :func:`adamw_list_step`'s launch over ``lists``
     (weights, gradients, m, v): the addresses, sizes and first blocks, and each block's
-    weight, on the weights' device. Kept for the same tensors at the same addresses (one
-    host→device copy when they move: new gradients each step, mostly where they were)."""
+    weight, on the weights' device, kept by :func:`~.tables.device_table` for the same
+    tensors at the same addresses."""
     ps = lists[0]
     sizes = [p.numel() for p in ps]
     addresses = [t.data_ptr() for ts in lists for t in ts]
-    key = (ps[0].device, *addresses, *sizes)  # the table is these numbers, nothing else
-    hit = _TABLES.get(key)
-    if hit is not None:
-        return hit
     blocks = [triton.cdiv(n, BLOCK) for n in sizes]
     firsts = np.concatenate(([0], np.cumsum(blocks)[:-1]))
     owners = np.repeat(np.arange(len(ps)), blocks)
     values = np.concatenate((addresses, sizes, firsts, owners)).astype(np.int64)
-    device = ps[0].device
-    # pinned on CUDA: the copy is queued, never a wait for the device (from pageable memory
-    # a copy may wait for the stream's work); the host allocator keeps the buffer until
-    # the copy has run
-    host = torch.empty(len(values), dtype=torch.int64, pin_memory=device.type == "cuda")
-    host.numpy()[:] = values
-    table = host.to(device, non_blocking=True)
+    key = ("adamw", *addresses, *sizes)  # the table is these numbers, nothing else
+    table = device_table(key, values, ps[0].device)
     count = len(ps)
-    made = (table[: 6 * count], table[6 * count :], int(sum(blocks)))
-    if len(_TABLES) >= _TABLES_KEPT:
-        _TABLES.pop(next(iter(_TABLES)))
-    _TABLES[key] = made
-    return made
+    return table[: 6 * count], table[6 * count :], int(sum(blocks))
 
 
 def adamw_list_step(
@@ -271,7 +254,7 @@ def supported_list(ps: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: lis
     if not ps or not (len(ps) == len(gs) == len(ms) == len(vs)):
         return False
     device = ps[0].device
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing(device):
         return False
     return all(
         supported(p, g, m, v) and p.device == g.device == m.device == v.device == device

@@ -31,34 +31,15 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _lowrank_update_kernel(
-    a_ptr,
-    b_ptr,
-    p_ptr,
-    out_ptr,
-    M,
-    N,
-    K,
-    s_am,
-    s_ak,
-    s_bk,
-    s_bn,
-    s_pm,
-    s_pn,
-    s_om,
-    s_on,
-    alpha,
-    beta,
-    BETA_ZERO: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
+def lowrank_tile(
+    a_ptr, b_ptr, p_ptr, out_ptr, pid, M, N, K, s_am, s_ak, s_bk, s_bn, s_pm, s_pn, s_om,
+    s_on, alpha, beta, BETA_ZERO: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """Tile ``pid`` of ``out ← β·p + α·(A @ B)`` for one matrix (the kernel of one matrix,
+    and of each entry of :mod:`galore2.kernels.lowrank_list`'s grouped launch)."""
     # Grouped program order: GROUP_M consecutive row tiles walk the column tiles together.
-    pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * tiles_n
@@ -101,7 +82,27 @@ def _lowrank_update_kernel(
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(dtype: torch.dtype, precision: str | None) -> dict[str, int]:
+@triton.jit
+def _lowrank_update_kernel(
+    a_ptr, b_ptr, p_ptr, out_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_pm, s_pn, s_om, s_on,
+    alpha, beta, BETA_ZERO: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    lowrank_tile(a_ptr, b_ptr, p_ptr, out_ptr, tl.program_id(0), M, N, K, s_am, s_ak, s_bk,
+                 s_bn, s_pm, s_pn, s_om, s_on, alpha, beta, BETA_ZERO, PRECISION, UPCAST,
+                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
+
+
+def matmul_precision(dtype: torch.dtype) -> str | None:
+    """``tl.dot``'s input precision for operands of ``dtype``: fp32 ones at full precision
+    unless torch allows TF32 for matmuls (as cuBLAS reads that flag); None for 16-bit."""
+    if dtype != torch.float32:
+        return None
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def config(dtype: torch.dtype, precision: str | None) -> dict[str, int]:
     """Tile sizes: tensor-core tiles for bf16 / fp16 / TF32, smaller K steps for fp32 FMA."""
     if dtype != torch.float32:
         return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
@@ -139,17 +140,15 @@ def lowrank_update(
         )
     if p.dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {p.dtype}; the kernel takes {DTYPES}")
-    if not _small_strides(p, A, B, out):
+    if not small_strides(p, A, B, out):
         raise ValueError("strides of 2**24 elements or more are not supported")
     N = p.shape[1]
     if M == 0 or N == 0:
         return out
     if K == 0:  # addmm with an empty product: out = beta·p
         return out.copy_(p.mul(beta) if beta != 0 else torch.zeros_like(p))
-    precision = None
-    if p.dtype == torch.float32:
-        precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
-    cfg = _config(p.dtype, precision)
+    precision = matmul_precision(p.dtype)
+    cfg = config(p.dtype, precision)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     with launch_device(p):
         _lowrank_update_kernel[grid](
@@ -182,7 +181,7 @@ def lowrank_update(
     return out
 
 
-def _small_strides(*tensors: Tensor) -> bool:
+def small_strides(*tensors: Tensor) -> bool:
     """In-tile offsets (up to 128 rows or columns times a stride) must fit int32."""
     return all(abs(s) * 128 < 2**31 for t in tensors for s in t.stride())
 
@@ -200,7 +199,7 @@ def supported(p: Tensor, A: Tensor, B: Tensor) -> bool:
         p.dim() == A.dim() == B.dim() == 2
         and p.dtype in DTYPES
         and p.dtype == A.dtype == B.dtype
-        and _small_strides(p, A, B)
+        and small_strides(p, A, B)
     )
 
 

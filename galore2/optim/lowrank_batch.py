@@ -72,6 +72,7 @@ from torch import Tensor
 from ..core import masked, packing
 from ..core.counters import Counters
 from ..core.transform import Context, LowRankUpdate, StackedState, State
+from ..kernels.ops_lowrank import grouped_would_run
 from ..projectors import PROJ_PRECISION, Plan, Projector, get_projector
 from ..projectors.base import projection_precision
 from ..projectors.random import RandomProjector
@@ -117,13 +118,16 @@ def group_batchable(group: dict[str, Any]) -> bool:
 
 def along_data(u: Tensor) -> bool:
     """Does a shape batch of matrices like ``u`` go along the data where it may (each
-    gradient projected where it is, each update written into its weight by its own
-    ``addmm_``: two matmuls per matrix, no weight-sized copy), rather than by one ``bmm``
-    each way per shape (two launches per shape, the gradients stacked and the dense updates
-    applied by foreach kernels)? Where a matrix holds at least
-    :data:`MIN_ALONG_DATA_ELEMENTS`: there the bytes saved cost more device time than the
-    host spends on the launches added; smaller ones are launch-bound."""
-    return u.numel() >= MIN_ALONG_DATA_ELEMENTS
+    gradient projected where it is, each update written into its weight, decay and update in
+    the matmul: no weight-sized copy), rather than by one ``bmm`` each way per shape (the
+    gradients stacked and the dense updates applied by foreach kernels)?
+
+    Where the grouped kernels run (:func:`~galore2.kernels.ops_lowrank.grouped_would_run`:
+    an NVIDIA GPU with Triton) always: there each way is one launch for the whole batch, as
+    the ``bmm`` is. Elsewhere each matrix takes its own ``mm`` and ``addmm_``, so only where
+    a matrix holds at least :data:`MIN_ALONG_DATA_ELEMENTS`: there the bytes saved cost
+    more device time than the host spends on the launches added."""
+    return u.numel() >= MIN_ALONG_DATA_ELEMENTS or grouped_would_run(u)
 
 
 def stackable(u: Tensor, ctx: Context, kind: type[Projection]) -> bool:

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ..core.transform import Context, LowRankUpdate, State
+from ..kernels.ops_lowrank import mm_each_
 from ..placement import Collective
 from ..projectors import (
     FULL,
@@ -223,10 +224,10 @@ class LeftProjection(Projection):
 
     @staticmethod
     def project_each(Gs: list[Tensor], B: Tensor) -> Tensor:
-        """PᵀG of each gradient into its entry of one r × n stack."""
+        """PᵀG of each gradient into its entry of one r × n stack (one grouped launch where
+        :mod:`galore2.kernels.ops_lowrank` runs Triton, else one ``mm`` each)."""
         R = B.new_empty((len(Gs), B.shape[2], Gs[0].shape[1]))
-        for G, P, out in zip(Gs, B, R, strict=True):
-            torch.mm(P.mT, G, out=out)
+        mm_each_(list(B.mT.unbind(0)), Gs, list(R.unbind(0)))
         return R
 
     @staticmethod
@@ -265,10 +266,9 @@ class RightProjection(Projection):
 
     @staticmethod
     def project_each(Gs: list[Tensor], B: Tensor) -> Tensor:
-        """G·Q of each gradient into its entry of one m × r stack."""
+        """G·Q of each gradient into its entry of one m × r stack (grouped as the left's)."""
         R = B.new_empty((len(Gs), Gs[0].shape[0], B.shape[2]))
-        for G, Q, out in zip(Gs, B, R, strict=True):
-            torch.mm(G, Q, out=out)
+        mm_each_(Gs, list(B.unbind(0)), list(R.unbind(0)))
         return R
 
     @staticmethod

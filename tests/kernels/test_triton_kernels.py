@@ -31,7 +31,7 @@ from galore2.core.apply import apply_update
 from galore2.core.transform import LowRankUpdate
 from galore2.kernels import dispatch
 from galore2.kernels.adam8bit import adam8bit_step, adam8bit_step_stack
-from galore2.kernels import ops
+from galore2.kernels import ops, tables
 from galore2.kernels.adamw import adamw_step
 from galore2.kernels.hadamard import blockwise_fwht
 from galore2.kernels.lowrank import lowrank_update
@@ -534,12 +534,12 @@ def test_triton_adamw_list_is_one_launch_with_the_bits_of_one_launch_a_weight(de
     listed = [[t.clone().to(DEVICE) for t in ts] for ts in (ps, grads, ms, vs)]
     each = [[t.clone().to(DEVICE) for t in ts] for ts in (ps, grads, ms, vs)]
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
-    K._TABLES.clear()
+    tables.clear()
     launches = []
     real = K._adamw_list_kernel
     monkeypatch.setattr(K, "_adamw_list_kernel", _Spy(real, launches))
     ops.adamw_(*listed, *args)
-    assert len(launches) == 1 and len(K._TABLES) == 1
+    assert len(launches) == 1 and len(tables._TABLES) == 1
     for i in range(len(shapes)):
         ops.adamw_(*([ts[i]] for ts in each), *args)
     assert len(launches) == 1  # one weight: the kernel of one weight
@@ -548,10 +548,10 @@ def test_triton_adamw_list_is_one_launch_with_the_bits_of_one_launch_a_weight(de
             assert torch.equal(x, y)
     assert not torch.equal(listed[0][2], ps[2].to(DEVICE))  # it stepped
     ops.adamw_(*listed, *args)
-    assert len(launches) == 2 and len(K._TABLES) == 1  # the same addresses: kept
+    assert len(launches) == 2 and len(tables._TABLES) == 1  # the same addresses: kept
     listed[1] = [t.clone() for t in listed[1]]  # new gradients, elsewhere
     ops.adamw_(*listed, *args)
-    assert len(launches) == 3 and len(K._TABLES) == 2
+    assert len(launches) == 3 and len(tables._TABLES) == 2
 
 
 class _Spy:

@@ -2,7 +2,7 @@
 ``lowrank_batch.MIN_ALONG_DATA_ELEMENTS``: 0 here): each gradient is
 read by its projection where it is (no stack, no copy), the low-rank Adam moments are
 stepped by torch's fused Adam kernel, and each update goes into its weight by one
-``addmm_`` (decay as its β) — no tensor of a weight's size is made, and a bf16 weight's
+``addmm_`` (decay as its β; a shape batch's by one grouped op) — no tensor of a weight's size is made, and a bf16 weight's
 update rounds once, as the per-tensor path's does."""
 
 from __future__ import annotations
@@ -75,11 +75,15 @@ def _run(dtype: torch.dtype, foreach: bool, steps: int, count_last: bool = False
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_batched_step_makes_no_weight_sized_tensor(dtype):
-    """A non-refresh batched step: one ``addmm_`` per weight, and no op makes a tensor as
-    large as the smallest weight (projections, moments and factors are r-sized)."""
+    """A non-refresh batched step: one grouped projection and one grouped ``addmm_`` per
+    shape batch (``galore2::mm_each_`` / ``addmm_each_``: one launch each where Triton runs,
+    an ``mm`` / ``addmm_`` per weight inside elsewhere), and no op makes a tensor as large
+    as the smallest weight (projections, moments and factors are r-sized)."""
     _, made = _run(dtype, foreach=True, steps=3, count_last=True)
     names = [n for n, _ in made.ops]
-    assert names.count("addmm_") == len(SHAPES), names
+    batches = len(set(SHAPES))
+    assert names.count("addmm_each_") == names.count("mm_each_") == batches, names
+    assert "addmm_" not in names and "mm" not in names, names
     smallest = min(math.prod(s) for s in SHAPES)
     big = [(n, sizes) for n, sizes in made.ops if max(sizes, default=0) >= smallest]
     assert not big, big

@@ -1,0 +1,140 @@
+"""Grouped matmuls (Triton): ``out_i ← β·p_i + α·(A_i @ B_i)`` for a list of same-shape
+matrices in ONE launch.
+
+GaLore projects each matrix of a shape batch (R_i = P_iᵀG_i or G_i·Q_i) and writes each
+update back into its weight (p_i ← decay·p_i − lr·scale·P_i·N_i). With one cuBLAS call per
+matrix each is read where it is — the gradient once, the weight read and written once —
+but a step of Llama-350M makes 336 such calls, and on an H200 machine an eager launch cost
+the host about 25 µs (BENCHMARKS.md, "GPU session"); stacking the gradients into one
+``bmm`` saves the launches but copies every gradient and writes a dense update.
+
+Here each program computes one tile of one entry — entry ``pid // tiles``, tile
+``pid % tiles`` by the single-matrix kernel's tile function
+(:func:`galore2.kernels.lowrank.lowrank_tile`: fp32 accumulation, the epilogue reading
+p's tile once) — with the entry's operands found from a table of element offsets from the
+first entry's (:func:`~galore2.kernels.tables.device_table`, kept while the tensors stay
+where they are). The entries share their shapes, strides and one dtype (a shape batch's
+matrices, its stacks' views): every offset but the base is the same. With β = 0 the p_i
+are not read (a projection into R's entries).
+
+Called through galore2's custom ops (:mod:`galore2.kernels.ops_lowrank`), which run the
+torch path elsewhere (one ``mm`` / ``addmm_`` per entry: the same products up to summation
+order). Not while a CUDA graph is captured (the table's copy): the ops launch per entry.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .dispatch import launch_device
+from .lowrank import DTYPES, config, lowrank_tile, matmul_precision, small_strides
+from .tables import capturing, device_table
+
+
+@triton.jit
+def _lowrank_list_kernel(
+    a_ptr, b_ptr, p_ptr, out_ptr, table, count, tiles, M, N, K, s_am, s_ak, s_bk, s_bn, s_pm,
+    s_pn, s_om, s_on, alpha, beta, BETA_ZERO: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    e = pid // tiles
+    a_off = tl.load(table + e)  # element offsets from the first entry's operands
+    b_off = tl.load(table + count + e)
+    p_off = tl.load(table + 2 * count + e)
+    o_off = tl.load(table + 3 * count + e)
+    lowrank_tile(a_ptr + a_off, b_ptr + b_off, p_ptr + p_off, out_ptr + o_off, pid % tiles,
+                 M, N, K, s_am, s_ak, s_bk, s_bn, s_pm, s_pn, s_om, s_on, alpha, beta,
+                 BETA_ZERO, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
+
+
+def _same(ts: list[Tensor], first: Tensor) -> bool:
+    shape, strides = first.shape, first.stride()
+    return all(t.shape == shape and t.stride() == strides for t in ts)
+
+
+def supported_list(
+    outs: list[Tensor], ps: list[Tensor], As: list[Tensor], Bs: list[Tensor]
+) -> bool:  # fmt: skip
+    """What :func:`lowrank_list` takes: lists of one length (two entries or more) of non-empty
+    2-D tensors in one dtype of :data:`~galore2.kernels.lowrank.DTYPES` on one device, each list's
+    entries of one shape and strides (strides below 2**24 elements), ``A_i @ B_i`` of
+    ``p_i``'s shape, and no CUDA graph being captured."""
+    k = len(outs)
+    if k < 2 or not (len(ps) == len(As) == len(Bs) == k):
+        return False
+    firsts = (outs[0], ps[0], As[0], Bs[0])
+    dtype, device = outs[0].dtype, outs[0].device
+    if dtype not in DTYPES or capturing(device):
+        return False
+    if any(t.dim() != 2 or t.dtype != dtype or t.device != device for t in firsts):
+        return False
+    o, p, a, b = firsts
+    if not (p.shape == o.shape == (a.shape[0], b.shape[1]) and a.shape[1] == b.shape[0]):
+        return False
+    if o.numel() == 0 or a.shape[1] == 0:  # nothing to launch for (the torch path's)
+        return False
+    if not small_strides(*firsts):
+        return False
+    return all(
+        _same(ts, t) and all(x.device == device and x.dtype == dtype for x in ts)
+        for ts, t in zip((outs, ps, As, Bs), firsts, strict=True)
+    )
+
+
+def _table(lists: tuple[list[Tensor], ...]) -> Tensor:
+    """The element offsets of each entry from the first's, list by list (see the module
+    docstring), on the first tensor's device."""
+    size = lists[0][0].element_size()
+    addresses = [t.data_ptr() for ts in lists for t in ts]
+    values = []
+    for ts in lists:
+        base = ts[0].data_ptr()
+        for t in ts:
+            delta = t.data_ptr() - base
+            if delta % size:
+                raise ValueError("lowrank_list: an entry is not aligned to its dtype's size")
+            values.append(delta // size)
+    return device_table(("lowrank_list", *addresses), np.asarray(values, dtype=np.int64),
+                        lists[0][0].device)  # fmt: skip
+
+
+def lowrank_list(
+    outs: list[Tensor], ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], *,
+    alpha: float, beta: float,
+) -> bool:  # fmt: skip
+    """``outs[i] ← beta·ps[i] + alpha·(As[i] @ Bs[i])`` for every i in one launch (``outs``
+    may be ``ps``: in place; with ``beta == 0`` the ps are not read). The lists as
+    :func:`supported_list` takes them. CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``.
+    Returns True (it ran)."""
+    if not supported_list(outs, ps, As, Bs):
+        raise ValueError(
+            "lowrank_list takes lists of one length (2 or more) of 2-D tensors of one dtype "
+            "and device, each list's entries of one shape and strides, A @ B of p's shape, "
+            "outside a CUDA graph's capture"
+        )
+    o, p, a, b = outs[0], ps[0], As[0], Bs[0]
+    M, K = a.shape
+    N = b.shape[1]
+    precision = matmul_precision(o.dtype)
+    cfg = config(o.dtype, precision)
+    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    table = _table((As, Bs, ps, outs))
+    with launch_device(o):
+        _lowrank_list_kernel[(tiles * len(outs),)](
+            a, b, p, o, table, len(outs), tiles, M, N, K, a.stride(0), a.stride(1),
+            b.stride(0), b.stride(1), p.stride(0), p.stride(1), o.stride(0), o.stride(1),
+            alpha, beta, BETA_ZERO=beta == 0, PRECISION=precision,
+            # the interpreter multiplies bf16 as raw integers (see lowrank_update)
+            UPCAST=o.dtype != torch.float32 and o.device.type == "cpu",
+            GROUP_M=8, enable_fp_fusion=True, **cfg,
+        )  # fmt: skip
+    return True
+
+
+__all__ = ["lowrank_list", "supported_list"]

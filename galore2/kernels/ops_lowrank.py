@@ -1,0 +1,113 @@
+"""galore2's grouped-matmul ops (``torch.library``): a shape batch's projections and
+back-projections, one dispatch each.
+
+* ``galore2::mm_each_`` (:func:`mm_each_`) — ``outs[i] ← As[i] @ Bs[i]``: GaLore's
+  projection of each gradient of a shape batch into its entry of the stack R, each
+  gradient read where it is (no stack of the gradients).
+* ``galore2::addmm_each_`` (:func:`addmm_each_`) — ``ps[i] ← beta·ps[i] + alpha·(As[i] @
+  Bs[i])``: the back-projection written into each weight, decay and update in the matmul
+  (no m×n update made).
+
+Where :mod:`~galore2.kernels.dispatch` runs Triton, one launch for the whole list
+(:mod:`galore2.kernels.lowrank_list`); elsewhere one ``mm`` / ``addmm_`` per entry (the
+same products up to summation order). On meta tensors they only check shapes: a dispatch
+mode sees one op per call, which is how ``benchmarks/roofline.py`` counts a step of a
+machine where the kernel runs. In plain eager calls the implementation is called directly
+(:mod:`galore2.kernels.direct`).
+
+This module imports no triton (the kernel module is loaded on first use).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from .direct import direct
+from .dispatch import run_kernel
+
+
+def _grouped(outs: list[Tensor], ps: list[Tensor], As: list[Tensor], Bs: list[Tensor],
+             alpha: float, beta: float) -> bool:  # fmt: skip
+    """The list kernel's launch where it runs (True), else False (the torch path)."""
+    if len(outs) < 2:
+        return False
+    lists = (outs, ps, As, Bs)
+    done = run_kernel(
+        "lowrank_list", *(t for ts in lists for t in ts),
+        supported=lambda k: k.supported_list(*lists),
+        kernel=lambda k: partial(k.lowrank_list, *lists, alpha=alpha, beta=beta),
+    )  # fmt: skip
+    return done is not None
+
+
+def _mm_each(As: list[Tensor], Bs: list[Tensor], outs: list[Tensor]) -> None:
+    """``outs[i] ← As[i] @ Bs[i]`` for each i (see the module docstring)."""
+    if _grouped(outs, outs, As, Bs, 1.0, 0.0):
+        return
+    for a, b, out in zip(As, Bs, outs, strict=True):
+        torch.mm(a, b, out=out)
+
+
+def _addmm_each(
+    ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], alpha: float, beta: float
+) -> None:  # fmt: skip
+    """``ps[i] ← beta·ps[i] + alpha·(As[i] @ Bs[i])`` in place for each i (2-D ``ps``)."""
+    if _grouped(ps, ps, As, Bs, alpha, beta):
+        return
+    for p, a, b in zip(ps, As, Bs, strict=True):
+        p.addmm_(a, b, beta=beta, alpha=alpha)
+
+
+def _check(name: str, outs: list[Tensor], As: list[Tensor], Bs: list[Tensor]) -> None:
+    if not (len(outs) == len(As) == len(Bs)):
+        raise ValueError(f"{name}: lists of one length, got {len(outs)}, {len(As)}, {len(Bs)}")
+    for o, a, b in zip(outs, As, Bs, strict=True):
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or (
+            tuple(o.shape) != (a.shape[0], b.shape[1])
+        ):
+            raise ValueError(
+                f"{name}: {tuple(o.shape)} is not the product of {tuple(a.shape)} and "
+                f"{tuple(b.shape)}"
+            )
+
+
+mm_each_op = torch.library.custom_op("galore2::mm_each_", _mm_each, mutates_args=("outs",))
+addmm_each_op = torch.library.custom_op(
+    "galore2::addmm_each_", _addmm_each, mutates_args=("ps",)
+)
+
+
+@mm_each_op.register_fake
+def _mm_each_meta(As: list[Tensor], Bs: list[Tensor], outs: list[Tensor]) -> None:
+    _check("mm_each_", outs, As, Bs)
+
+
+@addmm_each_op.register_fake
+def _addmm_each_meta(
+    ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], alpha: float, beta: float
+) -> None:  # fmt: skip
+    _check("addmm_each_", ps, As, Bs)
+
+
+mm_each_ = direct(mm_each_op, _mm_each, mutated=(2,))
+addmm_each_ = direct(addmm_each_op, _addmm_each, mutated=(0,))
+
+
+def grouped_would_run(t: Tensor) -> bool:
+    """Would a list of matrices like ``t`` take the grouped kernel (one launch per list)?
+    On meta tensors: whether it would on an NVIDIA GPU of this setup (what a step on meta
+    tensors stands for, as :func:`~galore2.kernels.ops.triton_would_run` says)."""
+    from .dispatch import kernel_mode, triton_available, use_triton
+
+    if t.is_meta:
+        return kernel_mode() != "torch" and triton_available()
+    try:
+        return use_triton(t)
+    except RuntimeError:  # GALORE2_KERNELS=triton where it cannot run: the op will say so
+        return False
+
+
+__all__ = ["addmm_each_", "grouped_would_run", "mm_each_"]

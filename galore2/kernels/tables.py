@@ -1,0 +1,55 @@
+"""Device tables of addresses for multi-tensor launches, kept while their numbers hold.
+
+A list kernel (one launch for many tensors: :mod:`galore2.kernels.adamw`'s AdamW list,
+:mod:`galore2.kernels.lowrank_list`'s grouped matmuls) reads where each tensor is from an
+int64 table on the device. The table is those numbers and nothing else, so it is kept by
+them (:func:`device_table`): the same tensors at the same addresses from step to step (new
+gradients each step, mostly where the last ones were) reuse it; otherwise it is built again
+by one host→device copy from pinned memory, queued on the stream without waiting for the
+device (a copy from pageable memory may wait for the stream's work).
+
+A CUDA graph being captured cannot record that copy (:func:`capturing`): the callers launch
+per tensor there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+#: tables kept (the most recent lists: a step's groups and shape batches)
+KEPT = 16
+_TABLES: dict[tuple, Tensor] = {}
+
+
+def capturing(device: torch.device) -> bool:
+    """Is a CUDA graph being captured on ``device``'s current stream?"""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def device_table(key: tuple, values: Sequence[int] | np.ndarray, device: torch.device) -> Tensor:
+    """``values`` as an int64 tensor on ``device``, kept under ``(device, key)``: ``key`` must
+    determine ``values`` (the addresses and sizes they were computed from)."""
+    full = (device, *key)
+    hit = _TABLES.get(full)
+    if hit is not None:
+        return hit
+    host = torch.empty(len(values), dtype=torch.int64, pin_memory=device.type == "cuda")
+    host.numpy()[:] = values
+    # the host allocator keeps a pinned buffer until the queued copy has run
+    table = host.to(device, non_blocking=True)
+    if len(_TABLES) >= KEPT:
+        _TABLES.pop(next(iter(_TABLES)))
+    _TABLES[full] = table
+    return table
+
+
+def clear() -> None:
+    """Forget every kept table (tests)."""
+    _TABLES.clear()
+
+
+__all__ = ["KEPT", "capturing", "clear", "device_table"]
