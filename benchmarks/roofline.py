@@ -78,8 +78,9 @@ WRITE_ONLY = frozenset(
 FUSED_ADAM = {"_fused_adam_": (0, 2, 3), "_fused_adamw_": (0, 2, 3)}
 #: ops whose written arguments (by name) are only written, never read (galore2's custom ops)
 WRITE_ONLY_ARGS = {"adam_directions_": frozenset({"outs"}), "mm_each_": frozenset({"outs"})}
-#: galore2's grouped matmuls: the arguments holding each entry's two factors
-LIST_MATMULS = {"mm_each_": ("As", "Bs"), "addmm_each_": ("As", "Bs")}
+#: galore2's grouped matmuls: the arguments holding each entry's two factors and its output
+#: (whose dtype the product runs at: a float32 basis is rounded to a bf16 output's)
+LIST_MATMULS = {"mm_each_": ("As", "Bs", "outs"), "addmm_each_": ("As", "Bs", "ps")}
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
            torch.float64: "fp64"}  # fmt: skip
 #: the recipe configs whose widths and ranks are measured (rank 256, 1024)
@@ -161,9 +162,9 @@ class RooflineCounter(StepCounter):
                              _DTYPES.get(out.dtype, str(out.dtype))))  # fmt: skip
         if name in LIST_MATMULS:  # one product per entry of the lists
             names = [a.name for a in schema]
-            xs, ys = (values[names.index(n)] for n in LIST_MATMULS[name])
-            for x, y in zip(xs, ys, strict=True):
-                c.flops[_flop_dtype(x)] += 2 * x.numel() * y.shape[-1]
+            xs, ys, outs = (values[names.index(n)] for n in LIST_MATMULS[name])
+            for x, y, o in zip(xs, ys, outs, strict=True):
+                c.flops[_flop_dtype(o)] += 2 * x.numel() * y.shape[-1]
         elif name in MATMULS:  # its factors: an ``out=`` tensor (written, kwarg-only) is not one
             operands = [v for i, v in enumerate(values) if i not in not_read]
             mats = [t for t in _tensors(operands) if t.dim() >= 2]

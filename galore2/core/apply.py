@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.dispatch import run_kernel
-from ..kernels.ops_lowrank import addmm_each_
+from ..kernels.ops_lowrank import addmm_each_, operand_dtypes
 from .masked import FlagBuffer, masked_updates
 from .transform import FACTORED, LowRankUpdate, ScaledUpdate
 
@@ -72,14 +72,19 @@ def apply_updates(params: list[Tensor], updates: list[Update], lr: float, decay:
 
 def _low_rank_lists(params: list[Tensor], updates: list[Update]) -> list[list[int]]:
     """The positions of low-rank updates that one grouped ``addmm_`` applies: two or more of
-    one shape batch (the same factor shapes, strides, dtype and scale) into contiguous
-    weights of their dtype on one device. What :func:`apply_update` does to each, one
+    one shape batch (the same factor shapes, strides, dtypes and scale) into contiguous
+    weights of one dtype on one device, the factors in it (or a float32 basis for bf16
+    weights: :func:`~galore2.kernels.ops_lowrank.operand_dtypes`). What :func:`apply_update` does to each, one
     launch for them all where the grouped kernel runs (:mod:`galore2.kernels.ops_lowrank`)."""
     by: dict[tuple, list[int]] = {}
     for i, (p, u) in enumerate(zip(params, updates, strict=True)):
-        if isinstance(u, LowRankUpdate) and p.is_contiguous() and p.dtype == u.A.dtype:
+        if (
+            isinstance(u, LowRankUpdate)
+            and p.is_contiguous()
+            and operand_dtypes(p.dtype, u.A.dtype, u.B.dtype) is not None
+        ):
             key = (u.A.shape, u.B.shape, u.A.stride(), u.B.stride(), u.A.dtype, u.B.dtype,
-                   u.scale, p.device)  # fmt: skip
+                   u.scale, p.dtype, p.device)  # fmt: skip
             by.setdefault(key, []).append(i)
     return [idx for idx in by.values() if len(idx) > 1]
 
@@ -135,6 +140,7 @@ def apply_update(p: Tensor, u: Update, lr: float, decay: float) -> None:
     if isinstance(u, LowRankUpdate):
         target = p.view(u.A.shape[0], u.B.shape[1]) if p.is_contiguous() else None
         if target is not None:
+            u = LowRankUpdate(*u.operands(p.dtype), u.shape, u.scale)  # a fp32 basis rounded
             if (
                 run_kernel(
                     "lowrank",

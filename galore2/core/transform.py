@@ -47,7 +47,9 @@ class LowRankUpdate:
 
     The optimizer applies it with one fused ``addmm_`` (decay, update and the
     matmul in a single pass over the weight); :meth:`dense` materializes it for
-    transforms that need the full matrix.
+    transforms that need the full matrix. One factor may be float32 where the other is
+    16-bit (a stored fp32 basis against a bf16 N, read as it is by the grouped kernels of
+    :mod:`galore2.kernels.ops_lowrank`): it is rounded to the other's dtype first.
     """
 
     A: Tensor
@@ -55,8 +57,16 @@ class LowRankUpdate:
     shape: torch.Size
     scale: float = 1.0
 
+    def operands(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(A, B) in ``dtype`` (each cast only where it is not)."""
+        a, b = self.A, self.B
+        return (a if a.dtype == dtype else a.to(dtype), b if b.dtype == dtype else b.to(dtype))
+
     def dense(self) -> Tensor:
-        out = (self.A @ self.B).view(self.shape)
+        a, b = self.A, self.B
+        if a.dtype != b.dtype:  # a float32 factor rounds to the 16-bit one's dtype
+            a, b = self.operands(b.dtype if a.dtype == torch.float32 else a.dtype)
+        out = (a @ b).view(self.shape)
         return out if self.scale == 1.0 else out.mul_(self.scale)
 
 

@@ -35,19 +35,10 @@ import triton.language as tl
 from torch import Tensor
 
 from .dispatch import launch_device
+from .rounding import to_bf16
 from .tables import capturing, device_table
 
 BLOCK = 1024
-
-
-@triton.jit
-def _to_bf16(x):
-    """float32 → bfloat16 rounded to nearest, ties to even, in integer arithmetic: what a
-    cast does on the GPU, and what Triton's interpreter (which truncates) does not.
-    Finite values only (a NaN's payload may round to infinity)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = bits + 0x7FFF + ((bits >> 16) & 1)
-    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -76,9 +67,9 @@ def _adamw_block(
     d = _adam_block(g_ptr, m_ptr, v_ptr, offs, mask, beta1, beta2, eps, inv_bc1, bc2_sqrt)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
     if DECAY:  # its own rounding to bf16, as the separate multiply
-        p = _to_bf16(p.to(tl.float32) * decay)
+        p = to_bf16(p.to(tl.float32) * decay)
     p = tl.fma(neg_lr, d, p.to(tl.float32))
-    tl.store(p_ptr + offs, _to_bf16(p), mask=mask)
+    tl.store(p_ptr + offs, to_bf16(p), mask=mask)
 
 
 @triton.jit
@@ -150,7 +141,7 @@ def _directions_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     d = _adam_block(g_ptr, m_ptr, v_ptr, offs, mask, beta1, beta2, eps, inv_bc1, bc2_sqrt)
-    tl.store(out_ptr + offs, _to_bf16(d), mask=mask)
+    tl.store(out_ptr + offs, to_bf16(d), mask=mask)
 
 
 def _f32(x: float) -> np.float32:

@@ -26,6 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .dispatch import launch_device
+from .rounding import to_bf16
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -35,10 +36,13 @@ def lowrank_tile(
     a_ptr, b_ptr, p_ptr, out_ptr, pid, M, N, K, s_am, s_ak, s_bk, s_bn, s_pm, s_pn, s_om,
     s_on, alpha, beta, BETA_ZERO: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, A_BF16: tl.constexpr,
+    B_BF16: tl.constexpr,
 ):  # fmt: skip
     """Tile ``pid`` of ``out ← β·p + α·(A @ B)`` for one matrix (the kernel of one matrix,
-    and of each entry of :mod:`galore2.kernels.lowrank_list`'s grouped launch)."""
+    and of each entry of :mod:`galore2.kernels.lowrank_list`'s grouped launch). ``A_BF16``
+    / ``B_BF16``: that operand is float32, rounded to bf16 as its tiles are loaded (what
+    casting it first gives, without the cast's pass)."""
     # Grouped program order: GROUP_M consecutive row tiles walk the column tiles together.
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -64,6 +68,10 @@ def lowrank_tile(
         k_ok = (k0 + lk) < K
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if A_BF16:
+            a = to_bf16(a)
+        if B_BF16:
+            b = to_bf16(b)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -91,7 +99,7 @@ def _lowrank_update_kernel(
 ):  # fmt: skip
     lowrank_tile(a_ptr, b_ptr, p_ptr, out_ptr, tl.program_id(0), M, N, K, s_am, s_ak, s_bk,
                  s_bn, s_pm, s_pn, s_om, s_on, alpha, beta, BETA_ZERO, PRECISION, UPCAST,
-                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
+                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, False)  # fmt: skip
 
 
 def matmul_precision(dtype: torch.dtype) -> str | None:

@@ -13,9 +13,11 @@ Here each program computes one tile of one entry — entry ``pid // tiles``, til
 (:func:`galore2.kernels.lowrank.lowrank_tile`: fp32 accumulation, the epilogue reading
 p's tile once) — with the entry's operands found from a table of element offsets from the
 first entry's (:func:`~galore2.kernels.tables.device_table`, kept while the tensors stay
-where they are). The entries share their shapes, strides and one dtype (a shape batch's
+where they are). The entries share their shapes, strides and dtypes (a shape batch's
 matrices, its stacks' views): every offset but the base is the same. With β = 0 the p_i
-are not read (a projection into R's entries).
+are not read (a projection into R's entries). A float32 operand of a bf16 product (a
+stored fp32 basis against bf16 gradients or weights) is rounded to bf16 as its tiles are
+loaded: the bits of casting it first, without the cast's pass over the bases.
 
 Called through galore2's custom ops (:mod:`galore2.kernels.ops_lowrank`), which run the
 torch path elsewhere (one ``mm`` / ``addmm_`` per entry: the same products up to summation
@@ -32,6 +34,7 @@ from torch import Tensor
 
 from .dispatch import launch_device
 from .lowrank import DTYPES, config, lowrank_tile, matmul_precision, small_strides
+from .ops_lowrank import operand_dtypes
 from .tables import capturing, device_table
 
 
@@ -40,7 +43,7 @@ def _lowrank_list_kernel(
     a_ptr, b_ptr, p_ptr, out_ptr, table, count, tiles, M, N, K, s_am, s_ak, s_bk, s_bn, s_pm,
     s_pn, s_om, s_on, alpha, beta, BETA_ZERO: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, A_BF16: tl.constexpr, B_BF16: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     e = pid // tiles
@@ -50,7 +53,8 @@ def _lowrank_list_kernel(
     o_off = tl.load(table + 3 * count + e)
     lowrank_tile(a_ptr + a_off, b_ptr + b_off, p_ptr + p_off, out_ptr + o_off, pid % tiles,
                  M, N, K, s_am, s_ak, s_bk, s_bn, s_pm, s_pn, s_om, s_on, alpha, beta,
-                 BETA_ZERO, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
+                 BETA_ZERO, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, A_BF16,
+                 B_BF16)  # fmt: skip
 
 
 def _same(ts: list[Tensor], first: Tensor) -> bool:
@@ -62,7 +66,8 @@ def supported_list(
     outs: list[Tensor], ps: list[Tensor], As: list[Tensor], Bs: list[Tensor]
 ) -> bool:  # fmt: skip
     """What :func:`lowrank_list` takes: lists of one length (two entries or more) of non-empty
-    2-D tensors in one dtype of :data:`~galore2.kernels.lowrank.DTYPES` on one device, each list's
+    2-D tensors on one device, outputs in a dtype of :data:`~galore2.kernels.lowrank.DTYPES`
+    and operands in it too (or float32 for bf16 outputs: :func:`operand_dtypes`), each list's
     entries of one shape and strides (strides below 2**24 elements), ``A_i @ B_i`` of
     ``p_i``'s shape, and no CUDA graph being captured."""
     k = len(outs)
@@ -72,7 +77,9 @@ def supported_list(
     dtype, device = outs[0].dtype, outs[0].device
     if dtype not in DTYPES or capturing(device):
         return False
-    if any(t.dim() != 2 or t.dtype != dtype or t.device != device for t in firsts):
+    dtypes = [dtype, dtype, *(operand_dtypes(dtype, As[0].dtype, Bs[0].dtype) or (None, None))]
+    if any(t.dim() != 2 or t.dtype != d or t.device != device
+           for t, d in zip(firsts, dtypes, strict=True)):  # fmt: skip
         return False
     o, p, a, b = firsts
     if not (p.shape == o.shape == (a.shape[0], b.shape[1]) and a.shape[1] == b.shape[0]):
@@ -82,7 +89,7 @@ def supported_list(
     if not small_strides(*firsts):
         return False
     return all(
-        _same(ts, t) and all(x.device == device and x.dtype == dtype for x in ts)
+        _same(ts, t) and all(x.device == device and x.dtype == t.dtype for x in ts)
         for ts, t in zip((outs, ps, As, Bs), firsts, strict=True)
     )
 
@@ -90,11 +97,10 @@ def supported_list(
 def _table(lists: tuple[list[Tensor], ...]) -> Tensor:
     """The element offsets of each entry from the first's, list by list (see the module
     docstring), on the first tensor's device."""
-    size = lists[0][0].element_size()
     addresses = [t.data_ptr() for ts in lists for t in ts]
     values = []
     for ts in lists:
-        base = ts[0].data_ptr()
+        base, size = ts[0].data_ptr(), ts[0].element_size()
         for t in ts:
             delta = t.data_ptr() - base
             if delta % size:
@@ -132,7 +138,8 @@ def lowrank_list(
             alpha, beta, BETA_ZERO=beta == 0, PRECISION=precision,
             # the interpreter multiplies bf16 as raw integers (see lowrank_update)
             UPCAST=o.dtype != torch.float32 and o.device.type == "cpu",
-            GROUP_M=8, enable_fp_fusion=True, **cfg,
+            GROUP_M=8, A_BF16=a.dtype != o.dtype, B_BF16=b.dtype != o.dtype,
+            enable_fp_fusion=True, **cfg,
         )  # fmt: skip
     return True
 

@@ -1,6 +1,9 @@
 """galore2's grouped-matmul ops (``torch.library``): a shape batch's projections and
 back-projections, one dispatch each.
 
+Operands are rounded to the output's dtype first; a float32 operand of a bf16 output (a
+stored fp32 basis) is rounded by the grouped kernel as it loads it (:func:`operand_dtypes`).
+
 * ``galore2::mm_each_`` (:func:`mm_each_`) — ``outs[i] ← As[i] @ Bs[i]``: GaLore's
   projection of each gradient of a shape batch into its entry of the stack R, each
   gradient read where it is (no stack of the gradients).
@@ -43,28 +46,50 @@ def _grouped(outs: list[Tensor], ps: list[Tensor], As: list[Tensor], Bs: list[Te
     return done is not None
 
 
+def operand_dtypes(
+    out: torch.dtype, a: torch.dtype, b: torch.dtype
+) -> tuple[torch.dtype, torch.dtype] | None:  # fmt: skip
+    """(a, b) when the ops take operands of these dtypes for an output in ``out``: the
+    output's dtype, or float32 rounded to bf16 first for a bf16 output (a stored fp32
+    basis against bf16 gradients or weights; the grouped kernel rounds its tiles as it
+    loads them, so no cast pass); None otherwise."""
+    ok = (out,) if out != torch.bfloat16 else (out, torch.float32)
+    return (a, b) if a in ok and b in ok else None
+
+
+def _in(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _mm_each(As: list[Tensor], Bs: list[Tensor], outs: list[Tensor]) -> None:
-    """``outs[i] ← As[i] @ Bs[i]`` for each i (see the module docstring)."""
+    """``outs[i] ← As[i] @ Bs[i]`` for each i, the operands rounded to the output's dtype
+    first (see the module docstring)."""
     if _grouped(outs, outs, As, Bs, 1.0, 0.0):
         return
     for a, b, out in zip(As, Bs, outs, strict=True):
-        torch.mm(a, b, out=out)
+        torch.mm(_in(a, out.dtype), _in(b, out.dtype), out=out)
 
 
 def _addmm_each(
     ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], alpha: float, beta: float
 ) -> None:  # fmt: skip
-    """``ps[i] ← beta·ps[i] + alpha·(As[i] @ Bs[i])`` in place for each i (2-D ``ps``)."""
+    """``ps[i] ← beta·ps[i] + alpha·(As[i] @ Bs[i])`` in place for each i (2-D ``ps``), the
+    operands rounded to the weights' dtype first."""
     if _grouped(ps, ps, As, Bs, alpha, beta):
         return
     for p, a, b in zip(ps, As, Bs, strict=True):
-        p.addmm_(a, b, beta=beta, alpha=alpha)
+        p.addmm_(_in(a, p.dtype), _in(b, p.dtype), beta=beta, alpha=alpha)
 
 
 def _check(name: str, outs: list[Tensor], As: list[Tensor], Bs: list[Tensor]) -> None:
     if not (len(outs) == len(As) == len(Bs)):
         raise ValueError(f"{name}: lists of one length, got {len(outs)}, {len(As)}, {len(Bs)}")
     for o, a, b in zip(outs, As, Bs, strict=True):
+        if operand_dtypes(o.dtype, a.dtype, b.dtype) is None:
+            raise ValueError(
+                f"{name}: operands of {a.dtype} and {b.dtype} for an output in {o.dtype}; "
+                "they take the output's dtype, or float32 for a bf16 output"
+            )
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or (
             tuple(o.shape) != (a.shape[0], b.shape[1])
         ):
@@ -110,4 +135,4 @@ def grouped_would_run(t: Tensor) -> bool:
         return False
 
 
-__all__ = ["addmm_each_", "grouped_would_run", "mm_each_"]
+__all__ = ["addmm_each_", "grouped_would_run", "mm_each_", "operand_dtypes"]

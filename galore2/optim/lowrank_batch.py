@@ -72,11 +72,11 @@ from torch import Tensor
 from ..core import masked, packing
 from ..core.counters import Counters
 from ..core.transform import Context, LowRankUpdate, StackedState, State
-from ..kernels.ops_lowrank import grouped_would_run
+from ..kernels.ops_lowrank import grouped_would_run, operand_dtypes
 from ..projectors import PROJ_PRECISION, Plan, Projector, get_projector
 from ..projectors.base import projection_precision
 from ..projectors.random import RandomProjector
-from .projection import BY_SIDE, Projection, plan_for
+from .projection import BY_SIDE, Projection, entries, plan_for
 from .refresh import is_due
 
 MAX_MATRIX_BYTES = 16 * 2**20
@@ -248,6 +248,24 @@ class ShapeBatch:
         torch._foreach_copy_(list(out.unbind(0)), [s[key] for s in states])
         return out
 
+    def _stored_each(
+        self, projector: Projector, at: torch.dtype, live: list[int] | None, u: Tensor
+    ) -> list[Tensor] | None:  # fmt: skip
+        """The live matrices' stored bases themselves (no stack, no cast) where the grouped
+        kernels project them (:func:`~galore2.kernels.ops_lowrank.grouped_would_run`): the
+        kernel reads each where it is, a float32 basis rounded to bf16 as it loads it
+        (:func:`~galore2.kernels.ops_lowrank.operand_dtypes`: the values of casting it
+        first), so a step neither stacks nor casts a basis; None otherwise (a stack then:
+        the random projector's kept draw, or :meth:`bases`)."""
+        if isinstance(projector, RandomProjector) or not grouped_would_run(u):
+            return None
+        key = self.kind.basis_key
+        states = self.states if live is None else [self.states[j] for j in live]
+        first = states[0][key]
+        if operand_dtypes(at, first.dtype, at) is None:
+            return None
+        return [s[key] for s in states]
+
     def stacked_state(self, keys: tuple[str, ...]) -> StackedState | None:
         """The inner chain's state of the whole batch as one stacked entry (its ``keys``
         stacked: :mod:`~galore2.core.packing` views them, or packs them once), or None when
@@ -262,7 +280,7 @@ class ShapeBatch:
     def project(
         self, us: list[Tensor], projector: Projector, live: list[int] | None,
         stack: bool = True,
-    ) -> tuple[Tensor | None, Tensor, Tensor, Tensor]:  # fmt: skip
+    ) -> tuple[Tensor | None, Tensor | list[Tensor], Tensor | list[Tensor], Tensor]:  # fmt: skip
         """(the stacked gradients G, the stacked bases B as stored, B in the projection's
         operand dtype Y (B itself when that is its dtype: a back-projection in that dtype
         reads Y rather than casting B again), R = PᵀG or G·Q): one ``bmm`` at the
@@ -273,11 +291,18 @@ class ShapeBatch:
         ``stack=False`` (the caller needs no G): gradients that are not a stack already are
         not copied into one — each is read where it is by its own matmul into its entry of
         R — and G is None; and bases stored in another dtype than the projection's are cast
-        straight into Y (:meth:`_cast_each`), which B then is too."""
+        straight into Y (:meth:`_cast_each`), which B then is too — or, where the grouped
+        kernels run, not stacked at all: B and Y are then the list of the stored bases
+        (:meth:`_stored_each`)."""
         idx = self.idx if live is None else [self.idx[j] for j in live]
         listed = [us[i] for i in idx]
         dtype = self.dtype
         at, context = projection_precision(listed[0], self.plan.precision)
+        held = None if stack else self._stored_each(projector, at, live, listed[0])
+        if held is not None:  # the stored bases as they are, read by one grouped launch
+            with context:
+                R = self.kind.project_each([g if g.dtype == at else g.to(at) for g in listed], held)
+            return None, held, held, (R if R.dtype == dtype else R.to(dtype))
         cast = None if stack else self._cast_each(projector, at, live)
         if cast is not None:  # the live bases straight from the state into a stack in ``at``
             B = Y = cast
@@ -457,8 +482,8 @@ def _stacked(ts: list[Tensor]) -> Tensor:
 
 
 def factors(
-    kind: type[Projection], B: Tensor, Ns: list[Tensor] | Tensor, dtype: torch.dtype,
-    factor: float, shapes: list[torch.Size],
+    kind: type[Projection], B: Tensor | list[Tensor], Ns: list[Tensor] | Tensor,
+    dtype: torch.dtype, factor: float, shapes: list[torch.Size],
 ) -> list[LowRankUpdate]:  # fmt: skip
     """The updates ``factor·P·N`` (left) or ``factor·N·Qᵀ`` (right) of a shape batch as
     factors in ``dtype``, one :class:`~galore2.core.transform.LowRankUpdate` per matrix
@@ -466,14 +491,19 @@ def factors(
     optimizer writes each into its weight by one ``addmm_`` with the step's decay as its
     β, so no m×n update exists and each weight is read and written once. The casts are of
     the r-sized stacks (one each). ``Ns``: the low-rank updates, or their stack (the inner
-    chain's: never written)."""
+    chain's: never written). ``B``: the bases' stack, or the stored bases themselves
+    (:meth:`ShapeBatch.project`'s, for the grouped kernels: kept as they are where their
+    dtype is one the kernels round, else stacked in ``dtype``)."""
     N = Ns if isinstance(Ns, Tensor) else _stacked(Ns)
     N = N if N.dtype == dtype else N.to(dtype)
-    B = B if B.dtype == dtype else B.to(dtype)
+    if isinstance(B, list) and operand_dtypes(dtype, B[0].dtype, dtype) is None:
+        B = torch.stack(B)
+    if isinstance(B, Tensor) and B.dtype != dtype:
+        B = B.to(dtype)
     As, Bs = kind.factors_stack(N, B)
     return [
         LowRankUpdate(a, b, shape, factor)
-        for a, b, shape in zip(As.unbind(0), Bs.unbind(0), shapes, strict=True)
+        for a, b, shape in zip(entries(As), entries(Bs), shapes, strict=True)
     ]
 
 

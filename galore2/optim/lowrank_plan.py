@@ -48,8 +48,10 @@ class Stacked(NamedTuple):
     batch: lowrank_batch.ShapeBatch
     idx: list[int]
     G: Tensor | None  # the stacked gradients (None: not stacked, see factored)
-    B: Tensor  # the stacked bases, as stored
-    Y: Tensor  # B in the projection's operand dtype (B itself when that is its dtype)
+    # the stacked bases, as stored; or the stored bases themselves, a list (the grouped
+    # kernels read them where they are: lowrank_batch.ShapeBatch._stored_each)
+    B: Tensor | list[Tensor]
+    Y: Tensor | list[Tensor]  # B in the projection's operand dtype (B itself when in it)
     R: Tensor  # the stacked projected gradients
     state: StackedState | None  # the inner chain's state of them as one stacked entry
     factored: bool  # along the data: G not stacked, the update as factors (see factored)
@@ -277,8 +279,10 @@ def back_stacks(
         dtype = ctxs[st.idx[0]].param.dtype
         if st.factored:  # factors: each weight takes its update in one addmm_
             shapes = [us[i].shape for i in st.idx]
-            # the projection's cast of the bases when in dtype (no second cast)
-            B = st.Y if st.Y.dtype == dtype else st.batch.cast_bases(st.B, dtype)
+            # the projection's cast of the bases when in dtype (no second cast); the stored
+            # bases themselves where the grouped kernels read them (factors checks dtypes)
+            B = st.Y if isinstance(st.Y, list) or st.Y.dtype == dtype else (
+                st.batch.cast_bases(st.B, dtype))  # fmt: skip
             ups = lowrank_batch.factors(st.batch.kind, B, Ns, dtype, scale, shapes)
             done.update(zip(st.idx, ups, strict=True))
             continue

@@ -25,7 +25,7 @@ DTensor here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -124,16 +124,18 @@ class Projection:
         raise NotImplementedError("only a stackable projection batches its products")
 
     @staticmethod
-    def project_each(Gs: list[Tensor], B: Tensor) -> Tensor:
-        """R of each gradient of ``Gs`` and its basis in the stack ``B``, stacked: one
-        matmul per matrix into its entry of R (the gradients are read where they are, not
-        stacked first; ``stackable`` only)."""
+    def project_each(Gs: list[Tensor], B: Tensor | list[Tensor]) -> Tensor:
+        """R of each gradient of ``Gs`` and its basis in ``B`` (a stack, or the stored bases
+        themselves: float32 ones for bf16 gradients are rounded as they are read), stacked
+        in the gradients' dtype: one matmul per matrix into its entry of R (the gradients
+        are read where they are, not stacked first; ``stackable`` only)."""
         raise NotImplementedError("only a stackable projection batches its products")
 
     @staticmethod
-    def factors_stack(N: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
+    def factors_stack(N: Tensor, B: Tensor | list[Tensor]) -> tuple[Any, Any]:
         """The stacked factors (A, B) of the updates A·B of stacked inner results ``N`` and
-        bases ``B`` (``stackable`` only; :meth:`back`'s factors, a stack of them)."""
+        bases ``B`` (a stack or a list of them; ``stackable`` only; :meth:`back`'s factors,
+        a stack or list of them)."""
         raise NotImplementedError("only a stackable projection batches its products")
 
     def basis(self, state: State) -> Tensor | None:
@@ -186,6 +188,11 @@ class Projection:
         ]
 
 
+def entries(B: Tensor | list[Tensor]) -> list[Tensor]:
+    """The matrices of a stack (its entries, views) or of a list (as they are)."""
+    return list(B.unbind(0)) if isinstance(B, Tensor) else B
+
+
 class LeftProjection(Projection):
     """R = PᵀG (r×n), a sum over the ranks' rows, reduce-scattered to column shards;
     update P·N after an all-gather of N."""
@@ -223,15 +230,16 @@ class LeftProjection(Projection):
         return torch.bmm(B, N, out=out)
 
     @staticmethod
-    def project_each(Gs: list[Tensor], B: Tensor) -> Tensor:
+    def project_each(Gs: list[Tensor], B: Tensor | list[Tensor]) -> Tensor:
         """PᵀG of each gradient into its entry of one r × n stack (one grouped launch where
         :mod:`galore2.kernels.ops_lowrank` runs Triton, else one ``mm`` each)."""
-        R = B.new_empty((len(Gs), B.shape[2], Gs[0].shape[1]))
-        mm_each_(list(B.mT.unbind(0)), Gs, list(R.unbind(0)))
+        Ps = entries(B)
+        R = Gs[0].new_empty((len(Gs), Ps[0].shape[1], Gs[0].shape[1]))
+        mm_each_([P.mT for P in Ps], Gs, list(R.unbind(0)))
         return R
 
     @staticmethod
-    def factors_stack(N: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
+    def factors_stack(N: Tensor, B: Tensor | list[Tensor]) -> tuple[Any, Any]:
         """(P, N): the update P·N."""
         return B, N
 
@@ -265,16 +273,17 @@ class RightProjection(Projection):
         return torch.bmm(N, B.mT, out=out)
 
     @staticmethod
-    def project_each(Gs: list[Tensor], B: Tensor) -> Tensor:
+    def project_each(Gs: list[Tensor], B: Tensor | list[Tensor]) -> Tensor:
         """G·Q of each gradient into its entry of one m × r stack (grouped as the left's)."""
-        R = B.new_empty((len(Gs), Gs[0].shape[0], B.shape[2]))
-        mm_each_(Gs, list(B.unbind(0)), list(R.unbind(0)))
+        Qs = entries(B)
+        R = Gs[0].new_empty((len(Gs), Gs[0].shape[0], Qs[0].shape[1]))
+        mm_each_(Gs, Qs, list(R.unbind(0)))
         return R
 
     @staticmethod
-    def factors_stack(N: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
+    def factors_stack(N: Tensor, B: Tensor | list[Tensor]) -> tuple[Any, Any]:
         """(N, Qᵀ): the update N·Qᵀ."""
-        return N, B.mT
+        return N, (B.mT if isinstance(B, Tensor) else [Q.mT for Q in B])
 
 
 class FullProjection(Projection):

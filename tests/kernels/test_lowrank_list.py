@@ -90,6 +90,46 @@ def test_each_entry_is_the_single_matrix_kernel(M, N, K, dtype, triton_mode, lau
         assert bool(((out.double() - a.double() @ b.double()).abs() <= tol).all())
 
 
+@pytest.mark.parametrize("side", ["A", "B"])
+def test_a_float32_operand_is_rounded_as_it_is_read(side, triton_mode, launches):
+    """A float32 operand of a bf16 product (a stored fp32 basis against bf16 gradients or
+    weights) is rounded to bf16 by the kernel as it loads its tiles: bitwise the result of
+    casting it first (round to nearest, ties to even, as torch's cast), in one launch and
+    no cast launched; the torch path casts it and gives the same within a bf16 rounding."""
+    ps, As, Bs = _entries(67, 45, 13, torch.bfloat16, 3, 21)
+    g = _gen(22)
+    if side == "A":  # fp32 values with bits below bf16's, ties included
+        As = [torch.randn(a.shape, generator=g).to(DEVICE) for a in As]
+        As[0][0, :4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-9])
+    else:
+        Bs = [torch.randn(b.shape, generator=g).to(DEVICE) for b in Bs]
+    cast = [a.to(torch.bfloat16) for a in As], [b.to(torch.bfloat16) for b in Bs]
+    mixed = [p.clone() for p in ps]
+    ops_lowrank.addmm_each_(mixed, As, Bs, -0.3, 0.97)
+    rounded = [p.clone() for p in ps]
+    ops_lowrank.addmm_each_(rounded, *cast, -0.3, 0.97)
+    assert len(launches) == 2
+    assert all(torch.equal(x, y) for x, y in zip(mixed, rounded, strict=True))
+    outs = [torch.full((67, 45), math.nan, dtype=torch.bfloat16, device=DEVICE) for _ in ps]
+    ops_lowrank.mm_each_(As, Bs, outs)
+    ref = [torch.empty_like(o) for o in outs]
+    ops_lowrank.mm_each_(*cast, ref)
+    assert all(torch.equal(x, y) for x, y in zip(outs, ref, strict=True))
+
+
+def test_operands_the_ops_do_not_take_are_named(monkeypatch):
+    """Only the output's dtype, or float32 for a bf16 output: a float32 operand of a fp16
+    product is an error naming the dtypes (the op's check, on meta tensors as anywhere)."""
+    assert ops_lowrank.operand_dtypes(torch.bfloat16, torch.float32, torch.bfloat16)
+    assert ops_lowrank.operand_dtypes(torch.float16, torch.float32, torch.float16) is None
+    a = torch.empty(4, 3, device="meta")
+    b = torch.empty(3, 5, dtype=torch.float16, device="meta")
+    o = torch.empty(4, 5, dtype=torch.float16, device="meta")
+    with pytest.raises(ValueError, match=r"mm_each_: operands of torch.float32 and "
+                       r"torch.float16 for an output in torch.float16"):  # fmt: skip
+        ops_lowrank.mm_each_([a, a], [b, b], [o, o])
+
+
 def test_a_moved_list_gets_a_new_table(triton_mode, launches):
     """The table of offsets is kept for tensors at the same addresses and made again when
     one moved (new gradients elsewhere): each result is still its own entry's."""
