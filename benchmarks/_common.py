@@ -140,13 +140,14 @@ def val_losses(history: list[dict[str, Any]]) -> list[float]:
     return [r["val_loss"] for r in history if "val_loss" in r]
 
 
-def along_the_data(on: bool) -> contextlib.AbstractContextManager:
-    """Every GaLore shape batch along the data while ``on`` (each gradient read by its own
-    projection, each update written by its own ``addmm_``), as a GPU session compares it
-    with the default (stacked): :data:`galore2.optim.lowrank_batch.MIN_ALONG_DATA_ELEMENTS`
-    set to 0."""
+def stacked(on: bool) -> contextlib.AbstractContextManager:
+    """Every GaLore shape batch stacked while ``on`` (its gradients copied into one stack and
+    projected by one ``bmm``, the dense updates applied by foreach kernels): the path where
+    the grouped kernels do not run, as a GPU session compares it with the default (along
+    the data on the grouped kernels): :func:`galore2.optim.lowrank_batch.along_data` told
+    that they do not."""
     if not on:
         return contextlib.nullcontext()
     from galore2.optim import lowrank_batch
 
-    return mock.patch.object(lowrank_batch, "MIN_ALONG_DATA_ELEMENTS", 0)
+    return mock.patch.object(lowrank_batch, "grouped_would_run", lambda u: False)

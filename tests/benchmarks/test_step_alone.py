@@ -16,9 +16,9 @@ def test_rows_the_baseline_first_every_preset_and_capture():
     assert labels[0] == "torch AdamW (fused)" and "torch AdamW (foreach)" in labels
     assert set(PRESETS) <= set(labels) and len(set(labels)) == len(labels)
     assert [r.label for r in step_alone.STEP_ROWS if r.captured] == ["galore_adamw + CapturedStep"]
-    assert {r.label for r in step_alone.STEP_ROWS if r.along} == {
-        "galore_adamw along the data",
-        "galore_adamw8bit along the data",
+    assert {r.label for r in step_alone.STEP_ROWS if r.stacked} == {
+        "galore_adamw stacked",
+        "galore_adamw8bit stacked",
     }
 
 
@@ -43,3 +43,20 @@ def test_profile_part_tables_one_step_by_own_time(capsys):
     )
     bad = step_alone.profile_part(True, names=("no_such_optimizer",))
     assert bad["no_such_optimizer"].startswith("error ")  # a row that cannot run says why
+
+
+def test_stacked_rows_turn_the_grouped_kernels_off():
+    """``_common.stacked``: the rows that measure the path without the grouped kernels take
+    it (every batch stacked), and only while they run."""
+    import torch
+
+    from benchmarks._common import stacked
+    from galore2.optim import lowrank_batch
+
+    u = torch.empty(64, 64, device="meta")  # a step on meta stands for one on a GPU
+    assert lowrank_batch.along_data(u)
+    with stacked(True):
+        assert not lowrank_batch.along_data(u)
+    with stacked(False):
+        assert lowrank_batch.along_data(u)
+    assert lowrank_batch.along_data(u)
