@@ -1230,6 +1230,67 @@ MUTATIONS: tuple[Mutation, ...] = (
         where="_list_table",
     ),
     Mutation(
+        "lowrank_list_stale_table",
+        "galore2/kernels/lowrank_list.py",
+        'device_table(("lowrank_list", *addresses)',
+        'device_table(("lowrank_list", len(addresses))',
+        ("tests/kernels/test_lowrank_list.py::test_a_moved_list_gets_a_new_table",),
+        "the grouped matmuls' table is kept by the list's length alone: gradients that "
+        "moved are read at the old addresses",
+        where="_table",
+    ),
+    Mutation(
+        "lowrank_list_first_entry",
+        "galore2/kernels/lowrank_list.py",
+        "    a_off = tl.load(table + e)",
+        "    a_off = tl.load(table)",
+        ("tests/kernels/test_lowrank_list.py::test_each_entry_is_the_single_matrix_kernel",),
+        "every entry of a grouped launch multiplies the first entry's A (one basis for a "
+        "whole shape batch)",
+        where="_lowrank_list_kernel",
+    ),
+    Mutation(
+        "lowrank_basis_truncated",
+        "galore2/kernels/lowrank.py",
+        "            a = to_bf16(a)",
+        "            a = a.to(tl.bfloat16)",
+        ("tests/kernels/test_lowrank_list.py::test_a_float32_operand_is_rounded_as_it_is_read",),
+        "a float32 basis read by the grouped kernel is rounded to bf16 by the interpreter's "
+        "cast (truncation), not to nearest: not the bits of casting it first",
+        where="lowrank_tile",
+    ),
+    Mutation(
+        "ops_lowrank_unrounded",
+        "galore2/kernels/ops_lowrank.py",
+        "        p.addmm_(_in(a, p.dtype), _in(b, p.dtype), beta=beta, alpha=alpha)",
+        "        p.addmm_(a, b, beta=beta, alpha=alpha)",
+        ("tests/kernels/test_lowrank_list.py::test_the_torch_path_is_an_mm_and_an_addmm_per_entry",),
+        "the torch path of galore2::addmm_each_ multiplies a float32 basis with bf16 "
+        "factors as they are (an error, or other bits than the kernel's)",
+        where="_addmm_each",
+    ),
+    Mutation(
+        "along_data_without_grouped",
+        "galore2/optim/lowrank_batch.py",
+        "    return u.numel() >= MIN_ALONG_DATA_ELEMENTS or grouped_would_run(u)",
+        "    return u.numel() >= MIN_ALONG_DATA_ELEMENTS",
+        ("tests/kernels/test_lowrank_list.py::test_galore_goes_along_the_data_on_the_grouped_kernels",
+         "tests/benchmarks/test_roofline.py::test_350m_budgets"),
+        "where the grouped kernels run, shape batches are still stacked (gradients copied, "
+        "dense updates written and read: 2.2x the bytes)",
+        where="along_data",
+    ),
+    Mutation(
+        "grouped_bases_stacked",
+        "galore2/optim/lowrank_batch.py",
+        "        if isinstance(projector, RandomProjector) or not grouped_would_run(u):",
+        "        if True:",
+        ("tests/benchmarks/test_roofline.py::test_350m_budgets",),
+        "the grouped path stacks and casts the bases at every step instead of reading the "
+        "stored ones as they are",
+        where="ShapeBatch._stored_each",
+    ),
+    Mutation(
         "direct_versions_unbumped",
         "galore2/kernels/direct.py",
         "        bump_versions(list(_tensors(tuple(args[i] for i in mutated))))\n",

@@ -138,7 +138,9 @@ def test_a_moved_list_gets_a_new_table(triton_mode, launches):
     ops_lowrank.mm_each_(As, Bs, outs)
     ops_lowrank.mm_each_(As, Bs, outs)
     assert len(tables._TABLES) == 1
-    moved = [b.clone() * (i + 2) for i, b in enumerate(Bs)]  # other values, elsewhere
+    # the others elsewhere with other values, the first where it was (a stale table would
+    # then read the old, still alive, tensors: wrong values, not freed memory)
+    moved = [Bs[0], *(b.clone() * (i + 2) for i, b in enumerate(Bs[1:]))]
     ops_lowrank.mm_each_(As, moved, outs)
     assert len(tables._TABLES) == 2 and len(launches) == 3
     for out, a, b in zip(outs, As, moved, strict=True):
@@ -172,7 +174,8 @@ def test_lists_it_does_not_take_run_the_torch_path(triton_mode, launches):
 
 
 def test_the_torch_path_is_an_mm_and_an_addmm_per_entry(monkeypatch):
-    """``GALORE2_KERNELS=torch``: the ops are exactly torch's per-entry products."""
+    """``GALORE2_KERNELS=torch``: the ops are exactly torch's per-entry products (a float32
+    operand of a bf16 product cast first)."""
     monkeypatch.setenv(dispatch.ENV_VAR, "torch")
     ps, As, Bs = _entries(24, 16, 5, torch.float32, 3, 11)
     ps, As, Bs = ([t.cpu() for t in ts] for ts in (ps, As, Bs))
@@ -183,6 +186,13 @@ def test_the_torch_path_is_an_mm_and_an_addmm_per_entry(monkeypatch):
     for p, a, b, got, out in zip(ps, As, Bs, grouped, outs, strict=True):
         assert torch.equal(got, p.clone().addmm_(a, b, beta=0.9, alpha=-0.5))
         assert torch.equal(out, torch.mm(a, b))
+    # a float32 basis against bf16 factors: rounded to bf16 first, as the kernel does
+    half = [t.to(torch.bfloat16) for t in ps]
+    mixed = [t.clone() for t in half]
+    ops_lowrank.addmm_each_(mixed, As, [b.to(torch.bfloat16) for b in Bs], -0.5, 0.9)
+    for p, a, b, got in zip(half, As, Bs, mixed, strict=True):
+        a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        assert torch.equal(got, p.clone().addmm_(a16, b16, beta=0.9, alpha=-0.5))
 
 
 # ---- GaLore's step on the grouped kernels ---------------------------------------------------
