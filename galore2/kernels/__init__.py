@@ -4,6 +4,9 @@
   update them, write the direction, requantize them blockwise (``ScaleByAdam8bit``).
 * :mod:`galore2.kernels.lowrank` — the back-projection ``p ← decay·p − lr·scale·(A @ B)``
   as a matmul whose epilogue applies the update (``apply_update``).
+* :mod:`galore2.kernels.lowrank_list` — the same tile for every matrix of a shape batch in
+  one launch: GaLore's projections and back-projections along the data, called through
+  the custom ops ``galore2::mm_each_`` / ``addmm_each_`` of :mod:`galore2.kernels.ops_lowrank`.
 * :mod:`galore2.kernels.hadamard` — the blockwise random Hadamard rotation of quantized
   bases (``rotate`` / ``unrotate``).
 * :mod:`galore2.kernels.adamw` — AdamW of a bf16 weight with float32 moments in one pass

@@ -28,9 +28,10 @@ def test_tiny_fit_16gb_runs_on_cpu_with_the_planner_beside_it():
     assert "error" not in r, r.get("stderr", r)
     assert len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"])
     plan = fit_24gb.planner_bytes("tiny", seq, batch, 15.0, "fit_16gb")
-    dense = fit_24gb.planner_bytes("tiny", seq, batch, 15.0)
     assert plan["per_layer"] and plan["checkpointing"] and plan["fits"]
-    assert plan["weights"] < dense["weights"]  # int8 codes + scales + one dequantization
+    # int8 codes + scales + one dequantization, below the bf16 weights (the planner's
+    # figure for them: tests/benchmarks/test_fit_24gb.py, one planner run fewer here)
+    assert plan["weights"] < 2 * 869_760
     parts = ("weights", "gradients", "state", "activations")
     assert plan["total"] == sum(plan[k] for k in parts)
 
