@@ -57,6 +57,12 @@ def _lowrank_list_kernel(
                  B_BF16)  # fmt: skip
 
 
+#: in ``GALORE2_KERNELS=auto`` (then every shape batch goes along the data on it where it
+#: runs: :func:`galore2.optim.lowrank_batch.along_data`). Counted on the CPU, not yet timed
+#: on a GPU; False puts the stacked path (a ``bmm`` each way per batch) back as the default.
+AUTO = True
+
+
 def _same(ts: list[Tensor], first: Tensor) -> bool:
     shape, strides = first.shape, first.stride()
     return all(t.shape == shape and t.stride() == strides for t in ts)

@@ -23,6 +23,7 @@ This module imports no triton (the kernel module is loaded on first use).
 
 from __future__ import annotations
 
+import importlib
 from functools import partial
 
 import torch
@@ -90,8 +91,11 @@ def _check(name: str, outs: list[Tensor], As: list[Tensor], Bs: list[Tensor]) ->
                 f"{name}: operands of {a.dtype} and {b.dtype} for an output in {o.dtype}; "
                 "they take the output's dtype, or float32 for a bf16 output"
             )
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or (
-            tuple(o.shape) != (a.shape[0], b.shape[1])
+        if (
+            a.dim() != 2
+            or b.dim() != 2
+            or a.shape[1] != b.shape[0]
+            or (tuple(o.shape) != (a.shape[0], b.shape[1]))
         ):
             raise ValueError(
                 f"{name}: {tuple(o.shape)} is not the product of {tuple(a.shape)} and "
@@ -100,9 +104,7 @@ def _check(name: str, outs: list[Tensor], As: list[Tensor], Bs: list[Tensor]) ->
 
 
 mm_each_op = torch.library.custom_op("galore2::mm_each_", _mm_each, mutates_args=("outs",))
-addmm_each_op = torch.library.custom_op(
-    "galore2::addmm_each_", _addmm_each, mutates_args=("ps",)
-)
+addmm_each_op = torch.library.custom_op("galore2::addmm_each_", _addmm_each, mutates_args=("ps",))
 
 
 @mm_each_op.register_fake
@@ -124,15 +126,24 @@ addmm_each_ = direct(addmm_each_op, _addmm_each, mutated=(0,))
 def grouped_would_run(t: Tensor) -> bool:
     """Would a list of matrices like ``t`` take the grouped kernel (one launch per list)?
     On meta tensors: whether it would on an NVIDIA GPU of this setup (what a step on meta
-    tensors stands for, as :func:`~galore2.kernels.ops.triton_would_run` says)."""
-    from .dispatch import kernel_mode, triton_available, use_triton
+    tensors stands for, as :func:`~galore2.kernels.ops.triton_would_run` says). In ``auto``
+    mode not when the kernel opted out (``AUTO = False`` in
+    :mod:`galore2.kernels.lowrank_list`) or was switched off after a failure."""
+    from .dispatch import disabled_kernels, kernel_mode, triton_available, use_triton
 
+    mode = kernel_mode()
     if t.is_meta:
-        return kernel_mode() != "torch" and triton_available()
-    try:
-        return use_triton(t)
-    except RuntimeError:  # GALORE2_KERNELS=triton where it cannot run: the op will say so
+        runs = mode != "torch" and triton_available()
+    else:
+        try:
+            runs = use_triton(t)
+        except RuntimeError:  # GALORE2_KERNELS=triton where it cannot run: the op will say so
+            return False
+    if not runs or mode != "auto":
+        return runs
+    if "lowrank_list" in disabled_kernels():
         return False
+    return getattr(importlib.import_module(f"{__package__}.lowrank_list"), "AUTO", True)
 
 
 __all__ = ["addmm_each_", "grouped_would_run", "mm_each_", "operand_dtypes"]

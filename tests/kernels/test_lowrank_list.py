@@ -70,8 +70,9 @@ def test_each_entry_is_the_single_matrix_kernel(M, N, K, dtype, triton_mode, lau
     alone = [p.clone() for p in ps]
     for p, a, b in zip(alone, As, Bs, strict=True):
         lowrank_update(p, a, b, alpha=alpha, beta=beta)
-    refs = [p.double() * beta + alpha * (a.double() @ b.double()) for p, a, b in zip(ps, As, Bs)]
-    tols = [_lowrank_tolerance(p, a, b, alpha, beta, dtype) for p, a, b in zip(ps, As, Bs)]
+    operands = list(zip(ps, As, Bs, strict=True))
+    refs = [p.double() * beta + alpha * (a.double() @ b.double()) for p, a, b in operands]
+    tols = [_lowrank_tolerance(p, a, b, alpha, beta, dtype) for p, a, b in operands]
     grouped = [p.clone() for p in ps]
     ops_lowrank.addmm_each_(grouped, As, Bs, alpha, beta)
     assert len(launches) == 1
@@ -238,7 +239,9 @@ def test_galore_goes_along_the_data_on_the_grouped_kernels(dtype, monkeypatch, l
     monkeypatch.setattr(lowrank_batch, "MIN_ALONG_DATA_ELEMENTS", 0)
     along = _galore_run(dtype, steps, monkeypatch, "torch")
     start = _galore_run(dtype, 0, monkeypatch, "torch")
-    moved = max(float((a.float() - s.float()).abs().max()) for a, s in zip(along, start))
+    moved = max(
+        float((a.float() - s.float()).abs().max()) for a, s in zip(along, start, strict=True)
+    )
     # bf16: each of the 2 write-backs may differ by 1.5 ulps (2**-8 relative): the kernel
     # rounds once, torch's CPU addmm_ may round the product first (_lowrank_tolerance)
     rel = 1e-5 if dtype == torch.float32 else 4 * 2.0**-8
@@ -246,3 +249,20 @@ def test_galore_goes_along_the_data_on_the_grouped_kernels(dtype, monkeypatch, l
     for a, b in zip(grouped, along, strict=True):
         bound = rel * (b.double().abs() + 1e-2)
         assert bool(((a.double() - b.double()).abs() <= bound).all()), (a - b).abs().max()
+
+
+def test_the_grouped_path_follows_the_kernel_switches(monkeypatch):
+    """``auto`` mode: where the grouped kernel opted out (``AUTO = False``) or was switched
+    off after a failure, shape batches are stacked again (``along_data``), not projected
+    one launch per matrix; ``GALORE2_KERNELS=triton`` runs it whatever its ``AUTO``."""
+    u = torch.empty(64, 64, device="meta")  # a step on meta stands for one on a GPU
+    monkeypatch.setenv(dispatch.ENV_VAR, "auto")
+    assert lowrank_batch.along_data(u)
+    monkeypatch.setattr(L, "AUTO", False)
+    assert not lowrank_batch.along_data(u)
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    assert lowrank_batch.along_data(u)
+    monkeypatch.setenv(dispatch.ENV_VAR, "auto")
+    monkeypatch.setattr(L, "AUTO", True)
+    monkeypatch.setitem(dispatch._DISABLED, "lowrank_list", "RuntimeError: planted")
+    assert not lowrank_batch.along_data(u)
