@@ -10,14 +10,15 @@ optimizer's foreach kernels. Fira and APOLLO take the same projection; their com
 is :func:`.residual.combine_buckets` on the same stacks.
 
 **Along the data** (GaLore without a residual, on an unmasked step:
-:func:`.lowrank_plan.factored`; matrices of at least :data:`MIN_ALONG_DATA_ELEMENTS`,
-:func:`along_data`, which no batch reaches on today's GPU hosts): the gradients are not
-stacked — each is read once, in its own
-dtype, by its own matmul into its entry of the r-sized stack R (:meth:`ShapeBatch.project`
-with ``stack=False``) — and the update goes out as factors (:func:`factors`), which the
-optimizer writes into each weight by one ``addmm_`` (scale, decay and update in the
-matmul): no tensor of a weight's size is made, each gradient is read once and each weight
-read and written once.
+:func:`.lowrank_plan.factored`; every batch where galore2's grouped kernels run, else
+matrices of at least :data:`MIN_ALONG_DATA_ELEMENTS`, which no batch reaches on today's
+GPU hosts: :func:`along_data`): the gradients are not stacked — each is read once, in its
+own dtype, into its entry of the r-sized stack R (:meth:`ShapeBatch.project` with
+``stack=False``: one grouped launch for the batch, ``galore2::mm_each_``, reading the
+stored bases as they are) — and the update goes out as factors (:func:`factors`), which
+the optimizer writes into each weight (``galore2::addmm_each_``: scale, decay and update
+in the matmul, one launch for the batch): no tensor of a weight's size is made, each
+gradient is read once and each weight read and written once.
 
 The side's products (and which basis they read) are its projection's
 (:class:`~galore2.optim.projection.LeftProjection` / ``RightProjection``: ``basis_key``,
