@@ -1232,8 +1232,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "lowrank_list_stale_table",
         "galore2/kernels/lowrank_list.py",
-        'device_table(("lowrank_list", *addresses)',
-        'device_table(("lowrank_list", len(addresses))',
+        'kept(("lowrank_list", *addresses)',
+        'kept(("lowrank_list", len(addresses))',
         ("tests/kernels/test_lowrank_list.py::test_a_moved_list_gets_a_new_table",),
         "the grouped matmuls' table is kept by the list's length alone: gradients that "
         "moved are read at the old addresses",

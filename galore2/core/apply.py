@@ -140,7 +140,8 @@ def apply_update(p: Tensor, u: Update, lr: float, decay: float) -> None:
     if isinstance(u, LowRankUpdate):
         target = p.view(u.A.shape[0], u.B.shape[1]) if p.is_contiguous() else None
         if target is not None:
-            u = LowRankUpdate(*u.operands(p.dtype), u.shape, u.scale)  # a fp32 basis rounded
+            if u.A.dtype != p.dtype or u.B.dtype != p.dtype:  # a fp32 basis, rounded
+                u = LowRankUpdate(*u.operands(p.dtype), u.shape, u.scale)
             if (
                 run_kernel(
                     "lowrank",

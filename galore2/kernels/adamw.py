@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .dispatch import launch_device
 from .rounding import to_bf16
-from .tables import capturing, device_table
+from .tables import capturing, kept, upload
 
 BLOCK = 1024
 
@@ -187,19 +187,22 @@ def adamw_step(
 def _list_table(lists: tuple[list[Tensor], ...]) -> tuple[Tensor, Tensor, int]:
     """(table, block owners, blocks) of :func:`adamw_list_step`'s launch over ``lists``
     (weights, gradients, m, v): the addresses, sizes and first blocks, and each block's
-    weight, on the weights' device, kept by :func:`~.tables.device_table` for the same
-    tensors at the same addresses."""
+    weight, on the weights' device, kept by :func:`~.tables.kept` for the same tensors at
+    the same addresses."""
     ps = lists[0]
     sizes = [p.numel() for p in ps]
     addresses = [t.data_ptr() for ts in lists for t in ts]
-    blocks = [triton.cdiv(n, BLOCK) for n in sizes]
-    firsts = np.concatenate(([0], np.cumsum(blocks)[:-1]))
-    owners = np.repeat(np.arange(len(ps)), blocks)
-    values = np.concatenate((addresses, sizes, firsts, owners)).astype(np.int64)
+    count, device = len(ps), ps[0].device
+
+    def make() -> tuple[Tensor, Tensor, int]:
+        blocks = [triton.cdiv(n, BLOCK) for n in sizes]
+        firsts = np.concatenate(([0], np.cumsum(blocks)[:-1]))
+        owners = np.repeat(np.arange(count), blocks)
+        table = upload(np.concatenate((addresses, sizes, firsts, owners)), device)
+        return table[: 6 * count], table[6 * count :], int(sum(blocks))
+
     key = ("adamw", *addresses, *sizes)  # the table is these numbers, nothing else
-    table = device_table(key, values, ps[0].device)
-    count = len(ps)
-    return table[: 6 * count], table[6 * count :], int(sum(blocks))
+    return kept(key, device, make)
 
 
 def adamw_list_step(

@@ -12,7 +12,7 @@ Here each program computes one tile of one entry — entry ``pid // tiles``, til
 ``pid % tiles`` by the single-matrix kernel's tile function
 (:func:`galore2.kernels.lowrank.lowrank_tile`: fp32 accumulation, the epilogue reading
 p's tile once) — with the entry's operands found from a table of element offsets from the
-first entry's (:func:`~galore2.kernels.tables.device_table`, kept while the tensors stay
+first entry's (:func:`~galore2.kernels.tables.kept`, while the tensors stay
 where they are). The entries share their shapes, strides and dtypes (a shape batch's
 matrices, its stacks' views): every offset but the base is the same. With β = 0 the p_i
 are not read (a projection into R's entries). A float32 operand of a bf16 product (a
@@ -26,7 +26,6 @@ order). Not while a CUDA graph is captured (the table's copy): the ops launch pe
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -35,7 +34,7 @@ from torch import Tensor
 from .dispatch import launch_device
 from .lowrank import DTYPES, config, lowrank_tile, matmul_precision, small_strides
 from .ops_lowrank import operand_dtypes
-from .tables import capturing, device_table
+from .tables import capturing, kept, upload
 
 
 @triton.jit
@@ -102,18 +101,21 @@ def supported_list(
 
 def _table(lists: tuple[list[Tensor], ...]) -> Tensor:
     """The element offsets of each entry from the first's, list by list (see the module
-    docstring), on the first tensor's device."""
+    docstring), on the first tensor's device (kept while the tensors stay where they are)."""
     addresses = [t.data_ptr() for ts in lists for t in ts]
-    values = []
-    for ts in lists:
-        base, size = ts[0].data_ptr(), ts[0].element_size()
-        for t in ts:
-            delta = t.data_ptr() - base
-            if delta % size:
-                raise ValueError("lowrank_list: an entry is not aligned to its dtype's size")
-            values.append(delta // size)
-    return device_table(("lowrank_list", *addresses), np.asarray(values, dtype=np.int64),
-                        lists[0][0].device)  # fmt: skip
+
+    def make() -> Tensor:
+        values = []
+        for ts in lists:
+            base, size = ts[0].data_ptr(), ts[0].element_size()
+            for t in ts:
+                delta = t.data_ptr() - base
+                if delta % size:
+                    raise ValueError("lowrank_list: an entry is not aligned to its dtype's size")
+                values.append(delta // size)
+        return upload(values, lists[0][0].device)
+
+    return kept(("lowrank_list", *addresses), lists[0][0].device, make)
 
 
 def lowrank_list(

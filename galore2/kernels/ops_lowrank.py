@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .direct import direct
-from .dispatch import run_kernel
+from .dispatch import disabled_kernels, kernel_mode, run_kernel, triton_available, use_triton
 
 
 def _grouped(outs: list[Tensor], ps: list[Tensor], As: list[Tensor], Bs: list[Tensor],
@@ -129,8 +129,6 @@ def grouped_would_run(t: Tensor) -> bool:
     tensors stands for, as :func:`~galore2.kernels.ops.triton_would_run` says). In ``auto``
     mode not when the kernel opted out (``AUTO = False`` in
     :mod:`galore2.kernels.lowrank_list`) or was switched off after a failure."""
-    from .dispatch import disabled_kernels, kernel_mode, triton_available, use_triton
-
     mode = kernel_mode()
     if t.is_meta:
         runs = mode != "torch" and triton_available()

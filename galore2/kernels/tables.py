@@ -3,7 +3,7 @@
 A list kernel (one launch for many tensors: :mod:`galore2.kernels.adamw`'s AdamW list,
 :mod:`galore2.kernels.lowrank_list`'s grouped matmuls) reads where each tensor is from an
 int64 table on the device. The table is those numbers and nothing else, so it is kept by
-them (:func:`device_table`): the same tensors at the same addresses from step to step (new
+them (:func:`kept`): the same tensors at the same addresses from step to step (new
 gradients each step, mostly where the last ones were) reuse it; otherwise it is built again
 by one host→device copy from pinned memory, queued on the stream without waiting for the
 device (a copy from pageable memory may wait for the stream's work).
@@ -14,15 +14,18 @@ per tensor there.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from torch import Tensor
 
+T = TypeVar("T")
+
 #: tables kept (the most recent lists: a step's groups and shape batches)
 KEPT = 16
-_TABLES: dict[tuple, Tensor] = {}
+_TABLES: dict[tuple, Any] = {}
 
 
 def capturing(device: torch.device) -> bool:
@@ -30,21 +33,27 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def device_table(key: tuple, values: Sequence[int] | np.ndarray, device: torch.device) -> Tensor:
-    """``values`` as an int64 tensor on ``device``, kept under ``(device, key)``: ``key`` must
-    determine ``values`` (the addresses and sizes they were computed from)."""
+def kept(key: tuple, device: torch.device, make: Callable[[], T]) -> T:
+    """The table of ``key`` on ``device``: kept from an earlier call, else ``make()`` (which uploads
+    it with :func:`upload`) and kept. ``key`` must determine the table (the addresses and sizes
+    it is computed from): a step whose tensors are where they were computes nothing."""
     full = (device, *key)
     hit = _TABLES.get(full)
     if hit is not None:
         return hit
-    host = torch.empty(len(values), dtype=torch.int64, pin_memory=device.type == "cuda")
-    host.numpy()[:] = values
-    # the host allocator keeps a pinned buffer until the queued copy has run
-    table = host.to(device, non_blocking=True)
+    made = make()
     if len(_TABLES) >= KEPT:
         _TABLES.pop(next(iter(_TABLES)))
-    _TABLES[full] = table
-    return table
+    _TABLES[full] = made
+    return made
+
+
+def upload(values: Sequence[int] | np.ndarray, device: torch.device) -> Tensor:
+    """``values`` as an int64 tensor on ``device``, copied from pinned memory on CUDA (queued,
+    never a wait for the device; the host allocator keeps the buffer until the copy ran)."""
+    host = torch.empty(len(values), dtype=torch.int64, pin_memory=device.type == "cuda")
+    host.numpy()[:] = values
+    return host.to(device, non_blocking=True)
 
 
 def clear() -> None:
@@ -52,4 +61,4 @@ def clear() -> None:
     _TABLES.clear()
 
 
-__all__ = ["KEPT", "capturing", "clear", "device_table"]
+__all__ = ["KEPT", "capturing", "clear", "kept", "upload"]
