@@ -35,6 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .dispatch import launch_device
+from .keep import keeps
 from .rounding import to_bf16
 from .tables import capturing, kept, upload
 
@@ -86,10 +87,14 @@ def _adamw_kernel(
     bc2_sqrt,
     decay,
     neg_lr,
+    keep_ptr,  # a deferred step's flag (HAS_KEEP): 0 leaves the weight and moments unwritten
     DECAY: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if HAS_KEEP:  # flagged out: no element is read or written
+        n = tl.where(tl.load(keep_ptr) != 0, n, 0)
     _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < n, beta1, beta2, eps, inv_bc1,
                  bc2_sqrt, decay, neg_lr, DECAY)  # fmt: skip
 
@@ -106,7 +111,9 @@ def _adamw_list_kernel(
     bc2_sqrt,
     decay,
     neg_lr,
+    keep_ptr,  # one flag per weight (HAS_KEEP): 0 leaves that weight and its moments unwritten
     DECAY: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # multi-tensor apply: block pid belongs to weight t (block_owner), its pid − first[t]-th
@@ -119,6 +126,8 @@ def _adamw_list_kernel(
     g_ptr = tl.load(table + count + t).to(tl.pointer_type(tl.bfloat16))
     m_ptr = tl.load(table + 2 * count + t).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(table + 3 * count + t).to(tl.pointer_type(tl.float32))
+    if HAS_KEEP:  # flagged out: no element of weight t is read or written
+        n = tl.where(tl.load(keep_ptr + t) != 0, n, 0)
     _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < n, beta1, beta2, eps, inv_bc1,
                  bc2_sqrt, decay, neg_lr, DECAY)  # fmt: skip
 
@@ -135,11 +144,16 @@ def _directions_kernel(
     eps,
     inv_bc1,
     bc2_sqrt,
+    keep_ptr,  # one flag per ``per`` elements (HAS_KEEP: a stack's members): 0, unwritten
+    per,
+    HAS_KEEP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # the moments and direction of _adamw_kernel; the direction rounded to bf16 into out
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
+    if HAS_KEEP:
+        mask = mask & (tl.load(keep_ptr + offs // per, mask=mask, other=0) != 0)
     d = _adam_block(g_ptr, m_ptr, v_ptr, offs, mask, beta1, beta2, eps, inv_bc1, bc2_sqrt)
     tl.store(out_ptr + offs, to_bf16(d), mask=mask)
 
@@ -157,16 +171,23 @@ def corrections(beta1: float, beta2: float, step: int) -> tuple[float, float]:
     return float(_f32(1) / bc1), float(np.sqrt(bc2))
 
 
+def _keep_args(keep: Tensor | None, fallback: Tensor) -> tuple[Tensor, bool]:
+    """(the flags' pointer, HAS_KEEP): any tensor stands for the flags when there are none;
+    bools are read as bytes (0 or 1)."""
+    return (fallback, False) if keep is None else (keep.view(torch.uint8), True)
+
+
 def adamw_step(
     p: Tensor, g: Tensor, m: Tensor, v: Tensor, *, step: int, lr: float, beta1: float,
-    beta2: float, eps: float, decay: float,
+    beta2: float, eps: float, decay: float, keep: Tensor | None = None,
 ) -> bool:  # fmt: skip
     """Step ``step`` (≥ 1, counted already) of AdamW on weight ``p`` (updated in place:
     ``p ← p·decay − lr·m̂/(√v̂ + eps)``) with gradient ``g`` and float32 moments ``m``,
     ``v`` (updated in place); every tensor contiguous with ``p``'s number of elements
-    (:func:`supported`). CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``. Returns
-    True."""
-    if not supported(p, g, m, v):
+    (:func:`supported`). ``keep``: a one-entry bool flag on the device (:func:`~.keep.keeps`);
+    where it is False nothing is written. CUDA tensors, or CPU ones under
+    ``TRITON_INTERPRET=1``. Returns True."""
+    if not supported(p, g, m, v) or not keeps(keep, 1, p.device):
         raise ValueError(
             "adamw_step takes contiguous tensors of one size: a bf16 weight and gradient "
             f"and float32 moments, got {p.dtype} {tuple(p.shape)}, {g.dtype} "
@@ -176,10 +197,11 @@ def adamw_step(
         raise ValueError(f"step counts this step (>= 1), got {step}")
     inv_bc1, bc2_sqrt = corrections(beta1, beta2, step)
     n = p.numel()
+    flags, has_keep = _keep_args(keep, p)
     with launch_device(p):
         _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-            p, g, m, v, n, beta1, beta2, eps, inv_bc1, bc2_sqrt, decay, -lr,
-            DECAY=decay != 1.0, BLOCK=BLOCK,
+            p, g, m, v, n, beta1, beta2, eps, inv_bc1, bc2_sqrt, decay, -lr, flags,
+            DECAY=decay != 1.0, HAS_KEEP=has_keep, BLOCK=BLOCK,
         )  # fmt: skip
     return True  # it ran (galore2.kernels.dispatch.run_kernel: None means the torch path)
 
@@ -208,24 +230,28 @@ def _list_table(lists: tuple[list[Tensor], ...]) -> tuple[Tensor, Tensor, int]:
 def adamw_list_step(
     ps: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: list[Tensor], *, step: int,
     lr: float, beta1: float, beta2: float, eps: float, decay: float,
+    keep: Tensor | None = None,
 ) -> bool:  # fmt: skip
     """:func:`adamw_step` of every weight of ``ps`` in ONE launch (multi-tensor apply: a
     table of addresses read by each block), the same arithmetic element by element, so
     the same bits. Every tensor as :func:`supported` takes it, all on one device. Not
     while a CUDA graph is captured (its table would be a host→device copy): the caller
-    launches per weight there (:func:`supported_list`). Returns True."""
-    if not supported_list(ps, gs, ms, vs):
+    launches per weight there (:func:`supported_list`). ``keep``: one bool flag per weight
+    (:func:`~.keep.keeps`); a weight flagged False is not written, nor are its moments. Returns
+    True."""
+    if not supported_list(ps, gs, ms, vs) or not keeps(keep, len(ps), ps[0].device):
         raise ValueError(
             "adamw_list_step takes lists of one length on one device, each weight as "
             "adamw_step takes it, outside a CUDA graph's capture"
         )
     return launch_list(ps, gs, ms, vs, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                       decay=decay)  # fmt: skip
+                       decay=decay, keep=keep)  # fmt: skip
 
 
 def launch_list(
     ps: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: list[Tensor], *, step: int,
     lr: float, beta1: float, beta2: float, eps: float, decay: float,
+    keep: Tensor | None = None,
 ) -> bool:  # fmt: skip
     """:func:`adamw_list_step` for lists :func:`supported_list` has taken already (the
     op's path: its dispatch asked, so the ~200 tensors are not checked twice a step)."""
@@ -233,10 +259,11 @@ def launch_list(
         raise ValueError(f"step counts this step (>= 1), got {step}")
     inv_bc1, bc2_sqrt = corrections(beta1, beta2, step)
     table, owners, blocks = _list_table((ps, gs, ms, vs))
+    flags, has_keep = _keep_args(keep, table)
     with launch_device(ps[0]):
         _adamw_list_kernel[(blocks,)](
-            table, len(ps), owners, beta1, beta2, eps, inv_bc1, bc2_sqrt, decay, -lr,
-            DECAY=decay != 1.0, BLOCK=BLOCK,
+            table, len(ps), owners, beta1, beta2, eps, inv_bc1, bc2_sqrt, decay, -lr, flags,
+            DECAY=decay != 1.0, HAS_KEEP=has_keep, BLOCK=BLOCK,
         )  # fmt: skip
     return True
 
@@ -258,13 +285,20 @@ def supported_list(ps: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: lis
 
 def directions_step(
     g: Tensor, m: Tensor, v: Tensor, out: Tensor, *, step: int, beta1: float, beta2: float,
-    eps: float,
+    eps: float, keep: Tensor | None = None,
 ) -> bool:  # fmt: skip
     """Step ``step`` (≥ 1) of Adam on float32 moments ``m``, ``v`` (updated in place) with
     direction ``g`` (bf16 or float32), writing m̂/(√v̂ + eps) rounded to bf16 into ``out``
     (:func:`supported_directions`): each element of ``g`` and ``out`` touched once (2 + 2
-    bytes for bf16), the moments read and written once (16). Returns True."""
-    if not supported_directions(g, m, v, out):
+    bytes for bf16), the moments read and written once (16). ``keep``: one bool flag, or
+    one per member of a stack (``g``'s first dimension; :func:`~.keep.keeps`): a member
+    flagged False has neither its moments nor its ``out`` written. Returns True."""
+    members = 1 if keep is None else keep.numel()
+    if (
+        not supported_directions(g, m, v, out)
+        or not keeps(keep, members, g.device)
+        or (members > 1 and (g.dim() == 0 or g.shape[0] != members))
+    ):
         raise ValueError(
             "directions_step takes contiguous tensors of one size: a bf16 or float32 "
             "direction, float32 moments and a bf16 out, got "
@@ -275,10 +309,12 @@ def directions_step(
         raise ValueError(f"step counts this step (>= 1), got {step}")
     inv_bc1, bc2_sqrt = corrections(beta1, beta2, step)
     n = g.numel()
+    flags, has_keep = _keep_args(keep, g)
     with launch_device(g):
         _directions_kernel[(triton.cdiv(n, BLOCK),)](
-            g, m, v, out, n, beta1, beta2, eps, inv_bc1, bc2_sqrt, BLOCK=BLOCK
-        )
+            g, m, v, out, n, beta1, beta2, eps, inv_bc1, bc2_sqrt, flags, n // members,
+            HAS_KEEP=has_keep, BLOCK=BLOCK,
+        )  # fmt: skip
     return True
 
 

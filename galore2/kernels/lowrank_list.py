@@ -32,6 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .dispatch import launch_device
+from .keep import keeps
 from .lowrank import DTYPES, config, lowrank_tile, matmul_precision, small_strides
 from .ops_lowrank import operand_dtypes
 from .tables import capturing, kept, upload
@@ -40,12 +41,16 @@ from .tables import capturing, kept, upload
 @triton.jit
 def _lowrank_list_kernel(
     a_ptr, b_ptr, p_ptr, out_ptr, table, count, tiles, M, N, K, s_am, s_ak, s_bk, s_bn, s_pm,
-    s_pn, s_om, s_on, alpha, beta, BETA_ZERO: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    s_pn, s_om, s_on, alpha, beta, keep_ptr, BETA_ZERO: tl.constexpr, HAS_KEEP: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, A_BF16: tl.constexpr, B_BF16: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     e = pid // tiles
+    if HAS_KEEP:  # noqa: SIM102 (a constexpr branch: no load without flags)
+        # an entry flagged 0 (a deferred step's unusable gradient) is not written
+        if tl.load(keep_ptr + e) == 0:
+            return
     a_off = tl.load(table + e)  # element offsets from the first entry's operands
     b_off = tl.load(table + count + e)
     p_off = tl.load(table + 2 * count + e)
@@ -120,13 +125,14 @@ def _table(lists: tuple[list[Tensor], ...]) -> Tensor:
 
 def lowrank_list(
     outs: list[Tensor], ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], *,
-    alpha: float, beta: float,
+    alpha: float, beta: float, keep: Tensor | None = None,
 ) -> bool:  # fmt: skip
     """``outs[i] ← beta·ps[i] + alpha·(As[i] @ Bs[i])`` for every i in one launch (``outs``
     may be ``ps``: in place; with ``beta == 0`` the ps are not read). The lists as
-    :func:`supported_list` takes them. CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``.
-    Returns True (it ran)."""
-    if not supported_list(outs, ps, As, Bs):
+    :func:`supported_list` takes them. ``keep``: one bool flag per entry on the device
+    (:func:`~.keep.keeps`); an entry flagged False is not written. CUDA
+    tensors, or CPU ones under ``TRITON_INTERPRET=1``. Returns True (it ran)."""
+    if not supported_list(outs, ps, As, Bs) or not keeps(keep, len(outs), outs[0].device):
         raise ValueError(
             "lowrank_list takes lists of one length (2 or more) of 2-D tensors of one dtype "
             "and device, each list's entries of one shape and strides, A @ B of p's shape, "
@@ -139,11 +145,13 @@ def lowrank_list(
     cfg = config(o.dtype, precision)
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     table = _table((As, Bs, ps, outs))
+    flags = table if keep is None else keep.view(torch.uint8)  # bools read as bytes
     with launch_device(o):
         _lowrank_list_kernel[(tiles * len(outs),)](
             a, b, p, o, table, len(outs), tiles, M, N, K, a.stride(0), a.stride(1),
             b.stride(0), b.stride(1), p.stride(0), p.stride(1), o.stride(0), o.stride(1),
-            alpha, beta, BETA_ZERO=beta == 0, PRECISION=precision,
+            alpha, beta, flags, BETA_ZERO=beta == 0, HAS_KEEP=keep is not None,
+            PRECISION=precision,
             # the interpreter multiplies bf16 as raw integers (see lowrank_update)
             UPCAST=o.dtype != torch.float32 and o.device.type == "cpu",
             GROUP_M=8, A_BF16=a.dtype != o.dtype, B_BF16=b.dtype != o.dtype,

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from .direct import direct
 from .dispatch import run_kernel
+from .keep import check, kept
 
 
 def adam_directions(
@@ -70,33 +71,40 @@ def adamw_torch(
 def _adamw(
     params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor], step: int, lr: float, beta1: float, beta2: float, eps: float,
-    decay: float,
+    decay: float, keep: Tensor | None = None,
 ) -> None:  # fmt: skip
     """Step ``step`` (≥ 1, counted already) of AdamW, ``p ← p·decay − lr·m̂/(√v̂ + eps)``,
     for each weight ``p`` of ``params`` with its gradient (in ``p``'s dtype) and float32
     moments (updated in place); see the module docstring. Where the Triton kernel runs,
     the whole list is one launch (:func:`galore2.kernels.adamw.adamw_list_step`; one call
     is one launch, as a dispatch mode counts it); else (a CUDA graph being captured, or
-    inputs it does not take) one launch per weight, or the torch passes."""
+    inputs it does not take) one launch per weight, or the torch passes. ``keep``: one bool
+    flag per weight on their device (a deferred step's, :mod:`~galore2.kernels.keep`): a
+    weight flagged False is not written, nor are its moments."""
     hyper = {"step": step, "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps,
              "decay": decay}  # fmt: skip
     lists = (params, grads, exp_avgs, exp_avg_sqs)
     if len(params) > 1 and run_kernel(
         "adamw", *(t for ts in lists for t in ts),
         supported=lambda k: k.supported_list(*lists),
-        kernel=lambda k: partial(k.launch_list, *lists, **hyper),  # supported_list asked
+        kernel=lambda k: partial(k.launch_list, *lists, **hyper, keep=keep),  # supported_list asked
     ):  # fmt: skip
         return
     rest = []
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
         args = (p, g, m, v)
+        flag = None if keep is None else keep[i : i + 1]
         done = run_kernel(
             "adamw", *args,
             supported=lambda k, args=args: k.supported(*args),
-            kernel=lambda k, args=args: partial(k.adamw_step, *args, **hyper),
+            kernel=lambda k, args=args, flag=flag: partial(k.adamw_step, *args, **hyper,
+                                                           keep=flag),
         )  # fmt: skip
         if done is None:  # the torch path (adamw_step returns True once it ran)
             rest.append(i)
+    if rest and keep is not None:  # the torch path reads the flags on the host
+        taken = set(kept(keep, len(params)))
+        rest = [i for i in rest if i in taken]
     if rest:
         adamw_torch(
             [params[i] for i in rest], [grads[i] for i in rest], [exp_avgs[i] for i in rest],
@@ -113,8 +121,10 @@ adamw_op = torch.library.custom_op(
 def _adamw_meta(
     params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor], step: int, lr: float, beta1: float, beta2: float, eps: float,
-    decay: float,
+    decay: float, keep: Tensor | None = None,
 ) -> None:  # fmt: skip
+    if params:
+        check("adamw_", keep, len(params), params[0].device)
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
         if not (g.shape == m.shape == v.shape == p.shape):
             raise ValueError(
@@ -136,7 +146,7 @@ def directions_torch(
 
 def _adam_directions(
     us: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], outs: list[Tensor],
-    step: int, beta1: float, beta2: float, eps: float,
+    step: int, beta1: float, beta2: float, eps: float, keep: Tensor | None = None,
 ) -> None:  # fmt: skip
     """Step ``step`` (≥ 1, counted already) of Adam on float32 moments (updated in place)
     with directions ``us`` (bf16 or float32), each m̂/(√v̂ + eps) rounded into its bf16
@@ -144,23 +154,64 @@ def _adam_directions(
     (GaLore's low-rank update written into bf16 weights). Per tensor, the Triton kernel
     :func:`galore2.kernels.adamw.directions_step` where it runs (one launch, each byte
     touched once), else :func:`directions_torch` (what :func:`adam_directions` and the
-    consumer's cast compute). Meta tensors: checked only (see the module docstring)."""
+    consumer's cast compute). ``keep`` (one direction only: a stack of k members, or one
+    matrix): one bool flag per member on its device (a deferred step's,
+    :mod:`~galore2.kernels.keep`); a member flagged False has neither its moments nor its
+    ``out`` written. Meta tensors: checked only (see the module docstring)."""
+    if keep is not None:
+        _check_directions_keep(us, keep)
     rest = []
     for i, args in enumerate(zip(us, exp_avgs, exp_avg_sqs, outs, strict=True)):
         done = run_kernel(
             "adamw", *args,
             supported=lambda k, args=args: k.supported_directions(*args),
             kernel=lambda k, args=args: partial(
-                k.directions_step, *args, step=step, beta1=beta1, beta2=beta2, eps=eps
+                k.directions_step, *args, step=step, beta1=beta1, beta2=beta2, eps=eps,
+                keep=keep,
             ),
         )  # fmt: skip
         if done is None:
             rest.append(i)
-    if rest:
+    if rest and keep is not None:  # one direction: its kept members, picked on the host
+        _directions_kept(us[0], exp_avgs[0], exp_avg_sqs[0], outs[0], step, beta1, beta2, eps,
+                         keep)  # fmt: skip
+    elif rest:
         directions_torch(
             [us[i] for i in rest], [exp_avgs[i] for i in rest], [exp_avg_sqs[i] for i in rest],
             [outs[i] for i in rest], step, beta1, beta2, eps,
         )  # fmt: skip
+
+
+def _check_directions_keep(us: list[Tensor], keep: Tensor) -> None:
+    """``keep`` of :func:`_adam_directions`: one direction, one flag per member."""
+    if len(us) != 1:
+        raise ValueError(f"adam_directions_: keep takes one direction, got {len(us)}")
+    u = us[0]
+    members = keep.numel()
+    check("adam_directions_", keep, members, u.device)
+    if members != 1 and (u.dim() == 0 or u.shape[0] != members):
+        raise ValueError(
+            f"adam_directions_: {members} flags for a direction of shape {tuple(u.shape)}: "
+            "one flag, or one per entry of its first dimension"
+        )
+
+
+def _directions_kept(
+    u: Tensor, m: Tensor, v: Tensor, out: Tensor, step: int, beta1: float, beta2: float,
+    eps: float, keep: Tensor,
+) -> None:  # fmt: skip
+    """:func:`directions_torch` of the members ``keep`` flags True (read on the host)."""
+    members = keep.numel()
+    taken = kept(keep, members)
+    if len(taken) == members:
+        directions_torch([u], [m], [v], [out], step, beta1, beta2, eps)
+        return
+    if not taken:
+        return
+    pick = torch.tensor(taken, device=u.device)
+    mu, vu, ou = m[pick], v[pick], out[pick]
+    directions_torch([u[pick]], [mu], [vu], [ou], step, beta1, beta2, eps)
+    m[pick], v[pick], out[pick] = mu, vu, ou
 
 
 adam_directions_op = torch.library.custom_op(
@@ -171,8 +222,10 @@ adam_directions_op = torch.library.custom_op(
 @adam_directions_op.register_fake
 def _directions_meta(
     us: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], outs: list[Tensor],
-    step: int, beta1: float, beta2: float, eps: float,
+    step: int, beta1: float, beta2: float, eps: float, keep: Tensor | None = None,
 ) -> None:  # fmt: skip
+    if keep is not None:
+        _check_directions_keep(us, keep)
     for u, m, v, o in zip(us, exp_avgs, exp_avg_sqs, outs, strict=True):
         if not (m.shape == v.shape == o.shape == u.shape):
             raise ValueError(

@@ -31,10 +31,11 @@ from torch import Tensor
 
 from .direct import direct
 from .dispatch import disabled_kernels, kernel_mode, run_kernel, triton_available, use_triton
+from .keep import check, kept
 
 
 def _grouped(outs: list[Tensor], ps: list[Tensor], As: list[Tensor], Bs: list[Tensor],
-             alpha: float, beta: float) -> bool:  # fmt: skip
+             alpha: float, beta: float, keep: Tensor | None = None) -> bool:  # fmt: skip
     """The list kernel's launch where it runs (True), else False (the torch path)."""
     if len(outs) < 2:
         return False
@@ -42,7 +43,7 @@ def _grouped(outs: list[Tensor], ps: list[Tensor], As: list[Tensor], Bs: list[Te
     done = run_kernel(
         "lowrank_list", *(t for ts in lists for t in ts),
         supported=lambda k: k.supported_list(*lists),
-        kernel=lambda k: partial(k.lowrank_list, *lists, alpha=alpha, beta=beta),
+        kernel=lambda k: partial(k.lowrank_list, *lists, alpha=alpha, beta=beta, keep=keep),
     )  # fmt: skip
     return done is not None
 
@@ -72,14 +73,20 @@ def _mm_each(As: list[Tensor], Bs: list[Tensor], outs: list[Tensor]) -> None:
 
 
 def _addmm_each(
-    ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], alpha: float, beta: float
+    ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], alpha: float, beta: float,
+    keep: Tensor | None = None,
 ) -> None:  # fmt: skip
     """``ps[i] ← beta·ps[i] + alpha·(As[i] @ Bs[i])`` in place for each i (2-D ``ps``), the
-    operands rounded to the weights' dtype first."""
-    if _grouped(ps, ps, As, Bs, alpha, beta):
+    operands rounded to the weights' dtype first. ``keep``: one bool flag per weight on
+    their device (a deferred step's, :mod:`~galore2.kernels.keep`); a weight flagged False
+    is not written (the grouped kernel reads the flags; the torch path picks on the host)."""
+    if ps:
+        check("addmm_each_", keep, len(ps), ps[0].device)
+    if _grouped(ps, ps, As, Bs, alpha, beta, keep):
         return
-    for p, a, b in zip(ps, As, Bs, strict=True):
-        p.addmm_(_in(a, p.dtype), _in(b, p.dtype), beta=beta, alpha=alpha)
+    for i in kept(keep, len(ps)):
+        p = ps[i]
+        p.addmm_(_in(As[i], p.dtype), _in(Bs[i], p.dtype), beta=beta, alpha=alpha)
 
 
 def _check(name: str, outs: list[Tensor], As: list[Tensor], Bs: list[Tensor]) -> None:
@@ -114,9 +121,12 @@ def _mm_each_meta(As: list[Tensor], Bs: list[Tensor], outs: list[Tensor]) -> Non
 
 @addmm_each_op.register_fake
 def _addmm_each_meta(
-    ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], alpha: float, beta: float
+    ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], alpha: float, beta: float,
+    keep: Tensor | None = None,
 ) -> None:  # fmt: skip
     _check("addmm_each_", ps, As, Bs)
+    if ps:
+        check("addmm_each_", keep, len(ps), ps[0].device)
 
 
 mm_each_ = direct(mm_each_op, _mm_each, mutated=(2,))

@@ -1,0 +1,135 @@
+"""``keep`` flags of galore2's ops (a deferred step's usable-gradient flags, read on the
+device): a tensor flagged False is not written at all — its weight, its moments, its
+``out`` — and every other tensor gets the bits it gets without flags. Checked for the
+Triton kernels (under the interpreter without a GPU: tests/conftest.py) and for the torch
+paths, which pick the kept tensors on the host.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+if sys.platform != "linux":  # triton ships Linux wheels only
+    pytest.skip("triton is only installed on Linux", allow_module_level=True)
+
+from galore2.kernels import dispatch, ops, ops_lowrank, tables
+
+from .test_triton_kernels import DEVICE
+
+HYPER = {"step": 3, "lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "decay": 0.99}
+MODES = ["triton", "torch"]
+
+
+@pytest.fixture(params=MODES)
+def mode(request, monkeypatch) -> str:
+    monkeypatch.setenv(dispatch.ENV_VAR, request.param)
+    tables.clear()
+    return request.param
+
+
+def _weights(shapes, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for shape in shapes:
+        p = torch.randn(shape, generator=g).to(DEVICE, torch.bfloat16)
+        grad = torch.randn(shape, generator=g).to(DEVICE, torch.bfloat16)
+        m = torch.randn(shape, generator=g).to(DEVICE) * 0.1
+        v = torch.rand(shape, generator=g).to(DEVICE) * 0.01
+        out.append((p, grad, m, v))
+    return out
+
+
+def _clone(tensors):
+    return [tuple(t.clone() for t in ts) for ts in tensors]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (NaN included)."""
+    ints = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+    return a.dtype == b.dtype and torch.equal(a.view(ints[a.dtype]), b.view(ints[b.dtype]))
+
+
+def _flags(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.bool, device=DEVICE)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_adamw_writes_only_the_kept_weights(mode, count):
+    """The list launch (3 weights) and the per-weight launch (1): flagged-out weights and
+    moments keep their bits (a NaN gradient there never reaches them); the others are the
+    bits of a call without them."""
+    shapes = [(37, 70), (5,), (1030,)][:count]
+    given = _weights(shapes, 0)
+    keep = [True, False, True][:count] if count > 1 else [False]
+    for i, k in enumerate(keep):
+        if not k:
+            given[i][1][0] = float("nan")
+    flagged, alone = _clone(given), _clone(given)
+    ops.adamw_(*map(list, zip(*flagged, strict=True)), *HYPER.values(), _flags(keep))
+    taken = [i for i, k in enumerate(keep) if k]
+    if taken:
+        ops.adamw_(*map(list, zip(*(alone[i] for i in taken), strict=True)), *HYPER.values())
+    for i, k in enumerate(keep):
+        want = alone[i] if k else given[i]
+        for got, ref in zip(flagged[i], want, strict=True):
+            assert _same(got, ref)
+
+
+def test_directions_write_only_the_kept_members(mode):
+    """A stacked entry (4 members of 6×40, float32 moments, bf16 directions): members 1 and
+    3 flagged out keep their moments and ``out`` (NaN directions there never reach them);
+    the others are the bits of a call on them alone."""
+    g = torch.Generator().manual_seed(1)
+    u = torch.randn(4, 6, 40, generator=g).to(DEVICE, torch.bfloat16)
+    u[1, 2, 3] = float("inf")
+    u[3] = float("nan")
+    m = torch.randn(4, 6, 40, generator=g).to(DEVICE) * 0.1
+    v = torch.rand(4, 6, 40, generator=g).to(DEVICE) * 0.01
+    out = torch.full((4, 6, 40), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    m0, v0, out0 = m.clone(), v.clone(), out.clone()
+    ops.adam_directions_([u], [m], [v], [out], 3, 0.9, 0.999, 1e-8,
+                         _flags([True, False, True, False]))  # fmt: skip
+    for j in (0, 2):
+        mj, vj, oj = m0[j].clone(), v0[j].clone(), out0[j].clone()
+        ops.adam_directions_([u[j].contiguous()], [mj], [vj], [oj], 3, 0.9, 0.999, 1e-8)
+        assert _same(m[j], mj) and _same(v[j], vj) and _same(out[j], oj)
+    for j in (1, 3):
+        assert _same(m[j], m0[j]) and _same(v[j], v0[j]) and _same(out[j], out0[j])
+
+
+def test_addmm_each_writes_only_the_kept_weights(mode):
+    """Three weights, the middle one flagged out with a NaN factor: it keeps its bits; the
+    others are the bits of a call on them alone."""
+    g = torch.Generator().manual_seed(2)
+    ps = [torch.randn(33, 20, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3)]
+    As = [torch.randn(33, 4, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3)]
+    Bs = [torch.randn(4, 20, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3)]
+    As[1][0, 0] = float("nan")
+    before = [p.clone() for p in ps]
+    alone = [ps[i].clone() for i in (0, 2)]
+    ops_lowrank.addmm_each_(ps, As, Bs, -0.5, 0.99, _flags([True, False, True]))
+    ops_lowrank.addmm_each_(alone, [As[0], As[2]], [Bs[0], Bs[2]], -0.5, 0.99)
+    assert _same(ps[0], alone[0]) and _same(ps[2], alone[1]) and _same(ps[1], before[1])
+
+
+@pytest.mark.parametrize(
+    "keep",
+    [
+        torch.ones(2, dtype=torch.uint8),  # not bool
+        torch.ones(3, dtype=torch.bool),  # not one per weight
+    ],
+    ids=["dtype", "count"],
+)
+def test_flags_the_ops_do_not_take_are_named(keep):
+    ps = [torch.zeros(4, 4, dtype=torch.bfloat16) for _ in range(2)]
+    factors = [torch.zeros(4, 2, dtype=torch.bfloat16) for _ in range(2)]
+    rows = [torch.zeros(2, 4, dtype=torch.bfloat16) for _ in range(2)]
+    with pytest.raises(
+        ValueError, match=r"addmm_each_: keep must be a contiguous bool tensor of 2"
+    ):
+        ops_lowrank.addmm_each_(ps, factors, rows, 1.0, 1.0, keep)
+    with pytest.raises(ValueError, match="adam_directions_: keep takes one direction"):
+        ops.adam_directions_(ps, ps, ps, ps, 1, 0.9, 0.999, 1e-8, torch.ones(1, dtype=torch.bool))
