@@ -1262,8 +1262,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ops_lowrank_unrounded",
         "galore2/kernels/ops_lowrank.py",
-        "        p.addmm_(_in(a, p.dtype), _in(b, p.dtype), beta=beta, alpha=alpha)",
-        "        p.addmm_(a, b, beta=beta, alpha=alpha)",
+        "p.addmm_(_in(As[i], p.dtype), _in(Bs[i], p.dtype), beta=beta, alpha=alpha)",
+        "p.addmm_(As[i], Bs[i], beta=beta, alpha=alpha)",
         ("tests/kernels/test_lowrank_list.py::test_the_torch_path_is_an_mm_and_an_addmm_per_entry",),
         "the torch path of galore2::addmm_each_ multiplies a float32 basis with bf16 "
         "factors as they are (an error, or other bits than the kernel's)",

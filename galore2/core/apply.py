@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..kernels.dispatch import run_kernel
 from ..kernels.ops_lowrank import addmm_each_, operand_dtypes
+from .deferred import gather
 from .masked import FlagBuffer, masked_updates
 from .transform import FACTORED, LowRankUpdate, ScaledUpdate
 
@@ -63,9 +64,12 @@ def apply_updates(params: list[Tensor], updates: list[Update], lr: float, decay:
         targets = [params[i].view(first.A.shape[0], first.B.shape[1]) for i in idx]
         As = [updates[i].A for i in idx]  # type: ignore[union-attr]
         Bs = [updates[i].B for i in idx]  # type: ignore[union-attr]
-        addmm_each_(targets, As, Bs, -lr * first.scale, decay)
+        keep = None if first.keep is None else gather([updates[i].keep for i in idx])  # type: ignore[union-attr,misc]
+        addmm_each_(targets, As, Bs, -lr * first.scale, decay, keep)
     done = {i for idx in grouped for i in idx}
     for i, (p, u) in enumerate(zip(params, updates, strict=True)):
+        if i not in done and isinstance(u, LowRankUpdate) and u.keep is not None:
+            raise RuntimeError("a deferred step's low-rank update left its shape batch's addmm_")
         if i not in done and (len(dense) <= 1 or isinstance(u, FACTORED)):
             apply_update(p, u, lr, decay)
 
@@ -84,7 +88,7 @@ def _low_rank_lists(params: list[Tensor], updates: list[Update]) -> list[list[in
             and operand_dtypes(p.dtype, u.A.dtype, u.B.dtype) is not None
         ):
             key = (u.A.shape, u.B.shape, u.A.stride(), u.B.stride(), u.A.dtype, u.B.dtype,
-                   u.scale, p.dtype, p.device)  # fmt: skip
+                   u.scale, p.dtype, p.device, u.keep is None)  # fmt: skip
             by.setdefault(key, []).append(i)
     return [idx for idx in by.values() if len(idx) > 1]
 

@@ -40,6 +40,12 @@ class Context:
     #: direction (0-d; ``(k, 1, …)`` for a stacked entry); None on other steps. A rule that
     #: lists keys in :meth:`Transform.masked_keys` leaves them unchanged where it is 0.0.
     mask: Tensor | None = None
+    #: a deferred step's flag for this direction (:mod:`galore2.core.deferred`): a one-entry
+    #: bool device tensor, True where the gradient is usable, a view of its batch's flags
+    #: (a stacked entry's: one per member, :func:`~galore2.core.deferred.gather`); None on
+    #: other steps. The kernels that write the direction's state and weight take it
+    #: (:mod:`galore2.kernels.keep`): where it is False they write nothing.
+    keep: Tensor | None = None
     #: the dtype the consumer rounds this direction's update to before any other use (GaLore
     #: writing a low-rank update into bf16 weights, its inner chain one rule); None: used as
     #: returned. A rule may then return its direction in that dtype (the same values).
@@ -51,12 +57,12 @@ class Context:
         """This direction's context as a wrapper's inner chain sees it (GaLore's rules on the
         low-rank direction): the same, but laid out per ``layout`` — the layout their state
         was allocated with at init, at every ``update`` too. Made once and kept (``inner``);
-        its per-step fields (``mask``, ``refreshed``) are this context's. ``global_shape``
-        stays the parameter's."""
+        its per-step fields (``mask``, ``keep``, ``refreshed``) are this context's.
+        ``global_shape`` stays the parameter's."""
         view = self.inner
         if view is None or view.layout != layout:
             view = self.inner = replace(self, layout=layout, inner=None)
-        view.mask, view.refreshed = self.mask, self.refreshed
+        view.mask, view.keep, view.refreshed = self.mask, self.keep, self.refreshed
         return view
 
     def rounded_to(self, dtype: torch.dtype | None) -> Context:
@@ -71,6 +77,12 @@ class Context:
         out = object.__new__(Context)
         out.__dict__.update(self.__dict__)
         out.mask = mask
+        return out
+
+    def with_keep(self, keep: Tensor | None) -> Context:
+        """A copy with ``keep`` (as :meth:`with_mask`)."""
+        out = self.with_mask(self.mask)
+        out.keep = keep
         return out
 
     @property

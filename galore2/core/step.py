@@ -28,8 +28,8 @@ and :meth:`StepEngine.reset` empties them all; a pickled optimizer carries none 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from ..fsdp.detect import is_dtensor  # cheap: imports nothing distributed
 from ..placement import LOCAL, Placement
 from .apply import apply_masked, apply_updates, chunks
 from .batch import Batch, Group, Item, State, Stepped
+from .deferred import DeferredSkips, active
 from .masked import MaskedStep
 from .modules import (
     DecoupledWeightDecay,
@@ -94,11 +95,17 @@ class StepEngine:
         modules = [*grad_transforms, *chain, *([decay] if decay else []), *param_transforms,
                    *([schedule] if schedule else [])]  # fmt: skip
         self.masked = MaskedPath(optimizer, chain, modules, self.decay_factor)
+        # deferred batches' flags, read a step later; the counters a step advances for
+        # every parameter it runs are set back for a skipped one then
+        self.deferred = DeferredSkips(
+            optimizer, sorted(self.masked.host_counters | self.masked.device_counters)
+        )
         self.reset()
 
     def reset(self) -> None:
         """Empty every cache (rebuilt on use), the masked path's too (its skips counted on
-        the device are added to the state first: none is lost)."""
+        the device, and the deferred batches', are added to the state first: none is lost)."""
+        self.deferred.settle()
         self.masked.reset()
         self.chain[0].drop_screened()
         self.placements: dict[int, Placement] = {}
@@ -109,7 +116,9 @@ class StepEngine:
         self.writes = Writes()  # int8 weights: this step's working copies (core/stored.py)
 
     def flush_skips(self) -> None:
-        """The skips counted on the device into the state (:meth:`MaskedPath.flush_skips`)."""
+        """The skips counted on the device into the state (:meth:`MaskedPath.flush_skips`,
+        :meth:`~galore2.core.deferred.DeferredSkips.settle`)."""
+        self.deferred.settle()
         self.masked.flush_skips()
 
     # ---- parameters ----------------------------------------------------------------
@@ -201,6 +210,7 @@ class StepEngine:
         gathered, prepared, run and applied."""
         if any(any(map(_IS_SPARSE, map(_GRAD, found))) for found in items):
             self._check_sparse()
+        self.deferred.settle()  # last step's deferred skips, before any counter is read
         by_group = {id(g): found for g, found in zip(groups, items, strict=True)}
         NonFinitePolicy.raise_if_any(
             groups, lambda g: [(p, real(grad), self.placement(p)) for _, grad, p in by_group[id(g)]]
@@ -350,12 +360,21 @@ class StepEngine:
         """Read every batch's flags at once (the step's one host read), then per batch the one
         pipeline (:meth:`_step_batch`): on the host-indexed path the usable tensors, picked
         by index; on the masked path (``capturable=True``) every tensor, the unusable ones
-        masked (:class:`~galore2.core.masked.MaskedStep`, its flags cleared by ``masks``).
-        Returns (group, local state, ctx) of those stepped."""
+        masked (:class:`~galore2.core.masked.MaskedStep`, its flags cleared by ``masks``);
+        on the deferred path (:meth:`_defers`) every tensor, its flags unread, taken by the
+        kernels (:mod:`galore2.core.deferred`). Returns (group, local state, ctx) of those
+        stepped."""
         host = [b for b in batches if not b.group["capturable"]]
+        later = {id(b) for b in host if self._defers(b)}
+        host = [b for b in host if id(b) not in later]
         read = dict(zip(map(id, host), read_flags([b.flags for b in host]), strict=True))
         stepped = []
         for batch in batches:
+            if id(batch) in later:
+                self.deferred.record(batch.owners, batch.flags)
+                with _kept(batch.ctxs, batch.flags):
+                    stepped += self._step_batch(batch, batch.grads, None, batch.flags)
+                continue
             if batch.group["capturable"] and batch.flags is not None:
                 masked = self.masked.step(batch)
                 masks.callback(masked.unmask)
@@ -373,19 +392,45 @@ class StepEngine:
             stepped += self._step_batch(batch, batch.grads, None)
         return stepped
 
+    def _defers(self, batch: Batch) -> bool:
+        """Does ``batch`` take the deferred path (:mod:`galore2.core.deferred`): flags checked
+        (``"skip"``, not ``capturable``, the test folded where it folds), on a device that
+        defers, local tensors, no weight modules (they read the step's flags on the host),
+        and every kernel of its step taking the flags — the plain AdamW group's fused op
+        (:meth:`~galore2.optim.adam.ScaleByAdam.defers_adamw`), else the chain's first
+        rule's own answer (:meth:`~galore2.core.transform.Transform.defers`)?"""
+        group = batch.group
+        if (
+            batch.flags is None
+            or not batch.params
+            or not active(batch.params[0].device)
+            or not NonFinitePolicy.folds(group)
+            or self.param_transforms
+            or any(c.placement is not LOCAL for c in batch.ctxs)
+            or any(store_of(p) is not None for p in batch.owners)
+        ):
+            return False
+        rule = self._adamw_rule(group)
+        if rule is not None:
+            return rule.defers_adamw(batch.params, batch.grads, batch.states, group)
+        return self.chain[0].defers(batch.grads, batch.states, group, batch.ctxs)
+
     def _step_batch(
-        self, batch: Batch, grads: list[Tensor], masked: MaskedStep | None
-    ) -> list[Stepped]:
+        self, batch: Batch, grads: list[Tensor], masked: MaskedStep | None,
+        keep: Tensor | None = None,
+    ) -> list[Stepped]:  # fmt: skip
         """The pipeline every batch runs: the chain's ``prepare``, then per ``foreach`` chunk
         the chain on its directions and the updates applied — ``p ← decay·p − lr·u``, or
         with ``masked`` the masked step's flags and per-parameter decay factors
-        (:func:`~galore2.core.apply.apply_masked`)."""
+        (:func:`~galore2.core.apply.apply_masked`). ``keep``: a deferred batch's flags (its
+        contexts carry their entries: :meth:`_defers` took the batch where every kernel
+        takes them)."""
         group, params, states, ctxs = batch.group, batch.params, batch.states, batch.ctxs
         lr = float(group["lr"])
         decay = self.decay_factor(group)
         self.chain[0].prepare(grads, states, group, ctxs)
         rule = self._adamw_rule(group) if masked is None else None
-        if rule is not None and rule.torch_adamw(params, grads, states, group):
+        if rule is not None and rule.torch_adamw(params, grads, states, group, keep):
             return [(group, state, ctx) for state, ctx in zip(states, ctxs, strict=True)]
         for chunk in chunks(params, group.get("foreach")):
             outs = run_chain(
@@ -424,6 +469,19 @@ class StepEngine:
     def decay_factor(self, group: Group) -> float:
         """This step's decoupled decay factor of ``group`` (1.0 without a decay module)."""
         return 1.0 if self.decay is None else self.decay.factor(group)
+
+
+@contextmanager
+def _kept(ctxs: list[Context], flags: Tensor) -> Iterator[None]:
+    """Each context's ``keep`` (its entry of a deferred batch's ``flags``) while the batch
+    steps; None again after (contexts are kept between steps)."""
+    for i, ctx in enumerate(ctxs):
+        ctx.keep = flags[i : i + 1]
+    try:
+        yield
+    finally:
+        for ctx in ctxs:
+            ctx.keep = None
 
 
 def indexed(groups: Iterable[Group]) -> Iterable[tuple[int, Group, Tensor]]:

@@ -56,6 +56,9 @@ class LowRankUpdate:
     B: Tensor
     shape: torch.Size
     scale: float = 1.0
+    #: a deferred step's flag for the weight (its :attr:`Context.keep`): the grouped
+    #: ``addmm_`` that applies it writes nothing where it is False; None on other steps
+    keep: Tensor | None = None
 
     def operands(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """(A, B) in ``dtype`` (each cast only where it is not)."""
@@ -156,6 +159,16 @@ class Transform(Module):
         of the group with torch's kernels (see
         :meth:`~galore2.core.step.StepEngine._adamw_rule`)."""
         return None
+
+    def defers(
+        self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
+    ) -> bool:
+        """Does the chain's step of these tensors (the chain's first rule answers) take a
+        deferred step's flags (:attr:`Context.keep`) in every kernel that writes their state
+        or weights, so that the step need not read them (:mod:`galore2.core.deferred`)?
+        Asked before the step, with this step's host counters. Default: no (the batch's
+        flags are read, as always)."""
+        return False
 
     def stacks(self, group: Group, device: torch.device) -> bool:
         """Can :meth:`update_many` take stacked entries (a :class:`StackedState` with a

@@ -241,6 +241,13 @@ adamw_ = direct(adamw_op, _adamw, mutated=(0, 2, 3))
 adam_directions_ = direct(adam_directions_op, _adam_directions, mutated=(1, 2, 3))
 
 
+#: the device types where a step takes galore2's fused ops instead of its own arithmetic
+#: (:func:`~galore2.optim.adamw_step.mixed_path`, :func:`~galore2.optim.adam_paths.rounded_path`):
+#: CUDA, and meta (a count of that step). The CPU keeps its own; tests add it, with
+#: Triton's interpreter.
+FUSED_OP_DEVICES: tuple[str, ...] = ("cuda", "meta")
+
+
 def triton_would_run() -> bool:
     """Whether :func:`adamw_` runs its Triton kernel on an NVIDIA GPU of this setup
     (``GALORE2_KERNELS`` not ``torch``, triton importable): what a step on meta tensors
@@ -251,6 +258,7 @@ def triton_would_run() -> bool:
 
 
 __all__ = [
+    "FUSED_OP_DEVICES",
     "adam_directions",
     "adam_directions_",
     "adamw_",

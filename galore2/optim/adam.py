@@ -48,6 +48,7 @@ from torch import Tensor
 from .. import _numerics
 from ..core.options import Bool, Option, Optional, Pair, Real
 from ..core.transform import Context, Group, State, Transform, members
+from ..kernels import ops
 from ..storage.dtype import STATE_DTYPE
 from ..storage.moments import is_quantized
 from .adam8bit import AXIS, step_batch, update_quantized
@@ -137,8 +138,9 @@ class ScaleByAdam(MomentRule, Transform):
         return self
 
     def torch_adamw(
-        self, params: list[Tensor], grads: list[Tensor], states: list[State], group: Group
-    ) -> bool:
+        self, params: list[Tensor], grads: list[Tensor], states: list[State], group: Group,
+        keep: Tensor | None = None,
+    ) -> bool:  # fmt: skip
         """The whole AdamW step of a group's tensors (moments, decoupled decay, the update)
         by torch's fused AdamW kernel, one launch per (device, dtype) list, bit for bit
         ``torch.optim.AdamW(fused=True)``'s, where :func:`torch_path` allows it; bf16
@@ -147,15 +149,43 @@ class ScaleByAdam(MomentRule, Transform):
         each byte once, galore2's own arithmetic to the last bit of a rounding); see
         :func:`~galore2.optim.adamw_step.adamw_fused`. False (nothing done) otherwise: the
         chain runs. The step counters (``adam.step``) count as always; the kernel reads
-        the counts from one fill of float32 device scalars."""
+        the counts from one fill of float32 device scalars. ``keep``: a deferred step's
+        flags, one per tensor (:meth:`defers_adamw` said yes: galore2's op takes them)."""
         mixed = not torch_path(params, grads, states, group)
         if mixed and not mixed_path(params, grads, states, group):
             return False
+        if keep is not None and not mixed:
+            raise RuntimeError("a deferred step reached torch's fused AdamW, which has no flags")
         counted, _ = members(states)
         steps = self.count_steps(counted, group, _CPU)
         assert not isinstance(steps, Tensor)  # host counters: capturable takes the chain
-        adamw_fused(params, grads, states, group, steps, mixed)
+        adamw_fused(params, grads, states, group, steps, mixed, keep)
         return True
+
+    def defers_adamw(
+        self, params: list[Tensor], grads: list[Tensor], states: list[State], group: Group
+    ) -> bool:
+        """Does :meth:`torch_adamw` run this step on galore2's fused op, which takes a
+        deferred step's flags (:mod:`galore2.core.deferred`)? Not torch's fused AdamW (one
+        found-inf flag for a whole list, not one per tensor)."""
+        return not torch_path(params, grads, states, group) and mixed_path(
+            params, grads, states, group
+        )
+
+    def defers_directions(self, states: list[State], group: Group, device: torch.device) -> bool:
+        """Do the bf16 directions of these states' batch (GaLore's factored shape batch,
+        one stacked entry, on ``device``) come from galore2's op at one step count, which
+        takes a deferred step's flags (:func:`adam_rounded`)? Where that op runs
+        (:func:`rounded_path`'s devices, the kernels on), moments kept in float32 (not
+        8-bit), eager, and every state counting the same steps (host counters)."""
+        if self.moments != "state_dtype" or group.get("compile") or not states:
+            return False
+        if group["state_dtype"] != "float32" or group.get("capturable"):
+            return False
+        if device.type not in ops.FUSED_OP_DEVICES or not ops.triton_would_run():
+            return False
+        first = int(states[0][self.step_key])  # host counters (0-d, no device read)
+        return all(int(s[self.step_key]) == first for s in states)
 
     def capture_problem(self, group: Group) -> str | None:
         """Why a step of this rule cannot replay from a CUDA graph (None: it can; see
@@ -248,6 +278,10 @@ class ScaleByAdam(MomentRule, Transform):
         kernel (:func:`adam_fused`, where :func:`fusable`), else :func:`adam_foreach`; a
         masked step (``capturable``) and steps that differ take the foreach kernels."""
         beta1, beta2 = group["betas"]
+        first = ctxs[0] if ctxs else None  # a deferred step's flags (Context.keep)
+        keeps = [c.keep for c in ctxs] if first is not None and first.keep is not None else None
+        if not batched and keeps is not None:  # defers_directions said batched
+            raise RuntimeError("a deferred step reached Adam's one-tensor path, which has no flags")
         if not batched:
             (u,), (state,) = us, states
             t = self.count_step(state, group, u.device)
@@ -265,7 +299,10 @@ class ScaleByAdam(MomentRule, Transform):
         rounded = unmasked and rounded_path(us, states, rounding(ctxs))
         exp_avgs, exp_avg_sqs, us, scale, shift, t = self._batch(us, states, group, not rounded)
         if rounded and t is not None:
-            return adam_rounded(given, exp_avgs, exp_avg_sqs, t, beta1, beta2, group["eps"])
+            return adam_rounded(given, exp_avgs, exp_avg_sqs, t, beta1, beta2, group["eps"],
+                                keeps)  # fmt: skip
+        if keeps is not None:  # defers_directions said the op runs: a broken promise
+            raise RuntimeError("a deferred step reached Adam's foreach path, which has no flags")
         if rounded:  # steps differ: the directions in the moments' dtype after all
             us = [u if u.dtype == m.dtype else u.to(m.dtype)
                   for u, m in zip(us, exp_avgs, strict=True)]  # fmt: skip

@@ -175,14 +175,17 @@ def adam_fused(
 
 def adam_rounded(
     us: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], t: int,
-    beta1: float, beta2: float, eps: float,
+    beta1: float, beta2: float, eps: float, keeps: list[Tensor | None] | None = None,
 ) -> list[Tensor]:  # fmt: skip
     """Step ``t`` of Adam with each direction written in bf16 by galore2's op
     (:func:`galore2.kernels.ops.adam_directions_`, one call per tensor), for a consumer
-    that rounds it so anyway (see :func:`rounded_path`)."""
+    that rounds it so anyway (see :func:`rounded_path`). ``keeps``: a deferred step's
+    flags per tensor (one per member of a stacked entry): a member flagged False has
+    neither its moments nor its direction written (its direction is never used)."""
     outs = [torch.empty_like(u, dtype=torch.bfloat16) for u in us]
-    for args in zip(us, exp_avgs, exp_avg_sqs, outs, strict=True):
-        ops.adam_directions_(*([a] for a in args), t, beta1, beta2, eps)
+    flags = keeps if keeps is not None else [None] * len(us)
+    for *args, keep in zip(us, exp_avgs, exp_avg_sqs, outs, flags, strict=True):
+        ops.adam_directions_(*([a] for a in args), t, beta1, beta2, eps, keep)
     return outs
 
 
@@ -211,7 +214,7 @@ def rounded_path(us: list[Tensor], states: list[State], rounds: torch.dtype | No
     consumer rounds them to): bf16 directions and float32 moments of their shape, all
     contiguous, on CUDA (or meta: a count of that step) with the kernels on (see
     :func:`~galore2.optim.adamw_step.mixed_path`). Never on the CPU."""
-    if rounds != torch.bfloat16 or not us or us[0].device.type not in ("cuda", "meta"):
+    if rounds != torch.bfloat16 or not us or us[0].device.type not in ops.FUSED_OP_DEVICES:
         return False
     if not ops.triton_would_run():
         return False

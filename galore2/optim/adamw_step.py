@@ -37,7 +37,7 @@ def mixed_path(
     the torch passes inside the op, galore2's own arithmetic), for bf16 weights and
     gradients and float32 moments of the weights' shape, all contiguous. Never on the
     CPU, whose step stays galore2's own."""
-    if not params or params[0].device.type not in ("cuda", "meta"):
+    if not params or params[0].device.type not in ops.FUSED_OP_DEVICES:
         return False
     if not _fused_wanted(params, group) or not ops.triton_would_run():
         return False
@@ -114,21 +114,26 @@ def _step_tensors(steps: list[int], device: torch.device) -> list[Tensor]:
 
 def adamw_fused(
     params: list[Tensor], grads: list[Tensor], states: list[State], group: Group,
-    steps: list[int], mixed: bool,
+    steps: list[int], mixed: bool, keep: Tensor | None = None,
 ) -> None:  # fmt: skip
     """The step (counted already: ``steps``) of a plain AdamW group's tensors: by galore2's
     op, one call (one launch) per step count (``mixed``: :func:`mixed_path`), else by torch's fused
-    AdamW kernel, one launch per (device, dtype) list (:func:`torch_path`)."""
+    AdamW kernel, one launch per (device, dtype) list (:func:`torch_path`). ``keep``: a
+    deferred step's flags, one per tensor (galore2's op only: each call gets its tensors')."""
     beta1, beta2 = group["betas"]
     if mixed:  # bf16 weights, float32 moments: galore2's op, one call per step count
         lr = float(group["lr"])
         decay = DecoupledWeightDecay.factor(group)  # the optimizer's (see _adamw_rule)
-        for t, idx in _by_step(steps).items():
+        by_step = _by_step(steps)
+        for t, idx in by_step.items():
+            flags = keep
+            if keep is not None and len(by_step) > 1:  # this count's tensors' flags
+                flags = keep[torch.tensor(idx, device=keep.device)]
             ops.adamw_(
                 [params[i] for i in idx], [grads[i] for i in idx],
                 [states[i]["adam.exp_avg"] for i in idx],
                 [states[i]["adam.exp_avg_sq"] for i in idx], t, lr, beta1, beta2,
-                group["eps"], decay,
+                group["eps"], decay, flags,
             )  # fmt: skip
         return
     for idx in _by_device_dtype(params):

@@ -67,7 +67,7 @@ from ..projectors import KINDS as PROJECTOR_KINDS
 from ..projectors import OPTIONS as PROJECTOR_OPTIONS
 from ..storage.basis import OPTIONS as BASIS_OPTIONS
 from ..storage.basis import validate_basis_options
-from . import lowrank_batch, lowrank_plan, lowrank_screen, residual
+from . import lowrank_plan, lowrank_screen, residual
 from . import refresh as schedule
 from .projection import Projection, plan_for, projection_for
 from .seeds import SEED
@@ -291,6 +291,18 @@ class GaLore(Transform):
                 out[i] = done[i]
         lowrank_plan.finish(plan, split, keys, self._counters, bool(stacks))
         return out
+
+    def defers(
+        self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
+    ) -> bool:
+        """Every matrix in a shape batch along the data, none due for a refresh, its inner
+        rule's directions by a kernel that takes the flags (:func:`.lowrank_plan.deferrable`):
+        then the step need not read its non-finite flags (:mod:`galore2.core.deferred`)."""
+        if group["rank"] is None or residual.active(group):
+            return False
+        plans = self.__dict__.get("_plans", {})
+        return lowrank_plan.deferrable(plans, self.inner, us, states, group, ctxs,
+                                       self._counters)  # fmt: skip
 
     def screened(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..core import masked, packing
+from ..core import deferred, masked, packing
 from ..core.counters import Counters
 from ..core.transform import (
     Context,
@@ -107,6 +107,44 @@ def none_due(
     if plan is None or any(schedule.due(states[i]) for i in plan.singles):
         return False
     return not (plan.batches and plan.due(counters) is not None)
+
+
+def deferrable(
+    plans: dict[Any, lowrank_batch.BatchPlan], inner: list[Transform], us: list[Tensor],
+    states: list[State], group: Group, ctxs: list[Context], counters: Counters,
+) -> bool:  # fmt: skip
+    """May this step of a group's lists defer its non-finite flags
+    (:mod:`galore2.core.deferred`): every matrix in a shape batch of last step's plan (no
+    single, no plain tensor), none due for a refresh, each batch along the data on the
+    grouped kernels (bf16 weights and gradients, factored updates: ``addmm_each_`` takes
+    the flags) with its inner state stacked, and the one inner rule writing its stack's
+    directions by a kernel that takes them (its ``defers_directions``)?"""
+    plan = kept(plans, states, ctxs)
+    if (
+        plan is None
+        or not plan.batches
+        or plan.singles
+        or len(plan.batched) != len(states)
+        or len(inner) != 1
+        or not factored(group, ctxs)
+        or plan.due(counters) is not None
+    ):
+        return False
+    ask = getattr(inner[0], "defers_directions", None)
+    keys = stack_keys(inner, group, us[0].device)
+    if ask is None or keys is None:
+        return False
+    for batch in plan.batches:
+        first = batch.idx[0]
+        if (
+            us[first].dtype != torch.bfloat16
+            or ctxs[first].param.dtype != torch.bfloat16
+            or not lowrank_batch.along_data(us[first])
+            or batch.stacked_state(keys) is None
+            or not ask(batch.states, group, us[first].device)
+        ):
+            return False
+    return True
 
 
 def split(plan: lowrank_batch.BatchPlan, counters: Counters) -> Split:
@@ -210,6 +248,9 @@ def stacked_ctxs(stacked: list[Stacked], ctxs: list[Context]) -> list[Context]:
     derive their weights from it once)."""
     firsts = [ctxs[st.idx[0]].inner_view(st.batch.kind.layout) for st in stacked]
     mask = firsts[0].mask
+    if mask is None and firsts[0].keep is not None:  # a deferred step: the members' flags
+        return [first.with_keep(deferred.gather([ctxs[i].keep for i in st.idx]))  # type: ignore[misc]
+                for first, st in zip(firsts, stacked, strict=True)]  # fmt: skip
     if mask is None:
         return firsts
     members = [ctxs[i].mask for st in stacked for i in st.idx]
@@ -284,6 +325,8 @@ def back_stacks(
             B = st.Y if isinstance(st.Y, list) or st.Y.dtype == dtype else (
                 st.batch.cast_bases(st.B, dtype))  # fmt: skip
             ups = lowrank_batch.factors(st.batch.kind, B, Ns, dtype, scale, shapes)
+            for i, up in zip(st.idx, ups, strict=True):  # a deferred step's flags
+                up.keep = ctxs[i].keep
             done.update(zip(st.idx, ups, strict=True))
             continue
         # a masked step: dense updates, masked on the r-row stacks. G is projected

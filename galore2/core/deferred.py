@@ -1,0 +1,109 @@
+"""The deferred non-finite path: a step without a host read, with the skip's exact results.
+
+On the default path (``capturable=False``) a ``step()`` reads every group's non-finite
+flags in one device→host transfer before it launches anything (:mod:`.nonfinite`): the
+host waits for the end of backward, and the optimizer's launches cannot overlap it. On a
+GPU whose step is launch-bound that wait is the whole step's host time.
+
+A *deferred* batch does not read its flags. Its kernels take them as ``keep`` flags on the
+device (:mod:`galore2.kernels.keep`): a parameter whose gradient is unusable is stepped by
+no kernel — its weight, its moments and the other state it would write keep their bits —
+and every other parameter gets the bits of the host-indexed step. What the host must still
+learn (the skip counts, and the step counters the step advanced for every parameter) is
+copied to pinned host memory by a queued copy, and read at the start of the next step
+(:meth:`DeferredSkips.settle`): by then that copy has long run (a whole forward and
+backward were queued after it), so the read waits for nothing — and where the host is
+further ahead, it waits for the previous step's flags only, with this step's forward and
+backward still queued: the device never runs dry. The settled counts are the skip path's
+exactly: ``nonfinite.skips`` plus one, and the step counters the step advanced (a rule's
+``host_step_counters`` and ``device_counters``, host tensors on this path) set back by one,
+before anything reads them (the refresh schedule, bias corrections, ``state_dict``,
+:attr:`~galore2.core.optimizer.ChainOptimizer.nonfinite_skips`).
+
+A batch defers only where every kernel that writes its state and weights takes the flags
+(:meth:`StepEngine._defers <galore2.core.step.StepEngine>`): on a device of
+:data:`DEVICES` (CUDA: on the CPU a read costs nothing, and the CPU keeps its own
+arithmetic), ``nonfinite="skip"`` without ``capturable``, no weight modules, local tensors;
+then the plain AdamW group on galore2's fused AdamW op, and GaLore's shape batches along the
+data on the grouped kernels with Adam's bf16 directions (the rules' ``defers``). Everything
+else reads its flags as before, in the same one read per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import _numerics
+from .nonfinite import SKIPS
+
+#: the device types whose batches may defer (tests add "cpu", with Triton's interpreter)
+DEVICES: frozenset[str] = frozenset({"cuda"})
+
+
+def active(device: torch.device) -> bool:
+    """May a batch on ``device`` defer its flags?"""
+    return device.type in DEVICES
+
+
+class DeferredSkips:
+    """The flags of deferred batches, read one step later (see the module docstring).
+
+    ``optimizer`` is read for its ``state``; ``counters`` are the step counters a step
+    advances for every parameter it runs (set back for a skipped one when settled)."""
+
+    def __init__(self, optimizer: Any, counters: Iterable[str]) -> None:
+        self.opt = optimizer
+        self.counters = tuple(counters)
+        self.pending: list[tuple[list[Tensor], Tensor, Any]] = []
+
+    def record(self, owners: list[Tensor], ok: Tensor) -> None:
+        """Queue the copy of a deferred batch's flags (``ok``, one bool per parameter of
+        ``owners``, on their device) to the host; read by :meth:`settle`."""
+        bad = torch.logical_not(ok)
+        if bad.device.type == "cuda":
+            host = torch.empty(bad.shape, dtype=torch.bool, pin_memory=True)
+            host.copy_(bad, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host, done = bad, None
+        self.pending.append((list(owners), host, done))
+
+    def settle(self) -> None:
+        """Add the recorded skips to the state: per parameter whose gradient was unusable,
+        ``nonfinite.skips`` plus one and :attr:`counters` minus one — what the host-indexed
+        step leaves. One read of host memory per recorded batch (after its copy ran)."""
+        pending, self.pending = self.pending, []
+        for owners, host, done in pending:
+            if done is not None:
+                done.synchronize()  # the previous step's copy: queued before its kernels
+            for p, bad in zip(owners, _numerics.host_list(host), strict=True):
+                if not bad:
+                    continue
+                state = self.opt.state[p]
+                state[SKIPS] += 1
+                for key in self.counters:
+                    if key in state:
+                        state[key] -= 1  # in place: a packed counter stays in its pack
+
+
+def gather(views: list[Tensor]) -> Tensor:
+    """One bool tensor of the one-entry flag views ``views`` (each a parameter's entry of
+    its batch's flags): a view when they are consecutive entries of one tensor (a shape
+    batch's members, in order), else one ``cat``."""
+    first = views[0]
+    start = first.storage_offset()
+    ptr = first.untyped_storage().data_ptr()
+    if all(
+        v.untyped_storage().data_ptr() == ptr and v.storage_offset() == start + j
+        for j, v in enumerate(views)
+    ):
+        return first.as_strided((len(views),), (1,), start)
+    return torch.cat(views)
+
+
+__all__ = ["DEVICES", "DeferredSkips", "active", "gather"]
