@@ -17,7 +17,6 @@ from torch import Tensor
 
 from ..kernels.dispatch import run_kernel
 from ..kernels.ops_lowrank import addmm_each_, operand_dtypes
-from .deferred import gather
 from .masked import FlagBuffer, masked_updates
 from .transform import FACTORED, LowRankUpdate, ScaledUpdate
 
@@ -64,8 +63,12 @@ def apply_updates(params: list[Tensor], updates: list[Update], lr: float, decay:
         targets = [params[i].view(first.A.shape[0], first.B.shape[1]) for i in idx]
         As = [updates[i].A for i in idx]  # type: ignore[union-attr]
         Bs = [updates[i].B for i in idx]  # type: ignore[union-attr]
-        keep = None if first.keep is None else gather([updates[i].keep for i in idx])  # type: ignore[union-attr,misc]
-        addmm_each_(targets, As, Bs, -lr * first.scale, decay, keep)
+        keep, at = first.keep, None  # a deferred step's flags: the batch's, one tensor
+        if keep is not None:
+            at = [p for i in idx for p in updates[i].keep_at]  # type: ignore[union-attr]
+            if any(updates[i].keep is not keep for i in idx):  # type: ignore[union-attr]
+                raise RuntimeError("a shape batch's updates carry flags of different steps")
+        addmm_each_(targets, As, Bs, -lr * first.scale, decay, keep, at)
     done = {i for idx in grouped for i in idx}
     for i, (p, u) in enumerate(zip(params, updates, strict=True)):
         if i not in done and isinstance(u, LowRankUpdate) and u.keep is not None:

@@ -40,8 +40,9 @@ from torch import Tensor
 from .. import _numerics
 from .nonfinite import SKIPS
 
-#: the device types whose batches may defer (tests add "cpu", with Triton's interpreter)
-DEVICES: frozenset[str] = frozenset({"cuda"})
+#: the device types whose batches may defer: CUDA, and meta (a count of the CUDA step);
+#: tests add "cpu", with Triton's interpreter
+DEVICES: frozenset[str] = frozenset({"cuda", "meta"})
 
 
 def active(device: torch.device) -> bool:
@@ -60,18 +61,38 @@ class DeferredSkips:
         self.counters = tuple(counters)
         self.pending: list[tuple[list[Tensor], Tensor, Any]] = []
 
-    def record(self, owners: list[Tensor], ok: Tensor) -> None:
-        """Queue the copy of a deferred batch's flags (``ok``, one bool per parameter of
-        ``owners``, on their device) to the host; read by :meth:`settle`."""
-        bad = torch.logical_not(ok)
-        if bad.device.type == "cuda":
-            host = torch.empty(bad.shape, dtype=torch.bool, pin_memory=True)
-            host.copy_(bad, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        else:
-            host, done = bad, None
-        self.pending.append((list(owners), host, done))
+    def record(self, batches: list[tuple[list[Tensor], Tensor]]) -> None:
+        """Queue the copy of deferred batches' flags (per batch: its parameters and ``ok``,
+        one bool each, on their device) to the host, read by :meth:`settle`: one launch per
+        tensor the flags are views of (every group's flags of a step are views of one
+        tensor: :meth:`~galore2.core.nonfinite.NonFinitePolicy.check_many`). On meta tensors
+        (a count of the CUDA step: :mod:`benchmarks.roofline`) the copies are counted and
+        nothing is read: a meta step has no values."""
+        copies: dict[int, tuple[Tensor, Any]] = {}
+        for owners, ok in batches:
+            base = ok if ok._base is None else ok._base
+            found = copies.get(id(base))
+            if found is None:
+                found = copies[id(base)] = self._copy(base)
+            host, done = found
+            if host is not None:
+                at = ok.storage_offset() - base.storage_offset()
+                self.pending.append((list(owners), host[at : at + ok.numel()], done))
+
+    @staticmethod
+    def _copy(flags: Tensor) -> tuple[Tensor | None, Any]:
+        """``flags`` copied to the host: (pinned copy, its event) on CUDA — queued, never
+        waited for here; the flags themselves on the CPU; (None, None) on meta."""
+        if flags.device.type == "meta":
+            torch.empty_like(flags).copy_(flags)  # stands for the device→host copy
+            return None, None
+        if flags.device.type != "cuda":
+            return flags, None
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
 
     def settle(self) -> None:
         """Add the recorded skips to the state: per parameter whose gradient was unusable,
@@ -81,29 +102,16 @@ class DeferredSkips:
         for owners, host, done in pending:
             if done is not None:
                 done.synchronize()  # the previous step's copy: queued before its kernels
-            for p, bad in zip(owners, _numerics.host_list(host), strict=True):
-                if not bad:
+            for p, usable in zip(owners, _numerics.host_list(host), strict=True):
+                if usable:
                     continue
-                state = self.opt.state[p]
+                state = self.opt.state.get(p)
+                if not state:  # a state replaced since (load_state_dict): nothing to count
+                    continue
                 state[SKIPS] += 1
                 for key in self.counters:
                     if key in state:
                         state[key] -= 1  # in place: a packed counter stays in its pack
 
 
-def gather(views: list[Tensor]) -> Tensor:
-    """One bool tensor of the one-entry flag views ``views`` (each a parameter's entry of
-    its batch's flags): a view when they are consecutive entries of one tensor (a shape
-    batch's members, in order), else one ``cat``."""
-    first = views[0]
-    start = first.storage_offset()
-    ptr = first.untyped_storage().data_ptr()
-    if all(
-        v.untyped_storage().data_ptr() == ptr and v.storage_offset() == start + j
-        for j, v in enumerate(views)
-    ):
-        return first.as_strided((len(views),), (1,), start)
-    return torch.cat(views)
-
-
-__all__ = ["DEVICES", "DeferredSkips", "active", "gather"]
+__all__ = ["DEVICES", "DeferredSkips", "active"]

@@ -40,12 +40,13 @@ class Context:
     #: direction (0-d; ``(k, 1, …)`` for a stacked entry); None on other steps. A rule that
     #: lists keys in :meth:`Transform.masked_keys` leaves them unchanged where it is 0.0.
     mask: Tensor | None = None
-    #: a deferred step's flag for this direction (:mod:`galore2.core.deferred`): a one-entry
-    #: bool device tensor, True where the gradient is usable, a view of its batch's flags
-    #: (a stacked entry's: one per member, :func:`~galore2.core.deferred.gather`); None on
-    #: other steps. The kernels that write the direction's state and weight take it
-    #: (:mod:`galore2.kernels.keep`): where it is False they write nothing.
+    #: a deferred step's flags (:mod:`galore2.core.deferred`): its batch's, a 1-D bool device
+    #: tensor, True where a gradient is usable; this direction's are at ``keep_at`` (one
+    #: position; a stacked entry's members' positions). None on other steps. The kernels
+    #: that write the direction's state and weight take them (:mod:`galore2.kernels.keep`):
+    #: where its flag is False they write nothing.
     keep: Tensor | None = None
+    keep_at: tuple[int, ...] = ()
     #: the dtype the consumer rounds this direction's update to before any other use (GaLore
     #: writing a low-rank update into bf16 weights, its inner chain one rule); None: used as
     #: returned. A rule may then return its direction in that dtype (the same values).
@@ -62,7 +63,8 @@ class Context:
         view = self.inner
         if view is None or view.layout != layout:
             view = self.inner = replace(self, layout=layout, inner=None)
-        view.mask, view.keep, view.refreshed = self.mask, self.keep, self.refreshed
+        view.mask, view.refreshed = self.mask, self.refreshed
+        view.keep, view.keep_at = self.keep, self.keep_at
         return view
 
     def rounded_to(self, dtype: torch.dtype | None) -> Context:
@@ -79,10 +81,10 @@ class Context:
         out.mask = mask
         return out
 
-    def with_keep(self, keep: Tensor | None) -> Context:
-        """A copy with ``keep`` (as :meth:`with_mask`)."""
+    def with_keep(self, keep: Tensor | None, at: tuple[int, ...]) -> Context:
+        """A copy with ``keep`` and ``keep_at`` (as :meth:`with_mask`)."""
         out = self.with_mask(self.mask)
-        out.keep = keep
+        out.keep, out.keep_at = keep, at
         return out
 
     @property

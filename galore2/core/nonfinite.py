@@ -27,7 +27,10 @@ kept on the device. On the default path (``capturable=False``) the flags of ever
 of a ``step()`` are read together, in one device→host transfer (the step's only
 synchronization, see :func:`read_flags`), and the parameters with an unusable gradient
 are left out of the step by index: the chain and every kernel see only the others.
-``"raise"`` needs that read too, before anything changes.
+``"raise"`` needs that read too, before anything changes. On CUDA a batch whose every
+kernel takes the flags reads them a step later instead (:mod:`galore2.core.deferred`): its
+kernels write nothing for an unusable gradient's parameter, and the skip is counted and
+the step counters set back before anything reads them — the skip's results, bit for bit.
 
 **Folded into the projection** (:meth:`NonFinitePolicy.folds`): on that default path with
 ``"skip"`` (and state of float32's range or wider), a matrix GaLore projects that is local

@@ -361,17 +361,19 @@ class StepEngine:
         pipeline (:meth:`_step_batch`): on the host-indexed path the usable tensors, picked
         by index; on the masked path (``capturable=True``) every tensor, the unusable ones
         masked (:class:`~galore2.core.masked.MaskedStep`, its flags cleared by ``masks``);
-        on the deferred path (:meth:`_defers`) every tensor, its flags unread, taken by the
-        kernels (:mod:`galore2.core.deferred`). Returns (group, local state, ctx) of those
+        on the deferred path (:meth:`_defers`, where every checked batch takes it) every
+        tensor, its flags unread, taken by the kernels (:mod:`galore2.core.deferred`). Returns (group, local state, ctx) of those
         stepped."""
         host = [b for b in batches if not b.group["capturable"]]
-        later = {id(b) for b in host if self._defers(b)}
+        # deferred only where no batch reads its flags: one read left would wait anyway
+        checked = [b for b in host if b.flags is not None]
+        later = {id(b) for b in checked} if checked and all(map(self._defers, checked)) else ()
         host = [b for b in host if id(b) not in later]
         read = dict(zip(map(id, host), read_flags([b.flags for b in host]), strict=True))
+        self.deferred.record([(b.owners, b.flags) for b in batches if id(b) in later])
         stepped = []
         for batch in batches:
             if id(batch) in later:
-                self.deferred.record(batch.owners, batch.flags)
                 with _kept(batch.ctxs, batch.flags):
                     stepped += self._step_batch(batch, batch.grads, None, batch.flags)
                 continue
@@ -473,15 +475,15 @@ class StepEngine:
 
 @contextmanager
 def _kept(ctxs: list[Context], flags: Tensor) -> Iterator[None]:
-    """Each context's ``keep`` (its entry of a deferred batch's ``flags``) while the batch
-    steps; None again after (contexts are kept between steps)."""
+    """Each context's ``keep`` (a deferred batch's ``flags``, its own at ``keep_at``) while
+    the batch steps; None again after (contexts are kept between steps)."""
     for i, ctx in enumerate(ctxs):
-        ctx.keep = flags[i : i + 1]
+        ctx.keep, ctx.keep_at = flags, (i,)
     try:
         yield
     finally:
         for ctx in ctxs:
-            ctx.keep = None
+            ctx.keep, ctx.keep_at = None, ()
 
 
 def indexed(groups: Iterable[Group]) -> Iterable[tuple[int, Group, Tensor]]:

@@ -56,9 +56,11 @@ class LowRankUpdate:
     B: Tensor
     shape: torch.Size
     scale: float = 1.0
-    #: a deferred step's flag for the weight (its :attr:`Context.keep`): the grouped
-    #: ``addmm_`` that applies it writes nothing where it is False; None on other steps
+    #: a deferred step's flags (the weight's :attr:`Context.keep`, its flag at ``keep_at``):
+    #: the grouped ``addmm_`` that applies it writes nothing where it is False; None on
+    #: other steps
     keep: Tensor | None = None
+    keep_at: tuple[int, ...] = ()
 
     def operands(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """(A, B) in ``dtype`` (each cast only where it is not)."""

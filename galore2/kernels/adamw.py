@@ -35,7 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .dispatch import launch_device
-from .keep import keeps
+from .keep import keeps, positions
 from .rounding import to_bf16
 from .tables import capturing, kept, upload
 
@@ -145,15 +145,20 @@ def _directions_kernel(
     inv_bc1,
     bc2_sqrt,
     keep_ptr,  # one flag per ``per`` elements (HAS_KEEP: a stack's members): 0, unwritten
+    at_ptr,  # HAS_AT: member j's flag is keep[at[j]]
     per,
     HAS_KEEP: tl.constexpr,
+    HAS_AT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # the moments and direction of _adamw_kernel; the direction rounded to bf16 into out
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     if HAS_KEEP:
-        mask = mask & (tl.load(keep_ptr + offs // per, mask=mask, other=0) != 0)
+        member = offs // per
+        if HAS_AT:
+            member = tl.load(at_ptr + member, mask=mask, other=0)
+        mask = mask & (tl.load(keep_ptr + member, mask=mask, other=0) != 0)
     d = _adam_block(g_ptr, m_ptr, v_ptr, offs, mask, beta1, beta2, eps, inv_bc1, bc2_sqrt)
     tl.store(out_ptr + offs, to_bf16(d), mask=mask)
 
@@ -285,18 +290,19 @@ def supported_list(ps: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: lis
 
 def directions_step(
     g: Tensor, m: Tensor, v: Tensor, out: Tensor, *, step: int, beta1: float, beta2: float,
-    eps: float, keep: Tensor | None = None,
+    eps: float, keep: Tensor | None = None, keep_at: list[int] | None = None,
 ) -> bool:  # fmt: skip
     """Step ``step`` (≥ 1) of Adam on float32 moments ``m``, ``v`` (updated in place) with
     direction ``g`` (bf16 or float32), writing m̂/(√v̂ + eps) rounded to bf16 into ``out``
     (:func:`supported_directions`): each element of ``g`` and ``out`` touched once (2 + 2
     bytes for bf16), the moments read and written once (16). ``keep``: one bool flag, or
-    one per member of a stack (``g``'s first dimension; :func:`~.keep.keeps`): a member
-    flagged False has neither its moments nor its ``out`` written. Returns True."""
-    members = 1 if keep is None else keep.numel()
+    one per member of a stack (``g``'s first dimension; ``keep_at``: their positions in
+    ``keep``; :func:`~.keep.keeps`): a member flagged False has neither its moments nor its
+    ``out`` written. Returns True."""
+    members = 1 if keep is None else len(keep_at) if keep_at is not None else keep.numel()
     if (
         not supported_directions(g, m, v, out)
-        or not keeps(keep, members, g.device)
+        or not keeps(keep, members, g.device, keep_at)
         or (members > 1 and (g.dim() == 0 or g.shape[0] != members))
     ):
         raise ValueError(
@@ -310,10 +316,11 @@ def directions_step(
     inv_bc1, bc2_sqrt = corrections(beta1, beta2, step)
     n = g.numel()
     flags, has_keep = _keep_args(keep, g)
+    at = g if keep_at is None else positions(keep_at, g.device)
     with launch_device(g):
         _directions_kernel[(triton.cdiv(n, BLOCK),)](
-            g, m, v, out, n, beta1, beta2, eps, inv_bc1, bc2_sqrt, flags, n // members,
-            HAS_KEEP=has_keep, BLOCK=BLOCK,
+            g, m, v, out, n, beta1, beta2, eps, inv_bc1, bc2_sqrt, flags, at, n // members,
+            HAS_KEEP=has_keep, HAS_AT=keep_at is not None, BLOCK=BLOCK,
         )  # fmt: skip
     return True
 

@@ -32,7 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .dispatch import launch_device
-from .keep import keeps
+from .keep import keeps, positions
 from .lowrank import DTYPES, config, lowrank_tile, matmul_precision, small_strides
 from .ops_lowrank import operand_dtypes
 from .tables import capturing, kept, upload
@@ -41,15 +41,19 @@ from .tables import capturing, kept, upload
 @triton.jit
 def _lowrank_list_kernel(
     a_ptr, b_ptr, p_ptr, out_ptr, table, count, tiles, M, N, K, s_am, s_ak, s_bk, s_bn, s_pm,
-    s_pn, s_om, s_on, alpha, beta, keep_ptr, BETA_ZERO: tl.constexpr, HAS_KEEP: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    s_pn, s_om, s_on, alpha, beta, keep_ptr, at_ptr, BETA_ZERO: tl.constexpr,
+    HAS_KEEP: tl.constexpr, HAS_AT: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, A_BF16: tl.constexpr, B_BF16: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     e = pid // tiles
     if HAS_KEEP:  # noqa: SIM102 (a constexpr branch: no load without flags)
         # an entry flagged 0 (a deferred step's unusable gradient) is not written
-        if tl.load(keep_ptr + e) == 0:
+        flag = e
+        if HAS_AT:  # entry e's flag is keep[at[e]]
+            flag = tl.load(at_ptr + e)
+        if tl.load(keep_ptr + flag) == 0:
             return
     a_off = tl.load(table + e)  # element offsets from the first entry's operands
     b_off = tl.load(table + count + e)
@@ -125,14 +129,16 @@ def _table(lists: tuple[list[Tensor], ...]) -> Tensor:
 
 def lowrank_list(
     outs: list[Tensor], ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], *,
-    alpha: float, beta: float, keep: Tensor | None = None,
+    alpha: float, beta: float, keep: Tensor | None = None, keep_at: list[int] | None = None,
 ) -> bool:  # fmt: skip
     """``outs[i] ← beta·ps[i] + alpha·(As[i] @ Bs[i])`` for every i in one launch (``outs``
     may be ``ps``: in place; with ``beta == 0`` the ps are not read). The lists as
     :func:`supported_list` takes them. ``keep``: one bool flag per entry on the device
-    (:func:`~.keep.keeps`); an entry flagged False is not written. CUDA
+    (``keep_at``: their positions in it; :func:`~.keep.keeps`); an entry flagged False is
+    not written. CUDA
     tensors, or CPU ones under ``TRITON_INTERPRET=1``. Returns True (it ran)."""
-    if not supported_list(outs, ps, As, Bs) or not keeps(keep, len(outs), outs[0].device):
+    if not supported_list(outs, ps, As, Bs) or not keeps(keep, len(outs), outs[0].device,
+                                                         keep_at):  # fmt: skip
         raise ValueError(
             "lowrank_list takes lists of one length (2 or more) of 2-D tensors of one dtype "
             "and device, each list's entries of one shape and strides, A @ B of p's shape, "
@@ -146,12 +152,13 @@ def lowrank_list(
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     table = _table((As, Bs, ps, outs))
     flags = table if keep is None else keep.view(torch.uint8)  # bools read as bytes
+    at = table if keep_at is None else positions(keep_at, o.device)
     with launch_device(o):
         _lowrank_list_kernel[(tiles * len(outs),)](
             a, b, p, o, table, len(outs), tiles, M, N, K, a.stride(0), a.stride(1),
             b.stride(0), b.stride(1), p.stride(0), p.stride(1), o.stride(0), o.stride(1),
-            alpha, beta, flags, BETA_ZERO=beta == 0, HAS_KEEP=keep is not None,
-            PRECISION=precision,
+            alpha, beta, flags, at, BETA_ZERO=beta == 0, HAS_KEEP=keep is not None,
+            HAS_AT=keep_at is not None, PRECISION=precision,
             # the interpreter multiplies bf16 as raw integers (see lowrank_update)
             UPCAST=o.dtype != torch.float32 and o.device.type == "cpu",
             GROUP_M=8, A_BF16=a.dtype != o.dtype, B_BF16=b.dtype != o.dtype,

@@ -35,7 +35,8 @@ from .keep import check, kept
 
 
 def _grouped(outs: list[Tensor], ps: list[Tensor], As: list[Tensor], Bs: list[Tensor],
-             alpha: float, beta: float, keep: Tensor | None = None) -> bool:  # fmt: skip
+             alpha: float, beta: float, keep: Tensor | None = None,
+             keep_at: list[int] | None = None) -> bool:  # fmt: skip
     """The list kernel's launch where it runs (True), else False (the torch path)."""
     if len(outs) < 2:
         return False
@@ -43,7 +44,8 @@ def _grouped(outs: list[Tensor], ps: list[Tensor], As: list[Tensor], Bs: list[Te
     done = run_kernel(
         "lowrank_list", *(t for ts in lists for t in ts),
         supported=lambda k: k.supported_list(*lists),
-        kernel=lambda k: partial(k.lowrank_list, *lists, alpha=alpha, beta=beta, keep=keep),
+        kernel=lambda k: partial(k.lowrank_list, *lists, alpha=alpha, beta=beta, keep=keep,
+                                 keep_at=keep_at),  # fmt: skip
     )  # fmt: skip
     return done is not None
 
@@ -74,17 +76,18 @@ def _mm_each(As: list[Tensor], Bs: list[Tensor], outs: list[Tensor]) -> None:
 
 def _addmm_each(
     ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], alpha: float, beta: float,
-    keep: Tensor | None = None,
+    keep: Tensor | None = None, keep_at: list[int] | None = None,
 ) -> None:  # fmt: skip
     """``ps[i] ← beta·ps[i] + alpha·(As[i] @ Bs[i])`` in place for each i (2-D ``ps``), the
     operands rounded to the weights' dtype first. ``keep``: one bool flag per weight on
-    their device (a deferred step's, :mod:`~galore2.kernels.keep`); a weight flagged False
-    is not written (the grouped kernel reads the flags; the torch path picks on the host)."""
+    their device, or (``keep_at``) the weights' positions in it (a deferred step's,
+    :mod:`~galore2.kernels.keep`); a weight flagged False is not written (the grouped
+    kernel reads the flags; the torch path picks on the host)."""
     if ps:
-        check("addmm_each_", keep, len(ps), ps[0].device)
-    if _grouped(ps, ps, As, Bs, alpha, beta, keep):
+        check("addmm_each_", keep, len(ps), ps[0].device, keep_at)
+    if _grouped(ps, ps, As, Bs, alpha, beta, keep, keep_at):
         return
-    for i in kept(keep, len(ps)):
+    for i in kept(keep, len(ps), keep_at):
         p = ps[i]
         p.addmm_(_in(As[i], p.dtype), _in(Bs[i], p.dtype), beta=beta, alpha=alpha)
 
@@ -122,11 +125,11 @@ def _mm_each_meta(As: list[Tensor], Bs: list[Tensor], outs: list[Tensor]) -> Non
 @addmm_each_op.register_fake
 def _addmm_each_meta(
     ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], alpha: float, beta: float,
-    keep: Tensor | None = None,
+    keep: Tensor | None = None, keep_at: list[int] | None = None,
 ) -> None:  # fmt: skip
     _check("addmm_each_", ps, As, Bs)
     if ps:
-        check("addmm_each_", keep, len(ps), ps[0].device)
+        check("addmm_each_", keep, len(ps), ps[0].device, keep_at)
 
 
 mm_each_ = direct(mm_each_op, _mm_each, mutated=(2,))

@@ -279,7 +279,8 @@ class ScaleByAdam(MomentRule, Transform):
         masked step (``capturable``) and steps that differ take the foreach kernels."""
         beta1, beta2 = group["betas"]
         first = ctxs[0] if ctxs else None  # a deferred step's flags (Context.keep)
-        keeps = [c.keep for c in ctxs] if first is not None and first.keep is not None else None
+        keeps = ([(c.keep, c.keep_at) for c in ctxs]
+                 if first is not None and first.keep is not None else None)  # fmt: skip
         if not batched and keeps is not None:  # defers_directions said batched
             raise RuntimeError("a deferred step reached Adam's one-tensor path, which has no flags")
         if not batched:

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..core import deferred, masked, packing
+from ..core import masked, packing
 from ..core.counters import Counters
 from ..core.transform import (
     Context,
@@ -249,7 +249,7 @@ def stacked_ctxs(stacked: list[Stacked], ctxs: list[Context]) -> list[Context]:
     firsts = [ctxs[st.idx[0]].inner_view(st.batch.kind.layout) for st in stacked]
     mask = firsts[0].mask
     if mask is None and firsts[0].keep is not None:  # a deferred step: the members' flags
-        return [first.with_keep(deferred.gather([ctxs[i].keep for i in st.idx]))  # type: ignore[misc]
+        return [first.with_keep(first.keep, tuple(ctxs[i].keep_at[0] for i in st.idx))
                 for first, st in zip(firsts, stacked, strict=True)]  # fmt: skip
     if mask is None:
         return firsts
@@ -326,7 +326,7 @@ def back_stacks(
                 st.batch.cast_bases(st.B, dtype))  # fmt: skip
             ups = lowrank_batch.factors(st.batch.kind, B, Ns, dtype, scale, shapes)
             for i, up in zip(st.idx, ups, strict=True):  # a deferred step's flags
-                up.keep = ctxs[i].keep
+                up.keep, up.keep_at = ctxs[i].keep, ctxs[i].keep_at
             done.update(zip(st.idx, ups, strict=True))
             continue
         # a masked step: dense updates, masked on the r-row stacks. G is projected

@@ -129,6 +129,24 @@ def test_no_full_size_copy(result: dict, label: str) -> None:
     assert _full_size(result, label) == []
 
 
+#: rows whose non-refresh step reads no flag where the kernels run (galore2.core.deferred:
+#: every group's kernels take the flags); the others read them once a step
+DEFERRED = {"GaLoreAdamW", "GaLoreAdamW, capturable=True"}
+
+
+@pytest.mark.parametrize("label", BUDGETS)
+def test_host_reads(result: dict, label: str) -> None:
+    """Issue 38 item 2: GaLoreAdamW's step (and the capturable one's) makes no host read on
+    a machine where galore2's kernels run (meta tensors standing for CUDA): its flags are
+    copied once, read at the next step; every other row reads its flags once."""
+    row = result["rows"][label]
+    want = 0 if label in DEFERRED else 1
+    assert row["layers"]["2"]["syncs"] == row["layers"]["4"]["syncs"] == want
+    if label == "GaLoreAdamW":  # one copy of every group's flags, none gathered
+        ops = row["layers"]["4"]["ops"]
+        assert ops.get("copy_") == 1 and "cat" not in ops, ops
+
+
 def test_plain_group_on_torch_fused_kernel(result: dict) -> None:
     """With moments in the weights' dtype the plain group (embeddings, head, norms; decayed
     and not) is torch's fused kernel: one launch per group, as torch's fused AdamW."""

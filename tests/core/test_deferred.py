@@ -95,9 +95,9 @@ def _spy_records(monkeypatch) -> list:
     records: list = []
     real = deferred.DeferredSkips.record
 
-    def spy(self, owners, ok):
-        records.append(len(owners))
-        return real(self, owners, ok)
+    def spy(self, batches):
+        records.extend(len(owners) for owners, _ in batches)
+        return real(self, batches)
 
     monkeypatch.setattr(deferred.DeferredSkips, "record", spy)
     return records
@@ -161,9 +161,10 @@ def test_a_deferred_step_reads_only_the_last_steps_flags(kernels_on_cpu, monkeyp
     real_record, real_read = deferred.DeferredSkips.record, _numerics.host_list
     log: list = []  # per step: ("record" | "read", tensor)
 
-    def record(self, owners, ok):
-        real_record(self, owners, ok)
-        log[-1].append(("record", self.pending[-1][1]))
+    def record(self, batches):
+        before = len(self.pending)
+        real_record(self, batches)
+        log[-1].extend(("record", host) for _, host, _ in self.pending[before:])
 
     def host_list(t):
         log[-1].append(("read", t))

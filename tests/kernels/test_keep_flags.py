@@ -78,10 +78,12 @@ def test_adamw_writes_only_the_kept_weights(mode, count):
             assert _same(got, ref)
 
 
-def test_directions_write_only_the_kept_members(mode):
+@pytest.mark.parametrize("at", [False, True], ids=["flags", "keep_at"])
+def test_directions_write_only_the_kept_members(mode, at):
     """A stacked entry (4 members of 6×40, float32 moments, bf16 directions): members 1 and
     3 flagged out keep their moments and ``out`` (NaN directions there never reach them);
-    the others are the bits of a call on them alone."""
+    the others are the bits of a call on them alone. Their flags given in order, or at
+    positions of a longer tensor (``keep_at``)."""
     g = torch.Generator().manual_seed(1)
     u = torch.randn(4, 6, 40, generator=g).to(DEVICE, torch.bfloat16)
     u[1, 2, 3] = float("inf")
@@ -90,8 +92,11 @@ def test_directions_write_only_the_kept_members(mode):
     v = torch.rand(4, 6, 40, generator=g).to(DEVICE) * 0.01
     out = torch.full((4, 6, 40), 7.0, dtype=torch.bfloat16, device=DEVICE)
     m0, v0, out0 = m.clone(), v.clone(), out.clone()
-    ops.adam_directions_([u], [m], [v], [out], 3, 0.9, 0.999, 1e-8,
-                         _flags([True, False, True, False]))  # fmt: skip
+    if at:  # the members' flags at positions of a longer tensor (a group's flags)
+        flags, keep_at = _flags([False, True, True, False, False, False]), [1, 3, 2, 0]
+    else:
+        flags, keep_at = _flags([True, False, True, False]), None
+    ops.adam_directions_([u], [m], [v], [out], 3, 0.9, 0.999, 1e-8, flags, keep_at)
     for j in (0, 2):
         mj, vj, oj = m0[j].clone(), v0[j].clone(), out0[j].clone()
         ops.adam_directions_([u[j].contiguous()], [mj], [vj], [oj], 3, 0.9, 0.999, 1e-8)
@@ -100,9 +105,10 @@ def test_directions_write_only_the_kept_members(mode):
         assert _same(m[j], m0[j]) and _same(v[j], v0[j]) and _same(out[j], out0[j])
 
 
-def test_addmm_each_writes_only_the_kept_weights(mode):
+@pytest.mark.parametrize("at", [False, True], ids=["flags", "keep_at"])
+def test_addmm_each_writes_only_the_kept_weights(mode, at):
     """Three weights, the middle one flagged out with a NaN factor: it keeps its bits; the
-    others are the bits of a call on them alone."""
+    others are the bits of a call on them alone (flags in order, or at positions)."""
     g = torch.Generator().manual_seed(2)
     ps = [torch.randn(33, 20, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3)]
     As = [torch.randn(33, 4, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3)]
@@ -110,7 +116,11 @@ def test_addmm_each_writes_only_the_kept_weights(mode):
     As[1][0, 0] = float("nan")
     before = [p.clone() for p in ps]
     alone = [ps[i].clone() for i in (0, 2)]
-    ops_lowrank.addmm_each_(ps, As, Bs, -0.5, 0.99, _flags([True, False, True]))
+    if at:
+        ops_lowrank.addmm_each_(ps, As, Bs, -0.5, 0.99, _flags([False, True, False, True]),
+                                [3, 0, 1])  # fmt: skip
+    else:
+        ops_lowrank.addmm_each_(ps, As, Bs, -0.5, 0.99, _flags([True, False, True]))
     ops_lowrank.addmm_each_(alone, [As[0], As[2]], [Bs[0], Bs[2]], -0.5, 0.99)
     assert _same(ps[0], alone[0]) and _same(ps[2], alone[1]) and _same(ps[1], before[1])
 
@@ -127,9 +137,10 @@ def test_flags_the_ops_do_not_take_are_named(keep):
     ps = [torch.zeros(4, 4, dtype=torch.bfloat16) for _ in range(2)]
     factors = [torch.zeros(4, 2, dtype=torch.bfloat16) for _ in range(2)]
     rows = [torch.zeros(2, 4, dtype=torch.bfloat16) for _ in range(2)]
-    with pytest.raises(
-        ValueError, match=r"addmm_each_: keep must be a contiguous bool tensor of 2"
-    ):
+    with pytest.raises(ValueError, match=r"addmm_each_: keep must be a contiguous 1-D bool"):
         ops_lowrank.addmm_each_(ps, factors, rows, 1.0, 1.0, keep)
+    with pytest.raises(ValueError, match=r"addmm_each_: keep must .* keep_at: their positions"):
+        at = [0, 2]  # a position past the flags
+        ops_lowrank.addmm_each_(ps, factors, rows, 1.0, 1.0, torch.ones(2, dtype=torch.bool), at)
     with pytest.raises(ValueError, match="adam_directions_: keep takes one direction"):
         ops.adam_directions_(ps, ps, ps, ps, 1, 0.9, 0.999, 1e-8, torch.ones(1, dtype=torch.bool))
