@@ -48,7 +48,7 @@ def _lowrank_list_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     e = pid // tiles
-    if HAS_KEEP:  # noqa: SIM102 (a constexpr branch: no load without flags)
+    if HAS_KEEP:  # a constexpr branch: no load without flags
         # an entry flagged 0 (a deferred step's unusable gradient) is not written
         flag = e
         if HAS_AT:  # entry e's flag is keep[at[e]]
