@@ -1310,6 +1310,73 @@ MUTATIONS: tuple[Mutation, ...] = (
         "data: two launches per matrix, the host-bound step measured on an H200",
         where="along_data",
     ),
+    Mutation(
+        "deferred_counters_kept",
+        "galore2/core/deferred.py",
+        "                        state[key] -= 1  # in place: a packed counter stays in its pack",
+        "                        pass",
+        ("tests/core/test_deferred.py::test_a_deferred_skip_leaves_what_the_skip_leaves",),
+        "a deferred skip is counted but the step counters the step advanced for the skipped "
+        "parameter are not set back (bias corrections and the refresh schedule run ahead)",
+        where="DeferredSkips.settle",
+    ),
+    Mutation(
+        "deferred_skip_uncounted",
+        "galore2/core/deferred.py",
+        "                state[SKIPS] += 1",
+        "                pass",
+        ("tests/core/test_deferred.py::test_a_deferred_skip_leaves_what_the_skip_leaves",),
+        "a deferred batch's unusable gradient is left out but never counted as a skip",
+        where="DeferredSkips.settle",
+    ),
+    Mutation(
+        "adamw_list_ignores_keep",
+        "galore2/kernels/adamw.py",
+        "        n = tl.where(tl.load(keep_ptr + t) != 0, n, 0)",
+        "        n = n",
+        ("tests/kernels/test_keep_flags.py::test_adamw_writes_only_the_kept_weights",),
+        "the AdamW list kernel writes a weight flagged out (its NaN gradient reaches the "
+        "weight and moments)",
+        where="_adamw_list_kernel",
+    ),
+    Mutation(
+        "lowrank_list_ignores_keep",
+        "galore2/kernels/lowrank_list.py",
+        "        if tl.load(keep_ptr + flag) == 0:",
+        "        if tl.load(keep_ptr + flag) == 2:",
+        ("tests/kernels/test_keep_flags.py::test_addmm_each_writes_only_the_kept_weights",),
+        "the grouped write-back writes a weight flagged out",
+        where="_lowrank_list_kernel",
+    ),
+    Mutation(
+        "directions_ignore_keep_at",
+        "galore2/kernels/adamw.py",
+        "            member = tl.load(at_ptr + member, mask=mask, other=0)",
+        "            member = member",
+        ("tests/kernels/test_keep_flags.py::test_directions_write_only_the_kept_members",),
+        "the directions kernel reads a stack member's flag at its index in the stack, not "
+        "at its position in the group's flags (another matrix's flag)",
+        where="_directions_kernel",
+    ),
+    Mutation(
+        "apply_drops_keep",
+        "galore2/core/apply.py",
+        "addmm_each_(targets, As, Bs, -lr * first.scale, decay, keep, at)",
+        "addmm_each_(targets, As, Bs, -lr * first.scale, decay)",
+        ("tests/core/test_deferred.py::test_a_deferred_skip_leaves_what_the_skip_leaves",),
+        "a deferred step writes every shape batch's update, the unusable gradient's too",
+        where="apply_updates",
+    ),
+    Mutation(
+        "defers_with_a_read_left",
+        "galore2/core/step.py",
+        "if checked and all(map(self._defers, checked))",
+        "if checked and any(map(self._defers, checked))",
+        ("tests/benchmarks/test_roofline.py::test_host_reads",),
+        "a step defers some groups' flags while another group reads its own anyway (a copy "
+        "more, no read less; or a group whose kernels do not take the flags)",
+        where="StepEngine._run",
+    ),
 )
 
 

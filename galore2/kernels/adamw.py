@@ -146,14 +146,20 @@ def _directions_kernel(
     bc2_sqrt,
     keep_ptr,  # one flag per ``per`` elements (HAS_KEEP: a stack's members): 0, unwritten
     at_ptr,  # HAS_AT: member j's flag is keep[at[j]]
+    bc_ptr,  # HAS_STEPS: member j's 1/bc1 at bc[j], √bc2 at bc[members + j] (float32)
     per,
+    members,
     HAS_KEEP: tl.constexpr,
     HAS_AT: tl.constexpr,
+    HAS_STEPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # the moments and direction of _adamw_kernel; the direction rounded to bf16 into out
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
+    if HAS_STEPS:  # members counting different steps: each its own corrections
+        inv_bc1 = tl.load(bc_ptr + offs // per, mask=mask, other=1.0)
+        bc2_sqrt = tl.load(bc_ptr + members + offs // per, mask=mask, other=1.0)
     if HAS_KEEP:
         member = offs // per
         if HAS_AT:
@@ -291,6 +297,7 @@ def supported_list(ps: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: lis
 def directions_step(
     g: Tensor, m: Tensor, v: Tensor, out: Tensor, *, step: int, beta1: float, beta2: float,
     eps: float, keep: Tensor | None = None, keep_at: list[int] | None = None,
+    steps: list[int] | None = None,
 ) -> bool:  # fmt: skip
     """Step ``step`` (≥ 1) of Adam on float32 moments ``m``, ``v`` (updated in place) with
     direction ``g`` (bf16 or float32), writing m̂/(√v̂ + eps) rounded to bf16 into ``out``
@@ -298,8 +305,10 @@ def directions_step(
     bytes for bf16), the moments read and written once (16). ``keep``: one bool flag, or
     one per member of a stack (``g``'s first dimension; ``keep_at``: their positions in
     ``keep``; :func:`~.keep.keeps`): a member flagged False has neither its moments nor its
-    ``out`` written. Returns True."""
+    ``out`` written. ``steps``: each member's step count (members of a stack that count
+    different steps: one skipped once), ``step`` unused then. Returns True."""
     members = 1 if keep is None else len(keep_at) if keep_at is not None else keep.numel()
+    members = len(steps) if steps is not None else members
     if (
         not supported_directions(g, m, v, out)
         or not keeps(keep, members, g.device, keep_at)
@@ -311,18 +320,30 @@ def directions_step(
             f"{g.dtype} {tuple(g.shape)}, {m.dtype} {tuple(m.shape)}, {v.dtype} "
             f"{tuple(v.shape)}, {out.dtype} {tuple(out.shape)}"
         )
-    if step < 1:
-        raise ValueError(f"step counts this step (>= 1), got {step}")
-    inv_bc1, bc2_sqrt = corrections(beta1, beta2, step)
+    if min(steps or [step]) < 1:
+        raise ValueError(f"step counts this step (>= 1), got {steps or step}")
+    inv_bc1, bc2_sqrt = corrections(beta1, beta2, steps[0] if steps else step)
     n = g.numel()
     flags, has_keep = _keep_args(keep, g)
     at = g if keep_at is None else positions(keep_at, g.device)
+    bc = m if steps is None else _member_corrections(beta1, beta2, steps, g.device)
     with launch_device(g):
         _directions_kernel[(triton.cdiv(n, BLOCK),)](
-            g, m, v, out, n, beta1, beta2, eps, inv_bc1, bc2_sqrt, flags, at, n // members,
-            HAS_KEEP=has_keep, HAS_AT=keep_at is not None, BLOCK=BLOCK,
+            g, m, v, out, n, beta1, beta2, eps, inv_bc1, bc2_sqrt, flags, at, bc, n // members,
+            members, HAS_KEEP=has_keep, HAS_AT=keep_at is not None, HAS_STEPS=steps is not None,
+            BLOCK=BLOCK,
         )  # fmt: skip
     return True
+
+
+def _member_corrections(
+    beta1: float, beta2: float, steps: list[int], device: torch.device
+) -> Tensor:
+    """(1/bc1 of each member, then √bc2 of each) in float32 on ``device``, each as
+    :func:`corrections` forms it: one queued copy from pinned memory."""
+    pairs = [corrections(beta1, beta2, s) for s in steps]
+    values = np.array([p[0] for p in pairs] + [p[1] for p in pairs], dtype=np.float32)
+    return upload(values, device, torch.float32)
 
 
 def supported_directions(g: Tensor, m: Tensor, v: Tensor, out: Tensor) -> bool:

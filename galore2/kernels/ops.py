@@ -147,7 +147,7 @@ def directions_torch(
 def _adam_directions(
     us: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], outs: list[Tensor],
     step: int, beta1: float, beta2: float, eps: float, keep: Tensor | None = None,
-    keep_at: list[int] | None = None,
+    keep_at: list[int] | None = None, steps: list[int] | None = None,
 ) -> None:  # fmt: skip
     """Step ``step`` (≥ 1, counted already) of Adam on float32 moments (updated in place)
     with directions ``us`` (bf16 or float32), each m̂/(√v̂ + eps) rounded into its bf16
@@ -158,10 +158,11 @@ def _adam_directions(
     consumer's cast compute). ``keep`` (one direction only: a stack of k members, or one
     matrix): one bool flag per member on its device, or (``keep_at``) the members' positions
     in it (a deferred step's, :mod:`~galore2.kernels.keep`); a member flagged False has
-    neither its moments nor its ``out`` written. Meta tensors: checked only (see the module
-    docstring)."""
-    if keep is not None or keep_at is not None:
-        _check_directions_keep(us, keep, keep_at)
+    neither its moments nor its ``out`` written. ``steps`` (one direction only): each
+    member's own step count, for a stack whose members count different steps (``step``
+    unused then). Meta tensors: checked only (see the module docstring)."""
+    if keep is not None or keep_at is not None or steps is not None:
+        _check_directions_keep(us, keep, keep_at, steps)
     rest = []
     for i, args in enumerate(zip(us, exp_avgs, exp_avg_sqs, outs, strict=True)):
         done = run_kernel(
@@ -169,14 +170,14 @@ def _adam_directions(
             supported=lambda k, args=args: k.supported_directions(*args),
             kernel=lambda k, args=args: partial(
                 k.directions_step, *args, step=step, beta1=beta1, beta2=beta2, eps=eps,
-                keep=keep, keep_at=keep_at,
+                keep=keep, keep_at=keep_at, steps=steps,
             ),
         )  # fmt: skip
         if done is None:
             rest.append(i)
-    if rest and keep is not None:  # one direction: its kept members, picked on the host
+    if rest and (keep is not None or steps is not None):  # one direction, by its members
         _directions_kept(us[0], exp_avgs[0], exp_avg_sqs[0], outs[0], step, beta1, beta2, eps,
-                         keep, keep_at)  # fmt: skip
+                         keep, keep_at, steps)  # fmt: skip
     elif rest:
         directions_torch(
             [us[i] for i in rest], [exp_avgs[i] for i in rest], [exp_avg_sqs[i] for i in rest],
@@ -185,14 +186,20 @@ def _adam_directions(
 
 
 def _check_directions_keep(
-    us: list[Tensor], keep: Tensor | None, keep_at: list[int] | None
+    us: list[Tensor], keep: Tensor | None, keep_at: list[int] | None, steps: list[int] | None
 ) -> None:
-    """``keep`` of :func:`_adam_directions`: one direction, one flag per member."""
+    """``keep`` and ``steps`` of :func:`_adam_directions`: one direction, one flag and one
+    count per member."""
     if len(us) != 1:
-        raise ValueError(f"adam_directions_: keep takes one direction, got {len(us)}")
+        raise ValueError(f"adam_directions_: keep and steps take one direction, got {len(us)}")
     u = us[0]
     members = len(keep_at) if keep_at is not None else 1 if keep is None else keep.numel()
-    check("adam_directions_", keep, members, u.device, keep_at)
+    if steps is not None:
+        if keep is not None and len(steps) != members:
+            raise ValueError(f"adam_directions_: {len(steps)} steps for {members} flags")
+        members = len(steps)
+    if keep is not None or keep_at is not None:
+        check("adam_directions_", keep, members, u.device, keep_at)
     if members != 1 and (u.dim() == 0 or u.shape[0] != members):
         raise ValueError(
             f"adam_directions_: {members} flags for a direction of shape {tuple(u.shape)}: "
@@ -202,9 +209,16 @@ def _check_directions_keep(
 
 def _directions_kept(
     u: Tensor, m: Tensor, v: Tensor, out: Tensor, step: int, beta1: float, beta2: float,
-    eps: float, keep: Tensor, keep_at: list[int] | None,
+    eps: float, keep: Tensor | None, keep_at: list[int] | None, steps: list[int] | None,
 ) -> None:  # fmt: skip
-    """:func:`directions_torch` of the members ``keep`` flags True (read on the host)."""
+    """:func:`directions_torch` of the members ``keep`` flags True (read on the host), each
+    at its own step count where ``steps`` gives them (one member at a time then)."""
+    if steps is not None:
+        members = len(steps)
+        for j in kept(keep, members, keep_at):
+            directions_torch([u[j]], [m[j]], [v[j]], [out[j]], steps[j], beta1, beta2, eps)
+        return
+    assert keep is not None
     members = len(keep_at) if keep_at is not None else keep.numel()
     taken = kept(keep, members, keep_at)
     if len(taken) == members:
@@ -227,10 +241,10 @@ adam_directions_op = torch.library.custom_op(
 def _directions_meta(
     us: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], outs: list[Tensor],
     step: int, beta1: float, beta2: float, eps: float, keep: Tensor | None = None,
-    keep_at: list[int] | None = None,
+    keep_at: list[int] | None = None, steps: list[int] | None = None,
 ) -> None:  # fmt: skip
-    if keep is not None or keep_at is not None:
-        _check_directions_keep(us, keep, keep_at)
+    if keep is not None or keep_at is not None or steps is not None:
+        _check_directions_keep(us, keep, keep_at, steps)
     for u, m, v, o in zip(us, exp_avgs, exp_avg_sqs, outs, strict=True):
         if not (m.shape == v.shape == o.shape == u.shape):
             raise ValueError(

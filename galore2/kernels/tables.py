@@ -48,10 +48,13 @@ def kept(key: tuple, device: torch.device, make: Callable[[], T]) -> T:
     return made
 
 
-def upload(values: Sequence[int] | np.ndarray, device: torch.device) -> Tensor:
-    """``values`` as an int64 tensor on ``device``, copied from pinned memory on CUDA (queued,
-    never a wait for the device; the host allocator keeps the buffer until the copy ran)."""
-    host = torch.empty(len(values), dtype=torch.int64, pin_memory=device.type == "cuda")
+def upload(
+    values: Sequence[int] | np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64
+) -> Tensor:
+    """``values`` as a ``dtype`` tensor on ``device``, copied from pinned memory on CUDA
+    (queued, never a wait for the device; the host allocator keeps the buffer until the copy
+    ran)."""
+    host = torch.empty(len(values), dtype=dtype, pin_memory=device.type == "cuda")
     host.numpy()[:] = values
     return host.to(device, non_blocking=True)
 

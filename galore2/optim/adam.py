@@ -174,18 +174,14 @@ class ScaleByAdam(MomentRule, Transform):
 
     def defers_directions(self, states: list[State], group: Group, device: torch.device) -> bool:
         """Do the bf16 directions of these states' batch (GaLore's factored shape batch,
-        one stacked entry, on ``device``) come from galore2's op at one step count, which
-        takes a deferred step's flags (:func:`adam_rounded`)? Where that op runs
-        (:func:`rounded_path`'s devices, the kernels on), moments kept in float32 (not
-        8-bit), eager, and every state counting the same steps (host counters)."""
+        one stacked entry, on ``device``) come from galore2's op, which takes a deferred
+        step's flags (:func:`adam_rounded`)? Where that op runs (:func:`rounded_path`'s
+        devices, the kernels on), moments kept in float32 (not 8-bit), eager."""
         if self.moments != "state_dtype" or group.get("compile") or not states:
             return False
         if group["state_dtype"] != "float32" or group.get("capturable"):
             return False
-        if device.type not in ops.FUSED_OP_DEVICES or not ops.triton_would_run():
-            return False
-        first = int(states[0][self.step_key])  # host counters (0-d, no device read)
-        return all(int(s[self.step_key]) == first for s in states)
+        return device.type in ops.FUSED_OP_DEVICES and ops.triton_would_run()
 
     def capture_problem(self, group: Group) -> str | None:
         """Why a step of this rule cannot replay from a CUDA graph (None: it can; see
@@ -298,15 +294,15 @@ class ScaleByAdam(MomentRule, Transform):
         unmasked = not masks or masks[0] is None
         given = us
         rounded = unmasked and rounded_path(us, states, rounding(ctxs))
-        exp_avgs, exp_avg_sqs, us, scale, shift, t = self._batch(us, states, group, not rounded)
-        if rounded and t is not None:
-            return adam_rounded(given, exp_avgs, exp_avg_sqs, t, beta1, beta2, group["eps"],
-                                keeps)  # fmt: skip
+        counts: list[list[int]] | None = [] if rounded else None  # per entry: its steps
+        exp_avgs, exp_avg_sqs, us, scale, shift, t = self._batch(
+            us, states, group, not rounded, counts
+        )
+        if rounded:  # one count, or each entry's members' own (steps differ after a skip)
+            return adam_rounded(given, exp_avgs, exp_avg_sqs, t if t is not None else counts,
+                                beta1, beta2, group["eps"], keeps)  # fmt: skip
         if keeps is not None:  # defers_directions said the op runs: a broken promise
             raise RuntimeError("a deferred step reached Adam's foreach path, which has no flags")
-        if rounded:  # steps differ: the directions in the moments' dtype after all
-            us = [u if u.dtype == m.dtype else u.to(m.dtype)
-                  for u, m in zip(us, exp_avgs, strict=True)]  # fmt: skip
         if unmasked and t is not None and fusable(exp_avgs, exp_avg_sqs, us):
             return adam_fused(us, exp_avgs, exp_avg_sqs, t, beta1, beta2, group["eps"])
         if unmasked:
@@ -317,13 +313,15 @@ class ScaleByAdam(MomentRule, Transform):
         return adam_foreach(us, exp_avgs, exp_avg_sqs, weights, decays, 1 - beta2, scale, shift)
 
     def _batch(
-        self, us: list[Tensor], states: list[State], group: Group, cast: bool = True
-    ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[float], list[float], int | None]:
+        self, us: list[Tensor], states: list[State], group: Group, cast: bool = True,
+        counts: list[list[int]] | None = None,
+    ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[float], list[float], int | None]:  # fmt: skip
         """What the batched paths start from: the moments, the directions in their dtype
         (``cast=False``: as given),
         and each tensor's (scale, shift) after counting its step (steps may differ per
         tensor: reset, parameters added later); last, the step of the whole batch when it
-        is one host count (the usual step), else None."""
+        is one host count (the usual step), else None. ``counts`` (host counters): each
+        entry's members' new counts are appended to it."""
         beta1, beta2 = group["betas"]
         exp_avgs = [s["adam.exp_avg"] for s in states]
         exp_avg_sqs = [s["adam.exp_avg_sq"] for s in states]
@@ -352,6 +350,8 @@ class ScaleByAdam(MomentRule, Transform):
             if len(counted) == len(states):  # no stacked entry
                 return exp_avgs, exp_avg_sqs, us, list(scale.unbind()), list(shift.unbind()), None
             return exp_avgs, exp_avg_sqs, us, *per_entry(scale, shift, starts, us), None
+        if counts is not None:
+            counts.extend(steps[a:b] for a, b in zip(starts, starts[1:], strict=False))
         first = steps[0]
         if steps.count(first) == len(steps):  # the usual step: one count for the whole batch
             scale, shift = corrections(beta1, beta2, group["eps"], first)

@@ -174,20 +174,25 @@ def adam_fused(
 
 
 def adam_rounded(
-    us: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], t: int,
-    beta1: float, beta2: float, eps: float,
+    us: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+    t: int | list[list[int]], beta1: float, beta2: float, eps: float,
     keeps: list[tuple[Tensor, tuple[int, ...]]] | None = None,
 ) -> list[Tensor]:  # fmt: skip
     """Step ``t`` of Adam with each direction written in bf16 by galore2's op
     (:func:`galore2.kernels.ops.adam_directions_`, one call per tensor), for a consumer
-    that rounds it so anyway (see :func:`rounded_path`). ``keeps``: a deferred step's
-    (flags, positions) per tensor (a stacked entry: its members' positions): a member
-    flagged False has neither its moments nor its direction written (it is never used)."""
+    that rounds it so anyway (see :func:`rounded_path`). ``t``: the batch's one count, or per
+    tensor its members' counts (a stacked entry whose members count different steps: each
+    its own corrections). ``keeps``: a deferred step's (flags, positions) per tensor (a
+    stacked entry: its members' positions): a member flagged False has neither its moments
+    nor its direction written (it is never used)."""
     outs = [torch.empty_like(u, dtype=torch.bfloat16) for u in us]
     flags = keeps if keeps is not None else [(None, None)] * len(us)
-    for *args, (keep, at) in zip(us, exp_avgs, exp_avg_sqs, outs, flags, strict=True):
-        ops.adam_directions_(*([a] for a in args), t, beta1, beta2, eps, keep,
-                             None if at is None else list(at))  # fmt: skip
+    counts = [[t]] * len(us) if isinstance(t, int) else t
+    for *args, (keep, at), steps in zip(us, exp_avgs, exp_avg_sqs, outs, flags, counts,
+                                        strict=True):  # fmt: skip
+        own = None if steps.count(steps[0]) == len(steps) else list(steps)
+        ops.adam_directions_(*([a] for a in args), steps[0], beta1, beta2, eps, keep,
+                             None if at is None else list(at), own)  # fmt: skip
     return outs
 
 

@@ -136,17 +136,15 @@ class GaLore(Transform):
     ``moments_on_refresh`` keeps, zeroes or rotates the inner moments at a refresh.
 
     Args:
-        *inner: the transforms run in the subspace, in order (e.g. ``ScaleByAdam()``).
-
-    Raises:
-        ValueError: no inner transform.
+        *inner: the transforms run in the subspace, in order (e.g. ``ScaleByAdam()``); at
+            least one (``ValueError``).
     """
 
     name = "galore"
     options = OPTIONS
     takes_decay = True  # folds the step's decoupled decay into projected updates (_back)
-    #: host step counter a masked step advances for a masked parameter too: set back by its
-    #: skips when they are read (see :mod:`galore2.core.nonfinite`)
+    #: advanced by a masked or deferred step for a skipped parameter too, set back when the
+    #: skips are read (:mod:`galore2.core.nonfinite`, :mod:`galore2.core.deferred`)
     host_step_counters = ("galore.step",)
     kinds: ClassVar[dict[str, str]] = {
         "galore.side": "other",
@@ -295,14 +293,9 @@ class GaLore(Transform):
     def defers(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
     ) -> bool:
-        """Every matrix in a shape batch along the data, none due for a refresh, its inner
-        rule's directions by a kernel that takes the flags (:func:`.lowrank_plan.deferrable`):
-        then the step need not read its non-finite flags (:mod:`galore2.core.deferred`)."""
-        if group["rank"] is None or residual.active(group):
-            return False
+        """:func:`.lowrank_plan.deferrable` (:mod:`galore2.core.deferred`)."""
         plans = self.__dict__.get("_plans", {})
-        return lowrank_plan.deferrable(plans, self.inner, us, states, group, ctxs,
-                                       self._counters)  # fmt: skip
+        return lowrank_plan.deferrable(plans, self.inner, us, states, group, ctxs, self._counters)
 
     def screened(
         self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
@@ -332,20 +325,17 @@ class GaLore(Transform):
     def step_masked_keys(
         self, states: list[State], group: Group, ctxs: list[Context]
     ) -> frozenset[str]:
-        """:meth:`masked_keys`, and on a step where none of ``states`` is due for a refresh
-        (:func:`.lowrank_plan.none_due`) what only a refresh writes — the bases, the
-        subspace similarity — and the inner rules' masked keys whatever
-        ``moments_on_refresh`` (only a refresh resets or rotates moments)."""
-        static = frozenset(self.masked_keys(group))
-        if not lowrank_plan.none_due(self.__dict__.get("_plans", {}), states, ctxs,
-                                     self._counters):  # fmt: skip
+        """:meth:`masked_keys`, and where none of ``states`` is due for a refresh
+        (:func:`.lowrank_plan.none_due`) what only a refresh writes (bases, similarity) and
+        the inner rules' masked keys whatever ``moments_on_refresh``."""
+        static, plans = frozenset(self.masked_keys(group)), self.__dict__.get("_plans", {})
+        if not lowrank_plan.none_due(plans, states, ctxs, self._counters):
             return static
         inner = (k for t in self.inner for k in t.masked_keys(group))
         return static.union(_REFRESH_ONLY, inner)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Plans and screened projections are a cache of this process's tensors: a pickled
-        GaLore carries neither."""
+        """Plans and screened projections are this process's cache: not pickled."""
         return {k: v for k, v in self.__dict__.items() if k not in ("_plans", "_screen")}
 
     def _project(

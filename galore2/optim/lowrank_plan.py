@@ -122,6 +122,8 @@ def deferrable(
     plan = kept(plans, states, ctxs)
     if (
         plan is None
+        or group["rank"] is None
+        or residual.active(group)
         or not plan.batches
         or plan.singles
         or len(plan.batched) != len(states)

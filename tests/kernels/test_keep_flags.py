@@ -142,5 +142,21 @@ def test_flags_the_ops_do_not_take_are_named(keep):
     with pytest.raises(ValueError, match=r"addmm_each_: keep must .* keep_at: their positions"):
         at = [0, 2]  # a position past the flags
         ops_lowrank.addmm_each_(ps, factors, rows, 1.0, 1.0, torch.ones(2, dtype=torch.bool), at)
-    with pytest.raises(ValueError, match="adam_directions_: keep takes one direction"):
+    with pytest.raises(ValueError, match="adam_directions_: keep and steps take one direction"):
         ops.adam_directions_(ps, ps, ps, ps, 1, 0.9, 0.999, 1e-8, torch.ones(1, dtype=torch.bool))
+
+
+def test_directions_at_each_members_own_step(mode):
+    """A stacked entry whose members count different steps (one was skipped once): each
+    member's moments and direction are those of a call at its own count, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    u = torch.randn(3, 5, 40, generator=g).to(DEVICE, torch.bfloat16)
+    m = torch.randn(3, 5, 40, generator=g).to(DEVICE) * 0.1
+    v = torch.rand(3, 5, 40, generator=g).to(DEVICE) * 0.01
+    out = torch.empty(3, 5, 40, dtype=torch.bfloat16, device=DEVICE)
+    steps = [7, 6, 7]
+    alone = [(m[j].clone(), v[j].clone(), out[j].clone()) for j in range(3)]
+    ops.adam_directions_([u], [m], [v], [out], 7, 0.9, 0.999, 1e-8, None, None, steps)
+    for j, (mj, vj, oj) in enumerate(alone):
+        ops.adam_directions_([u[j].contiguous()], [mj], [vj], [oj], steps[j], 0.9, 0.999, 1e-8)
+        assert _same(m[j], mj) and _same(v[j], vj) and _same(out[j], oj), j
