@@ -1377,6 +1377,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "more, no read less; or a group whose kernels do not take the flags)",
         where="StepEngine._run",
     ),
+    Mutation(
+        "directions_one_count",
+        "galore2/kernels/adamw.py",
+        "        inv_bc1 = tl.load(bc_ptr + offs // per, mask=mask, other=1.0)",
+        "        inv_bc1 = inv_bc1",
+        ("tests/kernels/test_keep_flags.py::test_directions_at_each_members_own_step",),
+        "a stack whose members count different steps takes the first member's 1/bc1 for all",
+        where="_directions_kernel",
+    ),
 )
 
 
