@@ -3,9 +3,9 @@ the flags, a step reads no flag of its own — a batch's flags are read one step
 leaves exactly the host-indexed step's results: the same weights and state bit for bit, the
 same skip counts and step counters, NaN and Inf gradients included.
 
-The path is CUDA's; here it runs on the CPU with the kernels under Triton's interpreter
-(``DEVICES`` and the fused ops' devices extended to the CPU), against the same kernels on
-the host-indexed path.
+The path is CUDA's; without a GPU it runs on the CPU with the kernels under Triton's
+interpreter (``DEVICES`` and the fused ops' devices extended to the CPU), against the same
+kernels on the host-indexed path (``DEVICES`` empty); on a CUDA machine on the GPU.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import galore2
 from galore2 import _numerics
 from galore2.core import deferred
 from galore2.kernels import dispatch, ops, tables
+
+from ..kernels.test_triton_kernels import DEVICE
 
 # a left and a right shape batch of three: a skipped matrix leaves two, which stay a batch
 # on the host-indexed path (a lone matrix would take the per-tensor path there: the same
@@ -44,11 +46,12 @@ def kernels_on_cpu(monkeypatch):
 
 
 def _run(defer: bool, monkeypatch, bad=BAD, reads: list | None = None):
-    devices = frozenset({"cuda", "cpu"}) if defer else frozenset({"cuda"})
-    monkeypatch.setattr(deferred, "DEVICES", devices)
+    monkeypatch.setattr(deferred, "DEVICES", frozenset({DEVICE} if defer else ()))
     g = torch.Generator().manual_seed(0)
-    mats = [torch.nn.Parameter(torch.randn(s, generator=g).bfloat16()) for s in MATRICES]
-    plain = [torch.nn.Parameter(torch.randn(s, generator=g).bfloat16()) for s in PLAIN]
+    mats = [torch.nn.Parameter(torch.randn(s, generator=g).to(DEVICE, torch.bfloat16))
+            for s in MATRICES]  # fmt: skip
+    plain = [torch.nn.Parameter(torch.randn(s, generator=g).to(DEVICE, torch.bfloat16))
+             for s in PLAIN]  # fmt: skip
     opt = galore2.GaLoreAdamW(
         [{"params": mats, "rank": 4, "update_proj_gap": 4}, {"params": plain}],
         lr=5e-2, weight_decay=0.1, foreach=True,
@@ -58,7 +61,7 @@ def _run(defer: bool, monkeypatch, bad=BAD, reads: list | None = None):
     for step in range(1, STEPS + 1):
         for kind, ws in (("m", mats), ("p", plain)):
             for i, w in enumerate(ws):
-                w.grad = torch.randn(w.shape, generator=gg).bfloat16()
+                w.grad = torch.randn(w.shape, generator=gg).to(DEVICE, torch.bfloat16)
                 for s, k, j, value in bad:
                     if (s, k, j) == (step, kind, i):
                         w.grad.view(-1)[3] = value
