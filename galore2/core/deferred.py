@@ -31,14 +31,17 @@ else reads its flags as before, in the same one read per step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .. import _numerics
+from .module import Context
 from .nonfinite import SKIPS
+from .transform import LowRankUpdate
 
 #: the device types whose batches may defer: CUDA, and meta (a count of the CUDA step);
 #: tests add "cpu", with Triton's interpreter
@@ -114,4 +117,23 @@ class DeferredSkips:
                         state[key] -= 1  # in place: a packed counter stays in its pack
 
 
-__all__ = ["DEVICES", "DeferredSkips", "active"]
+def flagged(u: Any) -> bool:
+    """Does a deferred step's update carry its flags to the kernel that applies it (a
+    low-rank update of a shape batch, :func:`~galore2.core.apply.apply_updates`)?"""
+    return isinstance(u, LowRankUpdate) and u.keep is not None
+
+
+@contextmanager
+def flags_on(ctxs: list[Context], flags: Tensor) -> Iterator[None]:
+    """Each context's ``keep`` (a deferred batch's ``flags``, its own at ``keep_at``) while
+    the batch steps; None again after (contexts are kept between steps)."""
+    for i, ctx in enumerate(ctxs):
+        ctx.keep, ctx.keep_at = flags, (i,)
+    try:
+        yield
+    finally:
+        for ctx in ctxs:
+            ctx.keep, ctx.keep_at = None, ()
+
+
+__all__ = ["DEVICES", "DeferredSkips", "active", "flagged", "flags_on"]

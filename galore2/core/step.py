@@ -28,8 +28,8 @@ and :meth:`StepEngine.reset` empties them all; a pickled optimizer carries none 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ from ..fsdp.detect import is_dtensor  # cheap: imports nothing distributed
 from ..placement import LOCAL, Placement
 from .apply import apply_masked, apply_updates, chunks
 from .batch import Batch, Group, Item, State, Stepped
-from .deferred import DeferredSkips, active
+from .deferred import DeferredSkips, active, flagged, flags_on
 from .masked import MaskedStep
 from .modules import (
     DecoupledWeightDecay,
@@ -362,8 +362,8 @@ class StepEngine:
         by index; on the masked path (``capturable=True``) every tensor, the unusable ones
         masked (:class:`~galore2.core.masked.MaskedStep`, its flags cleared by ``masks``);
         on the deferred path (:meth:`_defers`, where every checked batch takes it) every
-        tensor, its flags unread, taken by the kernels (:mod:`galore2.core.deferred`). Returns (group, local state, ctx) of those
-        stepped."""
+        tensor, its flags unread, taken by the kernels (:mod:`galore2.core.deferred`).
+        Returns (group, local state, ctx) of those stepped."""
         host = [b for b in batches if not b.group["capturable"]]
         # deferred only where no batch reads its flags: one read left would wait anyway
         checked = [b for b in host if b.flags is not None]
@@ -374,7 +374,7 @@ class StepEngine:
         stepped = []
         for batch in batches:
             if id(batch) in later:
-                with _kept(batch.ctxs, batch.flags):
+                with flags_on(batch.ctxs, batch.flags):
                     stepped += self._step_batch(batch, batch.grads, None, batch.flags)
                 continue
             if batch.group["capturable"] and batch.flags is not None:
@@ -444,6 +444,8 @@ class StepEngine:
                 decay,
             )
             ps = [params[i] for i in chunk]
+            if keep is not None and not all(map(flagged, outs)):
+                raise RuntimeError("a deferred step made an update its kernels cannot flag")
             if masked is None:
                 apply_updates(ps, outs, lr, decay)
             else:
@@ -471,19 +473,6 @@ class StepEngine:
     def decay_factor(self, group: Group) -> float:
         """This step's decoupled decay factor of ``group`` (1.0 without a decay module)."""
         return 1.0 if self.decay is None else self.decay.factor(group)
-
-
-@contextmanager
-def _kept(ctxs: list[Context], flags: Tensor) -> Iterator[None]:
-    """Each context's ``keep`` (a deferred batch's ``flags``, its own at ``keep_at``) while
-    the batch steps; None again after (contexts are kept between steps)."""
-    for i, ctx in enumerate(ctxs):
-        ctx.keep, ctx.keep_at = flags, (i,)
-    try:
-        yield
-    finally:
-        for ctx in ctxs:
-            ctx.keep, ctx.keep_at = None, ()
 
 
 def indexed(groups: Iterable[Group]) -> Iterable[tuple[int, Group, Tensor]]:
