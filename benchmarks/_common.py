@@ -140,14 +140,25 @@ def val_losses(history: list[dict[str, Any]]) -> list[float]:
     return [r["val_loss"] for r in history if "val_loss" in r]
 
 
-def stacked(on: bool) -> contextlib.AbstractContextManager:
-    """Every GaLore shape batch stacked while ``on`` (its gradients copied into one stack and
-    projected by one ``bmm``, the dense updates applied by foreach kernels): the path where
-    the grouped kernels do not run, as a GPU session compares it with the default (along
-    the data on the grouped kernels): :func:`galore2.optim.lowrank_batch.along_data` told
-    that they do not."""
-    if not on:
-        return contextlib.nullcontext()
-    from galore2.optim import lowrank_batch
+#: the parts of the default path a GPU session's A/B rows turn off (:func:`variant`)
+VARIANTS = ("", "stacked", "synced")
 
-    return mock.patch.object(lowrank_batch, "grouped_would_run", lambda u: False)
+
+def variant(name: str) -> contextlib.AbstractContextManager:
+    """The default path with one part off while a row runs, as a GPU session compares them:
+    ``"stacked"`` — every GaLore shape batch stacked (its gradients copied into one stack and
+    projected by one ``bmm``, the dense updates applied by foreach kernels), the path where
+    the grouped kernels do not run (:func:`galore2.optim.lowrank_batch.along_data` told that
+    they do not); ``"synced"`` — every step reads its own non-finite flags
+    (:mod:`galore2.core.deferred` off: ``DEVICES`` without CUDA); ``""`` — the default."""
+    if name not in VARIANTS:
+        raise ValueError(f"variant {name!r}: one of {VARIANTS}")
+    if name == "stacked":
+        from galore2.optim import lowrank_batch
+
+        return mock.patch.object(lowrank_batch, "grouped_would_run", lambda u: False)
+    if name == "synced":
+        from galore2.core import deferred
+
+        return mock.patch.object(deferred, "DEVICES", deferred.DEVICES - {"cuda"})
+    return contextlib.nullcontext()

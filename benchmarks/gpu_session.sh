@@ -10,8 +10,9 @@
 # Parts, most needed first (logs under $OUT, else runs/gpu_session; one NAME.log per part,
 # no sub-folders):
 #   step_alone   the optimizer step alone at llama_350m: random bf16 gradients, CUDA events
-#                around 10 steps after 3 warm-ups, synchronized; GaLore stacked (the
-#                default) and along the data (benchmarks/step_alone.py)
+#                around 10 steps after 3 warm-ups, synchronized; GaLore's default (along
+#                the data on the grouped kernels, deferred flags) beside its stacked and
+#                synced variants (benchmarks/step_alone.py, benchmarks/_common.variant)
 #   profile      one step of GaLoreAdamW, GaLoreAdamW8bit and Fira under torch.profiler:
 #                ops by their own device time, and the host's functions by their own time
 #                (benchmarks/step_alone.py --part profile)

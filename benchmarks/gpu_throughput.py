@@ -34,7 +34,7 @@ import torch
 
 from recipes import optimizers
 
-from ._common import stacked, render, table, tiny_run
+from ._common import render, table, tiny_run, variant
 from .peers import PEERS
 
 
@@ -42,7 +42,7 @@ class Row(NamedTuple):
     label: str
     optimizer: str  # recipe optimizer name
     flags: tuple[str, ...] = ()
-    stacked: bool = False  # every shape batch stacked (_common.stacked: no grouped kernels)
+    variant: str = ""  # a part of the default path off (_common.variant)
 
 
 CONSTANT_LR = ("--optim.warmup_ratio", "0", "--optim.min_lr_ratio", "1")
@@ -50,7 +50,8 @@ CONSTANT_LR = ("--optim.warmup_ratio", "0", "--optim.min_lr_ratio", "1")
 ROWS = (  # in the order a time-boxed GPU session most needs them (a cut keeps the first)
     Row("adamw (fused)", "adamw", ("--optim.adamw_kernel", "fused")),
     Row("galore_adamw", "galore_adamw"),
-    Row("galore_adamw stacked", "galore_adamw", stacked=True),
+    Row("galore_adamw synced", "galore_adamw", variant="synced"),
+    Row("galore_adamw stacked", "galore_adamw", variant="stacked"),
     Row("galore_adamw + capture", "galore_adamw", ("--optim.capture", "true", *CONSTANT_LR)),
     *(Row(n, n) for n in ("galore_adamw8bit", "fira", "apollo", "apollo_mini", "galore_muon",
                           "gt_galore_adamw", "galore_adafactor", "ranger21", "galore_ranger21")),
@@ -75,7 +76,7 @@ def window_rate(history: list[dict]) -> float:
 def rate(row: Row, config: str, steps: int, log_every: int) -> float:
     """Wall-clock tokens/s of one recipe run after its first log window."""
     flags = (*FLAGS, "--train.log_every", str(log_every), *row.flags)
-    with warnings.catch_warnings(), stacked(row.stacked):
+    with warnings.catch_warnings(), variant(row.variant):
         warnings.simplefilter("ignore")
         history = tiny_run(row.optimizer, LRS.get(row.optimizer, "1e-2"), flags, steps,
                            config=config, evals=1)  # fmt: skip

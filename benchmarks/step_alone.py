@@ -7,8 +7,9 @@
   (``randn × 1e-3`` in the parameters' dtype, assigned once), and each optimizer built as
   the recipe builds it (:func:`recipes.optimizers.build_optimizer`: the same groups, r = 256,
   the refresh gap so large that no timed step refreshes), and the GaLore rows again with
-  every shape batch stacked (:func:`~._common.stacked`: the path without the grouped
-  kernels, a ``bmm`` each way per shape batch): 3 untimed steps (the first
+  one part of the default path off (:func:`~._common.variant`: ``stacked``, the path
+  without the grouped kernels, a ``bmm`` each way per shape batch; ``synced``, each step
+  reading its own non-finite flags): 3 untimed steps (the first
   creates state and the bases), then 10 steps between two CUDA events, synchronized after
   the last; milliseconds per step. Rows: torch AdamW fused (the baseline, named in the
   ratio) and foreach, every galore2 preset, GaLoreAdamW with ``capturable=True`` and with
@@ -47,7 +48,7 @@ from recipes import model as modeling
 from recipes import optimizers
 from recipes.resolve import parse_args
 
-from ._common import stacked
+from ._common import variant
 from .timing import time_calls
 
 WARMUP, TIMED = 3, 10
@@ -110,16 +111,17 @@ class StepRow(NamedTuple):
     optimizer: str  # recipe optimizer name
     flags: tuple[str, ...] = ()
     captured: bool = False  # wrapped in galore2.CapturedStep (CUDA only)
-    stacked: bool = False  # every shape batch stacked (_common.stacked: no grouped kernels)
+    variant: str = ""  # a part of the default path off (_common.variant)
 
 
 #: the baseline first, then in the order a time-boxed GPU session most needs them
 STEP_ROWS: tuple[StepRow, ...] = (
     StepRow("torch AdamW (fused)", "adamw", ("--optim.adamw_kernel", "fused")),
     StepRow("galore_adamw", "galore_adamw"),
-    StepRow("galore_adamw stacked", "galore_adamw", stacked=True),
+    StepRow("galore_adamw stacked", "galore_adamw", variant="stacked"),
+    StepRow("galore_adamw synced", "galore_adamw", variant="synced"),
     StepRow("galore_adamw8bit", "galore_adamw8bit"),
-    StepRow("galore_adamw8bit stacked", "galore_adamw8bit", stacked=True),
+    StepRow("galore_adamw8bit stacked", "galore_adamw8bit", variant="stacked"),
     *(StepRow(n, n) for n in PRESETS if n not in ("galore_adamw", "galore_adamw8bit")),
     StepRow("galore_adamw capturable", "galore_adamw", ("--optim.capturable", "true")),
     StepRow(
@@ -138,13 +140,13 @@ def step_part(
          f"timed; ratios to {rows[0][0]}")  # fmt: skip
     echo("| optimizer | ms/step | ÷ baseline |")
     out: dict[str, float | str] = {}
-    for label, name, flags, captured, bmm in rows:
+    for label, name, flags, captured, off in rows:
         try:
             opt = make(model, quick, name, *flags)
             if captured and _device().type != "cuda":
                 out[label] = "n/a (CUDA graphs need a GPU)"
             else:
-                with stacked(bmm):
+                with variant(off):
                     step = galore2.CapturedStep(opt) if captured else opt.step
                     out[label] = ms_per_step(step)
             del opt

@@ -16,9 +16,10 @@ def test_rows_the_baseline_first_every_preset_and_capture():
     assert labels[0] == "torch AdamW (fused)" and "torch AdamW (foreach)" in labels
     assert set(PRESETS) <= set(labels) and len(set(labels)) == len(labels)
     assert [r.label for r in step_alone.STEP_ROWS if r.captured] == ["galore_adamw + CapturedStep"]
-    assert {r.label for r in step_alone.STEP_ROWS if r.stacked} == {
-        "galore_adamw stacked",
-        "galore_adamw8bit stacked",
+    assert {r.label: r.variant for r in step_alone.STEP_ROWS if r.variant} == {
+        "galore_adamw stacked": "stacked",
+        "galore_adamw synced": "synced",
+        "galore_adamw8bit stacked": "stacked",
     }
 
 
@@ -45,18 +46,24 @@ def test_profile_part_tables_one_step_by_own_time(capsys):
     assert bad["no_such_optimizer"].startswith("error ")  # a row that cannot run says why
 
 
-def test_stacked_rows_turn_the_grouped_kernels_off():
-    """``_common.stacked``: the rows that measure the path without the grouped kernels take
-    it (every batch stacked), and only while they run."""
+def test_variant_rows_turn_one_part_off():
+    """``_common.variant``: the rows that measure the path without the grouped kernels take
+    it (every batch stacked), those without the deferred flags read them (CUDA off
+    ``deferred.DEVICES``), and only while they run; an unknown variant is refused."""
     import torch
 
-    from benchmarks._common import stacked
+    from benchmarks._common import variant
+    from galore2.core import deferred
     from galore2.optim import lowrank_batch
 
     u = torch.empty(64, 64, device="meta")  # a step on meta stands for one on a GPU
-    assert lowrank_batch.along_data(u)
-    with stacked(True):
-        assert not lowrank_batch.along_data(u)
-    with stacked(False):
+    assert lowrank_batch.along_data(u) and deferred.active(torch.device("cuda"))
+    with variant("stacked"):
+        assert not lowrank_batch.along_data(u) and deferred.active(torch.device("cuda"))
+    with variant("synced"):
+        assert lowrank_batch.along_data(u) and not deferred.active(torch.device("cuda"))
+    with variant(""):
         assert lowrank_batch.along_data(u)
-    assert lowrank_batch.along_data(u)
+    assert lowrank_batch.along_data(u) and deferred.active(torch.device("cuda"))
+    with pytest.raises(ValueError, match="variant 'bmm': one of"):
+        variant("bmm")
