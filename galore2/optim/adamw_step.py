@@ -12,6 +12,7 @@ from torch import Tensor
 from ..core.modules import DecoupledWeightDecay
 from ..core.transform import Group, State
 from ..kernels import ops
+from ..kernels.keep import positions
 from .adam_paths import FUSED_DEVICES
 
 
@@ -128,7 +129,7 @@ def adamw_fused(
         for t, idx in by_step.items():
             flags = keep
             if keep is not None and len(by_step) > 1:  # this count's tensors' flags
-                flags = keep[torch.tensor(idx, device=keep.device)]
+                flags = keep.index_select(0, positions(idx, keep.device))  # no host wait
             ops.adamw_(
                 [params[i] for i in idx], [grads[i] for i in idx],
                 [states[i]["adam.exp_avg"] for i in idx],
