@@ -18,7 +18,9 @@ plain eager call the implementation is called directly (:mod:`galore2.kernels.di
   their 16-bit dtype), else the torch passes (float32 copies of the direction and the
   result, a zeroed buffer, torch's fused Adam, the cast).
 
-This module imports no triton (the kernel module is loaded on first use).
+Both take a deferred step's flags (``keep``, ``keep_at``: :mod:`galore2.kernels.keep`):
+a tensor flagged False on the device is not written. This module imports no triton (the
+kernel module is loaded on first use).
 """
 
 from __future__ import annotations
