@@ -13,7 +13,10 @@ Spawning
     costs each fresh process seconds of CPU; the suite spawns about fifty times): each call
     starts from the parent's environment, the seed it started with and float32 as the
     default dtype, and a new process group; another file's calls, a failure or a timeout
-    get new ranks. A body that patches a class or module puts back what it found.
+    get new ranks. A body that patches a class or module puts back what it found. New
+    ranks are forked from a forkserver: a fresh interpreter that imported this module
+    (torch, galore2) once and ran nothing else, so a rank starts as a fresh process would,
+    less the imports (the test process's patches never reach it).
 
 Building
     ``make_model()`` (7×10 left, 13×7 right, 5×13 left, biases plain), ``data(step)``,
@@ -93,7 +96,12 @@ class _Pool:
     fresh process seconds of CPU); discarded on any failure or timeout."""
 
     def __init__(self) -> None:
-        self.ctx = mp.get_context("spawn")
+        # forkserver: ranks are forked from one server process per test process that has
+        # imported torch and galore2 once (this module; nothing run, no threads started),
+        # instead of each importing them (seconds of CPU per rank, about a hundred ranks per
+        # suite); everything else a rank starts from is reset by ``_serve`` at each call
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload([__name__])
         self.outbox = self.ctx.Queue()
         self.ranks: list[tuple[Any, Any]] = []  # (process, inbox)
         self.owner = ""  # the test file whose calls the ranks serve

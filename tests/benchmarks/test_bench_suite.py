@@ -161,8 +161,21 @@ def test_convergence_table_flags_a_sweep_that_spans_machines():
 
 
 def test_suite_end_to_end_writes_sections_and_plots(monkeypatch, tmp_path):
-    """A cut-down ``python -m benchmarks.run --quick``: 4 steps, three contenders."""
+    """A cut-down ``python -m benchmarks.run --quick``: 4 steps, three contenders; the
+    footprint worker runs in this process on the small model (its fresh-process form:
+    test_footprint_subprocess_returns_json; galore-torch's refreshes at the quick size took
+    most of this test's two minutes)."""
     monkeypatch.setattr(convergence, "QUICK_STEPS", 4)
+    small = {"vocab_size": 300, "dim": 64, "n_layers": 1, "n_heads": 2, "ffn_dim": 160}
+    monkeypatch.setitem(footprint.SIZES, "quick", small)
+    monkeypatch.setitem(footprint.RANK, "quick", 8)
+    measured = []
+
+    def in_process(key, quick):
+        measured.append((key, quick))
+        return footprint.measure(BY_KEY[key], quick)
+
+    monkeypatch.setattr(footprint, "in_subprocess", in_process)
     out = tmp_path / "B.md"
     keys = "adamw,gt_galore_adamw,galore_adamw"
     run.main(["--quick", "--optimizers", keys, "--out", str(out)])
@@ -171,6 +184,7 @@ def test_suite_end_to_end_writes_sections_and_plots(monkeypatch, tmp_path):
         assert f"<!-- BEGIN galore2-bench:suite_{task} -->" in text
     assert "Command: `python -m benchmarks.run --quick --optimizers" in text
     assert "galore-torch GaLoreAdamW" in text and "refresh ≥ 8× faster" in text
+    assert measured == [(k, True) for k in keys.split(",")]  # every contender's footprint
     for png in ("convergence.png", "memory_7b.png"):
         data = (tmp_path / "figures" / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
