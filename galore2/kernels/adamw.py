@@ -35,7 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .dispatch import launch_device
-from .keep import keeps, positions
+from .keep import keeps, members, pointer, positions
 from .rounding import to_bf16
 from .tables import capturing, kept, upload
 
@@ -182,12 +182,6 @@ def corrections(beta1: float, beta2: float, step: int) -> tuple[float, float]:
     return float(_f32(1) / bc1), float(np.sqrt(bc2))
 
 
-def _keep_args(keep: Tensor | None, fallback: Tensor) -> tuple[Tensor, bool]:
-    """(the flags' pointer, HAS_KEEP): any tensor stands for the flags when there are none;
-    bools are read as bytes (0 or 1)."""
-    return (fallback, False) if keep is None else (keep.view(torch.uint8), True)
-
-
 def adamw_step(
     p: Tensor, g: Tensor, m: Tensor, v: Tensor, *, step: int, lr: float, beta1: float,
     beta2: float, eps: float, decay: float, keep: Tensor | None = None,
@@ -208,7 +202,7 @@ def adamw_step(
         raise ValueError(f"step counts this step (>= 1), got {step}")
     inv_bc1, bc2_sqrt = corrections(beta1, beta2, step)
     n = p.numel()
-    flags, has_keep = _keep_args(keep, p)
+    flags, has_keep = pointer(keep, p)
     with launch_device(p):
         _adamw_kernel[(triton.cdiv(n, BLOCK),)](
             p, g, m, v, n, beta1, beta2, eps, inv_bc1, bc2_sqrt, decay, -lr, flags,
@@ -270,7 +264,7 @@ def launch_list(
         raise ValueError(f"step counts this step (>= 1), got {step}")
     inv_bc1, bc2_sqrt = corrections(beta1, beta2, step)
     table, owners, blocks = _list_table((ps, gs, ms, vs))
-    flags, has_keep = _keep_args(keep, table)
+    flags, has_keep = pointer(keep, table)
     with launch_device(ps[0]):
         _adamw_list_kernel[(blocks,)](
             table, len(ps), owners, beta1, beta2, eps, inv_bc1, bc2_sqrt, decay, -lr, flags,
@@ -307,12 +301,11 @@ def directions_step(
     ``keep``; :func:`~.keep.keeps`): a member flagged False has neither its moments nor its
     ``out`` written. ``steps``: each member's step count (members of a stack that count
     different steps: one skipped once), ``step`` unused then. Returns True."""
-    members = 1 if keep is None else len(keep_at) if keep_at is not None else keep.numel()
-    members = len(steps) if steps is not None else members
+    count = members(keep, keep_at, steps)
     if (
         not supported_directions(g, m, v, out)
-        or not keeps(keep, members, g.device, keep_at)
-        or (members > 1 and (g.dim() == 0 or g.shape[0] != members))
+        or not keeps(keep, count, g.device, keep_at)
+        or (count > 1 and (g.dim() == 0 or g.shape[0] != count))
     ):
         raise ValueError(
             "directions_step takes contiguous tensors of one size: a bf16 or float32 "
@@ -324,13 +317,13 @@ def directions_step(
         raise ValueError(f"step counts this step (>= 1), got {steps or step}")
     inv_bc1, bc2_sqrt = corrections(beta1, beta2, steps[0] if steps else step)
     n = g.numel()
-    flags, has_keep = _keep_args(keep, g)
+    flags, has_keep = pointer(keep, g)
     at = g if keep_at is None else positions(keep_at, g.device)
     bc = m if steps is None else _member_corrections(beta1, beta2, steps, g.device)
     with launch_device(g):
         _directions_kernel[(triton.cdiv(n, BLOCK),)](
-            g, m, v, out, n, beta1, beta2, eps, inv_bc1, bc2_sqrt, flags, at, bc, n // members,
-            members, HAS_KEEP=has_keep, HAS_AT=keep_at is not None, HAS_STEPS=steps is not None,
+            g, m, v, out, n, beta1, beta2, eps, inv_bc1, bc2_sqrt, flags, at, bc, n // count,
+            count, HAS_KEEP=has_keep, HAS_AT=keep_at is not None, HAS_STEPS=steps is not None,
             BLOCK=BLOCK,
         )  # fmt: skip
     return True

@@ -61,6 +61,24 @@ def kept(keep: Tensor | None, count: int, at: Sequence[int] | None = None) -> li
     return [j for j in range(count) if values[j if at is None else at[j]]]
 
 
+def members(
+    keep: Tensor | None, at: Sequence[int] | None = None, steps: Sequence[int] | None = None
+) -> int:
+    """How many tensors (or stack members) ``keep`` flags: one per position of ``at``, else
+    one per flag; ``steps`` (a stack's members' own step counts) says so too; 1 with none."""
+    if steps is not None:
+        return len(steps)
+    if keep is None:
+        return 1
+    return len(at) if at is not None else keep.numel()
+
+
+def pointer(keep: Tensor | None, fallback: Tensor) -> tuple[Tensor, bool]:
+    """(what a kernel reads the flags from, HAS_KEEP): the bools as bytes (0 or 1); any
+    tensor (``fallback``) stands for them when there are none (the kernel reads nothing)."""
+    return (fallback, False) if keep is None else (keep.view(torch.uint8), True)
+
+
 def positions(at: Sequence[int], device: torch.device) -> Tensor:
     """``at`` as an int64 tensor on ``device``, uploaded once per layout and kept
     (:func:`~galore2.kernels.tables.kept`): the kernels read each tensor's flag there."""
@@ -68,4 +86,4 @@ def positions(at: Sequence[int], device: torch.device) -> Tensor:
     return kept_table(("keep_at", *values), device, lambda: upload(values, device))
 
 
-__all__ = ["check", "keeps", "kept", "positions"]
+__all__ = ["check", "keeps", "kept", "members", "pointer", "positions"]

@@ -32,7 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .dispatch import launch_device
-from .keep import keeps, positions
+from .keep import keeps, pointer, positions
 from .lowrank import DTYPES, config, lowrank_tile, matmul_precision, small_strides
 from .ops_lowrank import operand_dtypes
 from .tables import capturing, kept, upload
@@ -151,7 +151,7 @@ def lowrank_list(
     cfg = config(o.dtype, precision)
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     table = _table((As, Bs, ps, outs))
-    flags = table if keep is None else keep.view(torch.uint8)  # bools read as bytes
+    flags, _ = pointer(keep, table)
     at = table if keep_at is None else positions(keep_at, o.device)
     with launch_device(o):
         _lowrank_list_kernel[(tiles * len(outs),)](

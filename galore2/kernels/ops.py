@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .direct import direct
 from .dispatch import run_kernel
-from .keep import check, kept
+from .keep import check, kept, members
 
 
 def adam_directions(
@@ -195,17 +195,13 @@ def _check_directions_keep(
     if len(us) != 1:
         raise ValueError(f"adam_directions_: keep and steps take one direction, got {len(us)}")
     u = us[0]
-    members = len(keep_at) if keep_at is not None else 1 if keep is None else keep.numel()
-    if steps is not None:
-        if keep is not None and len(steps) != members:
-            raise ValueError(f"adam_directions_: {len(steps)} steps for {members} flags")
-        members = len(steps)
+    count = members(keep, keep_at, steps)
     if keep is not None or keep_at is not None:
-        check("adam_directions_", keep, members, u.device, keep_at)
-    if members != 1 and (u.dim() == 0 or u.shape[0] != members):
+        check("adam_directions_", keep, count, u.device, keep_at)
+    if count != 1 and (u.dim() == 0 or u.shape[0] != count):
         raise ValueError(
-            f"adam_directions_: {members} flags for a direction of shape {tuple(u.shape)}: "
-            "one flag, or one per entry of its first dimension"
+            f"adam_directions_: {count} flags or steps for a direction of shape "
+            f"{tuple(u.shape)}: one, or one per entry of its first dimension"
         )
 
 
@@ -215,15 +211,13 @@ def _directions_kept(
 ) -> None:  # fmt: skip
     """:func:`directions_torch` of the members ``keep`` flags True (read on the host), each
     at its own step count where ``steps`` gives them (one member at a time then)."""
+    count = members(keep, keep_at, steps)
+    taken = kept(keep, count, keep_at)
     if steps is not None:
-        members = len(steps)
-        for j in kept(keep, members, keep_at):
+        for j in taken:
             directions_torch([u[j]], [m[j]], [v[j]], [out[j]], steps[j], beta1, beta2, eps)
         return
-    assert keep is not None
-    members = len(keep_at) if keep_at is not None else keep.numel()
-    taken = kept(keep, members, keep_at)
-    if len(taken) == members:
+    if len(taken) == count:
         directions_torch([u], [m], [v], [out], step, beta1, beta2, eps)
         return
     if not taken:

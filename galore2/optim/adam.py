@@ -39,6 +39,7 @@ to rounding, not bitwise; ``compile=False`` runs the eager code unchanged. Quant
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, ClassVar
 
@@ -151,11 +152,10 @@ class ScaleByAdam(MomentRule, Transform):
         chain runs. The step counters (``adam.step``) count as always; the kernel reads
         the counts from one fill of float32 device scalars. ``keep``: a deferred step's
         flags, one per tensor (:meth:`defers_adamw` said yes: galore2's op takes them)."""
-        mixed = not torch_path(params, grads, states, group)
-        if mixed and not mixed_path(params, grads, states, group):
+        # a deferred step: defers_adamw found galore2's op this step (not asked twice)
+        mixed = keep is not None or not torch_path(params, grads, states, group)
+        if mixed and keep is None and not mixed_path(params, grads, states, group):
             return False
-        if keep is not None and not mixed:
-            raise RuntimeError("a deferred step reached torch's fused AdamW, which has no flags")
         counted, _ = members(states)
         steps = self.count_steps(counted, group, _CPU)
         assert not isinstance(steps, Tensor)  # host counters: capturable takes the chain
@@ -351,7 +351,7 @@ class ScaleByAdam(MomentRule, Transform):
                 return exp_avgs, exp_avg_sqs, us, list(scale.unbind()), list(shift.unbind()), None
             return exp_avgs, exp_avg_sqs, us, *per_entry(scale, shift, starts, us), None
         if counts is not None:
-            counts.extend(steps[a:b] for a, b in zip(starts, starts[1:], strict=False))
+            counts.extend(steps[a:b] for a, b in itertools.pairwise(starts))
         first = steps[0]
         if steps.count(first) == len(steps):  # the usual step: one count for the whole batch
             scale, shift = corrections(beta1, beta2, group["eps"], first)
