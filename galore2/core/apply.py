@@ -17,6 +17,8 @@ from torch import Tensor
 
 from ..kernels.dispatch import run_kernel
 from ..kernels.ops_lowrank import addmm_each_, operand_dtypes
+from ..kernels.ops_scaled import scaled_add_each_
+from . import packing
 from .masked import FlagBuffer, masked_updates
 from .transform import FACTORED, LowRankUpdate, ScaledUpdate
 
@@ -48,7 +50,8 @@ Update = Tensor | LowRankUpdate | ScaledUpdate
 def apply_updates(params: list[Tensor], updates: list[Update], lr: float, decay: float) -> None:
     """:func:`apply_update` over a batch: dense updates of several tensors by two foreach
     kernels (decay, then ``p ← p − lr·u``), low-rank ones of one shape batch by one grouped
-    ``addmm_`` (:func:`_low_rank_lists`), the other factored ones one by one (one fused pass
+    ``addmm_`` (:func:`_low_rank_lists`), scaled gradients of one shape batch by one grouped
+    ``addcmul_`` (:func:`_scaled_lists`), the other factored ones one by one (one fused pass
     each)."""
     dense = [i for i, u in enumerate(updates) if not isinstance(u, FACTORED)]
     if len(dense) > 1:
@@ -69,7 +72,14 @@ def apply_updates(params: list[Tensor], updates: list[Update], lr: float, decay:
             if any(updates[i].keep is not keep for i in idx):  # type: ignore[union-attr]
                 raise RuntimeError("a shape batch's updates carry flags of different steps")
         addmm_each_(targets, As, Bs, -lr * first.scale, decay, keep, at)
-    done = {i for idx in grouped for i in idx}
+    scaled = _scaled_lists(params, updates)
+    for idx in scaled:
+        Gs = [updates[i].G for i in idx]  # type: ignore[union-attr]
+        factors = [updates[i].factor for i in idx]  # type: ignore[union-attr]
+        stack = packing.stacked_view(factors)  # a batch's factors: views of one stack
+        stack = torch.stack(factors) if stack is None else stack
+        scaled_add_each_([params[i] for i in idx], Gs, stack, -lr, decay)
+    done = {i for idx in grouped + scaled for i in idx}
     for i, (p, u) in enumerate(zip(params, updates, strict=True)):
         if i not in done and isinstance(u, LowRankUpdate) and u.keep is not None:
             raise RuntimeError("a deferred step's low-rank update left its shape batch's addmm_")
@@ -92,6 +102,21 @@ def _low_rank_lists(params: list[Tensor], updates: list[Update]) -> list[list[in
         ):
             key = (u.A.shape, u.B.shape, u.A.stride(), u.B.stride(), u.A.dtype, u.B.dtype,
                    u.scale, p.dtype, p.device, u.keep is None)  # fmt: skip
+            by.setdefault(key, []).append(i)
+    return [idx for idx in by.values() if len(idx) > 1]
+
+
+def _scaled_lists(params: list[Tensor], updates: list[Update]) -> list[list[int]]:
+    """The positions of scaled gradients that one grouped ``addcmul_`` applies
+    (``galore2::scaled_add_each_``): two or more with gradients of one shape, strides and
+    dtype and factors of one shape, into contiguous weights of one dtype on one device.
+    What :func:`apply_update` does to each, one launch for them all where the kernel runs
+    (:mod:`galore2.kernels.ops_scaled`)."""
+    by: dict[tuple, list[int]] = {}
+    for i, (p, u) in enumerate(zip(params, updates, strict=True)):
+        if isinstance(u, ScaledUpdate) and p.is_contiguous() and u.G.dim() == 2:
+            key = (u.G.shape, u.G.stride(), u.G.dtype, u.factor.shape, u.factor.dtype,
+                   p.dtype, p.device)  # fmt: skip
             by.setdefault(key, []).append(i)
     return [idx for idx in by.values() if len(idx) > 1]
 

@@ -7,6 +7,9 @@
 * :mod:`galore2.kernels.lowrank_list` — the same tile for every matrix of a shape batch in
   one launch: GaLore's projections and back-projections along the data, called through
   the custom ops ``galore2::mm_each_`` / ``addmm_each_`` of :mod:`galore2.kernels.ops_lowrank`.
+* :mod:`galore2.kernels.scaled_list` — a shape batch's gradients scaled into their weights
+  (APOLLO along the data) and their channel norms, one launch each: the custom ops
+  ``galore2::scaled_add_each_`` / ``channel_norms_each`` of :mod:`galore2.kernels.ops_scaled`.
 * :mod:`galore2.kernels.hadamard` — the blockwise random Hadamard rotation of quantized
   bases (``rotate`` / ``unrotate``).
 * :mod:`galore2.kernels.adamw` — AdamW of a bf16 weight with float32 moments in one pass

@@ -9,8 +9,8 @@ by another; the result is a dense update per matrix (a view of the batch), appli
 optimizer's foreach kernels. Fira and APOLLO take the same projection; their combination
 is :func:`.residual.combine_buckets` on the same stacks.
 
-**Along the data** (GaLore without a residual, on an unmasked step:
-:func:`.lowrank_plan.factored`; every batch where galore2's grouped kernels run, else
+**Along the data** (GaLore or APOLLO, not Fira, on an unmasked step:
+:func:`.lowrank_plan.along`; every batch where galore2's grouped kernels run, else
 matrices of at least :data:`MIN_ALONG_DATA_ELEMENTS`, which no batch reaches on today's
 GPU hosts: :func:`along_data`): the gradients are not stacked — each is read once, in its
 own dtype, into its entry of the r-sized stack R (:meth:`ShapeBatch.project` with
@@ -18,7 +18,8 @@ own dtype, into its entry of the r-sized stack R (:meth:`ShapeBatch.project` wit
 stored bases as they are) — and the update goes out as factors (:func:`factors`), which
 the optimizer writes into each weight (``galore2::addmm_each_``: scale, decay and update
 in the matmul, one launch for the batch): no tensor of a weight's size is made, each
-gradient is read once and each weight read and written once.
+gradient is read once and each weight read and written once. APOLLO's update is its
+gradients scaled, read where they are (``galore2::scaled_add_each_``).
 
 The side's products (and which basis they read) are its projection's
 (:class:`~galore2.optim.projection.LeftProjection` / ``RightProjection``: ``basis_key``,

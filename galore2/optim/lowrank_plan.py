@@ -47,14 +47,14 @@ class Stacked(NamedTuple):
 
     batch: lowrank_batch.ShapeBatch
     idx: list[int]
-    G: Tensor | None  # the stacked gradients (None: not stacked, see factored)
+    G: Tensor | None  # the stacked gradients (None: not stacked, see along)
     # the stacked bases, as stored; or the stored bases themselves, a list (the grouped
     # kernels read them where they are: lowrank_batch.ShapeBatch._stored_each)
     B: Tensor | list[Tensor]
     Y: Tensor | list[Tensor]  # B in the projection's operand dtype (B itself when in it)
     R: Tensor  # the stacked projected gradients
     state: StackedState | None  # the inner chain's state of them as one stacked entry
-    factored: bool  # along the data: G not stacked, the update as factors (see factored)
+    along: bool  # along the data: G not stacked (see along)
 
 
 class Split(NamedTuple):
@@ -128,7 +128,7 @@ def deferrable(
         or plan.singles
         or len(plan.batched) != len(states)
         or len(inner) != 1
-        or not factored(group, ctxs)
+        or not along(group, ctxs)
         or plan.due(counters) is not None
     ):
         return False
@@ -171,14 +171,17 @@ def split(plan: lowrank_batch.BatchPlan, counters: Counters) -> Split:
     return Split(singles, live, skip, due)  # type: ignore[arg-type]
 
 
-def factored(group: Group, ctxs: list[Context]) -> bool:
-    """Do the shape batches' updates go out as factors
-    (:func:`.lowrank_batch.factors`: the optimizer writes each into its weight by one
-    ``addmm_``, and the gradients are projected where they are, not stacked)? Yes but on
-    a masked step (``capturable=True``: a batch's update is masked on its r-row stack
-    and applied densely, :func:`.lowrank_batch.back`) and for Fira / APOLLO (their dense
-    update needs the gradients stacked: :func:`.residual.combine_buckets`)."""
-    return not residual.active(group) and not (ctxs and ctxs[0].mask is not None)
+def along(group: Group, ctxs: list[Context]) -> bool:
+    """Are the shape batches' gradients projected where they are, each read once by its own
+    matmul into its entry of R (:meth:`.lowrank_batch.ShapeBatch.project` with
+    ``stack=False``, where :func:`.lowrank_batch.along_data` says the batch may), rather than
+    stacked? Then GaLore's updates go out as factors (:func:`.lowrank_batch.factors`: the
+    optimizer writes each into its weight by one ``addmm_``) and APOLLO's as its scaled
+    gradients, the gradients as they are (:func:`.residual.combine_buckets`). Not on a masked
+    step (``capturable=True``: a batch's update is masked on its r-row stack and applied
+    densely, :func:`.lowrank_batch.back`), nor for Fira (its residual G − P·R is made from
+    the stacked gradients)."""
+    return group["residual"] == "none" and not (ctxs and ctxs[0].mask is not None)
 
 
 def stack_keys(
@@ -210,21 +213,21 @@ def project_live(
     """Project each live batch (one ``bmm`` at its plan's precision): its
     :class:`Stacked` entry. A batch whose inner state does not stack (``keys`` None, or
     members left out) puts its members' R into ``inner_in``, to go through the chain one
-    by one. Where the updates go out as factors (:func:`factored`; matrices large enough:
+    by one. Along the data (:func:`along`; matrices large enough:
     :func:`.lowrank_batch.along_data`) no stack of the gradients is made: each is read
     once, by its own matmul."""
     projector = get_projector(group["projector"])
-    fac = factored(group, ctxs)
+    may = along(group, ctxs)
     stacks: list[Stacked] = []
     for batch, rest in live:
-        along = fac and lowrank_batch.along_data(us[batch.idx[0]])
-        G, B, Y, R = batch.project(us, projector, rest, not along)
+        flat = may and lowrank_batch.along_data(us[batch.idx[0]])
+        G, B, Y, R = batch.project(us, projector, rest, not flat)
         idx = batch.idx if rest is None else [batch.idx[j] for j in rest]
         stacked = batch.stacked_state(keys) if keys is not None and rest is None else None
         if stacked is None:  # its matrices go through the chain one by one
             for i, r in zip(idx, R.unbind(0), strict=True):
                 inner_in[i] = r
-        stacks.append(Stacked(batch, idx, G, B, Y, R, stacked, along))
+        stacks.append(Stacked(batch, idx, G, B, Y, R, stacked, flat))
     return stacks
 
 
@@ -285,9 +288,11 @@ def run_inner(
         skip.update(st.idx)
     order = [i for i in range(len(states)) if i not in skip]
     entries = stacked_ctxs(stacked, ctxs)
-    if len(inner) == 1:  # a factored batch's N is rounded to the weights' dtype first
+    # along the data, a batch's N is rounded to the weights' dtype (GaLore's factors are
+    # cast so; APOLLO reads only N's channel norms, as it reads R's in the gradients' dtype)
+    if len(inner) == 1:
         entries = [
-            e.rounded_to(ctxs[st.idx[0]].param.dtype) if st.factored else e
+            e.rounded_to(ctxs[st.idx[0]].param.dtype) if st.along else e
             for e, st in zip(entries, stacked, strict=True)
         ]  # fmt: skip
     res = run_chain(
@@ -320,7 +325,7 @@ def back_stacks(
     for st, N, mask in zip(stacks, stacked_out, masks, strict=True):
         Ns = N if N is not None else [dense(results[i]) for i in st.idx]
         dtype = ctxs[st.idx[0]].param.dtype
-        if st.factored:  # factors: each weight takes its update in one addmm_
+        if st.along:  # factors: each weight takes its update in one addmm_
             shapes = [us[i].shape for i in st.idx]
             # the projection's cast of the bases when in dtype (no second cast); the stored
             # bases themselves where the grouped kernels read them (factors checks dtypes)
@@ -394,9 +399,11 @@ def combine_many(
         st_states = [states[i] for i in st.idx]
         Ns = stacked if stacked is not None else torch.stack([dense(N[i]) for i in st.idx])
         B = st.B if fira else None
-        buckets.append(residual.Bucket(st.batch.kind.left, st.G, st.R, Ns, B, st_states,
+        # along the data (APOLLO): the gradients as they are, never written
+        G = st.G if st.G is not None else [us[i] for i in st.idx]
+        buckets.append(residual.Bucket(st.batch.kind.left, G, st.R, Ns, B, st_states,
                                        [bias[i] for i in st.idx],
-                                       owned=packing.writable(st.G)))  # fmt: skip
+                                       owned=st.G is not None and packing.writable(st.G)))  # fmt: skip
         order.append(st.idx)
     keyed: dict[tuple[Any, ...], list[int]] = {}
     for i in idx:
@@ -419,8 +426,7 @@ def combine_many(
     for same, s in zip(order, out, strict=True):
         whole = len(done) < n_stacked  # a shape batch's: 2-D matrices as they are
         if isinstance(s, residual.Scaled):  # APOLLO: G ⊙ factor, applied as such
-            shapes = [s.G.shape[1:] if whole else us[i].shape for i in same]
-            done.update(zip(same, s.updates(shapes), strict=True))
+            done.update(zip(same, s.updates([us[i].shape for i in same]), strict=True))
         elif whole:
             done.update(zip(same, s.unbind(0), strict=True))
         else:

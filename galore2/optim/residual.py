@@ -61,6 +61,7 @@ from torch import Tensor
 
 from ..core.options import Choice, Option, Optional, Real
 from ..core.transform import ScaledUpdate
+from ..kernels.ops_scaled import channel_norms_each
 from ..projectors import LEFT, RIGHT, Plan
 from .projection import Projection
 
@@ -222,7 +223,8 @@ class Bucket(NamedTuple):
     :func:`combine_buckets`."""
 
     left: bool  # a left basis (channels: columns) or a right one (channels: rows)
-    G: Tensor  # the gradients, k × m × n
+    # the gradients, k × m × n; or (APOLLO along the data) the k m × n gradients themselves
+    G: Tensor | list[Tensor]
     R: Tensor  # the projected gradients, k × r × n (left) or k × m × r (right)
     N: Tensor  # the inner rule's outputs, shaped like R
     B: Tensor | None  # the bases on their side (P: k × m × r, Q: k × n × r); None for APOLLO
@@ -237,15 +239,17 @@ class Scaled(NamedTuple):
     column, k × m × 1 per row, k × 1 × 1 per matrix): each weight takes its matrix's by one
     ``addcmul_`` (:class:`~galore2.core.transform.ScaledUpdate`), no float32 m×n update."""
 
-    G: Tensor
+    G: Tensor | list[Tensor]  # or the gradients themselves (along the data)
     factor: Tensor
 
     def updates(self, shapes: list[torch.Size]) -> list[ScaledUpdate]:
         """One :class:`~galore2.core.transform.ScaledUpdate` per matrix (``shapes``: the
-        weights')."""
+        weights'): the optimizer applies a shape batch's together
+        (:func:`~galore2.core.apply.apply_updates`, one ``galore2::scaled_add_each_``)."""
+        Gs = self.G if isinstance(self.G, list) else self.G.unbind(0)
         return [
             ScaledUpdate(g, f, shape)
-            for g, f, shape in zip(self.G.unbind(0), self.factor.unbind(0), shapes, strict=True)
+            for g, f, shape in zip(Gs, self.factor.unbind(0), shapes, strict=True)
         ]
 
 
@@ -261,8 +265,11 @@ def combine_buckets(
     """
     alpha, scale_type = float(group["scale"]), group["scale_type"]
     limit = group["norm_growth_limit"] is not None
-    Ns = [b.N.float() for b in buckets]
-    Rs = [b.R.float() for b in buckets]
+    # APOLLO reads only N's and R's norms: off the CPU in their dtype (float32 sums, no
+    # float32 copy); Fira's products read them in float32
+    wide = torch.Tensor.float if scale_type is None else _for_norms
+    Ns = [wide(b.N) for b in buckets]
+    Rs = [wide(b.R) for b in buckets]
     # per matrix (‖N‖_F / (‖R‖_F + ε)), or per channel: columns of a left basis's r×n,
     # rows of a right basis's m×r
     dims = [(1, 2) if scale_type == "tensor" else 1 if b.left else 2 for b in buckets]
@@ -272,6 +279,11 @@ def combine_buckets(
     phis = torch._foreach_div(num, den)
     S, norms = [], []
     for b, r, phi, d in zip(buckets, Rs, phis, dims, strict=True):
+        if isinstance(b.G, list):  # APOLLO along the data: the gradients where they are
+            S.append(b.G)
+            if limit:
+                norms.append(_scaled_norm_each(b.G, phi, d))
+            continue
         if scale_type is not None and b.G.dtype in _UP_TO_FP32:
             # APOLLO: the raw gradient as it is (bf16: read in its dtype); S = G·φ is made
             # below by the scaling itself, in float32 (a product with a float32 factor)
@@ -300,12 +312,14 @@ def combine_buckets(
     c = decay * (alpha if scale_type is not None else 1.0)
     start = 0
     for j, (s, phi) in enumerate(zip(S, phis, strict=True)):
-        k = s.shape[0]
+        k = len(s) if isinstance(s, list) else s.shape[0]
         if inv is not None:
             phi = phi.mul_(inv[start : start + k].view(k, 1, 1))
         start += k
         factor = phi.mul_(c) if c != 1.0 else phi
-        if s.dtype == torch.float32 and s is not buckets[j].G:
+        if isinstance(s, list):  # along the data: each gradient scaled into its weight
+            S[j] = Scaled(s, factor)
+        elif s.dtype == torch.float32 and s is not buckets[j].G:
             s.mul_(factor)
         elif scale_type is not None:  # APOLLO's raw gradient: G ⊙ factor, applied as such
             S[j] = Scaled(s, factor)
@@ -333,11 +347,18 @@ def _summed_squares(x: Tensor, dim: int | tuple[int, int]) -> bool:
     return dim == 1 and x.device.type == "cpu"
 
 
+def _for_norms(x: Tensor) -> Tensor:
+    """``x`` as :func:`_norms` reads it for APOLLO: in float32 on the CPU (the summed
+    squares need it), as it is elsewhere (``vector_norm`` sums in float32)."""
+    return x.float() if x.device.type == "cpu" else x
+
+
 def _norms(x: Tensor, dim: int | tuple[int, int]) -> Tensor:
-    """2-norms of a stack over ``dim`` (kept); see :func:`_summed_squares`."""
+    """2-norms of a stack over ``dim`` (kept), summed in float32; see
+    :func:`_summed_squares`."""
     if _summed_squares(x, dim):
         return x.square().sum(dim=1, keepdim=True).sqrt_()
-    return torch.linalg.vector_norm(x, dim=dim, keepdim=True)
+    return torch.linalg.vector_norm(x, dim=dim, keepdim=True, dtype=torch.float32)
 
 
 def _scaled_norm(res: Tensor, phi: Tensor, dim: int | tuple[int, int]) -> Tensor:
@@ -354,6 +375,14 @@ def _scaled_norm(res: Tensor, phi: Tensor, dim: int | tuple[int, int]) -> Tensor
     # read of res, no float32 copy
     channel = torch.linalg.vector_norm(res, dim=dim, keepdim=True, dtype=torch.float32)
     return torch.linalg.vector_norm(phi.double().mul_(channel), dim=(1, 2))
+
+
+def _scaled_norm_each(Gs: list[Tensor], phi: Tensor, dim: int | tuple[int, int]) -> Tensor:
+    """:func:`_scaled_norm` of gradients that are not stacked (APOLLO along the data): their
+    channel norms by one grouped pass (``galore2::channel_norms_each``: columns for ``dim``
+    1, rows for 2; a per-matrix φ takes the columns', whose norm is the matrix's)."""
+    channel = channel_norms_each(Gs, 1 if dim == 2 else 0)
+    return torch.linalg.vector_norm(phi.double().mul(channel), dim=(1, 2))
 
 
 def _limit_buckets(norms: list[Tensor], buckets: list[Bucket], group: dict[str, Any]) -> Tensor:

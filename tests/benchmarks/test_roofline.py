@@ -36,13 +36,17 @@ BUDGETS = {
     "GaLoreAdafactor": (0.9, 89),
     "Ranger21": (17.2, 109),
     "GaLoreRanger21": (10.2, 131),
-    "Fira": (3.9, 70),
+    # the non-finite check on R, not G (before: 3.9, 70)
+    "Fira": (3.8, 70),
     # issue 38 item 6: the random bases drawn once per refresh, S = G·φ made from the bf16
     # gradient in one pass (before: 3.0, 103; 2.5, 99); then G ⊙ φ applied by one addcmul_
     # per weight, never made, and the channel norms by vector_norm off the CPU (before:
-    # 2.3, 86; 1.7, 81 — 7 launches a layer more, a quarter to a third fewer bytes)
-    "APOLLO": (1.4, 85),
-    "APOLLOMini": (1.2, 88),
+    # 2.3, 86; 1.7, 81 — 7 launches a layer more, a quarter to a third fewer bytes); then
+    # along the data (no stack of the gradients), the check on R, the low-rank Adam by
+    # galore2::adam_directions_, G's channel norms and G ⊙ φ by one grouped launch per
+    # shape batch (galore2::channel_norms_each / scaled_add_each_; before: 1.4, 85; 1.2, 88)
+    "APOLLO": (0.9, 51),
+    "APOLLOMini": (0.8, 54),
     "GaLoreMuon": (1.1, 59),
     # +12 kernels (114 -> 126 at 4 layers): a masked parameter's device step counters put
     # back after its step, a stack, a stack, a where and a _foreach_copy_ per group (issue 38
@@ -377,12 +381,61 @@ def test_350m_acceptance_fixed_part(wide: dict) -> None:
 @pytest.mark.parametrize("label", ["APOLLO", "APOLLOMini"])
 def test_random_bases_drawn_once_per_refresh(result: dict, label: str) -> None:
     """APOLLO's seeded random bases are drawn at a refresh and kept (per shape stack), not
-    drawn again at every step: a non-refresh step launches no ``normal_``, and its
-    launches grow by at most 9 per layer: the layer's 7 projected weights take their update
-    G ⊙ φ by one ``addcmul_`` each, its 2 norm weights their ``adamw_``; everything else
-    goes once per shape stack."""
+    drawn again at every step: a non-refresh step launches no ``normal_``; and no launch
+    grows with depth: each shape batch's weights take their update G ⊙ φ by one
+    ``galore2::scaled_add_each_`` (never one ``addcmul_`` per weight), after one
+    ``galore2::channel_norms_each`` of their gradients for the norm-growth limiter."""
     row = result["rows"][label]
-    assert "normal_" not in row["layers"]["4"]["ops"]
-    assert row["kernels"]["per_layer"] <= 9
     ops = [row["layers"][n]["ops"] for n in ("2", "4")]
-    assert ops[1]["addcmul_"] - ops[0]["addcmul_"] == 2 * 7
+    assert "normal_" not in ops[1] and "addcmul_" not in ops[1]
+    assert row["kernels"]["per_layer"] == 0
+    shapes = 3  # q/k/v/o, gate/up, down
+    assert ops[0]["scaled_add_each_"] == ops[1]["scaled_add_each_"] == shapes
+    assert ops[0]["channel_norms_each"] == ops[1]["channel_norms_each"] == shapes
+
+
+# ---- issue 38 item 6 at llama_350m widths: Fira, APOLLO, GaLoreMuon ----
+LABELS_ITEM6 = ["APOLLO", "APOLLOMini", "Fira", "GaLoreMuon"]
+
+
+@pytest.fixture(scope="module")
+def item6() -> dict:
+    """Issue 38 item 6's presets at llama_350m widths where the Triton kernels run."""
+    cfg = parse_args(["--config", "llama_350m"])
+    return roofline.measure(cfg.model, cfg.optim, labels=LABELS_ITEM6, projector="svd")
+
+
+@pytest.mark.parametrize("label", ["APOLLO", "APOLLOMini"])
+def test_350m_acceptance_apollo(item6: dict, label: str) -> None:
+    """Issue 38: APOLLO's bytes per added layer ≤ 1.3× fused AdamW's (1.241x; APOLLO-Mini
+    0.718x), no launch per layer. Per projected element (14 B for fused AdamW): the
+    projection by galore2::mm_each_ (the bf16 gradient read once, R written, the bases:
+    2.8), the check of R (0.5), the low-rank Adam (5.0), N's and R's channel norms (1.0),
+    G's channel norms (2: the limiter needs ‖φ ⊙ G‖ before anything is written) and
+    G ⊙ φ into the weight (6: G read, the weight read and written)."""
+    ratio, _ = _ratios(item6, label)
+    assert ratio <= (1.25 if label == "APOLLO" else 0.72)
+    assert item6["rows"][label]["kernels"]["per_layer"] == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 38 item 6: Fira (4.85x) is stacked: its residual G − P·R is made in "
+    "float32. Its floor along the data is about 1.3x: the norm-growth limiter needs "
+    "‖φ ⊙ (G − P·R)‖ before the update is written, so G is read three times (projection, "
+    "residual norms, update: 6 B) besides the weight (4) and the low-rank work (~6); "
+    "reaching it takes two grouped kernels not written yet (the residual's channel norms "
+    "in a matmul's loop, G ⊙ φ in addmm_each_'s epilogue)",
+)
+def test_350m_acceptance_fira(item6: dict) -> None:
+    assert _ratios(item6, "Fira")[0] <= 1.3
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 38 item 6: GaLoreMuon (3.35x) runs Newton–Schulz's five iterations in "
+    "float32 on the r-sized stacks (~290 MB a layer: ~23 B a projected element on their "
+    "own); in bf16 and fused, its floor is still about 1.4x",
+)
+def test_350m_acceptance_muon(item6: dict) -> None:
+    assert _ratios(item6, "GaLoreMuon")[0] <= 1.3

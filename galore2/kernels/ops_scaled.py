@@ -1,0 +1,132 @@
+"""galore2's ops for a shape batch's scaled gradients (APOLLO along the data), one dispatch
+each (``torch.library``).
+
+APOLLO's update of a matrix is its raw gradient scaled per channel, ``G ⊙ f``
+(:mod:`galore2.optim.residual`). Along the data the gradients of a shape batch stay where
+they are (no stack of them), so each of the two passes over them is one grouped launch:
+
+* ``galore2::channel_norms_each`` (:func:`channel_norms_each`) — the float32 norms of each
+  gradient's columns (``dim=0``: a ``(k, 1, n)`` stack) or rows (``dim=1``: ``(k, m, 1)``),
+  what the norm-growth limiter needs of G;
+* ``galore2::scaled_add_each_`` (:func:`scaled_add_each_`) — ``p_i ← β·p_i + α·G_i ⊙ f_i``
+  into each weight (``f``: a float32 ``(k, 1, n)``, ``(k, m, 1)`` or ``(k, 1, 1)`` stack),
+  the weight read and written once.
+
+Where :mod:`~galore2.kernels.dispatch` runs Triton, one launch per list
+(:mod:`galore2.kernels.scaled_list`); elsewhere the torch ops per matrix that the stacked
+path runs (``vector_norm``; ``mul_`` and ``addcmul_``, as
+:func:`galore2.core.apply.apply_update` applies one
+:class:`~galore2.core.transform.ScaledUpdate`). On meta tensors they only check shapes: a
+dispatch mode sees one op per call (how ``benchmarks/roofline.py`` counts a step where the
+kernels run). This module imports no triton.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from .direct import direct
+from .dispatch import run_kernel
+
+
+def _norms_shape(Gs: list[Tensor], dim: int) -> tuple[int, int, int]:
+    if dim not in (0, 1):
+        raise ValueError(f"channel_norms_each: dim must be 0 (columns) or 1 (rows), got {dim}")
+    if not Gs or any(g.dim() != 2 or g.shape != Gs[0].shape for g in Gs):
+        raise ValueError("channel_norms_each takes one or more 2-D tensors of one shape")
+    m, n = Gs[0].shape
+    return (len(Gs), 1, n) if dim == 0 else (len(Gs), m, 1)
+
+
+def _channel_norms(Gs: list[Tensor], dim: int) -> Tensor:
+    """Each matrix's float32 2-norms over ``dim`` (kept): a ``(k, 1, n)`` or ``(k, m, 1)``
+    stack."""
+    out = torch.empty(_norms_shape(Gs, dim), dtype=torch.float32, device=Gs[0].device)
+    if len(Gs) > 1:
+        done = run_kernel(
+            "scaled_list", *Gs, out,
+            supported=lambda k: k.supported_norms(Gs, dim, out),
+            kernel=lambda k: partial(k.channel_norms_list, Gs, dim, out),
+        )  # fmt: skip
+        if done is not None:
+            return out
+    for g, o in zip(Gs, out.unbind(0), strict=True):
+        torch.linalg.vector_norm(g, dim=dim, keepdim=True, dtype=torch.float32, out=o)
+    return out
+
+
+def _check_scaled(ps: list[Tensor], Gs: list[Tensor], factor: Tensor) -> None:
+    if len(ps) != len(Gs) or factor.dim() != 3 or factor.shape[0] != len(ps):
+        raise ValueError(
+            f"scaled_add_each_: {len(ps)} weights, {len(Gs)} gradients and a factor of shape "
+            f"{tuple(factor.shape)}; it takes lists of one length k and a (k, 1, n), "
+            "(k, m, 1) or (k, 1, 1) factor"
+        )
+    if factor.dtype != torch.float32:
+        raise ValueError(f"scaled_add_each_: the factor is float32, got {factor.dtype}")
+    for p, g in zip(ps, Gs, strict=True):
+        if g.dim() != 2 or p.numel() != g.numel() or not p.is_contiguous():
+            raise ValueError(
+                "scaled_add_each_: each weight is contiguous with its 2-D gradient's "
+                f"elements; got {tuple(p.shape)} and {tuple(g.shape)}"
+            )
+    if ps:
+        m, n = Gs[0].shape
+        if factor.shape[1:] not in ((1, n), (m, 1), (1, 1)):
+            raise ValueError(
+                f"scaled_add_each_: a factor of shape {tuple(factor.shape)} for {m} × {n} "
+                "gradients; it takes (k, 1, n), (k, m, 1) or (k, 1, 1)"
+            )
+
+
+def _scaled_add_each(
+    ps: list[Tensor], Gs: list[Tensor], factor: Tensor, alpha: float, beta: float
+) -> None:  # fmt: skip
+    """``ps[i] ← beta·ps[i] + alpha·Gs[i] ⊙ factor[i]`` in place for each i (a weight
+    viewed as its gradient's shape; ``beta·p`` rounded to p's dtype first, as ``mul_``
+    does, then one rounding)."""
+    _check_scaled(ps, Gs, factor)
+    targets = [p.view(g.shape) for p, g in zip(ps, Gs, strict=True)]
+    if len(ps) > 1:
+        done = run_kernel(
+            "scaled_list", *targets, *Gs, factor,
+            supported=lambda k: k.supported_scaled(targets, Gs, factor),
+            kernel=lambda k: partial(
+                k.scaled_add_list, targets, Gs, factor, alpha=alpha, beta=beta
+            ),
+        )  # fmt: skip
+        if done is not None:
+            return
+    for t, g, f in zip(targets, Gs, factor.unbind(0), strict=True):
+        if beta != 1.0:
+            t.mul_(beta)
+        t.addcmul_(g, f, value=alpha)
+
+
+channel_norms_op = torch.library.custom_op(
+    "galore2::channel_norms_each", _channel_norms, mutates_args=()
+)
+scaled_add_op = torch.library.custom_op(
+    "galore2::scaled_add_each_", _scaled_add_each, mutates_args=("ps",)
+)
+
+
+@channel_norms_op.register_fake
+def _channel_norms_meta(Gs: list[Tensor], dim: int) -> Tensor:
+    return Gs[0].new_empty(_norms_shape(Gs, dim), dtype=torch.float32)
+
+
+@scaled_add_op.register_fake
+def _scaled_add_meta(
+    ps: list[Tensor], Gs: list[Tensor], factor: Tensor, alpha: float, beta: float
+) -> None:  # fmt: skip
+    _check_scaled(ps, Gs, factor)
+
+
+channel_norms_each = direct(channel_norms_op, _channel_norms, mutated=())
+scaled_add_each_ = direct(scaled_add_op, _scaled_add_each, mutated=(0,))
+
+__all__ = ["channel_norms_each", "scaled_add_each_"]
