@@ -52,6 +52,11 @@ from .tables import capturing, kept, upload
 BLOCK = 64
 NUM_WARPS = 4
 
+#: in ``GALORE2_KERNELS=auto`` (:func:`~galore2.kernels.dispatch.run_kernel`): one launch per
+#: shape batch where the torch path launches per matrix or copies a stack; written and tested
+#: under the interpreter, not yet timed on a GPU (False: auto keeps the torch path).
+AUTO = True
+
 
 @triton.jit
 def _round(x, dtype: tl.constexpr, RNE_BF16: tl.constexpr):

@@ -22,7 +22,7 @@ if sys.platform != "linux":  # triton ships Linux wheels only
 from galore2.kernels import scaled_list as S
 from galore2.kernels import tables
 
-from .test_triton_kernels import DEVICE
+from .test_triton_kernels import DEVICE, _Spy
 
 K = 3
 # (m, n): a partial tile each way; 3 × 2 tiles with remainders; a single row
@@ -35,6 +35,19 @@ U32 = 2.0**-24  # a float32 rounding, relative
 @pytest.fixture(autouse=True)
 def _fresh_tables():
     tables.clear()
+
+
+@pytest.fixture
+def launches(monkeypatch) -> list:
+    """The grids of both kernels' launches, in order."""
+    seen: list = []
+    for name in ("_norms_kernel", "_scaled_kernel"):
+        monkeypatch.setattr(S, name, _Spy(getattr(S, name), seen))
+    return seen
+
+
+def _tiles(size: int) -> int:
+    return -(-size // S.BLOCK)
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -70,7 +83,7 @@ def _unchanged_frame(buf: torch.Tensor | None, m: int, n: int) -> bool:
 @pytest.mark.parametrize("dim", [0, 1], ids=["per_column", "per_row"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("m,n", SHAPES)
-def test_channel_norms_match_float64(m, n, dtype, dim, layout):
+def test_channel_norms_match_float64(m, n, dtype, dim, layout, launches):
     """Every entry's norms per column (dim 0) or per row (dim 1), written through ``out``'s
     strides (a permuted view interleaved with NaN that must stay NaN), within the float32
     bound of a sum of R non-negative squares and a square root: (R + 2)·2⁻²⁴ relative."""
@@ -80,6 +93,7 @@ def test_channel_norms_match_float64(m, n, dtype, dim, layout):
     out = buf[..., 0].permute(2, 1, 0)  # shape (K, ·, ·), no unit stride
     assert S.supported_norms(Gs, dim, out)
     assert S.channel_norms_list(Gs, dim, out) is True
+    assert launches == [(K * _tiles(n if dim == 0 else m),)]  # one launch for the list
     ref = torch.stack([torch.linalg.vector_norm(g.double(), dim=dim, keepdim=True) for g in Gs])
     reduced = m if dim == 0 else n
     tol = (reduced + 2) * U32 * ref
@@ -111,7 +125,7 @@ def _factor(kind: str, m: int, n: int, seed: int) -> torch.Tensor:
     ],
     ids=["fp32", "bf16", "fp32_bf16grad"],
 )
-def test_scaled_add_matches_torch_and_float64(p_dtype, g_dtype, kind, beta):
+def test_scaled_add_matches_torch_and_float64(p_dtype, g_dtype, kind, beta, launches):
     """``p ← round(q + α·g·f)`` with q = p (β = 1) or torch's ``p.mul_(β)``: within one
     rounding of p's dtype of torch's ``mul_`` + ``addcmul_`` and of float64 math on the same
     q, plus the float32 roundings before it (α, α·g, the sum: a few 2⁻²⁴ of |q| + |α·g·f|,
@@ -129,6 +143,7 @@ def test_scaled_add_matches_torch_and_float64(p_dtype, g_dtype, kind, beta):
     ]
     assert S.supported_scaled(ps, Gs, factor)
     assert S.scaled_add_list(ps, Gs, factor, alpha=alpha, beta=beta) is True
+    assert launches == [(K * _tiles(m) * _tiles(n),)]  # one launch for the list
     rel = 2.0 ** -BITS[p_dtype]
     for got, want, q, g, f in zip(ps, expected, qs, Gs, factor, strict=True):
         agf = alpha * g.double() * f.double()
@@ -182,6 +197,45 @@ def test_planted_roundings_are_torch_two_steps(dtype, p, beta, g, want):
     for got, ref in zip(ps, torch_, strict=True):
         assert torch.equal(ref, torch.full_like(ref, want))
         assert torch.equal(got, ref)
+
+
+def _check_scaled(ps, Gs, factor) -> None:
+    """``scaled_add_list`` with α = −0.5, β = 1 is each entry's torch ``addcmul_`` within one
+    rounding of p's dtype plus float32 ones (as in the test above)."""
+    qs = [p.clone() for p in ps]
+    S.scaled_add_list(ps, Gs, factor, alpha=-0.5, beta=1.0)
+    rel = 2.0 ** -BITS[ps[0].dtype]
+    for got, q, g, f in zip(ps, qs, Gs, factor, strict=True):
+        want = q.clone().addcmul_(g, f, value=-0.5).double()
+        agf = 0.5 * (g.double() * f).abs()
+        both = torch.maximum(got.double().abs(), want.abs())
+        assert bool(((got.double() - want).abs() <= rel * both + 8 * U32 * (q.abs() + agf)).all())
+
+
+def test_tables_follow_the_tensors(launches):
+    """The offsets table is kept by the tensors' addresses and element sizes: a list elsewhere
+    (new gradients) gets its own, the first list again reuses its table, and the same bytes
+    read as another dtype (offsets in other units) get their own."""
+    factor = _factor("row", 20, 30, seed=8)
+    first = (
+        _matrices(20, 30, torch.float32, "stack", 9)[0],
+        _matrices(20, 30, torch.bfloat16, "separate_t", 10)[0],
+    )
+    second = (
+        _matrices(20, 30, torch.float32, "stack", 11)[0],
+        _matrices(20, 30, torch.bfloat16, "separate_t", 12)[0],
+    )
+    for ps, Gs in (first, second, first):
+        _check_scaled(ps, Gs, factor)
+    assert len(launches) == 3 and len(tables._TABLES) == 2
+    g = _gen(13)  # bf16 pairs read as float32: finite values (a bf16 number's high bits)
+    pb = torch.randn(K, 20, 60, generator=g).to(DEVICE, torch.bfloat16)
+    gb = torch.randn(K, 20, 60, generator=g).to(DEVICE, torch.bfloat16)
+    as_fp32 = [list(t.view(torch.float32).unbind(0)) for t in (pb, gb)]
+    _check_scaled(*as_fp32, factor)
+    pb.copy_(torch.randn(K, 20, 60, generator=g))
+    _check_scaled(list(pb.unbind(0)), list(gb.unbind(0)), _factor("row", 20, 60, seed=14))
+    assert len(launches) == 5 and len(tables._TABLES) == 4
 
 
 # ---- what the kernels do not take ----------------------------------------------------
