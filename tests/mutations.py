@@ -517,11 +517,11 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "scaled_update_mask_ignored",
         "galore2/core/apply.py",
-        "u = ScaledUpdate(u.G, u.factor * ok, u.shape)",
-        "u = ScaledUpdate(u.G, u.factor, u.shape)",
+        "return ScaledUpdate(u.G, u.factor * ok, u.shape)",
+        "return ScaledUpdate(u.G, u.factor, u.shape)",
         ("tests/core/test_scaled_update.py::test_masked_apply_leaves_a_masked_weight_and_steps_the_other",),
         "the capturable path applies APOLLO's scaled gradient of a masked parameter",
-        where="apply_masked",
+        where="_masked",
     ),
     Mutation(
         "scaled_update_undecayed",
@@ -732,8 +732,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "batched_fira_right_residual",
         "galore2/optim/residual.py",
-        "else bmm(Gs, r, Bs.mT, alpha=c)",
-        "else bmm(Gs, r, Bs.mT, alpha=-c)",
+        "else bmm(Gs, r, Bs.mT, alpha=c_res)",
+        "else bmm(Gs, r, Bs.mT, alpha=-c_res)",
         ("tests/optim/test_batched_rules.py",),
         "batched Fira: a right basis's residual is G + R·Qᵀ",
         where="combine_buckets",
@@ -1397,12 +1397,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         where="_scaled_lists",
     ),
     Mutation(
-        "apollo_stacked",
+        "residual_rules_stacked",
         "galore2/optim/lowrank_plan.py",
-        'return group["residual"] == "none" and',
-        "return not residual.active(group) and",
-        ("tests/optim/test_batched_rules.py::test_apollo_along_the_data_equals_per_tensor_path",),
-        "APOLLO's gradients stacked again where its batches may go along the data",
+        "return not (ctxs and ctxs[0].mask is not None)",
+        "return not residual.active(group) and not (ctxs and ctxs[0].mask is not None)",
+        ("tests/optim/test_batched_rules.py::test_along_the_data_equals_per_tensor_path",),
+        "APOLLO's and Fira's gradients stacked again where their batches may go along the "
+        "data",
         where="along",
     ),
     Mutation(
@@ -1417,10 +1418,11 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "scaled_norms_other_side",
         "galore2/optim/residual.py",
-        "channel_norms_each(Gs, 1 if dim == 2 else 0)",
-        "channel_norms_each(Gs, 0 if dim == 2 else 1)",
-        ("tests/optim/test_batched_rules.py::test_apollo_along_the_data_equals_per_tensor_path",),
-        "along the data, the limiter reads the gradients' norms over the wrong side",
+        "side = 1 if dim == 2 else 0",
+        "side = 0 if dim == 2 else 1",
+        ("tests/optim/test_batched_rules.py::test_along_the_data_equals_per_tensor_path",),
+        "along the data, the limiter reads the gradients' (or residuals') norms over the "
+        "wrong side",
         where="_scaled_norm_each",
     ),
     Mutation(
@@ -1458,6 +1460,34 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/kernels/test_scaled_list.py",),
         "a kept offsets table reused for tensors of another element size at the same addresses",
         where="_table",
+    ),
+    Mutation(
+        "fira_x_sign",
+        "galore2/optim/residual.py",
+        "X = torch.addcmul(Ns[j], Rs[j], factor, value=c_res / scale,",
+        "X = torch.addcmul(Ns[j], Rs[j], factor, value=-c_res / scale,",
+        ("tests/optim/test_batched_rules.py::test_along_the_data_equals_per_tensor_path",),
+        "Fira along the data adds the residual's in-subspace part P·R instead of removing it",
+        where="combine_buckets",
+    ),
+    Mutation(
+        "fira_limiter_residual_sign",
+        "galore2/optim/residual.py",
+        "channel = residual_norms_each(b.G, *b.factors(R), c, side)",
+        "channel = residual_norms_each(b.G, *b.factors(R), -c, side)",
+        ("tests/optim/test_batched_rules.py::test_along_the_data_equals_per_tensor_path",),
+        "Fira's limiter along the data measures G + P·R, not the residual G − P·R",
+        where="_scaled_norm_each",
+    ),
+    Mutation(
+        "residual_updates_one_by_one",
+        "galore2/core/apply.py",
+        "    return [idx for idx in by.values() if len(idx) > 1]",
+        "    return []",
+        ("tests/optim/test_batched_rules.py::test_along_the_data_equals_per_tensor_path",),
+        "Fira's updates along the data applied per weight (an addmm_ and an addcmul_ each), "
+        "not one grouped launch per shape batch",
+        where="_residual_lists",
     ),
 )
 

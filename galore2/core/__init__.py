@@ -7,7 +7,7 @@ from .module import Module
 from .modules import DecoupledWeightDecay, GradientTransform, ParamTransform
 from .optimizer import ChainOptimizer
 from .per_layer import PerLayerUpdates, per_layer
-from .transform import Context, LowRankUpdate, ScaledUpdate, Transform
+from .transform import Context, LowRankUpdate, ResidualUpdate, ScaledUpdate, Transform
 
 __all__ = [
     "CapturedStep",
@@ -19,6 +19,7 @@ __all__ = [
     "Module",
     "ParamTransform",
     "PerLayerUpdates",
+    "ResidualUpdate",
     "ScaledUpdate",
     "Transform",
     "per_layer",

@@ -16,11 +16,11 @@ import torch
 from torch import Tensor
 
 from ..kernels.dispatch import run_kernel
-from ..kernels.ops_lowrank import addmm_each_, operand_dtypes
+from ..kernels.ops_lowrank import addmm_each_, addmm_scaled_each_, operand_dtypes
 from ..kernels.ops_scaled import scaled_add_each_
 from . import packing
 from .masked import FlagBuffer, masked_updates
-from .transform import FACTORED, LowRankUpdate, ScaledUpdate
+from .transform import FACTORED, LowRankUpdate, ResidualUpdate, ScaledUpdate
 
 
 def chunks(params: list[Tensor], foreach: bool | None = None) -> list[list[int]]:
@@ -44,15 +44,16 @@ def chunks(params: list[Tensor], foreach: bool | None = None) -> list[list[int]]
     return [[i] for i in cpu] + ([rest] if rest else [])
 
 
-Update = Tensor | LowRankUpdate | ScaledUpdate
+Update = Tensor | LowRankUpdate | ScaledUpdate | ResidualUpdate
 
 
 def apply_updates(params: list[Tensor], updates: list[Update], lr: float, decay: float) -> None:
     """:func:`apply_update` over a batch: dense updates of several tensors by two foreach
     kernels (decay, then ``p ← p − lr·u``), low-rank ones of one shape batch by one grouped
     ``addmm_`` (:func:`_low_rank_lists`), scaled gradients of one shape batch by one grouped
-    ``addcmul_`` (:func:`_scaled_lists`), the other factored ones one by one (one fused pass
-    each)."""
+    ``addcmul_`` (:func:`_scaled_lists`), their sums (:class:`ResidualUpdate`) by one grouped
+    ``addmm_`` with the scaled gradient in its epilogue, the other factored ones one by one
+    (one fused pass each)."""
     dense = [i for i, u in enumerate(updates) if not isinstance(u, FACTORED)]
     if len(dense) > 1:
         ps = [params[i] for i in dense]
@@ -76,10 +77,16 @@ def apply_updates(params: list[Tensor], updates: list[Update], lr: float, decay:
     for idx in scaled:
         Gs = [updates[i].G for i in idx]  # type: ignore[union-attr]
         factors = [updates[i].factor for i in idx]  # type: ignore[union-attr]
-        stack = packing.stacked_view(factors)  # a batch's factors: views of one stack
-        stack = torch.stack(factors) if stack is None else stack
-        scaled_add_each_([params[i] for i in idx], Gs, stack, -lr, decay)
-    done = {i for idx in grouped + scaled for i in idx}
+        scaled_add_each_([params[i] for i in idx], Gs, _factors(factors), -lr, decay)
+    residual = _residual_lists(params, updates)
+    for idx in residual:
+        lows = [updates[i].low for i in idx]  # type: ignore[union-attr]
+        highs = [updates[i].scaled for i in idx]  # type: ignore[union-attr]
+        targets = [params[i].view(highs[0].G.shape) for i in idx]
+        addmm_scaled_each_(targets, [u.A for u in lows], [u.B for u in lows],
+                           [u.G for u in highs], _factors([u.factor for u in highs]),
+                           -lr * lows[0].scale, decay, -lr)  # fmt: skip
+    done = {i for idx in grouped + scaled + residual for i in idx}
     for i, (p, u) in enumerate(zip(params, updates, strict=True)):
         if i not in done and isinstance(u, LowRankUpdate) and u.keep is not None:
             raise RuntimeError("a deferred step's low-rank update left its shape batch's addmm_")
@@ -121,6 +128,29 @@ def _scaled_lists(params: list[Tensor], updates: list[Update]) -> list[list[int]
     return [idx for idx in by.values() if len(idx) > 1]
 
 
+def _factors(factors: list[Tensor]) -> Tensor:
+    """A shape batch's scaling factors as one stack: the view of the stack they are the
+    entries of (a combination's own), else a new one."""
+    stack = packing.stacked_view(factors)
+    return torch.stack(factors) if stack is None else stack
+
+
+def _residual_lists(params: list[Tensor], updates: list[Update]) -> list[list[int]]:
+    """The positions of :class:`ResidualUpdate` s that one grouped ``addmm_`` with a scaled
+    gradient in its epilogue applies (``galore2::addmm_scaled_each_``): two or more whose
+    low-rank parts :func:`_low_rank_lists` and scaled parts :func:`_scaled_lists` would
+    group alike."""
+    lows = [u.low if isinstance(u, ResidualUpdate) else None for u in updates]
+    highs = [u.scaled if isinstance(u, ResidualUpdate) else None for u in updates]
+    by_low = {i: n for n, idx in enumerate(_low_rank_lists(params, lows)) for i in idx}  # type: ignore[arg-type]
+    by: dict[tuple, list[int]] = {}
+    for n, idx in enumerate(_scaled_lists(params, highs)):  # type: ignore[arg-type]
+        for i in idx:
+            if i in by_low:
+                by.setdefault((by_low[i], n), []).append(i)
+    return [idx for idx in by.values() if len(idx) > 1]
+
+
 def apply_masked(
     params: list[Tensor],
     updates: list[Update],
@@ -150,17 +180,27 @@ def apply_masked(
             if decays is not None:
                 p.mul_(decays[i])
             ok = oks[positions[i]]
-            if isinstance(u, LowRankUpdate):
-                u = LowRankUpdate(u.A, u.B * ok, u.shape, u.scale)
-            else:
-                u = ScaledUpdate(u.G, u.factor * ok, u.shape)
-            apply_update(p, u, lr, 1.0)
+            apply_update(p, _masked(u, ok), lr, 1.0)
+
+
+def _masked(u: Update, ok: Tensor) -> Update:
+    """A factored update times its parameter's flag ``ok`` (1.0 / 0.0), in its small operand."""
+    if isinstance(u, LowRankUpdate):
+        return LowRankUpdate(u.A, u.B * ok, u.shape, u.scale)
+    if isinstance(u, ResidualUpdate):
+        return ResidualUpdate(_masked(u.low, ok), _masked(u.scaled, ok))  # type: ignore[arg-type]
+    return ScaledUpdate(u.G, u.factor * ok, u.shape)  # type: ignore[union-attr]
 
 
 def apply_update(p: Tensor, u: Update, lr: float, decay: float) -> None:
     """p ← decay·p − lr·u; a low-rank u is applied by one fused ``addmm_`` (no m×n temporary),
     or on CUDA by the Triton matmul with that epilogue (:mod:`galore2.kernels.lowrank`); a
-    scaled gradient by one ``addcmul_`` (p − lr·G·factor, in float32 for a 16-bit p)."""
+    scaled gradient by one ``addcmul_`` (p − lr·G·factor, in float32 for a 16-bit p); their
+    sum (:class:`ResidualUpdate`) by the one then the other."""
+    if isinstance(u, ResidualUpdate):
+        apply_update(p, u.low, lr, decay)
+        apply_update(p, u.scaled, lr, 1.0)
+        return
     if isinstance(u, ScaledUpdate):
         if p.is_contiguous():
             target = p.view(u.G.shape)

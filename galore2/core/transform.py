@@ -91,8 +91,23 @@ class ScaledUpdate:
         return torch.mul(self.G, self.factor).view(self.shape)
 
 
+@dataclass
+class ResidualUpdate:
+    """A low-rank direction plus a scaled gradient, ``low + scaled`` (Fira along the data:
+    ``P·X + G ⊙ f``, its residual folded into X and f), kept as their operands. The
+    optimizer applies a shape batch's in one pass over each weight
+    (``galore2::addmm_scaled_each_``: the matmul, the scaled gradient and the decay in one
+    epilogue); :meth:`dense` materializes it."""
+
+    low: LowRankUpdate
+    scaled: ScaledUpdate
+
+    def dense(self) -> Tensor:
+        return self.low.dense().float().add_(self.scaled.dense())
+
+
 #: the directions kept as operands, applied by the optimizer in one fused pass each
-FACTORED = (LowRankUpdate, ScaledUpdate)
+FACTORED = (LowRankUpdate, ScaledUpdate, ResidualUpdate)
 
 
 class StackedState(dict):

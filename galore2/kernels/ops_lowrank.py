@@ -10,6 +10,9 @@ stored fp32 basis) is rounded by the grouped kernel as it loads it (:func:`opera
 * ``galore2::addmm_each_`` (:func:`addmm_each_`) — ``ps[i] ← beta·ps[i] + alpha·(As[i] @
   Bs[i])``: the back-projection written into each weight, decay and update in the matmul
   (no m×n update made).
+* ``galore2::addmm_scaled_each_`` (:func:`addmm_scaled_each_`) — the same plus
+  ``gamma·Gs[i] ⊙ factor[i]`` in the epilogue: Fira's update (its scaled residual's
+  gradient part) in the one pass over each weight.
 
 Where :mod:`~galore2.kernels.dispatch` runs Triton, one launch for the whole list
 (:mod:`galore2.kernels.lowrank_list`); elsewhere one ``mm`` / ``addmm_`` per entry (the
@@ -93,6 +96,42 @@ def _addmm_each(
         p.addmm_(_in(As[i], p.dtype), _in(Bs[i], p.dtype), beta=beta, alpha=alpha)
 
 
+def _addmm_scaled_each(
+    ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], Gs: list[Tensor], factor: Tensor,
+    alpha: float, beta: float, gamma: float,
+) -> None:  # fmt: skip
+    """``ps[i] ← beta·ps[i] + alpha·(As[i] @ Bs[i]) + gamma·Gs[i] ⊙ factor[i]`` in place for
+    each i (2-D ``ps``; ``factor``: a float32 ``(k, 1, n)``, ``(k, m, 1)`` or ``(k, 1, 1)``
+    stack): Fira's update along the data, the residual's scaled gradient in the
+    back-projection's epilogue (one rounding of each weight where the grouped kernel runs;
+    elsewhere an ``addmm_`` then an ``addcmul_`` per weight)."""
+    _check_gradients(ps, Gs, factor)
+    if len(ps) > 1:
+        done = run_kernel(
+            "lowrank_list", *ps, *As, *Bs, *Gs, factor,
+            supported=lambda k: k.supported_scaled_list(ps, As, Bs, Gs, factor),
+            kernel=lambda k: partial(k.addmm_scaled_list, ps, As, Bs, Gs, factor,
+                                     alpha=alpha, beta=beta, gamma=gamma),
+        )  # fmt: skip
+        if done is not None:
+            return
+    for p, a, b, g, f in zip(ps, As, Bs, Gs, factor.unbind(0), strict=True):
+        p.addmm_(_in(a, p.dtype), _in(b, p.dtype), beta=beta, alpha=alpha)
+        p.addcmul_(g, f, value=gamma)
+
+
+def _check_gradients(ps: list[Tensor], Gs: list[Tensor], factor: Tensor) -> None:
+    if len(Gs) != len(ps) or any(g.shape != p.shape for g, p in zip(Gs, ps, strict=True)):
+        raise ValueError("addmm_scaled_each_: one gradient of each weight's shape per weight")
+    shape = tuple(factor.shape)
+    if ps and (factor.dtype != torch.float32 or len(shape) != 3 or shape[0] != len(ps)
+               or shape[1:] not in ((1, ps[0].shape[1]), (ps[0].shape[0], 1), (1, 1))):  # fmt: skip
+        raise ValueError(
+            f"addmm_scaled_each_: a {factor.dtype} factor of shape {shape} for {len(ps)} "
+            "weights; it takes a float32 (k, 1, n), (k, m, 1) or (k, 1, 1) stack"
+        )
+
+
 def _check(name: str, outs: list[Tensor], As: list[Tensor], Bs: list[Tensor]) -> None:
     if not (len(outs) == len(As) == len(Bs)):
         raise ValueError(f"{name}: lists of one length, got {len(outs)}, {len(As)}, {len(Bs)}")
@@ -116,6 +155,9 @@ def _check(name: str, outs: list[Tensor], As: list[Tensor], Bs: list[Tensor]) ->
 
 mm_each_op = torch.library.custom_op("galore2::mm_each_", _mm_each, mutates_args=("outs",))
 addmm_each_op = torch.library.custom_op("galore2::addmm_each_", _addmm_each, mutates_args=("ps",))
+addmm_scaled_each_op = torch.library.custom_op(
+    "galore2::addmm_scaled_each_", _addmm_scaled_each, mutates_args=("ps",)
+)
 
 
 @mm_each_op.register_fake
@@ -133,7 +175,17 @@ def _addmm_each_meta(
         check("addmm_each_", keep, len(ps), ps[0].device, keep_at)
 
 
+@addmm_scaled_each_op.register_fake
+def _addmm_scaled_each_meta(
+    ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], Gs: list[Tensor], factor: Tensor,
+    alpha: float, beta: float, gamma: float,
+) -> None:  # fmt: skip
+    _check("addmm_scaled_each_", ps, As, Bs)
+    _check_gradients(ps, Gs, factor)
+
+
 mm_each_ = direct(mm_each_op, _mm_each, mutated=(2,))
+addmm_scaled_each_ = direct(addmm_scaled_each_op, _addmm_scaled_each, mutated=(0,))
 addmm_each_ = direct(addmm_each_op, _addmm_each, mutated=(0,))
 
 
@@ -158,4 +210,4 @@ def grouped_would_run(t: Tensor) -> bool:
     return getattr(importlib.import_module(f"{__package__}.lowrank_list"), "AUTO", True)
 
 
-__all__ = ["addmm_each_", "grouped_would_run", "mm_each_", "operand_dtypes"]
+__all__ = ["addmm_each_", "addmm_scaled_each_", "grouped_would_run", "mm_each_", "operand_dtypes"]

@@ -1,19 +1,22 @@
 """galore2's ops for a shape batch's scaled gradients (APOLLO along the data), one dispatch
 each (``torch.library``).
 
-APOLLO's update of a matrix is its raw gradient scaled per channel, ``G ⊙ f``
-(:mod:`galore2.optim.residual`). Along the data the gradients of a shape batch stay where
-they are (no stack of them), so each of the two passes over them is one grouped launch:
+APOLLO's update of a matrix is its raw gradient scaled per channel, ``G ⊙ f``; Fira's
+adds its residual G − P·R so scaled (:mod:`galore2.optim.residual`). Along the data the
+gradients of a shape batch stay where they are (no stack of them), so each pass over them
+is one grouped launch:
 
 * ``galore2::channel_norms_each`` (:func:`channel_norms_each`) — the float32 norms of each
   gradient's columns (``dim=0``: a ``(k, 1, n)`` stack) or rows (``dim=1``: ``(k, m, 1)``),
   what the norm-growth limiter needs of G;
+* ``galore2::residual_norms_each`` (:func:`residual_norms_each`) — the same norms of
+  ``G_i + c·(A_i @ B_i)``: Fira's residual G − P·R, for its limiter, never made;
 * ``galore2::scaled_add_each_`` (:func:`scaled_add_each_`) — ``p_i ← β·p_i + α·G_i ⊙ f_i``
   into each weight (``f``: a float32 ``(k, 1, n)``, ``(k, m, 1)`` or ``(k, 1, 1)`` stack),
   the weight read and written once.
 
 Where :mod:`~galore2.kernels.dispatch` runs Triton, one launch per list
-(:mod:`galore2.kernels.scaled_list`); elsewhere the torch ops per matrix that the stacked
+(:mod:`galore2.kernels.scaled_list`, :mod:`galore2.kernels.residual_list`); elsewhere the torch ops per matrix that the stacked
 path runs (``vector_norm``; ``mul_`` and ``addcmul_``, as
 :func:`galore2.core.apply.apply_update` applies one
 :class:`~galore2.core.transform.ScaledUpdate`). On meta tensors they only check shapes: a
@@ -55,6 +58,34 @@ def _channel_norms(Gs: list[Tensor], dim: int) -> Tensor:
             return out
     for g, o in zip(Gs, out.unbind(0), strict=True):
         torch.linalg.vector_norm(g, dim=dim, keepdim=True, dtype=torch.float32, out=o)
+    return out
+
+
+def _residual_norms(
+    Gs: list[Tensor], As: list[Tensor], Bs: list[Tensor], c: float, dim: int
+) -> Tensor:  # fmt: skip
+    """Each matrix's float32 2-norms over ``dim`` (kept) of ``G_i + c·(A_i @ B_i)``, the
+    product's operands rounded to G's dtype first (a float32 basis against bf16 gradients):
+    the norms of Fira's residual G − P·R (or G − R·Qᵀ), never made, for its norm-growth
+    limiter."""
+    out = torch.empty(_norms_shape(Gs, dim), dtype=torch.float32, device=Gs[0].device)
+    if len(As) != len(Gs) or len(Bs) != len(Gs) or any(
+        a.dim() != 2 or b.dim() != 2 or (a.shape[0], b.shape[1]) != g.shape
+        or a.shape[1] != b.shape[0] for g, a, b in zip(Gs, As, Bs, strict=True)
+    ):  # fmt: skip
+        raise ValueError("residual_norms_each: one A (m × r) and B (r × n) per m × n gradient")
+    if len(Gs) > 1:
+        done = run_kernel(
+            "residual_list", *Gs, *As, *Bs, out,
+            supported=lambda k: k.supported_residual(Gs, As, Bs, dim, out),
+            kernel=lambda k: partial(k.residual_norms_list, Gs, As, Bs, c, dim, out),
+        )  # fmt: skip
+        if done is not None:
+            return out
+    for g, a, b, o in zip(Gs, As, Bs, out.unbind(0), strict=True):
+        a, b = (x if x.dtype == g.dtype else x.to(g.dtype) for x in (a, b))
+        residual = torch.addmm(g.float(), a.float(), b.float(), alpha=c)
+        torch.linalg.vector_norm(residual, dim=dim, keepdim=True, out=o)
     return out
 
 
@@ -114,6 +145,18 @@ scaled_add_op = torch.library.custom_op(
 )
 
 
+residual_norms_op = torch.library.custom_op(
+    "galore2::residual_norms_each", _residual_norms, mutates_args=()
+)
+
+
+@residual_norms_op.register_fake
+def _residual_norms_meta(
+    Gs: list[Tensor], As: list[Tensor], Bs: list[Tensor], c: float, dim: int
+) -> Tensor:  # fmt: skip
+    return Gs[0].new_empty(_norms_shape(Gs, dim), dtype=torch.float32)
+
+
 @channel_norms_op.register_fake
 def _channel_norms_meta(Gs: list[Tensor], dim: int) -> Tensor:
     return Gs[0].new_empty(_norms_shape(Gs, dim), dtype=torch.float32)
@@ -127,6 +170,7 @@ def _scaled_add_meta(
 
 
 channel_norms_each = direct(channel_norms_op, _channel_norms, mutated=())
+residual_norms_each = direct(residual_norms_op, _residual_norms, mutated=())
 scaled_add_each_ = direct(scaled_add_op, _scaled_add_each, mutated=(0,))
 
-__all__ = ["channel_norms_each", "scaled_add_each_"]
+__all__ = ["channel_norms_each", "residual_norms_each", "scaled_add_each_"]

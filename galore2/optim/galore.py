@@ -274,7 +274,7 @@ class GaLore(Transform):
         if residual.active(group):
             done = lowrank_plan.combine_many(
                 self.inner, projections, stacks, stacked_N, N, us, inner_in, states, group,
-                order, decay,
+                ctxs, order, decay,
             )  # fmt: skip
         else:
             scale = group["scale"] * decay  # α·(1 − lr·λ), as _back's

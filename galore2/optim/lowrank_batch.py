@@ -483,19 +483,15 @@ def _stacked(ts: list[Tensor]) -> Tensor:
     return torch.stack(ts) if view is None else view
 
 
-def factors(
+def factor_lists(
     kind: type[Projection], B: Tensor | list[Tensor], Ns: list[Tensor] | Tensor,
-    dtype: torch.dtype, factor: float, shapes: list[torch.Size],
-) -> list[LowRankUpdate]:  # fmt: skip
-    """The updates ``factor·P·N`` (left) or ``factor·N·Qᵀ`` (right) of a shape batch as
-    factors in ``dtype``, one :class:`~galore2.core.transform.LowRankUpdate` per matrix
-    (``shapes``: their weights'), as :meth:`.Projection.back` returns per matrix: the
-    optimizer writes each into its weight by one ``addmm_`` with the step's decay as its
-    β, so no m×n update exists and each weight is read and written once. The casts are of
-    the r-sized stacks (one each). ``Ns``: the low-rank updates, or their stack (the inner
-    chain's: never written). ``B``: the bases' stack, or the stored bases themselves
-    (:meth:`ShapeBatch.project`'s, for the grouped kernels: kept as they are where their
-    dtype is one the kernels round, else stacked in ``dtype``)."""
+    dtype: torch.dtype,
+) -> tuple[list[Tensor], list[Tensor]]:  # fmt: skip
+    """The factors (A_i, B_i) of ``P·N`` (left) or ``N·Qᵀ`` (right) for each matrix of a shape
+    batch, in ``dtype``: two lists. ``Ns``: the low-rank stack (or its entries: the inner
+    chain's, never written), cast once; ``B``: the bases' stack, or the stored bases
+    themselves (:meth:`ShapeBatch.project`'s, for the grouped kernels: kept as they are
+    where their dtype is one the kernels round, else stacked in ``dtype``)."""
     N = Ns if isinstance(Ns, Tensor) else _stacked(Ns)
     N = N if N.dtype == dtype else N.to(dtype)
     if isinstance(B, list) and operand_dtypes(dtype, B[0].dtype, dtype) is None:
@@ -503,10 +499,21 @@ def factors(
     if isinstance(B, Tensor) and B.dtype != dtype:
         B = B.to(dtype)
     As, Bs = kind.factors_stack(N, B)
-    return [
-        LowRankUpdate(a, b, shape, factor)
-        for a, b, shape in zip(entries(As), entries(Bs), shapes, strict=True)
-    ]
+    return entries(As), entries(Bs)
+
+
+def factors(
+    kind: type[Projection], B: Tensor | list[Tensor], Ns: list[Tensor] | Tensor,
+    dtype: torch.dtype, factor: float, shapes: list[torch.Size],
+) -> list[LowRankUpdate]:  # fmt: skip
+    """The updates ``factor·P·N`` (left) or ``factor·N·Qᵀ`` (right) of a shape batch as
+    factors in ``dtype`` (:func:`factor_lists`), one
+    :class:`~galore2.core.transform.LowRankUpdate` per matrix (``shapes``: their weights'),
+    as :meth:`.Projection.back` returns per matrix: the optimizer writes each into its
+    weight by one ``addmm_`` with the step's decay as its β, so no m×n update exists and
+    each weight is read and written once."""
+    As, Bs = factor_lists(kind, B, Ns, dtype)
+    return [LowRankUpdate(a, b, shape, factor) for a, b, shape in zip(As, Bs, shapes, strict=True)]
 
 
 def back(

@@ -14,6 +14,7 @@ mask the members' flags: :func:`~galore2.core.masked.member_flags`), and :func:`
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -25,6 +26,7 @@ from ..core.transform import (
     Context,
     Group,
     LowRankUpdate,
+    ResidualUpdate,
     ScaledUpdate,
     StackedState,
     State,
@@ -176,12 +178,11 @@ def along(group: Group, ctxs: list[Context]) -> bool:
     matmul into its entry of R (:meth:`.lowrank_batch.ShapeBatch.project` with
     ``stack=False``, where :func:`.lowrank_batch.along_data` says the batch may), rather than
     stacked? Then GaLore's updates go out as factors (:func:`.lowrank_batch.factors`: the
-    optimizer writes each into its weight by one ``addmm_``) and APOLLO's as its scaled
-    gradients, the gradients as they are (:func:`.residual.combine_buckets`). Not on a masked
-    step (``capturable=True``: a batch's update is masked on its r-row stack and applied
-    densely, :func:`.lowrank_batch.back`), nor for Fira (its residual G − P·R is made from
-    the stacked gradients)."""
-    return group["residual"] == "none" and not (ctxs and ctxs[0].mask is not None)
+    optimizer writes each into its weight by one ``addmm_``), APOLLO's as its scaled
+    gradients and Fira's as both (:func:`.residual.combine_buckets`: the gradients as they
+    are, no m×n tensor made). Not on a masked step (``capturable=True``: a batch's update is
+    masked on its r-row stack and applied densely, :func:`.lowrank_batch.back`)."""
+    return not (ctxs and ctxs[0].mask is not None)
 
 
 def stack_keys(
@@ -327,11 +328,8 @@ def back_stacks(
         dtype = ctxs[st.idx[0]].param.dtype
         if st.along:  # factors: each weight takes its update in one addmm_
             shapes = [us[i].shape for i in st.idx]
-            # the projection's cast of the bases when in dtype (no second cast); the stored
-            # bases themselves where the grouped kernels read them (factors checks dtypes)
-            B = st.Y if isinstance(st.Y, list) or st.Y.dtype == dtype else (
-                st.batch.cast_bases(st.B, dtype))  # fmt: skip
-            ups = lowrank_batch.factors(st.batch.kind, B, Ns, dtype, scale, shapes)
+            ups = lowrank_batch.factors(st.batch.kind, _back_bases(st, dtype), Ns, dtype, scale,
+                                        shapes)  # fmt: skip
             for i, up in zip(st.idx, ups, strict=True):  # a deferred step's flags
                 up.keep, up.keep_at = ctxs[i].keep, ctxs[i].keep_at
             done.update(zip(st.idx, ups, strict=True))
@@ -344,6 +342,15 @@ def back_stacks(
         deltas = lowrank_batch.back(st.batch.kind, st.B, Ns, dtype, scale, spent, mask)
         done.update(zip(st.idx, masked.entries(deltas), strict=True))
     return done
+
+
+def _back_bases(st: Stacked, dtype: torch.dtype) -> Tensor | list[Tensor]:
+    """The bases a batch's back-projection in ``dtype`` reads: the projection's cast of them
+    when in ``dtype`` (no second cast); the stored bases themselves where the grouped
+    kernels read them (:func:`.lowrank_batch.factor_lists` checks dtypes); else cast."""
+    if isinstance(st.Y, list) or st.Y.dtype == dtype:
+        return st.Y
+    return st.batch.cast_bases(st.B, dtype)  # type: ignore[arg-type]
 
 
 def finish(
@@ -375,8 +382,9 @@ def biases(inner: list[Transform], states: list[State], group: Group) -> list[fl
 def combine_many(
     inner: list[Transform], projections: dict[int, Projection], stacks: list[Stacked],
     stacked_out: list[Tensor | None], N: list[Tensor | LowRankUpdate], us: list[Tensor],
-    R: list[Tensor], states: list[State], group: Group, counted: list[int], decay: float,
-) -> dict[int, Tensor | ScaledUpdate]:  # fmt: skip
+    R: list[Tensor], states: list[State], group: Group, ctxs: list[Context],
+    counted: list[int], decay: float,
+) -> dict[int, Tensor | ScaledUpdate | ResidualUpdate]:  # fmt: skip
     """Fira / APOLLO of the whole (unsharded) matrices of a batch at once
     (:func:`.residual.combine_buckets`): the shape batches' stacks as they are, the
     matrices projected one by one stacked per shape (when two or more, or along with
@@ -399,11 +407,18 @@ def combine_many(
         st_states = [states[i] for i in st.idx]
         Ns = stacked if stacked is not None else torch.stack([dense(N[i]) for i in st.idx])
         B = st.B if fira else None
-        # along the data (APOLLO): the gradients as they are, never written
+        # along the data: the gradients as they are, never written; Fira's low-rank
+        # factors in the weights' dtype, from the bases as the back-projection reads them
         G = st.G if st.G is not None else [us[i] for i in st.idx]
+        factors = None
+        if st.G is None and fira:
+            dtype = ctxs[st.idx[0]].param.dtype
+            factors = partial(lowrank_batch.factor_lists, st.batch.kind, _back_bases(st, dtype),
+                              dtype=dtype)  # fmt: skip
         buckets.append(residual.Bucket(st.batch.kind.left, G, st.R, Ns, B, st_states,
                                        [bias[i] for i in st.idx],
-                                       owned=st.G is not None and packing.writable(st.G)))  # fmt: skip
+                                       owned=st.G is not None and packing.writable(st.G),
+                                       factors=factors))  # fmt: skip
         order.append(st.idx)
     keyed: dict[tuple[Any, ...], list[int]] = {}
     for i in idx:
@@ -422,10 +437,10 @@ def combine_many(
         order.append(same)
     out = residual.combine_buckets(buckets, group, decay)
     n_stacked = sum(len(st.idx) for st in stacks)
-    done: dict[int, Tensor | ScaledUpdate] = {}
+    done: dict[int, Tensor | ScaledUpdate | ResidualUpdate] = {}
     for same, s in zip(order, out, strict=True):
         whole = len(done) < n_stacked  # a shape batch's: 2-D matrices as they are
-        if isinstance(s, residual.Scaled):  # APOLLO: G ⊙ factor, applied as such
+        if isinstance(s, (residual.Scaled, residual.Residual)):  # applied as operands
             done.update(zip(same, s.updates([us[i].shape for i in same]), strict=True))
         elif whole:
             done.update(zip(same, s.unbind(0), strict=True))

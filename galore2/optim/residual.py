@@ -54,14 +54,15 @@ all-reduced (``Placement.reduce``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..core.options import Choice, Option, Optional, Real
-from ..core.transform import ScaledUpdate
-from ..kernels.ops_scaled import channel_norms_each
+from ..core.transform import LowRankUpdate, ResidualUpdate, ScaledUpdate
+from ..kernels.ops_scaled import channel_norms_each, residual_norms_each
 from ..projectors import LEFT, RIGHT, Plan
 from .projection import Projection
 
@@ -231,6 +232,33 @@ class Bucket(NamedTuple):
     states: list[dict[str, Tensor]]
     biases: list[float | Tensor]  # each matrix's inner bias correction (see _limit)
     owned: bool = True  # G is a temporary of the step (else, a view of the caller's: kept)
+    # Fira along the data: a low-rank stack X to the factors (A_i, B_i) of each matrix's
+    # P·X (X·Qᵀ) in the weights' dtype (.lowrank_batch.factor_lists); None otherwise
+    factors: Callable[[Tensor], tuple[list[Tensor], list[Tensor]]] | None = None
+
+
+class Residual(NamedTuple):
+    """Fira's update of a shape batch along the data kept as operands,
+    ``scale·P·X + G ⊙ factor`` (left; ``X·Qᵀ`` right): the gradients themselves (never
+    written), the float32 factors (as :class:`Scaled`'s) and each matrix's low-rank factors
+    (A_i, B_i) — the residual G − P·R folded in (X = N − R ⊙ factor / scale, scale =
+    α·decay): no m×n tensor is made."""
+
+    G: list[Tensor]
+    factor: Tensor
+    As: list[Tensor]
+    Bs: list[Tensor]
+    scale: float  # of the low-rank part: α·decay
+
+    def updates(self, shapes: list[torch.Size]) -> list[ResidualUpdate]:
+        """One :class:`~galore2.core.transform.ResidualUpdate` per matrix (``shapes``: the
+        weights'): the optimizer applies a shape batch's in one grouped launch
+        (``galore2::addmm_scaled_each_``)."""
+        return [
+            ResidualUpdate(LowRankUpdate(a, b, shape, self.scale), ScaledUpdate(g, f, shape))
+            for a, b, g, f, shape in zip(self.As, self.Bs, self.G, self.factor.unbind(0),
+                                         shapes, strict=True)  # fmt: skip
+        ]
 
 
 class Scaled(NamedTuple):
@@ -265,11 +293,14 @@ def combine_buckets(
     """
     alpha, scale_type = float(group["scale"]), group["scale_type"]
     limit = group["norm_growth_limit"] is not None
-    # APOLLO reads only N's and R's norms: off the CPU in their dtype (float32 sums, no
-    # float32 copy); Fira's products read them in float32
-    wide = torch.Tensor.float if scale_type is None else _for_norms
-    Ns = [wide(b.N) for b in buckets]
-    Rs = [wide(b.R) for b in buckets]
+    c_res = -alpha if group["residual"] == "fira_reference" else -1.0  # as in combine()
+    # APOLLO's and the gradients along the data read only N's and R's norms (and X, small):
+    # off the CPU in their dtype (float32 sums, no float32 copy); Fira's stacked products
+    # read them in float32
+    wide = [_for_norms if scale_type is not None or isinstance(b.G, list)
+            else torch.Tensor.float for b in buckets]  # fmt: skip
+    Ns = [w(b.N) for w, b in zip(wide, buckets, strict=True)]
+    Rs = [w(b.R) for w, b in zip(wide, buckets, strict=True)]
     # per matrix (‖N‖_F / (‖R‖_F + ε)), or per channel: columns of a left basis's r×n,
     # rows of a right basis's m×r
     dims = [(1, 2) if scale_type == "tensor" else 1 if b.left else 2 for b in buckets]
@@ -279,10 +310,10 @@ def combine_buckets(
     phis = torch._foreach_div(num, den)
     S, norms = [], []
     for b, r, phi, d in zip(buckets, Rs, phis, dims, strict=True):
-        if isinstance(b.G, list):  # APOLLO along the data: the gradients where they are
+        if isinstance(b.G, list):  # along the data: the gradients where they are
             S.append(b.G)
             if limit:
-                norms.append(_scaled_norm_each(b.G, phi, d))
+                norms.append(_scaled_norm_each(b, r, phi, d, c_res))
             continue
         if scale_type is not None and b.G.dtype in _UP_TO_FP32:
             # APOLLO: the raw gradient as it is (bf16: read in its dtype); S = G·φ is made
@@ -295,10 +326,9 @@ def combine_buckets(
         kept = not b.owned and Gs.data_ptr() == b.G.data_ptr()  # not to be written
         if scale_type is None:  # Fira: the residual G − P·R ("fira_reference": G − α·P·R)
             Bs = b.B.float()  # type: ignore[union-attr]
-            c = -alpha if group["residual"] == "fira_reference" else -1.0  # as in combine()
             # in place when the stack of gradients is a temporary (no second m×n buffer)
             bmm = torch.baddbmm if kept else torch.Tensor.baddbmm_
-            Gs = bmm(Gs, Bs, r, alpha=c) if b.left else bmm(Gs, r, Bs.mT, alpha=c)
+            Gs = bmm(Gs, Bs, r, alpha=c_res) if b.left else bmm(Gs, r, Bs.mT, alpha=c_res)
         elif kept:  # APOLLO scales S in place: a copy of the caller's stack
             Gs = Gs.clone()
         S.append(Gs)  # APOLLO: the raw gradient
@@ -317,8 +347,19 @@ def combine_buckets(
             phi = phi.mul_(inv[start : start + k].view(k, 1, 1))
         start += k
         factor = phi.mul_(c) if c != 1.0 else phi
-        if isinstance(s, list):  # along the data: each gradient scaled into its weight
+        if isinstance(s, list) and scale_type is not None:  # G ⊙ factor into each weight
             S[j] = Scaled(s, factor)
+        elif isinstance(s, list):  # Fira along the data: α·decay·P·X + G ⊙ factor
+            # X = N + c·R ⊙ factor / (α·decay): the residual's P·R part folded into the
+            # low-rank factor (one pass over the r-sized stacks, X in N's dtype), so each
+            # weight takes P·X and G ⊙ factor in one pass
+            scale = alpha * decay
+            if scale != 0.0:
+                X = torch.addcmul(Ns[j], Rs[j], factor, value=c_res / scale,
+                                  out=torch.empty_like(Ns[j]))  # fmt: skip
+            else:  # no low-rank update (a decay factor of 0): the residual's P·R term alone
+                X, scale = torch.mul(Rs[j], factor).mul_(c_res).to(Ns[j].dtype), 1.0
+            S[j] = Residual(s, factor, *buckets[j].factors(X), scale)  # type: ignore[misc]
         elif s.dtype == torch.float32 and s is not buckets[j].G:
             s.mul_(factor)
         elif scale_type is not None:  # APOLLO's raw gradient: G ⊙ factor, applied as such
@@ -327,6 +368,8 @@ def combine_buckets(
             S[j] = torch.mul(s, factor)
     if scale_type is None:
         for s, b, n in zip(S, buckets, Ns, strict=True):  # type: ignore[assignment]
+            if isinstance(s, Residual):
+                continue
             Bs = b.B.float()  # type: ignore[union-attr]
             if b.left:
                 s.baddbmm_(Bs, n, alpha=alpha * decay)
@@ -377,11 +420,19 @@ def _scaled_norm(res: Tensor, phi: Tensor, dim: int | tuple[int, int]) -> Tensor
     return torch.linalg.vector_norm(phi.double().mul_(channel), dim=(1, 2))
 
 
-def _scaled_norm_each(Gs: list[Tensor], phi: Tensor, dim: int | tuple[int, int]) -> Tensor:
-    """:func:`_scaled_norm` of gradients that are not stacked (APOLLO along the data): their
-    channel norms by one grouped pass (``galore2::channel_norms_each``: columns for ``dim``
-    1, rows for 2; a per-matrix φ takes the columns', whose norm is the matrix's)."""
-    channel = channel_norms_each(Gs, 1 if dim == 2 else 0)
+def _scaled_norm_each(
+    b: Bucket, R: Tensor, phi: Tensor, dim: int | tuple[int, int], c: float
+) -> Tensor:  # fmt: skip
+    """:func:`_scaled_norm` of a bucket whose gradients are not stacked (along the data):
+    the channel norms of its gradients (APOLLO: ``galore2::channel_norms_each``) or of its
+    residuals G + c·P·R (Fira: ``galore2::residual_norms_each``, never made), by one grouped
+    pass — columns for ``dim`` 1, rows for 2; a per-matrix φ takes the columns', whose
+    norm is the matrix's."""
+    side = 1 if dim == 2 else 0
+    if b.factors is None:
+        channel = channel_norms_each(b.G, side)
+    else:
+        channel = residual_norms_each(b.G, *b.factors(R), c, side)
     return torch.linalg.vector_norm(phi.double().mul(channel), dim=(1, 2))
 
 
@@ -413,6 +464,7 @@ __all__ = [
     "RESIDUAL",
     "SCALE_TYPE",
     "Bucket",
+    "Residual",
     "Scaled",
     "active",
     "combine",

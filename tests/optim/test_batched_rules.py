@@ -61,33 +61,44 @@ def test_orthogonalization_of_a_stack_is_each_matrix_s(fn):
         assert_f32_close(stacked[k], fn(X[k]), steps=steps, ulps=ulps, what=f"matrix {k}")
 
 
-@pytest.mark.parametrize("name", ["apollo", "apollo_tensor_limit", "apollo_mini"])
-def test_apollo_along_the_data_equals_per_tensor_path(name, one_thread, monkeypatch):
-    """APOLLO along the data (every shape batch: ``MIN_ALONG_DATA_ELEMENTS`` 0; on a GPU,
-    wherever the grouped kernels run): the gradients are never stacked — their channel
-    norms and their scaling into the weights go through galore2's grouped ops, once per
-    shape batch and step — and the weights are the per-tensor path's, within float32's
-    rounding of the reordered arithmetic, per channel and per matrix, limiter on."""
-    from galore2.kernels import ops_scaled
+#: the grouped ops a rule's batches take along the data: (module attribute, op) pairs
+ALONG_OPS = {
+    "apollo": (("galore2.optim.residual", "channel_norms_each"),
+               ("galore2.core.apply", "scaled_add_each_")),
+    "fira": (("galore2.optim.residual", "residual_norms_each"),
+             ("galore2.core.apply", "addmm_scaled_each_")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name", ["apollo", "apollo_tensor_limit", "apollo_mini", "fira", "fira_reference"]
+)
+def test_along_the_data_equals_per_tensor_path(name, one_thread, monkeypatch):
+    """APOLLO and Fira along the data (every shape batch: ``MIN_ALONG_DATA_ELEMENTS`` 0; on
+    a GPU, wherever the grouped kernels run): the gradients are never stacked and no m×n
+    tensor is made — their channel norms (APOLLO) or their residuals' (Fira: G − P·R, never
+    made) and their update into the weights (G ⊙ φ; Fira's with P·X in the same pass) go
+    through galore2's grouped ops, once per shape batch and step — and the weights are the
+    per-tensor path's, within float32's rounding of the reordered arithmetic, per channel
+    and per matrix, limiter on."""
+    import importlib
+
     from galore2.optim import lowrank_batch
 
-    calls = {"channel_norms_each": 0, "scaled_add_each_": 0}
+    calls: dict[str, int] = {}
+    for module, op in ALONG_OPS[name.split("_")[0]]:
+        mod = importlib.import_module(module)
+        fn = getattr(mod, op)
 
-    def counted(fn, key):
-        def call(*args):
-            calls[key] += 1
-            return fn(*args)
+        def call(*args, _fn=fn, _op=op):
+            calls[_op] = calls.get(_op, 0) + 1
+            return _fn(*args)
 
-        return call
-
+        monkeypatch.setattr(mod, op, call)
     monkeypatch.setattr(lowrank_batch, "MIN_ALONG_DATA_ELEMENTS", 0)
-    monkeypatch.setattr("galore2.optim.residual.channel_norms_each",
-                        counted(ops_scaled.channel_norms_each, "channel_norms_each"))  # fmt: skip
-    monkeypatch.setattr("galore2.core.apply.scaled_add_each_",
-                        counted(ops_scaled.scaled_add_each_, "scaled_add_each_"))  # fmt: skip
     along = run(CONFIGS[name], foreach=True)
     # the non-refresh steps' shape batches took the grouped ops (a refresh steps alone)
-    assert calls["channel_norms_each"] > 0 and calls["scaled_add_each_"] > 0, calls
+    assert len(calls) == 2 and min(calls.values()) > 0, calls
     monkeypatch.undo()
     looped = run(CONFIGS[name], foreach=False)
     start = params()
