@@ -45,6 +45,14 @@ float32's range when ‖R‖ ≈ 0 makes φ huge) (0 until the first step: no pr
 limit — also after a step whose S was exactly zero, where the references would clamp the
 next steps to ~1e-8).
 
+Along the data (a shape batch's gradients left where they are, where galore2's grouped
+kernels run: :func:`.lowrank_plan.along`) no m×n tensor is made: APOLLO's S = φ ⊙ G stays
+its operands, and Fira's update is written as ``α·decay·P·X + φ ⊙ G`` with
+X = N − φ ⊙ R · c/(α·decay) (c = 1, or α for ``"fira_reference"``): the residual's
+in-subspace part φ ⊙ P·R = P·(φ ⊙ R) folded into the low-rank factor (left; a right
+basis's rows likewise), and the limiter's ‖S‖ taken from channel norms computed tile by
+tile (:mod:`galore2.kernels.ops_scaled`).
+
 Both keep every step's host reads at zero: ratios, norms and the limiter are tensor ops
 (``torch.where``, no ``.item()``). Under FSDP2 the per-channel norms of a left basis's
 column-sharded N and R are computed after one all-gather of [N; R] (the back-projection
@@ -224,7 +232,7 @@ class Bucket(NamedTuple):
     :func:`combine_buckets`."""
 
     left: bool  # a left basis (channels: columns) or a right one (channels: rows)
-    # the gradients, k × m × n; or (APOLLO along the data) the k m × n gradients themselves
+    # the gradients, k × m × n; or (along the data) the k m × n gradients themselves
     G: Tensor | list[Tensor]
     R: Tensor  # the projected gradients, k × r × n (left) or k × m × r (right)
     N: Tensor  # the inner rule's outputs, shaped like R
@@ -391,8 +399,9 @@ def _summed_squares(x: Tensor, dim: int | tuple[int, int]) -> bool:
 
 
 def _for_norms(x: Tensor) -> Tensor:
-    """``x`` as :func:`_norms` reads it for APOLLO: in float32 on the CPU (the summed
-    squares need it), as it is elsewhere (``vector_norm`` sums in float32)."""
+    """``x`` (an N or R stack of which only norms, or a small product, are taken: APOLLO's,
+    and Fira's along the data) as :func:`_norms` reads it: in float32 on the CPU (the
+    summed squares need it), as it is elsewhere (``vector_norm`` sums in float32)."""
     return x.float() if x.device.type == "cpu" else x
 
 
