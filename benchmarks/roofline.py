@@ -80,7 +80,9 @@ FUSED_ADAM = {"_fused_adam_": (0, 2, 3), "_fused_adamw_": (0, 2, 3)}
 WRITE_ONLY_ARGS = {"adam_directions_": frozenset({"outs"}), "mm_each_": frozenset({"outs"})}
 #: galore2's grouped matmuls: the arguments holding each entry's two factors and its output
 #: (whose dtype the product runs at: a float32 basis is rounded to a bf16 output's)
-LIST_MATMULS = {"mm_each_": ("As", "Bs", "outs"), "addmm_each_": ("As", "Bs", "ps")}
+LIST_MATMULS = {"mm_each_": ("As", "Bs", "outs"), "addmm_each_": ("As", "Bs", "ps"),
+                "addmm_scaled_each_": ("As", "Bs", "ps"),
+                "residual_norms_each": ("As", "Bs", "Gs")}  # fmt: skip
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
            torch.float64: "fp64"}  # fmt: skip
 #: the recipe configs whose widths and ranks are measured (rank 256, 1024)
