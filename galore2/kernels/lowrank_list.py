@@ -19,6 +19,12 @@ are not read (a projection into R's entries). A float32 operand of a bf16 produc
 stored fp32 basis against bf16 gradients or weights) is rounded to bf16 as its tiles are
 loaded: the bits of casting it first, without the cast's pass over the bases.
 
+:func:`addmm_scaled_list` is Fira's step along the data on the same launch: each weight
+``p_i ← β·p_i + α·(A_i @ B_i) + γ·G_i ⊙ f_i`` (the back-projection plus the scaled residual
+term; G_i the gradient, f a float32 stack of per-row, per-column or per-matrix factors), the
+epilogue reading G's tile and f's entries once (the tile function's ``SCALED`` term; the
+gradients' offsets a fifth list of the table).
+
 Called through galore2's custom ops (:mod:`galore2.kernels.ops_lowrank`), which run the
 torch path elsewhere (one ``mm`` / ``addmm_`` per entry: the same products up to summation
 order). Not while a CUDA graph is captured (the table's copy): the ops launch per entry.

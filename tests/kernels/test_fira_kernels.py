@@ -247,3 +247,35 @@ def test_residual_norms_refuse_what_they_do_not_take():
         with pytest.raises(ValueError, match=f"residual_norms_list: .*{match}"):
             RL.residual_norms_list(args[0], args[1], args[2], -1.0, args[3], args[4])
         assert bool(out.isnan().all())
+
+
+def test_fp16_gradients(launches):
+    """fp16 gradients: upcast in the scaled term of float32 weights, and the residual's
+    operands in fp16 (its products exact in float32), within the bounds above."""
+    m, n, r = 67, 45, 13
+    ps, _ = _matrices(m, n, torch.float32, "stack", seed=41)
+    Gs, _ = _matrices(m, n, torch.float16, "separate_t", seed=42)
+    small = torch.randn(K, r, n, generator=_gen(43), dtype=torch.float64)
+    As, Bs = _operands("left", m, n, r, small, torch.float32, seed=44)
+    factor = _factor("column", m, n, seed=45)
+    terms = [(p.double(), -0.5 * (a.double() @ b.double()), 0.25 * g.double() * f.double())
+             for p, a, b, g, f in zip(ps, As, Bs, Gs, factor, strict=True)]  # fmt: skip
+    mags = [p.abs() + 0.5 * (a.double().abs() @ b.double().abs()) + y.abs()
+            for (p, _, y), a, b in zip(terms, As, Bs, strict=True)]  # fmt: skip
+    L.addmm_scaled_list(ps, As, Bs, Gs, factor, alpha=-0.5, beta=1.0, gamma=0.25)
+    for got, (p, x, y), mag in zip(ps, terms, mags, strict=True):
+        ref = p + x + y
+        err = (r + 4) * U32 * mag
+        assert bool(((got.double() - ref).abs() <= err + U32 * (ref.abs() + err)).all())
+
+    As16, Bs16 = [a.half() for a in As], [b.half() for b in Bs]
+    out = torch.empty(K, m, 1, device=DEVICE)
+    RL.residual_norms_list(Gs, As16, Bs16, -1.0, 1, out)
+    assert len(launches) == 2
+    for g, a, b, got in zip(Gs, As16, Bs16, out, strict=True):
+        a64, b64 = a.double(), b.double()
+        ref = torch.linalg.vector_norm(g.double() - a64 @ b64, dim=1, keepdim=True)
+        elem = (r + 2) * U32 * (g.double().abs() + a64.abs() @ b64.abs())
+        spread = torch.linalg.vector_norm(elem, dim=1, keepdim=True)
+        tol = spread + (n + 2) * U32 * (ref + spread)
+        assert bool(((got.double() - ref).abs() <= tol).all())
