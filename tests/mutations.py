@@ -1257,7 +1257,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/kernels/test_lowrank_list.py::test_a_float32_operand_is_rounded_as_it_is_read",),
         "a float32 basis read by the grouped kernel is rounded to bf16 by the interpreter's "
         "cast (truncation), not to nearest: not the bits of casting it first",
-        where="lowrank_tile",
+        where="tile_product",
     ),
     Mutation(
         "ops_lowrank_unrounded",

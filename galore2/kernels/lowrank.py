@@ -32,30 +32,18 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def lowrank_tile(
-    a_ptr, b_ptr, p_ptr, out_ptr, pid, M, N, K, s_am, s_ak, s_bk, s_bn, s_pm, s_pn, s_om,
-    s_on, alpha, beta, BETA_ZERO: tl.constexpr, PRECISION: tl.constexpr,
+def tile_product(
+    a_ptr, b_ptr, m0, n0, M, N, K, s_am, s_ak, s_bk, s_bn, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, A_BF16: tl.constexpr,
-    B_BF16: tl.constexpr,
+    BLOCK_K: tl.constexpr, A_BF16: tl.constexpr, B_BF16: tl.constexpr,
 ):  # fmt: skip
-    """Tile ``pid`` of ``out ← β·p + α·(A @ B)`` for one matrix (the kernel of one matrix,
-    and of each entry of :mod:`galore2.kernels.lowrank_list`'s grouped launch). ``A_BF16``
-    / ``B_BF16``: that operand is float32, rounded to bf16 as its tiles are loaded (what
-    casting it first gives, without the cast's pass)."""
-    # Grouped program order: GROUP_M consecutive row tiles walk the column tiles together.
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
-
+    """The float32 ``BLOCK_M × BLOCK_N`` tile of ``A @ B`` at rows ``m0…``, columns ``n0…``
+    (int32 origins), zero outside the M × N product: a K loop of ``tl.dot`` with fp32
+    accumulation. ``A_BF16`` / ``B_BF16``: that operand is float32, rounded to bf16 as its
+    tiles are loaded (what casting it first gives, without the cast's pass). ``UPCAST``:
+    16-bit tiles multiplied as float32 (the interpreter's, see :func:`lowrank_update`)."""
     # Scalar int64 tile origins plus int32 in-tile offsets: 64-bit addressing for large
-    # weights without 64-bit offset tensors (registers) in the loop and the epilogue.
-    m0 = pid_m * BLOCK_M
-    n0 = pid_n * BLOCK_N
+    # weights without 64-bit offset tensors (registers) in the loop.
     lm = tl.arange(0, BLOCK_M)
     ln = tl.arange(0, BLOCK_N)
     lk = tl.arange(0, BLOCK_K)
@@ -78,16 +66,69 @@ def lowrank_tile(
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K * s_ak
         b_ptrs += BLOCK_K * s_bk
+    return acc
 
+
+@triton.jit
+def lowrank_tile(
+    a_ptr, b_ptr, p_ptr, out_ptr, pid, M, N, K, s_am, s_ak, s_bk, s_bn, s_pm, s_pn, s_om,
+    s_on, alpha, beta, BETA_ZERO: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, A_BF16: tl.constexpr,
+    B_BF16: tl.constexpr, g_ptr, s_gm, s_gn, f_ptr, s_fm, s_fn, gamma,
+    SCALED: tl.constexpr, F_ROWS: tl.constexpr, F_COLS: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+):  # fmt: skip
+    """Tile ``pid`` of ``out ← β·p + α·(A @ B)`` for one matrix (the kernel of one matrix,
+    and of each entry of :mod:`galore2.kernels.lowrank_list`'s grouped launch); the product
+    by :func:`tile_product`.
+
+    ``SCALED``: plus ``γ·g ⊙ f`` (Fira's scaled residual term), g an M × N tile read by its
+    strides (any float dtype, upcast), f float32 broadcast over the matrix — one per row
+    (``F_ROWS``, stride ``s_fm``), per column (``F_COLS``, stride ``s_fn``) or one value —
+    all in float32 and rounded once to out's dtype; ``RNE_BF16``: that rounding to bf16 by
+    :func:`~galore2.kernels.rounding.to_bf16` (the interpreter's cast truncates). Without
+    ``SCALED`` the g / f arguments are not read (callers pass any pointer there)."""
+    # Grouped program order: GROUP_M consecutive row tiles walk the column tiles together.
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    acc = tile_product(a_ptr, b_ptr, m0, n0, M, N, K, s_am, s_ak, s_bk, s_bn, PRECISION,
+                       UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, A_BF16, B_BF16)  # fmt: skip
+
+    lm = tl.arange(0, BLOCK_M)
+    ln = tl.arange(0, BLOCK_N)
+    m_ok = (m0 + lm) < M
+    n_ok = (n0 + ln) < N
     mask = m_ok[:, None] & n_ok[None, :]
     res = alpha * acc
     if not BETA_ZERO:
         p_tile = p_ptr + m0.to(tl.int64) * s_pm + n0.to(tl.int64) * s_pn
         p = tl.load(p_tile + (lm[:, None] * s_pm + ln[None, :] * s_pn), mask=mask, other=0.0)
         res = res + beta * p.to(tl.float32)
+    if SCALED:
+        g_tile = g_ptr + m0.to(tl.int64) * s_gm + n0.to(tl.int64) * s_gn
+        g = tl.load(g_tile + (lm[:, None] * s_gm + ln[None, :] * s_gn), mask=mask, other=0.0)
+        if F_ROWS:
+            f = tl.load(f_ptr + m0.to(tl.int64) * s_fm + lm * s_fm, mask=m_ok, other=0.0)[:, None]
+        elif F_COLS:
+            f = tl.load(f_ptr + n0.to(tl.int64) * s_fn + ln * s_fn, mask=n_ok, other=0.0)[None, :]
+        else:
+            f = tl.load(f_ptr)
+        res = res + (gamma * g.to(tl.float32)) * f
     o_tile = out_ptr + m0.to(tl.int64) * s_om + n0.to(tl.int64) * s_on
     o_ptrs = o_tile + (lm[:, None] * s_om + ln[None, :] * s_on)
-    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask)
+    if RNE_BF16:
+        tl.store(o_ptrs, to_bf16(res), mask=mask)
+    else:
+        tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -99,7 +140,8 @@ def _lowrank_update_kernel(
 ):  # fmt: skip
     lowrank_tile(a_ptr, b_ptr, p_ptr, out_ptr, tl.program_id(0), M, N, K, s_am, s_ak, s_bk,
                  s_bn, s_pm, s_pn, s_om, s_on, alpha, beta, BETA_ZERO, PRECISION, UPCAST,
-                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, False)  # fmt: skip
+                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, False, p_ptr, 0, 0, p_ptr, 0, 0,
+                 0.0, False, False, False, False)  # fmt: skip
 
 
 def matmul_precision(dtype: torch.dtype) -> str | None:

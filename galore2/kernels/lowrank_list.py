@@ -19,6 +19,12 @@ are not read (a projection into R's entries). A float32 operand of a bf16 produc
 stored fp32 basis against bf16 gradients or weights) is rounded to bf16 as its tiles are
 loaded: the bits of casting it first, without the cast's pass over the bases.
 
+:func:`addmm_scaled_list` is Fira's step along the data on the same launch: each weight
+``p_i ← β·p_i + α·(A_i @ B_i) + γ·G_i ⊙ f_i`` (the back-projection plus the scaled residual
+term; G_i the gradient, f a float32 stack of per-row, per-column or per-matrix factors), the
+epilogue reading G's tile and f's entries once (the tile function's ``SCALED`` term; the
+gradients' offsets a fifth list of the table).
+
 Called through galore2's custom ops (:mod:`galore2.kernels.ops_lowrank`), which run the
 torch path elsewhere (one ``mm`` / ``addmm_`` per entry: the same products up to summation
 order). Not while a CUDA graph is captured (the table's copy): the ops launch per entry.
@@ -41,11 +47,15 @@ from .tables import capturing, kept, upload
 @triton.jit
 def _lowrank_list_kernel(
     a_ptr, b_ptr, p_ptr, out_ptr, table, count, tiles, M, N, K, s_am, s_ak, s_bk, s_bn, s_pm,
-    s_pn, s_om, s_on, alpha, beta, keep_ptr, at_ptr, BETA_ZERO: tl.constexpr,
-    HAS_KEEP: tl.constexpr, HAS_AT: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, A_BF16: tl.constexpr, B_BF16: tl.constexpr,
+    s_pn, s_om, s_on, alpha, beta, keep_ptr, at_ptr, g_ptr, s_gm, s_gn, f_ptr, s_fe, s_fm,
+    s_fn, gamma, BETA_ZERO: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_AT: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    A_BF16: tl.constexpr, B_BF16: tl.constexpr, SCALED: tl.constexpr,
+    F_ROWS: tl.constexpr, F_COLS: tl.constexpr, RNE_BF16: tl.constexpr,
 ):  # fmt: skip
+    """Tile ``pid % tiles`` of entry ``pid // tiles``; ``SCALED``: plus ``γ·G ⊙ f`` (G's
+    offsets the table's fifth list, f the factor stack's entry e)."""
     pid = tl.program_id(0)
     e = pid // tiles
     if HAS_KEEP:  # a constexpr branch: no load without flags
@@ -59,10 +69,16 @@ def _lowrank_list_kernel(
     b_off = tl.load(table + count + e)
     p_off = tl.load(table + 2 * count + e)
     o_off = tl.load(table + 3 * count + e)
+    g_entry = g_ptr
+    f_entry = f_ptr
+    if SCALED:
+        g_entry = g_ptr + tl.load(table + 4 * count + e)
+        f_entry = f_ptr + e.to(tl.int64) * s_fe
     lowrank_tile(a_ptr + a_off, b_ptr + b_off, p_ptr + p_off, out_ptr + o_off, pid % tiles,
                  M, N, K, s_am, s_ak, s_bk, s_bn, s_pm, s_pn, s_om, s_on, alpha, beta,
                  BETA_ZERO, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, A_BF16,
-                 B_BF16)  # fmt: skip
+                 B_BF16, g_entry, s_gm, s_gn, f_entry, s_fm, s_fn, gamma, SCALED, F_ROWS,
+                 F_COLS, RNE_BF16)  # fmt: skip
 
 
 #: in ``GALORE2_KERNELS=auto`` (then every shape batch goes along the data on it where it
@@ -110,8 +126,12 @@ def supported_list(
 
 def _table(lists: tuple[list[Tensor], ...]) -> Tensor:
     """The element offsets of each entry from the first's, list by list (see the module
-    docstring), on the first tensor's device (kept while the tensors stay where they are)."""
-    addresses = [t.data_ptr() for ts in lists for t in ts]
+    docstring), on the first tensor's device (kept while the tensors stay where they are).
+    Kept by the lists' count, element sizes and addresses: the same tensors as 4 lists
+    (:func:`lowrank_list`) or 5 (:func:`addmm_scaled_list`), or in another dtype, are other
+    offsets."""
+    sizes = [ts[0].element_size() for ts in lists]
+    addresses = [len(lists), *sizes, *(t.data_ptr() for ts in lists for t in ts)]
 
     def make() -> Tensor:
         values = []
@@ -157,14 +177,100 @@ def lowrank_list(
         _lowrank_list_kernel[(tiles * len(outs),)](
             a, b, p, o, table, len(outs), tiles, M, N, K, a.stride(0), a.stride(1),
             b.stride(0), b.stride(1), p.stride(0), p.stride(1), o.stride(0), o.stride(1),
-            alpha, beta, flags, at, BETA_ZERO=beta == 0, HAS_KEEP=keep is not None,
-            HAS_AT=keep_at is not None, PRECISION=precision,
+            alpha, beta, flags, at, o, 0, 0, o, 0, 0, 0, 0.0, BETA_ZERO=beta == 0,
+            HAS_KEEP=keep is not None, HAS_AT=keep_at is not None, PRECISION=precision,
             # the interpreter multiplies bf16 as raw integers (see lowrank_update)
             UPCAST=o.dtype != torch.float32 and o.device.type == "cpu",
-            GROUP_M=8, A_BF16=a.dtype != o.dtype, B_BF16=b.dtype != o.dtype,
-            enable_fp_fusion=True, **cfg,
+            GROUP_M=8, A_BF16=a.dtype != o.dtype, B_BF16=b.dtype != o.dtype, SCALED=False,
+            F_ROWS=False, F_COLS=False, RNE_BF16=False, enable_fp_fusion=True, **cfg,
         )  # fmt: skip
     return True
 
 
-__all__ = ["lowrank_list", "supported_list"]
+def _scaled_problem(
+    ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], Gs: list[Tensor], factor: Tensor
+) -> str | None:  # fmt: skip
+    """Why :func:`addmm_scaled_list` does not take these (None when it does)."""
+    if not supported_list(ps, ps, As, Bs):
+        return (
+            "ps, As and Bs must be lists of one length (2 or more) of non-empty 2-D tensors "
+            "on one device as lowrank_list takes them (ps of one dtype among "
+            f"{DTYPES}, As and Bs of ps' dtype or float32 for bf16 ps, each list's entries of "
+            "one shape and strides, A @ B of p's shape), outside a CUDA graph's capture"
+        )
+    p, k = ps[0], len(ps)
+    if len({t.data_ptr() for t in ps}) != k:
+        return "ps must be distinct tensors (each is written once)"
+    if not (isinstance(Gs, (list, tuple)) and len(Gs) == k and isinstance(Gs[0], Tensor)):
+        return f"Gs must be a list of {k} tensors"
+    g = Gs[0]
+    if g.dtype not in DTYPES or g.shape != p.shape or g.device != p.device or not _same(Gs, g):
+        return (
+            f"Gs must be {k} tensors of ps' shape {tuple(p.shape)} on {p.device}, of one "
+            f"dtype among {DTYPES} and one strides"
+        )
+    if any(t.dtype != g.dtype or t.device != g.device for t in Gs):
+        return "Gs must share one dtype and device"
+    m, n = p.shape
+    shapes = ((k, 1, n), (k, m, 1), (k, 1, 1))
+    if not (isinstance(factor, Tensor) and factor.dtype == torch.float32
+            and factor.device == p.device and tuple(factor.shape) in shapes):  # fmt: skip
+        got = (f"{factor.dtype} {tuple(factor.shape)} on {factor.device}"
+               if isinstance(factor, Tensor) else type(factor).__name__)  # fmt: skip
+        return (f"factor must be a float32 tensor of shape {shapes[0]}, {shapes[1]} or "
+                f"{shapes[2]} on {p.device}, got {got}")  # fmt: skip
+    if not small_strides(g, factor):
+        return "strides of 2**24 elements or more are not supported"
+    return None
+
+
+def supported_scaled_list(
+    ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], Gs: list[Tensor], factor: Tensor
+) -> bool:  # fmt: skip
+    """What :func:`addmm_scaled_list` takes: ps, As and Bs as :func:`supported_list` takes
+    them for an in-place update (ps distinct); Gs as many tensors of ps' shape on their
+    device, of one dtype in :data:`~galore2.kernels.lowrank.DTYPES` and one strides;
+    ``factor`` a float32 tensor of shape (k, 1, n), (k, m, 1) or (k, 1, 1) there (any
+    strides); strides below 2**24 elements."""
+    return _scaled_problem(ps, As, Bs, Gs, factor) is None
+
+
+def addmm_scaled_list(
+    ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], Gs: list[Tensor], factor: Tensor,
+    *, alpha: float, beta: float, gamma: float,
+) -> bool:  # fmt: skip
+    """``ps[i] ← beta·ps[i] + alpha·(As[i] @ Bs[i]) + gamma·Gs[i] ⊙ factor[i]`` in place for
+    every i in one launch (Fira's step along the data: the back-projection plus the scaled
+    residual term), formed in float32 (the product accumulated in fp32) and rounded once to
+    ps' dtype; with ``beta == 0`` the ps are not read. The inputs as
+    :func:`supported_scaled_list` takes them (a ValueError naming what is wrong otherwise,
+    before anything is written). CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``.
+    Returns True (it ran)."""
+    problem = _scaled_problem(ps, As, Bs, Gs, factor)
+    if problem is not None:
+        raise ValueError(f"addmm_scaled_list: {problem}")
+    p, a, b, g = ps[0], As[0], Bs[0], Gs[0]
+    M, K = a.shape
+    N = b.shape[1]
+    precision = matmul_precision(p.dtype)
+    cfg = config(p.dtype, precision)
+    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    table = _table((As, Bs, ps, ps, Gs))
+    interpreted = p.device.type == "cpu"
+    with launch_device(p):
+        _lowrank_list_kernel[(tiles * len(ps),)](
+            a, b, p, p, table, len(ps), tiles, M, N, K, a.stride(0), a.stride(1),
+            b.stride(0), b.stride(1), p.stride(0), p.stride(1), p.stride(0), p.stride(1),
+            float(alpha), float(beta), table, table, g, g.stride(0), g.stride(1), factor,
+            factor.stride(0), factor.stride(1), factor.stride(2), float(gamma),
+            BETA_ZERO=beta == 0, HAS_KEEP=False, HAS_AT=False, PRECISION=precision,
+            # the interpreter multiplies bf16 as raw integers (see lowrank_update)
+            UPCAST=p.dtype != torch.float32 and interpreted, GROUP_M=8,
+            A_BF16=a.dtype != p.dtype, B_BF16=b.dtype != p.dtype, SCALED=True,
+            F_ROWS=factor.shape[1] != 1, F_COLS=factor.shape[2] != 1,
+            RNE_BF16=p.dtype == torch.bfloat16 and interpreted, enable_fp_fusion=True, **cfg,
+        )  # fmt: skip
+    return True
+
+
+__all__ = ["addmm_scaled_list", "lowrank_list", "supported_list", "supported_scaled_list"]
