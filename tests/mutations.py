@@ -1231,13 +1231,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "lowrank_list_stale_table",
-        "galore2/kernels/lowrank_list.py",
-        'kept(("lowrank_list", *addresses)',
-        'kept(("lowrank_list", len(addresses))',
+        "galore2/kernels/tables.py",
+        "return kept((name, len(lists), *sizes, *addresses), device, make)",
+        "return kept((name, len(addresses)), device, make)",
         ("tests/kernels/test_lowrank_list.py::test_a_moved_list_gets_a_new_table",),
-        "the grouped matmuls' table is kept by the list's length alone: gradients that "
+        "the list kernels' tables are kept by the lists' length alone: gradients that "
         "moved are read at the old addresses",
-        where="_table",
+        where="offsets",
     ),
     Mutation(
         "lowrank_list_first_entry",
@@ -1454,12 +1454,12 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "scaled_table_by_address_only",
-        "galore2/kernels/scaled_list.py",
-        "return kept((name, *sizes, *addresses), device, make)",
-        "return kept((name, *addresses), device, make)",
+        "galore2/kernels/tables.py",
+        "return kept((name, len(lists), *sizes, *addresses), device, make)",
+        "return kept((name, len(lists), *addresses), device, make)",
         ("tests/kernels/test_scaled_list.py",),
         "a kept offsets table reused for tensors of another element size at the same addresses",
-        where="_table",
+        where="offsets",
     ),
     Mutation(
         "fira_x_sign",
@@ -1488,6 +1488,43 @@ MUTATIONS: tuple[Mutation, ...] = (
         "Fira's updates along the data applied per weight (an addmm_ and an addcmul_ each), "
         "not one grouped launch per shape batch",
         where="_residual_lists",
+    ),
+    Mutation(
+        "scaled_epilogue_without_gamma",
+        "galore2/kernels/lowrank.py",
+        "res = res + (gamma * g.to(tl.float32)) * f",
+        "res = res + g.to(tl.float32) * f",
+        ("tests/kernels/test_fira_kernels.py",),
+        "the grouped back-projection adds the scaled gradient without its coefficient γ "
+        "(−lr): Fira's residual at the wrong scale",
+        where="lowrank_tile",
+    ),
+    Mutation(
+        "scaled_epilogue_first_gradient",
+        "galore2/kernels/lowrank_list.py",
+        "g_entry = g_ptr + tl.load(table + 4 * count + e)",
+        "g_entry = g_ptr + tl.load(table + 4 * count)",
+        ("tests/kernels/test_fira_kernels.py",),
+        "every weight of a shape batch takes the first matrix's scaled gradient",
+        where="_lowrank_list_kernel",
+    ),
+    Mutation(
+        "scaled_epilogue_first_factor",
+        "galore2/kernels/lowrank_list.py",
+        "f_entry = f_ptr + e.to(tl.int64) * s_fe",
+        "f_entry = f_ptr",
+        ("tests/kernels/test_fira_kernels.py",),
+        "every weight of a shape batch takes the first matrix's scaling factors",
+        where="_lowrank_list_kernel",
+    ),
+    Mutation(
+        "residual_norms_of_the_difference",
+        "galore2/kernels/residual_list.py",
+        "x = g + c * prod",
+        "x = g - prod",
+        ("tests/kernels/test_fira_kernels.py",),
+        "the residual kernel ignores its coefficient ('fira_reference': G − α·P·R)",
+        where="_residual_norms_kernel",
     ),
 )
 

@@ -10,6 +10,10 @@
 * :mod:`galore2.kernels.scaled_list` — a shape batch's gradients scaled into their weights
   (APOLLO along the data) and their channel norms, one launch each: the custom ops
   ``galore2::scaled_add_each_`` / ``channel_norms_each`` of :mod:`galore2.kernels.ops_scaled`.
+* :mod:`galore2.kernels.residual_list` — the channel norms of Fira's residuals G − P·R of a
+  shape batch, tile by tile, never made (``galore2::residual_norms_each``); its update
+  P·X + G ⊙ φ is ``lowrank_list``'s grouped matmul with the scaled gradient in its epilogue
+  (``galore2::addmm_scaled_each_`` of :mod:`galore2.kernels.ops_lowrank`).
 * :mod:`galore2.kernels.hadamard` — the blockwise random Hadamard rotation of quantized
   bases (``rotate`` / ``unrotate``).
 * :mod:`galore2.kernels.adamw` — AdamW of a bf16 weight with float32 moments in one pass

@@ -41,7 +41,7 @@ from .dispatch import launch_device
 from .keep import keeps, pointer, positions
 from .lowrank import DTYPES, config, lowrank_tile, matmul_precision, small_strides
 from .ops_lowrank import operand_dtypes
-from .tables import capturing, kept, upload
+from .tables import capturing, offsets
 
 
 @triton.jit
@@ -124,29 +124,6 @@ def supported_list(
     )
 
 
-def _table(lists: tuple[list[Tensor], ...]) -> Tensor:
-    """The element offsets of each entry from the first's, list by list (see the module
-    docstring), on the first tensor's device (kept while the tensors stay where they are).
-    Kept by the lists' count, element sizes and addresses: the same tensors as 4 lists
-    (:func:`lowrank_list`) or 5 (:func:`addmm_scaled_list`), or in another dtype, are other
-    offsets."""
-    sizes = [ts[0].element_size() for ts in lists]
-    addresses = [len(lists), *sizes, *(t.data_ptr() for ts in lists for t in ts)]
-
-    def make() -> Tensor:
-        values = []
-        for ts in lists:
-            base, size = ts[0].data_ptr(), ts[0].element_size()
-            for t in ts:
-                delta = t.data_ptr() - base
-                if delta % size:
-                    raise ValueError("lowrank_list: an entry is not aligned to its dtype's size")
-                values.append(delta // size)
-        return upload(values, lists[0][0].device)
-
-    return kept(("lowrank_list", *addresses), lists[0][0].device, make)
-
-
 def lowrank_list(
     outs: list[Tensor], ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], *,
     alpha: float, beta: float, keep: Tensor | None = None, keep_at: list[int] | None = None,
@@ -170,7 +147,7 @@ def lowrank_list(
     precision = matmul_precision(o.dtype)
     cfg = config(o.dtype, precision)
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
-    table = _table((As, Bs, ps, outs))
+    table = offsets("lowrank_list", (As, Bs, ps, outs))
     flags, _ = pointer(keep, table)
     at = table if keep_at is None else positions(keep_at, o.device)
     with launch_device(o):
@@ -255,7 +232,7 @@ def addmm_scaled_list(
     precision = matmul_precision(p.dtype)
     cfg = config(p.dtype, precision)
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
-    table = _table((As, Bs, ps, ps, Gs))
+    table = offsets("lowrank_list", (As, Bs, ps, ps, Gs))
     interpreted = p.device.type == "cpu"
     with launch_device(p):
         _lowrank_list_kernel[(tiles * len(ps),)](

@@ -32,7 +32,8 @@ from torch import Tensor
 
 from .dispatch import launch_device
 from .lowrank import matmul_precision, small_strides, tile_product
-from .lowrank_list import _table, supported_list
+from .lowrank_list import supported_list
+from .tables import offsets
 
 #: in ``GALORE2_KERNELS=auto``: one launch per shape batch where the torch path forms each
 #: residual (a matmul and a norm per matrix); written and tested under the interpreter, not
@@ -146,7 +147,7 @@ def residual_norms_list(
     precision = matmul_precision(g.dtype)
     cfg = config(g.dtype, precision)
     tiles = triton.cdiv(C, cfg["BLOCK_C"])
-    table = _table((first, second, Gs))
+    table = offsets("residual_list", (first, second, Gs))
     with launch_device(g):
         _residual_norms_kernel[(tiles * len(Gs),)](
             first[0], second[0], g, table, out, len(Gs), tiles, R, C, K, s_ar, s_ak, s_bk,

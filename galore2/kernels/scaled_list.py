@@ -45,7 +45,7 @@ from torch import Tensor
 from .dispatch import launch_device
 from .lowrank import DTYPES, small_strides
 from .rounding import to_bf16
-from .tables import capturing, kept, upload
+from .tables import capturing, offsets
 
 #: tile sizes (fixed, no autotune): square tiles, so that either layout of a matrix has
 #: 64 consecutive elements along its contiguous dimension
@@ -223,27 +223,6 @@ def supported_scaled(ps: list[Tensor], Gs: list[Tensor], factor: Tensor) -> bool
     return _scaled_problem(ps, Gs, factor) is None
 
 
-def _table(name: str, lists: tuple[Sequence[Tensor], ...]) -> Tensor:
-    """The element offsets of each entry from its list's first, list by list, on the first
-    tensor's device; kept by the addresses and element sizes it is computed from."""
-    sizes = [ts[0].element_size() for ts in lists]
-    addresses = [t.data_ptr() for ts in lists for t in ts]
-    device = lists[0][0].device
-
-    def make() -> Tensor:
-        values = []
-        for ts, size in zip(lists, sizes, strict=True):
-            base = ts[0].data_ptr()
-            for t in ts:
-                delta = t.data_ptr() - base
-                if delta % size:
-                    raise ValueError(f"{name}: an entry is not aligned to its dtype's size")
-                values.append(delta // size)
-        return upload(values, device)
-
-    return kept((name, *sizes, *addresses), device, make)
-
-
 def channel_norms_list(Gs: list[Tensor], dim: int, out: Tensor) -> bool:
     """``out[i] ← ‖Gs[i]‖₂`` along ``dim`` (keepdim; squares summed in float32) for every i in
     one launch: per column for ``dim=0`` (``out`` k × 1 × n), per row for ``dim=1``
@@ -258,7 +237,7 @@ def channel_norms_list(Gs: list[Tensor], dim: int, out: Tensor) -> bool:
     s_r, s_c = g.stride() if dim == 0 else g.stride()[::-1]
     s_oc = out.stride(2) if dim == 0 else out.stride(1)
     tiles = triton.cdiv(C, BLOCK)
-    table = _table("channel_norms_list", (Gs,))
+    table = offsets("channel_norms_list", (Gs,))
     with launch_device(g):
         _norms_kernel[(tiles * len(Gs),)](
             g, table, out, tiles, R, C, s_r, s_c, out.stride(0), s_oc, BLOCK_R=BLOCK,
@@ -283,7 +262,7 @@ def scaled_add_list(
     M, N = p.shape
     tiles_n = triton.cdiv(N, BLOCK)
     tiles = triton.cdiv(M, BLOCK) * tiles_n
-    table = _table("scaled_add_list", (ps, Gs))
+    table = offsets("scaled_add_list", (ps, Gs))
     f_rows, f_cols = factor.shape[1] != 1, factor.shape[2] != 1
     with launch_device(p):
         _scaled_kernel[(tiles * len(ps),)](

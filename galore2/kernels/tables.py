@@ -59,9 +59,33 @@ def upload(
     return host.to(device, non_blocking=True)
 
 
+def offsets(name: str, lists: Sequence[Sequence[Tensor]]) -> Tensor:
+    """The table of a list kernel (``name``, for its errors and its key): each entry's
+    element offset from its list's first entry, list by list, on the first tensor's device
+    (int64). Kept (:func:`kept`) by the lists' count, element sizes and addresses: the same
+    tensors at the same places reuse it; moved ones, another number of lists or the same
+    bytes read as another dtype get their own."""
+    sizes = [ts[0].element_size() for ts in lists]
+    addresses = [t.data_ptr() for ts in lists for t in ts]
+    device = lists[0][0].device
+
+    def make() -> Tensor:
+        values = []
+        for ts, size in zip(lists, sizes, strict=True):
+            base = ts[0].data_ptr()
+            for t in ts:
+                delta = t.data_ptr() - base
+                if delta % size:
+                    raise ValueError(f"{name}: an entry is not aligned to its dtype's size")
+                values.append(delta // size)
+        return upload(values, device)
+
+    return kept((name, len(lists), *sizes, *addresses), device, make)
+
+
 def clear() -> None:
     """Forget every kept table (tests)."""
     _TABLES.clear()
 
 
-__all__ = ["KEPT", "capturing", "clear", "kept", "upload"]
+__all__ = ["KEPT", "capturing", "clear", "kept", "offsets", "upload"]

@@ -327,8 +327,9 @@ def test_scaled_refuses_what_it_does_not_take(case):
     assert all(torch.equal(p, b) for p, b in zip(ps, before, strict=True))
 
 
-def _apollo_run(steps: int, monkeypatch, mode: str, scale_type: str) -> list[torch.Tensor]:
-    """APOLLO (limiter on) on two shape batches of both orientations, ``foreach=True``."""
+def _run(steps: int, monkeypatch, mode: str, preset: str, **group) -> list[torch.Tensor]:
+    """APOLLO or Fira (limiter on) on two shape batches of both orientations,
+    ``foreach=True``."""
     import warnings
 
     import galore2
@@ -338,8 +339,8 @@ def _apollo_run(steps: int, monkeypatch, mode: str, scale_type: str) -> list[tor
     g = torch.Generator().manual_seed(5)
     shapes = [(40, 24), (40, 24), (24, 56), (24, 56)]
     ws = [torch.nn.Parameter(torch.randn(s, generator=g).to(DEVICE)) for s in shapes]
-    opt = galore2.APOLLO(
-        [{"params": ws, "rank": 4, "update_proj_gap": 100, "scale_type": scale_type}],
+    opt = getattr(galore2, preset)(
+        [{"params": ws, "rank": 4, "update_proj_gap": 100, **group}],
         lr=5e-2, weight_decay=0.1, foreach=True,
     )  # fmt: skip
     gg = torch.Generator().manual_seed(6)
@@ -352,30 +353,51 @@ def _apollo_run(steps: int, monkeypatch, mode: str, scale_type: str) -> list[tor
     return [w.detach() for w in ws]
 
 
-@pytest.mark.parametrize("scale_type", ["channel", "tensor"])
-def test_apollo_goes_along_the_data_on_the_grouped_kernels(scale_type, monkeypatch):
-    """Where the grouped kernels run, APOLLO's shape batches go along the data: at each
-    non-refresh step each batch's channel norms and scaled update are one launch each
-    (2 batches × 3 steps after the refresh; the refresh step's updates, of gradients it
-    stacked, are applied per shape by one launch too), and the weights match the torch path along
-    the data (per matrix ``vector_norm``, ``mul_``, ``addcmul_``) within float32's
-    rounding of the reordered sums (4 steps of lr 5e-2 on weights of magnitude ~3)."""
+#: (preset, group options, the kernel functions its batches launch along the data)
+ALONG = {
+    "apollo_channel": ("APOLLO", {"scale_type": "channel"},
+                       (("scaled_list", "channel_norms_list"), ("scaled_list", "scaled_add_list"))),
+    "apollo_tensor": ("APOLLO", {"scale_type": "tensor"},
+                      (("scaled_list", "channel_norms_list"), ("scaled_list", "scaled_add_list"))),
+    "fira": ("Fira", {}, (("residual_list", "residual_norms_list"),
+                          ("lowrank_list", "addmm_scaled_list"))),
+    "fira_reference": ("Fira", {"residual": "fira_reference", "scale": 0.5},
+                       (("residual_list", "residual_norms_list"),
+                        ("lowrank_list", "addmm_scaled_list"))),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(ALONG))
+def test_along_the_data_on_the_grouped_kernels(case, monkeypatch):
+    """Where the grouped kernels run, APOLLO's and Fira's shape batches go along the data:
+    at each non-refresh step each batch's channel norms (of the gradients; Fira: of the
+    residuals, never made) and its update are one launch each (2 batches × 3 steps after
+    the refresh; APOLLO's refresh step applies its stacked updates per shape by one launch
+    too), and the weights match the torch path along the data (per matrix norms, ``mul_``
+    and ``addcmul_``, ``addmm_``) within float32's rounding of the reordered sums (4 steps
+    of lr 5e-2 on weights of magnitude ~3)."""
+    import importlib
+
     from galore2.optim import lowrank_batch
 
-    calls = {"channel_norms_list": 0, "scaled_add_list": 0}
-    for name in calls:
-        fn = getattr(S, name)
+    preset, group, kernels = ALONG[case]
+    calls = {name: 0 for _, name in kernels}
+    for module, name in kernels:
+        mod = importlib.import_module(f"galore2.kernels.{module}")
+        fn = getattr(mod, name)
 
         def counted(*args, _fn=fn, _name=name, **kwargs):
             calls[_name] += 1
             return _fn(*args, **kwargs)
 
-        monkeypatch.setattr(S, name, counted)
-    grouped = _apollo_run(4, monkeypatch, "triton", scale_type)
-    assert calls == {"channel_norms_list": 6, "scaled_add_list": 2 + 6}, calls
+        monkeypatch.setattr(mod, name, counted)
+    grouped = _run(4, monkeypatch, "triton", preset, **group)
+    refresh = 2 if preset == "APOLLO" else 0
+    norms, update = (name for _, name in kernels)
+    assert calls == {norms: 6, update: refresh + 6}, calls
     monkeypatch.setattr(lowrank_batch, "MIN_ALONG_DATA_ELEMENTS", 0)
-    along = _apollo_run(4, monkeypatch, "torch", scale_type)
-    start = _apollo_run(0, monkeypatch, "torch", scale_type)
+    along = _run(4, monkeypatch, "torch", preset, **group)
+    start = _run(0, monkeypatch, "torch", preset, **group)
     moved = max(float((a - s).abs().max()) for a, s in zip(along, start, strict=True))
     assert moved > 1e-2
     for a, b in zip(grouped, along, strict=True):
