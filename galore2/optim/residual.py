@@ -262,10 +262,10 @@ class Residual(NamedTuple):
         """One :class:`~galore2.core.transform.ResidualUpdate` per matrix (``shapes``: the
         weights'): the optimizer applies a shape batch's in one grouped launch
         (``galore2::addmm_scaled_each_``)."""
+        parts = zip(self.As, self.Bs, self.G, self.factor.unbind(0), shapes, strict=True)
         return [
             ResidualUpdate(LowRankUpdate(a, b, shape, self.scale), ScaledUpdate(g, f, shape))
-            for a, b, g, f, shape in zip(self.As, self.Bs, self.G, self.factor.unbind(0),
-                                         shapes, strict=True)  # fmt: skip
+            for a, b, g, f, shape in parts
         ]
 
 
