@@ -120,7 +120,12 @@ def test_installed_wheel_runs_every_optimizer_in_a_fresh_venv(dists, tmp_path):
     for name, result in report["optimizers"].items():
         assert result["finite"] and result["moved"], (name, result)
     assert "torch.uint8" in report["optimizers"]["GaLoreAdamW8bit"]["state_dtypes"]
-    # python -m galore2.plan config.json with the wheel alone: every preset's row, no recipe
+    # python -m galore2.plan config.json with the wheel alone, from a temporary folder: every
+    # preset's row, no recipe imported nor importable, the checkout not on sys.path
+    # (tests/plan/test_self_contained.py's fresh-process check, which is marked slow)
     from galore2.plan import OPTIMIZERS
 
-    assert report["planner"] == {"optimizers": list(OPTIMIZERS), "recipes_imported": []}
+    planner = report["planner"]
+    assert planner["optimizers"] == list(OPTIMIZERS) and all(b > 0 for b in planner["states"])
+    assert planner["recipes_imported"] == [] and planner["recipes_findable"] is False
+    assert not any(str(ROOT) == p.rstrip("/") for p in planner["path"])  # not the checkout

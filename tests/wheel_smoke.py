@@ -12,6 +12,7 @@ optimizers on a config.json written in a temporary folder.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import math
 
@@ -70,7 +71,8 @@ def smoke(name: str) -> dict:
 
 def planner() -> dict:
     """``python -m galore2.plan config.json`` in a temporary folder (the planner never
-    imports the recipe of a checkout): its rows, and whether ``recipes`` was imported."""
+    imports the recipe of a checkout): its rows' optimizers and state bytes, whether
+    ``recipes`` was imported or could be, and ``sys.path``."""
     import contextlib
     import io
     import os
@@ -94,7 +96,10 @@ def planner() -> dict:
     rows = json.loads(out.getvalue())["rows"]
     return {
         "optimizers": list(dict.fromkeys(r["optimizer"] for r in rows)),
+        "states": [r["state"] for r in rows],
         "recipes_imported": sorted(m for m in sys.modules if m.split(".")[0] == "recipes"),
+        "recipes_findable": importlib.util.find_spec("recipes") is not None,
+        "path": sys.path,
     }
 
 

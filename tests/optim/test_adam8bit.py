@@ -19,7 +19,8 @@ from galore2.storage import dynamic8
 
 from ..dist import spawn
 from ..fsdp import adam8bit_fsdp_cases
-from ..helpers import assert_f32_close, run_python
+from ..helpers import assert_f32_close
+from ..missing_backends import assert_ok
 
 # bitsandbytes' own tolerances for 8-bit blockwise Adam on fp32 tensors
 # (github.com/bitsandbytes-foundation/bitsandbytes, tests/test_optim.py::test_optimizer8bit,
@@ -575,18 +576,9 @@ def test_missing_bitsandbytes_raises_clear_import_error(monkeypatch):
 
 
 def test_import_galore2_without_bitsandbytes():
-    code = (
-        "import sys\n"
-        "sys.modules['bitsandbytes'] = None\n"
-        "import torch, galore2\n"
-        "p = torch.nn.Parameter(torch.randn(8, 12))\n"
-        "try:\n"
-        "    galore2.GaLoreAdamW8bit([p])\n"
-        "except ImportError as e:\n"
-        "    assert 'pip install bitsandbytes' in str(e), e\n"
-        "    print('ok')\n"
-    )
-    assert run_python(code).strip() == "ok"
+    """GaLoreAdamW8bit without bitsandbytes: an ImportError saying ``pip install
+    bitsandbytes`` (in tests/missing_backends.py's interpreter)."""
+    assert_ok("adam8bit")
 
 
 def test_fsdp2_matches_single_process():

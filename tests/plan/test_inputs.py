@@ -12,7 +12,7 @@ from galore2.plan import OPTIMIZERS, cli, configs
 from galore2.plan.units import parse_size
 from recipes import plan as recipe_plan
 
-from ..helpers import run_python
+from ..missing_backends import assert_ok
 from .conftest import SMALL, write
 
 
@@ -178,17 +178,8 @@ def test_a_config_folder_works_like_its_config_json(small, capsys):
 
 
 def test_the_planner_imports_without_optional_packages_and_names_what_is_missing():
-    code = (
-        "import sys\n"
-        "for name in ('transformers', 'matplotlib', 'bitsandbytes'):\n"
-        "    sys.modules[name] = None\n"
-        "import galore2.plan, galore2.plan.cli, galore2.plan.plot\n"
-        "from galore2.plan import OPTIMIZERS, state_pieces\n"
-        "from tests.helpers import TinyNet\n"
-        "try:\n"
-        "    state_pieces(OPTIMIZERS['galore_adamw8bit_int4'], TinyNet(), 'all-linear', {'rank': 2})\n"
-        "except ImportError as e:\n"
-        "    print(e)\n"
+    out = assert_ok("planner")  # transformers, matplotlib, bitsandbytes… missing
+    assert (
+        "need bitsandbytes" in out
+        and "--optimizers adamw,adamw_foreach,adamw8bit,galore_adamw," in out
     )
-    out = run_python(code)
-    assert "need bitsandbytes" in out and "--optimizers adamw,adamw_foreach,adamw8bit,galore_adamw," in out

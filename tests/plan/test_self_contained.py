@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import galore2
 from galore2.plan import OPTIMIZERS
 from galore2.presets import PRESETS
@@ -42,6 +44,11 @@ def _outside(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     return work, {**env, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"}
 
 
+# The default suite's check: tests/test_wheel.py::test_installed_wheel_runs_every_optimizer_in_a_
+# fresh_venv runs the same planner from a temporary folder with the installed wheel alone
+# (one row per preset with its state, recipes neither imported nor findable, the checkout not
+# on sys.path); this one, with the source tree linked in, is a second fresh interpreter.
+@pytest.mark.slow
 def test_the_planner_runs_from_a_temporary_folder_without_the_checkout(tmp_path):
     work, env = _outside(tmp_path)
     done = subprocess.run([sys.executable, "-c", CHECK], cwd=work, env=env, capture_output=True,

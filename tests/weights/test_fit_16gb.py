@@ -3,7 +3,11 @@ and a tiny run on the CPU (the figures need a CUDA device)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -21,12 +25,26 @@ def test_fit_16gb_runs_the_recipe_with_int8_weights_and_an_int4_basis():
     assert plain.model.weight_bits is None  # fit_24gb unchanged
 
 
-def test_tiny_fit_16gb_runs_on_cpu_with_the_planner_beside_it():
+def _planner_here(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """``planner_bytes``' command ``python -m recipes.plan ARGV`` run in this process (its
+    imports are warm here): the same ``recipes.plan.main`` on the same ARGV, its stdout."""
+    from recipes.plan import main as plan_main
+
+    assert cmd[:3] == [sys.executable, "-m", "recipes.plan"], cmd
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        plan_main(cmd[3:])
+    return subprocess.CompletedProcess(cmd, 0, out.getvalue(), "")
+
+
+def test_tiny_fit_16gb_runs_on_cpu_with_the_planner_beside_it(monkeypatch):
+    """fit_16gb's own flags on the tiny config: its run (``run_one``, what ``run_child``
+    runs in a fresh process; the child path itself: test_fit_24gb.py's tiny test) and its
+    planner row (``planner_bytes``' command, run here)."""
     _, seq, batch = fit_24gb.settings("tiny")[1]
-    r = fit_24gb.run_child("--config", "tiny", "--seq-len", str(seq), "--batch-size",
-                           str(batch), "--steps", "2", "--fit", "fit_16gb")  # fmt: skip
-    assert "error" not in r, r.get("stderr", r)
+    r = fit_24gb.run_one(["--config", "tiny", "--seq-len", str(seq), "--batch-size",
+                          str(batch), "--steps", "2", "--fit", "fit_16gb"])  # fmt: skip
     assert len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"])
+    monkeypatch.setattr(fit_24gb.subprocess, "run", _planner_here)
     plan = fit_24gb.planner_bytes("tiny", seq, batch, 15.0, "fit_16gb")
     assert plan["per_layer"] and plan["checkpointing"] and plan["fits"]
     # int8 codes + scales + one dequantization, below the bf16 weights (the planner's
