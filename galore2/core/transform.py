@@ -323,7 +323,7 @@ def run_chain(
     return out
 
 
-def dense(u: Tensor | LowRankUpdate | ScaledUpdate) -> Tensor:
+def dense(u: Tensor | LowRankUpdate | ScaledUpdate | ResidualUpdate) -> Tensor:
     """A direction as a dense tensor (a factored one is materialized)."""
     return u.dense() if isinstance(u, FACTORED) else u
 

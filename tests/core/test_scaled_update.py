@@ -10,7 +10,7 @@ import torch
 import galore2
 from galore2.core.apply import apply_masked, apply_update
 from galore2.core.masked import FlagBuffer
-from galore2.core.transform import ScaledUpdate, dense
+from galore2.core.transform import LowRankUpdate, ResidualUpdate, ScaledUpdate, dense
 
 FACTORS = {"column": (1, 48), "row": (64, 1), "matrix": (1, 1)}
 
@@ -83,6 +83,34 @@ def test_masked_apply_leaves_a_masked_weight_and_steps_the_other():
     flags.write(torch.tensor([False, True]), torch.tensor([True, False]), same=False)
     updates = [ScaledUpdate(G0, f0, p0.shape), ScaledUpdate(G1, f1, p1.shape)]
     apply_masked([p0, p1], updates, 0.25, flags, [0, 1], None)
+    assert torch.equal(p0, want0) and torch.equal(p1, want1)
+
+
+def _residual(m: int, n: int, seed: int) -> tuple[torch.Tensor, ResidualUpdate]:
+    g = torch.Generator().manual_seed(seed)
+    p, A, B, G = (torch.randn(s, generator=g) for s in ((m, n), (m, 2), (2, n), (m, n)))
+    f = torch.rand(1, n, generator=g)
+    return p, ResidualUpdate(LowRankUpdate(A, B, p.shape, 0.5), ScaledUpdate(G, f, p.shape))
+
+
+def test_a_residual_update_is_its_two_parts():
+    """Fira's update along the data, ``scale·A@B + G ⊙ f`` (ResidualUpdate): applied alone
+    (``p ← decay·p − lr·u``) and made dense, within float32's rounding of the float64
+    result; on the capturable path a masked parameter keeps its bits and the other gets
+    apply_update's."""
+    p, u = _residual(6, 5, 0)
+    low, high = u.low, u.scaled
+    want = 0.5 * low.A.double() @ low.B.double() + high.G.double() * high.factor.double()
+    torch.testing.assert_close(u.dense().double(), want, rtol=1e-6, atol=1e-6)
+    q = p.clone()
+    apply_update(q, u, 0.1, 0.9)
+    torch.testing.assert_close(q.double(), 0.9 * p.double() - 0.1 * want, rtol=1e-6, atol=1e-6)
+    (p0, u0), (p1, u1) = _residual(6, 5, 1), _residual(6, 5, 2)
+    want0, want1 = p0.clone(), p1.clone()
+    apply_update(want1, u1, 0.25, 1.0)
+    flags = FlagBuffer(2, torch.device("cpu"))
+    flags.write(torch.tensor([False, True]), torch.tensor([True, False]), same=False)
+    apply_masked([p0, p1], [u0, u1], 0.25, flags, [0, 1], None)
     assert torch.equal(p0, want0) and torch.equal(p1, want1)
 
 
