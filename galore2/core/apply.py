@@ -140,6 +140,8 @@ def _residual_lists(params: list[Tensor], updates: list[Update]) -> list[list[in
     gradient in its epilogue applies (``galore2::addmm_scaled_each_``): two or more whose
     low-rank parts :func:`_low_rank_lists` and scaled parts :func:`_scaled_lists` would
     group alike."""
+    if not any(isinstance(u, ResidualUpdate) for u in updates):
+        return []
     lows = [u.low if isinstance(u, ResidualUpdate) else None for u in updates]
     highs = [u.scaled if isinstance(u, ResidualUpdate) else None for u in updates]
     by_low = {i: n for n, idx in enumerate(_low_rank_lists(params, lows)) for i in idx}  # type: ignore[arg-type]

@@ -105,14 +105,14 @@ def use_triton(*tensors: Tensor) -> bool:
     if mode == "torch":
         return False
     cuda = all(t.device.type == "cuda" for t in tensors)
-    plain = not any(_is_distributed(t) for t in tensors)
-    if mode == "auto":
+    if mode == "auto":  # each test only where the last passed (a CPU call walks no list)
         return (
             cuda
-            and plain
+            and not any(_is_distributed(t) for t in tensors)
             and all(_capable(t.device.index or 0) for t in tensors)
             and triton_available()
         )
+    plain = not any(_is_distributed(t) for t in tensors)
     error = triton_import_error()
     if error is not None:
         raise RuntimeError(
