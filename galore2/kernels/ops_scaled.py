@@ -56,8 +56,9 @@ def _channel_norms(Gs: list[Tensor], dim: int) -> Tensor:
         )  # fmt: skip
         if done is not None:
             return out
-    for g, o in zip(Gs, out.unbind(0), strict=True):
-        torch.linalg.vector_norm(g, dim=dim, keepdim=True, dtype=torch.float32, out=o)
+    for g, o in zip(Gs, out.unbind(0), strict=True):  # float64 summed in float64, rounded
+        wide = torch.float32 if g.dtype != torch.float64 else None
+        o.copy_(torch.linalg.vector_norm(g, dim=dim, keepdim=True, dtype=wide))
     return out
 
 

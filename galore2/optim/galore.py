@@ -302,10 +302,7 @@ class GaLore(Transform):
     ) -> list[Tensor | None]:
         """R of each local matrix projected this step and not due for a refresh, kept for
         :meth:`update` / :meth:`update_many` (:func:`.lowrank_screen.screen`): the step's
-        non-finite test reads R instead of G; None for the rest. Fira's and APOLLO's updates
-        read G itself too: R = PᵀG (or G·Q) of a whole matrix is non-finite wherever G is
-        (a NaN or ±Inf entry of G makes its column of R — its row, for Q — NaN or ±Inf,
-        0·Inf included), so testing R skips every matrix testing G would."""
+        non-finite test reads R instead of G (Fira's and APOLLO's too); None for the rest."""
         if group["rank"] is None:
             return [None] * len(us)
         return lowrank_screen.screen(self, us, states, group, ctxs)

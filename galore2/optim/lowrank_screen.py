@@ -19,6 +19,11 @@ parameter was skipped: the lists lack it, their plan is another) what was kept i
 used, and the projections are made again as they were before the fold. The engine drops
 what is left at the end of the step (:meth:`Screen.clear`).
 
+Fira and APOLLO read G itself in their update, and are tested on R too: R = PᵀG (or G·Q)
+of a whole matrix is non-finite wherever G is (a NaN or ±Inf entry of G makes its column of
+R — its row, for Q — NaN or ±Inf, 0·Inf included), so testing R skips every matrix that
+testing G would (and, conservatively, one whose R overflowed).
+
 Memory: the batched path held every R of a group at once already (projected before the
 inner chain runs); the per-tensor path (the CPU default) now holds its group's R — r/m of
 its gradients — from the check until each matrix's update, where it held one at a time.

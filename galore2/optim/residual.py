@@ -401,8 +401,10 @@ def _summed_squares(x: Tensor, dim: int | tuple[int, int]) -> bool:
 def _for_norms(x: Tensor) -> Tensor:
     """``x`` (an N or R stack of which only norms, or a small product, are taken: APOLLO's,
     and Fira's along the data) as :func:`_norms` reads it: in float32 on the CPU (the
-    summed squares need it), as it is elsewhere (``vector_norm`` sums in float32)."""
-    return x.float() if x.device.type == "cpu" else x
+    summed squares need it) and from float64 (φ is float32 on every path), as it is
+    elsewhere (``vector_norm`` sums a 16-bit x in float32)."""
+    keep = x.device.type != "cpu" and x.dtype in _UP_TO_FP32
+    return x if keep else x.float()
 
 
 def _norms(x: Tensor, dim: int | tuple[int, int]) -> Tensor:

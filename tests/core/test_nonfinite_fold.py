@@ -44,19 +44,22 @@ STEPS = 5
 PATHS = [(False, False), (True, False), (False, True), (True, True)]  # (foreach, capturable)
 
 
-def _build(foreach: bool, capturable: bool, **options) -> tuple[dict, torch.optim.Optimizer]:
+def _build(
+    foreach: bool, capturable: bool, preset: str = "GaLoreAdamW", **options
+) -> tuple[dict, torch.optim.Optimizer]:  # fmt: skip
     gen = torch.Generator().manual_seed(11)
     params = {n: torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64))
               for n, s in SHAPES.items()}  # fmt: skip
+    low = {k: v for k, v in LOW.items() if preset != "APOLLO" or k != "projector"}
     groups = [
-        {"params": [params[n] for n in (*PROJECTED, "bias")], **LOW},
+        {"params": [params[n] for n in (*PROJECTED, "bias")], **low},
         {"params": [params["emb"]]},
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        opt = galore2.GaLoreAdamW(groups, lr=1e-2, weight_decay=0.1, foreach=foreach,
-                                  capturable=capturable, state_dtype="float64",
-                                  **options)  # fmt: skip
+        opt = getattr(galore2, preset)(groups, lr=1e-2, weight_decay=0.1, foreach=foreach,
+                                       capturable=capturable, state_dtype="float64",
+                                       **options)  # fmt: skip
     return params, opt
 
 
@@ -91,10 +94,15 @@ def _same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
     )
 
 
+@pytest.mark.parametrize("preset", ["GaLoreAdamW", "Fira", "APOLLO"])
 @pytest.mark.parametrize("foreach", [False, True])
-def test_projected_matrices_are_tested_on_their_projection(monkeypatch, foreach: bool) -> None:
+def test_projected_matrices_are_tested_on_their_projection(
+    monkeypatch, foreach: bool, preset: str
+) -> None:  # fmt: skip
     """What the check reads: every gradient on a refresh step (step 1), R of each projected
-    matrix on a non-refresh step (step 2), the full gradient of plain parameters always."""
+    matrix on a non-refresh step (step 2), the full gradient of plain parameters always —
+    for Fira and APOLLO too, whose updates read G itself (a non-finite G makes R
+    non-finite: :mod:`galore2.optim.lowrank_screen`)."""
     seen: list[list[tuple[int, ...]]] = []
     usable = nonfinite.usable
 
@@ -103,7 +111,7 @@ def test_projected_matrices_are_tested_on_their_projection(monkeypatch, foreach:
         return usable(grads, placements, dtype, batched)
 
     monkeypatch.setattr(nonfinite, "usable", spy)
-    params, opt = _build(foreach, False)
+    params, opt = _build(foreach, False, preset)
     full = [tuple(s) for s in SHAPES.values()]
     low = {"q": (16, 4), "k": (16, 4), "v": (16, 4), "up": (4, 20), "gate": (4, 20),
            "down": (20, 4)}  # fmt: skip
@@ -179,6 +187,23 @@ CASES = [
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("preset", ["Fira", "APOLLO"])
+@pytest.mark.parametrize("along", [False, True])
+@pytest.mark.parametrize(("bad", "at", "kind"), [("q", 2, "nan"), ("gate", 4, "inf")])
+def test_fira_and_apollo_skip_a_gradient_tested_on_its_projection(
+    monkeypatch, preset: str, along: bool, bad: str, at: int, kind: str
+) -> None:  # fmt: skip
+    """Fira and APOLLO, batched, their matrices tested on R (a NaN or −Inf in a member of
+    either shape batch on a non-refresh step), stacked or along the data: as
+    :func:`test_unusable_gradient_skipped_as_before` — that parameter untouched, the skip
+    counted, every other parameter bitwise as in the twin run without that gradient."""
+    from galore2.optim import lowrank_batch
+
+    if along:  # every shape batch along the data, as where the grouped kernels run
+        monkeypatch.setattr(lowrank_batch, "MIN_ALONG_DATA_ELEMENTS", 0)
+    _skipped_as_before(True, False, bad, at, kind, preset)
+
+
 @pytest.mark.parametrize(("foreach", "capturable"), PATHS)
 @pytest.mark.parametrize(("bad", "at", "kind"), CASES)
 def test_unusable_gradient_skipped_as_before(
@@ -190,8 +215,14 @@ def test_unusable_gradient_skipped_as_before(
     within :data:`RTOL`, see :func:`_same`). The skips are
     read after each step (with ``capturable=True`` that read sets GaLore's host step counter
     of a masked matrix back, see :mod:`galore2.core.nonfinite`)."""
-    params, opt = _build(foreach, capturable)
-    twin, twin_opt = _build(foreach, capturable)
+    _skipped_as_before(foreach, capturable, bad, at, kind)
+
+
+def _skipped_as_before(
+    foreach: bool, capturable: bool, bad: str, at: int, kind: str, preset: str = "GaLoreAdamW"
+) -> None:  # fmt: skip
+    params, opt = _build(foreach, capturable, preset)
+    twin, twin_opt = _build(foreach, capturable, preset)
     for step in range(1, STEPS + 1):
         grads = _grads(params, step)
         for n, g in grads.items():

@@ -16,10 +16,12 @@ def _mats(k: int, m: int, n: int, dtype: torch.dtype, seed: int = 0) -> list[tor
 
 
 @pytest.mark.parametrize("dim", [0, 1])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["fp32", "bf16", "fp64"]
+)
 def test_channel_norms_are_each_matrix_s(dim, dtype):
-    """Each matrix's 2-norms over ``dim``, summed in float32: within a few float32 roundings
-    of the float64 norms of the same (bf16-exact) values."""
+    """Each matrix's 2-norms over ``dim``, summed in float32 (float64 gradients: in float64,
+    then rounded): within a few float32 roundings of the float64 norms of the same values."""
     Gs = _mats(3, 7, 5, dtype)
     out = channel_norms_each(Gs, dim)
     assert out.dtype == torch.float32
