@@ -1526,6 +1526,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the residual kernel ignores its coefficient ('fira_reference': G − α·P·R)",
         where="_residual_norms_kernel",
     ),
+    Mutation(
+        "channel_norms_fp64_in_fp32",
+        "galore2/kernels/ops_scaled.py",
+        "wide = torch.float32 if g.dtype != torch.float64 else None",
+        "wide = torch.float32",
+        ("tests/kernels/test_ops_scaled.py",),
+        "the channel norms' torch path asks float32 sums of float64 gradients (torch refuses "
+        "the narrowing: APOLLO along the data fails on float64 weights)",
+        where="_channel_norms",
+    ),
 )
 
 
