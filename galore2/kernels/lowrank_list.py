@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .checks import factor_problem
 from .dispatch import launch_device
 from .keep import keeps, pointer, positions
 from .lowrank import DTYPES, config, lowrank_tile, matmul_precision, small_strides
@@ -188,14 +189,9 @@ def _scaled_problem(
         )
     if any(t.dtype != g.dtype or t.device != g.device for t in Gs):
         return "Gs must share one dtype and device"
-    m, n = p.shape
-    shapes = ((k, 1, n), (k, m, 1), (k, 1, 1))
-    if not (isinstance(factor, Tensor) and factor.dtype == torch.float32
-            and factor.device == p.device and tuple(factor.shape) in shapes):  # fmt: skip
-        got = (f"{factor.dtype} {tuple(factor.shape)} on {factor.device}"
-               if isinstance(factor, Tensor) else type(factor).__name__)  # fmt: skip
-        return (f"factor must be a float32 tensor of shape {shapes[0]}, {shapes[1]} or "
-                f"{shapes[2]} on {p.device}, got {got}")  # fmt: skip
+    problem = factor_problem(factor, k, *p.shape, p.device)
+    if problem is not None:
+        return problem
     if not small_strides(g, factor):
         return "strides of 2**24 elements or more are not supported"
     return None

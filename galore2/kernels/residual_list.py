@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .checks import norms_problem
 from .dispatch import launch_device
 from .lowrank import matmul_precision, small_strides, tile_product
 from .lowrank_list import supported_list
@@ -95,16 +96,10 @@ def _problem(
             "A @ B of G's shape with a rank of 1 or more, strides below 2**24 elements, "
             "outside a CUDA graph's capture"
         )
-    if dim not in (0, 1) or isinstance(dim, bool):
-        return f"dim must be 0 (one norm per column) or 1 (one per row), got {dim!r}"
-    g, k = Gs[0], len(Gs)
-    m, n = g.shape
-    shape = (k, 1, n) if dim == 0 else (k, m, 1)
-    if not (isinstance(out, Tensor) and out.dtype == torch.float32 and out.device == g.device
-            and tuple(out.shape) == shape):  # fmt: skip
-        got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, Tensor) else (
-            type(out).__name__)  # fmt: skip
-        return f"out must be a float32 tensor of shape {shape} on {g.device}, got {got}"
+    g = Gs[0]
+    problem = norms_problem(out, dim, len(Gs), *g.shape, g.device)
+    if problem is not None:
+        return problem
     if not small_strides(out):
         return "strides of 2**24 elements or more are not supported"
     return None

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .checks import factor_problem, norms_problem
 from .dispatch import launch_device
 from .lowrank import DTYPES, small_strides
 from .rounding import to_bf16
@@ -165,16 +166,10 @@ def _norms_problem(Gs: Sequence[Tensor], dim: int, out: Tensor) -> str | None:
     problem = _entries_problem("Gs", Gs)
     if problem is not None:
         return problem
-    g, k = Gs[0], len(Gs)
-    if dim not in (0, 1) or isinstance(dim, bool):
-        return f"dim must be 0 (one norm per column) or 1 (one per row), got {dim!r}"
-    m, n = g.shape
-    shape = (k, 1, n) if dim == 0 else (k, m, 1)
-    if not (isinstance(out, Tensor) and out.dtype == torch.float32 and out.device == g.device
-            and tuple(out.shape) == shape):  # fmt: skip
-        got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, Tensor) else (
-            type(out).__name__)  # fmt: skip
-        return f"out must be a float32 tensor of shape {shape} on {g.device}, got {got}"
+    g = Gs[0]
+    problem = norms_problem(out, dim, len(Gs), *g.shape, g.device)
+    if problem is not None:
+        return problem
     if not small_strides(g, out):
         return "strides of 2**24 elements or more are not supported"
     if capturing(g.device):
@@ -191,14 +186,9 @@ def _scaled_problem(ps: Sequence[Tensor], Gs: Sequence[Tensor], factor: Tensor) 
         return f"Gs must be {k} tensors of ps' shape {tuple(p.shape)} on {p.device}"
     if len({t.data_ptr() for t in ps}) != k:
         return "ps must be distinct tensors (each is written once)"
-    m, n = p.shape
-    shapes = ((k, 1, n), (k, m, 1), (k, 1, 1))
-    if not (isinstance(factor, Tensor) and factor.dtype == torch.float32
-            and factor.device == p.device and tuple(factor.shape) in shapes):  # fmt: skip
-        got = (f"{factor.dtype} {tuple(factor.shape)} on {factor.device}"
-               if isinstance(factor, Tensor) else type(factor).__name__)  # fmt: skip
-        return (f"factor must be a float32 tensor of shape {shapes[0]}, {shapes[1]} or "
-                f"{shapes[2]} on {p.device}, got {got}")  # fmt: skip
+    problem = factor_problem(factor, k, *p.shape, p.device)
+    if problem is not None:
+        return problem
     if not small_strides(p, g, factor):
         return "strides of 2**24 elements or more are not supported"
     if capturing(p.device):

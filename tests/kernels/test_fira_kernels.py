@@ -5,7 +5,7 @@ same (rounded) operands.
 
 Left bases (``P·X``, ``G − P·R``) and right ones (``X·Qᵀ``, ``G − R·Qᵀ``, Q stored n × r and
 given as a transposed view); weights and gradients as views of a NaN-framed stack or as
-separate tensors in a transposed layout (``test_scaled_list._matrices``). Without a GPU the
+separate tensors in a transposed layout (``tests/kernels/lists.py``). Without a GPU the
 kernels run on CPU tensors under Triton's interpreter (tests/conftest.py sets
 ``TRITON_INTERPRET=1``); on a CUDA machine on the GPU.
 """
@@ -23,22 +23,15 @@ if sys.platform != "linux":  # triton ships Linux wheels only
 
 from galore2.kernels import lowrank_list as L
 from galore2.kernels import residual_list as RL
-from galore2.kernels import tables
 
-from .test_scaled_list import K, _factor, _gen, _matrices, _unchanged_frame
+from .lists import U32, K, factors, fresh_tables, gen, matrices, unchanged_frame  # noqa: F401
 from .test_triton_kernels import DEVICE, _Spy
 
-U32 = 2.0**-24  # a float32 rounding, relative
 #: one rounding to each dtype, relative (half an ulp: 2^-precision)
 ROUND = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
 #: (side, m, n, r): tiles with remainders each way and a K loop of several steps; one tile
 #: and a short rank; a single row
 CASES = [("left", 100, 70, 24), ("right", 67, 45, 13), ("right", 1, 70, 3)]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_tables():
-    tables.clear()
 
 
 @pytest.fixture
@@ -52,7 +45,7 @@ def launches(monkeypatch) -> list:
 
 def _basis(rows: int, r: int, seed: int) -> torch.Tensor:
     """A float32 rows × r basis with orthonormal columns where rows ≥ r (random otherwise)."""
-    x = torch.randn(rows, r, generator=_gen(seed), dtype=torch.float64)
+    x = torch.randn(rows, r, generator=gen(seed), dtype=torch.float64)
     return (torch.linalg.qr(x).Q if rows >= r else x).float()
 
 
@@ -97,15 +90,15 @@ def test_addmm_scaled_matches_float64(side, m, n, r, p_dtype, g_dtype, kind, bet
     With β = 0 the weights are NaN and not read. The NaN frame of stacked weights stays
     NaN (nothing written outside the matrices)."""
     p_layout, g_layout = ("stack", "separate_t") if side == "left" else ("separate_t", "stack")
-    ps, pbuf = _matrices(m, n, p_dtype, p_layout, seed=m + n)
-    Gs, gbuf = _matrices(m, n, g_dtype, g_layout, seed=m + n + 1)
+    ps, pbuf = matrices(m, n, p_dtype, p_layout, seed=m + n)
+    Gs, gbuf = matrices(m, n, g_dtype, g_layout, seed=m + n + 1)
     if beta == 0:
         for p in ps:
             p.fill_(math.nan)
     small_shape = (K, r, n) if side == "left" else (K, m, r)
-    small = torch.randn(small_shape, generator=_gen(m * n), dtype=torch.float64)
+    small = torch.randn(small_shape, generator=gen(m * n), dtype=torch.float64)
     As, Bs = _operands(side, m, n, r, small, p_dtype, seed=r)
-    factor = _factor(kind, m, n, seed=m + r)
+    factor = factors(kind, m, n, seed=m + r)
     alpha, gamma = -0.3, 0.7
     rounded = [(_rounded(a, p_dtype), _rounded(b, p_dtype)) for a, b in zip(As, Bs, strict=True)]
     q = [beta * p.double() if beta != 0 else torch.zeros(m, n, dtype=torch.float64) for p in ps]
@@ -121,20 +114,20 @@ def test_addmm_scaled_matches_float64(side, m, n, r, p_dtype, g_dtype, kind, bet
         err = (r + 4) * U32 * mag  # the float32 sum before the rounding
         tol = err + ROUND[p_dtype] * (ref.abs() + err)
         assert bool(((got.double() - ref).abs() <= tol).all()), (got.double() - ref).abs().max()
-    assert _unchanged_frame(pbuf, m, n) and _unchanged_frame(gbuf, m, n)
+    assert unchanged_frame(pbuf, m, n) and unchanged_frame(gbuf, m, n)
 
 
 def test_gamma_zero_is_the_grouped_back_projection_bitwise(launches):
     """With γ = 0 the epilogue adds nothing: bitwise what ``lowrank_list`` writes (the same
     tile function, the same product)."""
     m, n, r = 67, 45, 13
-    ps, _ = _matrices(m, n, torch.float32, "separate_t", seed=11)
-    Gs, _ = _matrices(m, n, torch.float32, "stack", seed=12)
-    small = torch.randn(K, r, n, generator=_gen(13), dtype=torch.float64)
+    ps, _ = matrices(m, n, torch.float32, "separate_t", seed=11)
+    Gs, _ = matrices(m, n, torch.float32, "stack", seed=12)
+    small = torch.randn(K, r, n, generator=gen(13), dtype=torch.float64)
     As, Bs = _operands("left", m, n, r, small, torch.float32, seed=14)
     want = [p.clone() for p in ps]
     L.lowrank_list(want, want, As, Bs, alpha=-0.3, beta=0.9)
-    factor = _factor("row", m, n, seed=15)
+    factor = factors("row", m, n, seed=15)
     L.addmm_scaled_list(ps, As, Bs, Gs, factor, alpha=-0.3, beta=0.9, gamma=0.0)
     assert len(launches) == 2
     assert all(torch.equal(a, b) for a, b in zip(ps, want, strict=True))
@@ -158,11 +151,11 @@ def test_addmm_scaled_refuses_what_it_does_not_take():
     """Each unsupported input: ``supported_scaled_list`` is False and ``addmm_scaled_list``
     raises a ValueError naming what it takes, before any weight is written."""
     m, n, r = 20, 12, 4
-    ps, _ = _matrices(m, n, torch.float32, "separate_t", seed=21)
-    Gs, _ = _matrices(m, n, torch.float32, "stack", seed=22)
-    small = torch.randn(K, r, n, generator=_gen(23), dtype=torch.float64)
+    ps, _ = matrices(m, n, torch.float32, "separate_t", seed=21)
+    Gs, _ = matrices(m, n, torch.float32, "stack", seed=22)
+    small = torch.randn(K, r, n, generator=gen(23), dtype=torch.float64)
     As, Bs = _operands("left", m, n, r, small, torch.float32, seed=24)
-    f = _factor("column", m, n, seed=25)
+    f = factors("column", m, n, seed=25)
     half = [p.half() for p in ps]
     bad = [
         ((ps[:1], As[:1], Bs[:1], Gs[:1], f[:1]), "lists of one length"),
@@ -196,12 +189,12 @@ def test_residual_norms_match_float64(side, m, n, r, dtype, dim, launches):
     sum of squares and the square root ((R + 2)·2⁻²⁴ relative). Operands are float32 bases
     and R in G's dtype (rounded to bf16 for a bf16 G)."""
     layout = "stack" if side == "left" else "separate_t"
-    Gs, gbuf = _matrices(m, n, dtype, layout, seed=m * 7 + n + dim)
+    Gs, gbuf = matrices(m, n, dtype, layout, seed=m * 7 + n + dim)
     c = -1.0 if side == "left" else -0.25
     if side == "left":  # R = PᵀG, float32 (the basis against the gradient)
         small = [(_basis(m, r, r + i).double().T @ g.double()).float() for i, g in enumerate(Gs)]
     else:
-        small = torch.randn(K, m, r, generator=_gen(m + r), dtype=torch.float64)
+        small = torch.randn(K, m, r, generator=gen(m + r), dtype=torch.float64)
     As, Bs = _operands(side, m, n, r, small, dtype, seed=r)
     shape = (K, 1, n) if dim == 0 else (K, m, 1)
     buf = torch.full((shape[2], shape[1], K, 2), math.nan, device=DEVICE)
@@ -220,15 +213,15 @@ def test_residual_norms_match_float64(side, m, n, r, dtype, dim, launches):
         got = out[i].double()
         assert bool(((got - ref).abs() <= tol).all()), (got - ref).abs().max()
     assert bool(buf[..., 1].isnan().all())
-    assert _unchanged_frame(gbuf, m, n)
+    assert unchanged_frame(gbuf, m, n)
 
 
 def test_residual_norms_refuse_what_they_do_not_take():
     """Each unsupported input: ``supported_residual`` is False and ``residual_norms_list``
     raises a ValueError naming what it takes, before ``out`` is written."""
     m, n, r = 20, 12, 4
-    Gs, _ = _matrices(m, n, torch.float32, "stack", seed=31)
-    small = torch.randn(K, r, n, generator=_gen(32), dtype=torch.float64)
+    Gs, _ = matrices(m, n, torch.float32, "stack", seed=31)
+    small = torch.randn(K, r, n, generator=gen(32), dtype=torch.float64)
     As, Bs = _operands("left", m, n, r, small, torch.float32, seed=33)
     out = torch.full((K, 1, n), math.nan, device=DEVICE)
     g16 = [g.half() for g in Gs]
@@ -253,11 +246,11 @@ def test_fp16_gradients(launches):
     """fp16 gradients: upcast in the scaled term of float32 weights, and the residual's
     operands in fp16 (its products exact in float32), within the bounds above."""
     m, n, r = 67, 45, 13
-    ps, _ = _matrices(m, n, torch.float32, "stack", seed=41)
-    Gs, _ = _matrices(m, n, torch.float16, "separate_t", seed=42)
-    small = torch.randn(K, r, n, generator=_gen(43), dtype=torch.float64)
+    ps, _ = matrices(m, n, torch.float32, "stack", seed=41)
+    Gs, _ = matrices(m, n, torch.float16, "separate_t", seed=42)
+    small = torch.randn(K, r, n, generator=gen(43), dtype=torch.float64)
     As, Bs = _operands("left", m, n, r, small, torch.float32, seed=44)
-    factor = _factor("column", m, n, seed=45)
+    factor = factors("column", m, n, seed=45)
     terms = [(p.double(), -0.5 * (a.double() @ b.double()), 0.25 * g.double() * f.double())
              for p, a, b, g, f in zip(ps, As, Bs, Gs, factor, strict=True)]  # fmt: skip
     mags = [p.abs() + 0.5 * (a.double().abs() @ b.double().abs()) + y.abs()

@@ -22,19 +22,13 @@ if sys.platform != "linux":  # triton ships Linux wheels only
 from galore2.kernels import scaled_list as S
 from galore2.kernels import tables
 
+from .lists import U32, K, factors, fresh_tables, gen, matrices, unchanged_frame  # noqa: F401
 from .test_triton_kernels import DEVICE, _Spy
 
-K = 3
 # (m, n): a partial tile each way; 3 × 2 tiles with remainders; a single row
 SHAPES = [(67, 45), (130, 70), (1, 70)]
 # mantissa bits of each dtype: one rounding to it is within 2**-bits relative
 BITS = {torch.float32: 23, torch.bfloat16: 7}
-U32 = 2.0**-24  # a float32 rounding, relative
-
-
-@pytest.fixture(autouse=True)
-def _fresh_tables():
-    tables.clear()
 
 
 @pytest.fixture
@@ -50,34 +44,6 @@ def _tiles(size: int) -> int:
     return -(-size // S.BLOCK)
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _matrices(m: int, n: int, dtype: torch.dtype, layout: str, seed: int):
-    """K random m × n matrices and the buffer they live in (None for separate tensors):
-    ``stack`` — views of one stack, each inside a NaN frame (strides (n+3, 1)); ``separate_t``
-    — separate tensors at unrelated addresses in a transposed layout (strides (1, m)),
-    ordered by decreasing address (offsets from the first entry's are negative)."""
-    g = _gen(seed)
-    if layout == "stack":
-        buf = torch.full((K, m + 2, n + 3), math.nan, dtype=dtype, device=DEVICE)
-        views = buf[:, 1 : m + 1, 2 : n + 2]
-        views.copy_(torch.randn(K, m, n, generator=g))
-        return list(views.unbind(0)), buf
-    ts = [torch.randn(n, m, generator=g).to(DEVICE, dtype).mT for _ in range(K)]
-    return sorted(ts, key=lambda t: -t.data_ptr()), None
-
-
-def _unchanged_frame(buf: torch.Tensor | None, m: int, n: int) -> bool:
-    """The NaN frame around a stack's views is still NaN (nothing written outside them)."""
-    if buf is None:
-        return True
-    inside = torch.zeros(buf.shape, dtype=torch.bool, device=buf.device)
-    inside[:, 1 : m + 1, 2 : n + 2] = True
-    return bool(buf[~inside].isnan().all())
-
-
 # ---- channel norms -------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["stack", "separate_t"])
 @pytest.mark.parametrize("dim", [0, 1], ids=["per_column", "per_row"])
@@ -87,7 +53,7 @@ def test_channel_norms_match_float64(m, n, dtype, dim, layout, launches):
     """Every entry's norms per column (dim 0) or per row (dim 1), written through ``out``'s
     strides (a permuted view interleaved with NaN that must stay NaN), within the float32
     bound of a sum of R non-negative squares and a square root: (R + 2)·2⁻²⁴ relative."""
-    Gs, gbuf = _matrices(m, n, dtype, layout, seed=m * 1000 + n + dim)
+    Gs, gbuf = matrices(m, n, dtype, layout, seed=m * 1000 + n + dim)
     shape = (K, 1, n) if dim == 0 else (K, m, 1)
     buf = torch.full((shape[2], shape[1], K, 2), math.nan, device=DEVICE)
     out = buf[..., 0].permute(2, 1, 0)  # shape (K, ·, ·), no unit stride
@@ -99,21 +65,10 @@ def test_channel_norms_match_float64(m, n, dtype, dim, layout, launches):
     tol = (reduced + 2) * U32 * ref
     assert bool(((out.double() - ref).abs() <= tol).all()), (out.double() - ref).abs().max()
     assert bool(buf[..., 1].isnan().all())
-    assert _unchanged_frame(gbuf, m, n)
+    assert unchanged_frame(gbuf, m, n)
 
 
 # ---- scaled update -------------------------------------------------------------------
-def _factor(kind: str, m: int, n: int, seed: int) -> torch.Tensor:
-    """Positive float32 factors of shape (K, 1, n), (K, m, 1) or (K, 1, 1), as strided views
-    (none of them contiguous)."""
-    g = _gen(seed)
-    if kind == "column":
-        return (torch.rand(n, K, generator=g) * 2).to(DEVICE).T.unsqueeze(1)
-    if kind == "row":
-        return (torch.rand(m, K, generator=g) * 2).to(DEVICE).T.unsqueeze(2)
-    return (torch.rand(K, 3, generator=g) * 2).to(DEVICE)[:, 1:2].unsqueeze(2)
-
-
 @pytest.mark.parametrize("beta", [1.0, 0.9])
 @pytest.mark.parametrize("kind", ["column", "row", "matrix"])
 @pytest.mark.parametrize(
@@ -133,9 +88,9 @@ def test_scaled_add_matches_torch_and_float64(p_dtype, g_dtype, kind, beta, laun
     separate transposed tensors)."""
     m, n = 130, 70
     p_layout, g_layout = ("separate_t", "stack") if beta == 1 else ("stack", "separate_t")
-    ps, pbuf = _matrices(m, n, p_dtype, p_layout, seed=1)
-    Gs, gbuf = _matrices(m, n, g_dtype, g_layout, seed=2)
-    factor = _factor(kind, m, n, seed=3)
+    ps, pbuf = matrices(m, n, p_dtype, p_layout, seed=1)
+    Gs, gbuf = matrices(m, n, g_dtype, g_layout, seed=2)
+    factor = factors(kind, m, n, seed=3)
     alpha = -0.37
     qs = [p.clone() if beta == 1 else p.clone().mul_(beta) for p in ps]
     expected = [
@@ -152,7 +107,7 @@ def test_scaled_add_matches_torch_and_float64(p_dtype, g_dtype, kind, beta, laun
         assert bool(((got.double() - want.double()).abs()
                      <= rel * both + 8 * U32 * (q.double().abs() + agf.abs())).all())  # fmt: skip
         assert bool(((got.double() - exact).abs() <= rel * exact.abs() + 4 * U32 * agf.abs()).all())
-    assert _unchanged_frame(pbuf, m, n) and _unchanged_frame(gbuf, m, n)
+    assert unchanged_frame(pbuf, m, n) and unchanged_frame(gbuf, m, n)
 
 
 @pytest.mark.parametrize(
@@ -161,10 +116,10 @@ def test_scaled_add_matches_torch_and_float64(p_dtype, g_dtype, kind, beta, laun
 def test_alpha_zero_is_torch_mul_bitwise(dtype):
     """With α = 0 the result is q: bitwise torch's ``p.mul_(β)`` (β·p in float32, rounded to
     p's dtype to nearest even; the interpreter's own bf16 cast would truncate)."""
-    ps, _ = _matrices(67, 45, dtype, "separate_t", seed=4)
-    Gs, _ = _matrices(67, 45, dtype, "stack", seed=5)
+    ps, _ = matrices(67, 45, dtype, "separate_t", seed=4)
+    Gs, _ = matrices(67, 45, dtype, "stack", seed=5)
     want = [p.clone().mul_(0.9) for p in ps]
-    S.scaled_add_list(ps, Gs, _factor("column", 67, 45, seed=6), alpha=0.0, beta=0.9)
+    S.scaled_add_list(ps, Gs, factors("column", 67, 45, seed=6), alpha=0.0, beta=0.9)
     assert all(torch.equal(a, b) for a, b in zip(ps, want, strict=True))
 
 
@@ -216,31 +171,31 @@ def test_tables_follow_the_tensors(launches):
     """The offsets table is kept by the tensors' addresses and element sizes: a list elsewhere
     (new gradients) gets its own, the first list again reuses its table, and the same bytes
     read as another dtype (offsets in other units) get their own."""
-    factor = _factor("row", 20, 30, seed=8)
+    factor = factors("row", 20, 30, seed=8)
     first = (
-        _matrices(20, 30, torch.float32, "stack", 9)[0],
-        _matrices(20, 30, torch.bfloat16, "separate_t", 10)[0],
+        matrices(20, 30, torch.float32, "stack", 9)[0],
+        matrices(20, 30, torch.bfloat16, "separate_t", 10)[0],
     )
     second = (
-        _matrices(20, 30, torch.float32, "stack", 11)[0],
-        _matrices(20, 30, torch.bfloat16, "separate_t", 12)[0],
+        matrices(20, 30, torch.float32, "stack", 11)[0],
+        matrices(20, 30, torch.bfloat16, "separate_t", 12)[0],
     )
     for ps, Gs in (first, second, first):
         _check_scaled(ps, Gs, factor)
     assert len(launches) == 3 and len(tables._TABLES) == 2
-    g = _gen(13)  # bf16 pairs read as float32: finite values (a bf16 number's high bits)
+    g = gen(13)  # bf16 pairs read as float32: finite values (a bf16 number's high bits)
     pb = torch.randn(K, 20, 60, generator=g).to(DEVICE, torch.bfloat16)
     gb = torch.randn(K, 20, 60, generator=g).to(DEVICE, torch.bfloat16)
     as_fp32 = [list(t.view(torch.float32).unbind(0)) for t in (pb, gb)]
     _check_scaled(*as_fp32, factor)
     pb.copy_(torch.randn(K, 20, 60, generator=g))
-    _check_scaled(list(pb.unbind(0)), list(gb.unbind(0)), _factor("row", 20, 60, seed=14))
+    _check_scaled(list(pb.unbind(0)), list(gb.unbind(0)), factors("row", 20, 60, seed=14))
     assert len(launches) == 5 and len(tables._TABLES) == 4
 
 
 # ---- what the kernels do not take ----------------------------------------------------
 def _t(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.randn(*shape, generator=_gen(7)).to(DEVICE, dtype)
+    return torch.randn(*shape, generator=gen(7)).to(DEVICE, dtype)
 
 
 def _norms_cases():
