@@ -44,6 +44,8 @@ import triton.language as tl
 from torch import Tensor
 
 from .dispatch import launch_device
+from .keep import check, pointer, positions
+from .rounding import to_bf16
 
 QBLOCK = 256  # elements per quantization block (galore2.storage.dynamic8.BLOCK)
 
@@ -96,9 +98,19 @@ def _adam8bit_kernel(
     w2,
     c1,
     c2,
+    p_ptr,  # UPDATE: the bf16 weight (codes' layout), p ← p·decay − lr·direction
+    decay,
+    neg_lr,
+    keep_ptr,  # HAS_KEEP: matrix j's flag is keep[at[j]] (keep[j] without HAS_AT): 0, unwritten
+    at_ptr,
     LERP_LOW: tl.constexpr,
     OTHER: tl.constexpr,
     QB: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    UPDATE: tl.constexpr,
+    DECAY: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    HAS_AT: tl.constexpr,
 ):
     # The tile is OTHER blocks × QB elements: axis 0 across rows (dim 1) or columns
     # (dim 0), axis 1 along the blocked axis, block pid_b of it. A 1-D grid (the y and z
@@ -111,6 +123,9 @@ def _adam8bit_kernel(
     pid_b = pid % n_blocks
     o = (pid_o * OTHER + tl.arange(0, OTHER)).to(tl.int64)
     k = (pid_b * QB + tl.arange(0, QB)).to(tl.int64)
+    if HAS_KEEP:  # a flagged-out matrix: nothing of it is read or written
+        flag_at = tl.load(at_ptr + mat) if HAS_AT else mat
+        n_other = tl.where(tl.load(keep_ptr + flag_at) != 0, n_other, 0)
     o_ok = o < n_other
     mask = o_ok[:, None] & (k < length)[None, :]
     offs = mat * s_mat + o[:, None] * s_other + k[None, :] * s_block
@@ -129,7 +144,16 @@ def _adam8bit_kernel(
     m = m + w1 * d if LERP_LOW else g - d * (1.0 - w1)
     v = v * beta2 + w2 * g * g  # mul_(β₂).addcmul_(g, g, value=1 − β₂)
     denom = tl.sqrt_rn(v) * c1 + c2
-    tl.store(out_ptr + offs, tl.div_rn(m, denom), mask=mask)
+    d = tl.div_rn(m, denom)
+    if UPDATE:  # AdamW's weight update, as galore2.kernels.adamw writes it
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        if DECAY:  # its own rounding to bf16, as the separate multiply
+            p = to_bf16(p.to(tl.float32) * decay)
+        tl.store(p_ptr + offs, to_bf16(tl.fma(neg_lr, d, p.to(tl.float32))), mask=mask)
+    elif OUT_BF16:
+        tl.store(out_ptr + offs, to_bf16(d), mask=mask)
+    else:
+        tl.store(out_ptr + offs, d, mask=mask)
 
     m = tl.where(mask, m, 0.0)  # padding must not raise a block's absmax
     v = tl.where(mask, v, 0.0)
@@ -206,26 +230,84 @@ def adam8bit_step_stack(
     eps: float,
     step: int,
     out: Tensor | None = None,
+    keep: Tensor | None = None,
+    keep_at: list[int] | None = None,
 ) -> Tensor:
     """:func:`adam8bit_step` of a stack of ``k`` same-shape directions in one launch: ``g``
     is ``(k, *shape)``, the codes ``(k, *shape)`` and each absmax ``(k, *scales)``, every
     matrix blocked as :func:`adam8bit_step` blocks it alone (its own 2-D view ``shape[0]`` ×
-    rest), with the same bits as ``k`` such calls; codes and absmax are updated in place."""
+    rest), with the same bits as ``k`` such calls; codes and absmax are updated in place.
+    ``out``: float32, or bf16 (each direction rounded to nearest, ties to even: for a
+    consumer that rounds it so, GaLore's factors of bf16 weights). ``keep``: one bool flag
+    per matrix on the device, or (``keep_at``) their positions in it
+    (:mod:`~galore2.kernels.keep`): a matrix flagged False has neither its codes, its
+    absmax nor its ``out`` written (a deferred step's unusable gradient)."""
     if g.dim() < 2 or g.numel() == 0:
         raise ValueError(f"the stack must be a non-empty (k, *shape) tensor, got {tuple(g.shape)}")
+    check("adam8bit_step_stack", keep, g.shape[0], g.device, keep_at)
     return _step(g, (m_codes, m_absmax, v_codes, v_absmax), True, dim, out, None,
-                 (code_m, code_v, bounds_m, bounds_v), beta1, beta2, eps, step)  # fmt: skip
+                 (code_m, code_v, bounds_m, bounds_v), beta1, beta2, eps, step,
+                 keep=keep, keep_at=keep_at)  # fmt: skip
+
+
+def adamw8bit_step(
+    p: Tensor,
+    g: Tensor,
+    m_codes: Tensor,
+    m_absmax: Tensor,
+    v_codes: Tensor,
+    v_absmax: Tensor,
+    *,
+    dim: int,
+    code_m: Tensor,
+    code_v: Tensor,
+    bounds_m: Tensor,
+    bounds_v: Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    step: int,
+    lr: float,
+    decay: float,
+    keep: Tensor | None = None,
+    keep_at: list[int] | None = None,
+) -> bool:
+    """The whole AdamW step of one bf16 weight ``p`` (updated in place) with 8-bit moments,
+    in one pass: :func:`adam8bit_step`'s moments and direction d, then ``p ← p·decay``
+    rounded to bf16 and ``p − lr·d`` (one multiply-add) rounded again — what the direction
+    followed by the decay and update passes computes (``apply_updates``), as
+    :func:`galore2.kernels.adamw.adamw_step` writes its weight. Per element: the gradient
+    and the weight read (2 + 2 bytes), the weight written (2), both codes read and written
+    (4): 10 bytes, no direction stored. ``p`` contiguous bf16 of ``g``'s shape (the codes'
+    layout). ``keep``: a one-entry flag (``keep_at``: its position in a longer one); False
+    leaves the weight and its moments unwritten. Returns True."""
+    if p.dtype != torch.bfloat16 or p.shape != g.shape or not p.is_contiguous():
+        raise ValueError(
+            f"adamw8bit_step takes a contiguous bf16 weight of the gradient's shape "
+            f"{tuple(g.shape)}, got {p.dtype} {tuple(p.shape)}"
+        )
+    if g.dim() < 1 or g.numel() == 0:
+        raise ValueError(f"the gradient must be a non-empty tensor, got shape {tuple(g.shape)}")
+    check("adamw8bit_step", keep, 1, g.device, keep_at)
+    _step(g, (m_codes, m_absmax, v_codes, v_absmax), False, dim, None, None,
+          (code_m, code_v, bounds_m, bounds_v), beta1, beta2, eps, step,
+          weight=(p, lr, decay), keep=keep, keep_at=keep_at)  # fmt: skip
+    return True
 
 
 def _step(
     g: Tensor, states: tuple[Tensor, Tensor, Tensor, Tensor], stacked: bool, dim: int,
     out: Tensor | None, into: tuple[Tensor, Tensor, Tensor, Tensor] | None,
     maps: tuple[Tensor, Tensor, Tensor, Tensor], beta1: float, beta2: float, eps: float,
-    step: int,
+    step: int, *, weight: tuple[Tensor, float, float] | None = None,
+    keep: Tensor | None = None, keep_at: list[int] | None = None,
 ) -> Tensor:  # fmt: skip
-    """The launch of :func:`adam8bit_step` and (``stacked``) :func:`adam8bit_step_stack`."""
+    """The launch of :func:`adam8bit_step`, (``stacked``) :func:`adam8bit_step_stack` and
+    (``weight``: the weight, lr, decay) :func:`adamw8bit_step` (no direction written)."""
     if dim not in (0, 1):
         raise ValueError(f"dim must be 0 or 1, got {dim}")
+    if step < 1:
+        raise ValueError(f"step counts this step (>= 1), got {step}")
     k = g.shape[0] if stacked else 1
     shape = g.shape[1:] if stacked else g.shape
     rows = shape[0]
@@ -251,13 +333,19 @@ def _step(
     dst = (
         src if into is None else [t.contiguous().view(s) for t, s in zip(into, shapes, strict=True)]
     )
-    if out is None:
-        out = torch.empty(g.shape, dtype=torch.float32, device=g.device)
-    if out.dtype != torch.float32 or out.shape != g.shape:
-        raise ValueError(f"out must be fp32 {tuple(g.shape)}, got {out.dtype} {tuple(out.shape)}")
-    res = (
-        out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
-    )
+    if weight is not None:  # the weight takes the update: no direction is written
+        res = out = weight[0]
+    else:
+        if out is None:
+            out = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+        if out.dtype not in (torch.float32, torch.bfloat16) or out.shape != g.shape:
+            raise ValueError(
+                f"out must be float32 or bfloat16 {tuple(g.shape)}, got {out.dtype} "
+                f"{tuple(out.shape)}"
+            )
+        res = out if out.is_contiguous() else torch.empty_like(
+            out, memory_format=torch.contiguous_format)  # fmt: skip
+    p_ptr, lr, decay = weight if weight is not None else (res, 0.0, 1.0)
 
     bc1 = 1 - beta1**step
     c1 = bc1 / math.sqrt(1 - beta2**step)
@@ -271,6 +359,8 @@ def _step(
     )
     a_s_other, a_s_block = (blocks, 1) if dim == 1 else (1, cols)
     tiles = triton.cdiv(n_other, other) * blocks
+    flags, has_keep = pointer(keep, g2)
+    at = g2 if keep_at is None else positions(keep_at, g.device)
     with launch_device(g):
         _adam8bit_kernel[(k * tiles,)](
             g2,
@@ -296,9 +386,19 @@ def _step(
             1 - beta2,
             c1,
             bc1 * eps,
+            p_ptr,
+            decay,
+            -lr,
+            flags,
+            at,
             LERP_LOW=abs(w1) < 0.5,
             OTHER=other,
             QB=qb,
+            OUT_BF16=res.dtype == torch.bfloat16,
+            UPDATE=weight is not None,
+            DECAY=decay != 1.0,
+            HAS_KEEP=has_keep,
+            HAS_AT=keep_at is not None,
             num_warps=warps,
             enable_fp_fusion=True,  # FMA contraction, as nvcc compiles torch's kernels
         )
@@ -318,4 +418,4 @@ def supported(g: Tensor) -> bool:
     )
 
 
-__all__ = ["QBLOCK", "adam8bit_step", "adam8bit_step_stack", "supported"]
+__all__ = ["QBLOCK", "adam8bit_step", "adam8bit_step_stack", "adamw8bit_step", "supported"]
