@@ -52,7 +52,7 @@ from ..core.transform import Context, Group, State, Transform, members
 from ..kernels import ops
 from ..storage.dtype import STATE_DTYPE
 from ..storage.moments import is_quantized
-from .adam8bit import AXIS, step_batch, update_quantized
+from .adam8bit import AXIS, local_on_stacks, step_batch, update_quantized
 from .adam_paths import (
     adam_foreach,
     adam_fused,
@@ -66,6 +66,7 @@ from .adam_paths import (
     rounded_path,
     rounding,
 )
+from .adamw8bit_step import adamw8bit_group, fused_path
 from .adamw_step import adamw_fused, mixed_path, torch_path
 from .compiled import run_compiled
 from .moments import MomentRule, bias_correction, moment_rule_kinds
@@ -172,12 +173,15 @@ class ScaleByAdam(MomentRule, Transform):
             params, grads, states, group
         )
 
-    def defers_directions(self, states: list[State], group: Group, device: torch.device) -> bool:
-        """Do the bf16 directions of these states' batch (GaLore's factored shape batch,
-        one stacked entry, on ``device``) come from galore2's op, which takes a deferred
-        step's flags (:func:`adam_rounded`)? Where that op runs (:func:`rounded_path`'s
-        devices, the kernels on), moments kept in float32 (not 8-bit), eager."""
-        if self.moments != "state_dtype" or group.get("compile") or not states:
+    def defers_directions(
+        self, states: list[State], group: Group, device: torch.device, stacked: bool
+    ) -> bool:
+        """Do the bf16 directions of these states' batch (GaLore's factored shape batch on
+        ``device``, ``stacked``: one stacked entry) come from galore2's op, which takes a
+        deferred step's flags (:func:`adam_rounded`)? Where that op runs
+        (:func:`rounded_path`'s devices, the kernels on), moments kept in float32 (not
+        8-bit) and stacked, eager."""
+        if self.moments != "state_dtype" or group.get("compile") or not states or not stacked:
             return False
         if group["state_dtype"] != "float32" or group.get("capturable"):
             return False
@@ -411,6 +415,54 @@ class ScaleByAdam8bit(ScaleByAdam):
     def __getstate__(self) -> dict[str, Any]:
         """The kept stacks are a cache of this process's tensors: a pickle carries none."""
         return {k: v for k, v in self.__dict__.items() if k != "_stacks"}
+
+    def torch_adamw(
+        self, params: list[Tensor], grads: list[Tensor], states: list[State], group: Group,
+        keep: Tensor | None = None,
+    ) -> bool:  # fmt: skip
+        """A group whose large tensors have 8-bit moments by galore2's fused ops where
+        :func:`.adamw8bit_step.fused_path` allows it (one ``adamw8bit_`` launch per such
+        tensor, the others by ``adamw_``); one without by :meth:`ScaleByAdam.torch_adamw`
+        where galore2's fused ops run (not on the CPU, whose 8-bit rule keeps its chain).
+        ``keep``: a deferred step's flags."""
+        if not any(is_quantized(s, "adam.exp_avg") for s in states):
+            if not params or params[0].device.type not in ops.FUSED_OP_DEVICES:
+                return False
+            return super().torch_adamw(params, grads, states, group, keep)
+        if keep is None and not fused_path(params, grads, states, group):
+            return False
+        adamw8bit_group(self, params, grads, states, group, keep)
+        return True
+
+    def defers_adamw(
+        self, params: list[Tensor], grads: list[Tensor], states: list[State], group: Group
+    ) -> bool:
+        """Does :meth:`torch_adamw` run this step on galore2's fused ops, which take a
+        deferred step's flags?"""
+        if not any(is_quantized(s, "adam.exp_avg") for s in states):
+            on = bool(params) and params[0].device.type in ops.FUSED_OP_DEVICES
+            return on and super().defers_adamw(params, grads, states, group)
+        return fused_path(params, grads, states, group)
+
+    def adamw_rule(self, group: Group) -> Transform | None:
+        """This rule, eager (not ``compile``) and ``fused`` not False: its
+        :meth:`torch_adamw` takes 8-bit moments (and leaves the CPU's step to the chain)."""
+        if group.get("compile") or group.get("fused") is False:
+            return None
+        return self
+
+    def defers_directions(
+        self, states: list[State], group: Group, device: torch.device, stacked: bool
+    ) -> bool:
+        """Do the directions of a GaLore shape batch's states (its matrices' own: 8-bit
+        moments do not stack) come from the fused 8-bit kernel, which takes a deferred
+        step's flags (:func:`~galore2.optim.adam8bit.step_batch`): every state's moments
+        8-bit on the kernel's path, on ``device`` where galore2's ops run, eager?"""
+        if stacked or not states or group.get("compile") or group.get("capturable"):
+            return False
+        if device.type not in ops.FUSED_OP_DEVICES or not ops.triton_would_run():
+            return False
+        return all(is_quantized(s, "adam.exp_avg") and local_on_stacks(s) for s in states)
 
 
 def _host_correction(beta1: float, beta2: float, t: int) -> float:

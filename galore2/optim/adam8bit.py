@@ -35,6 +35,7 @@ from ..core import packing
 from ..core.transform import Context, Group, State
 from ..kernels.direct import direct
 from ..kernels.dispatch import run_kernel
+from ..kernels.keep import check, kept
 from ..storage import dynamic8
 from ..storage.dynamic8 import (
     BLOCK,
@@ -51,7 +52,7 @@ from ..storage.dynamic8 import (
     quantize_,
 )
 from ..storage.moments import is_quantized, stored_format
-from .adam_paths import adam_single
+from .adam_paths import adam_single, rounding
 from .moments import MomentRule
 
 AXIS = "adam.block_dim"  # the blocked axis of both 8-bit moments (same shape and layout)
@@ -81,7 +82,7 @@ def step_batch(
         if not ctx.placement.distributed and _local_8bit(state)
     ]
     if local and _on_stacks(states[local[0]]["adam.exp_avg"]):
-        _step_stacked(rule, us, states, group, local, out)
+        _step_stacked(rule, us, states, group, ctxs, local, out)
         return
     packable = [i for i in local if _packable(states[i])]
     # every one of them steps below: their host counters advanced now (one add, one
@@ -104,14 +105,17 @@ def step_batch(
 
 
 def _step_stacked(
-    rule: MomentRule, us: list[Tensor], states: list[State], group: Group, local: list[int],
-    out: list[Tensor | None],
+    rule: MomentRule, us: list[Tensor], states: list[State], group: Group,
+    ctxs: list[Context], local: list[int], out: list[Tensor | None],
 ) -> None:  # fmt: skip
     """:func:`step_batch` off the CPU path: the 8-bit directions ``local`` (unsharded,
     contiguous codes) by :func:`adam8bit_stack_`, one call per stack of the same shape,
     dtype, blocked axis and step count (their counters advanced first: one add, one
-    read when packed), their results into ``out``. The stacks are kept on ``rule``
-    (``_stacks``, not pickled)."""
+    read when packed), their results into ``out`` — in bf16 where every consumer rounds
+    them so (:func:`~galore2.optim.adam_paths.rounding`: GaLore's factors of bf16 weights,
+    no cast of them after), a deferred step's flags passed on (:attr:`Context.keep`:
+    a member flagged False is not written). The stacks are kept on ``rule`` (``_stacks``,
+    not pickled)."""
     counted = [states[i] for i in local]
     steps = rule.count_steps(counted, group, us[0].device)
     axes = rule._counters.packed(counted, AXIS)
@@ -127,7 +131,13 @@ def _step_stacked(
         if g is None:
             g = torch.stack([us[i] for i in idx])
         m, ma, v, va = _stacks(cache, (dim, *like, len(idx)), run_states)
-        done = adam8bit_stack_(g, m, ma, v, va, dim, beta1, beta2, group["eps"], t)
+        run = [ctxs[i] for i in idx]
+        keep, at = run[0].keep, None
+        if keep is not None:  # each member's flag where the step put it
+            at = [c.keep_at[0] for c in run]
+        bf16 = rounding(run) == torch.bfloat16
+        done = adam8bit_stack_(g, m, ma, v, va, dim, beta1, beta2, group["eps"], t, keep, at,
+                               bf16)  # fmt: skip
         for i, r in zip(idx, done.unbind(0), strict=True):
             out[i] = r
 
@@ -236,6 +246,12 @@ def _on_stacks(codes: Tensor) -> bool:
     return not dynamic8.use_torch(codes)
 
 
+def local_on_stacks(state: State) -> bool:
+    """Does an 8-bit direction of this state step on the fused kernel's path: plain
+    contiguous codes and absmax (:func:`_local_8bit`), off the CPU's torch quantizer?"""
+    return _local_8bit(state) and _on_stacks(state["adam.exp_avg"])
+
+
 def _local_8bit(state: State) -> bool:
     """An 8-bit direction whose codes and absmax are plain contiguous tensors."""
     return is_quantized(state, "adam.exp_avg") and all(
@@ -269,19 +285,26 @@ def _stacks(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...], states: lis
 
 def _adam8bit_stack(
     g: Tensor, m_codes: Tensor, m_absmax: Tensor, v_codes: Tensor, v_absmax: Tensor, dim: int,
-    beta1: float, beta2: float, eps: float, step: int,
+    beta1: float, beta2: float, eps: float, step: int, keep: Tensor | None = None,
+    keep_at: list[int] | None = None, bf16: bool = False,
 ) -> Tensor:  # fmt: skip
     """Step ``step`` (t ≥ 1) of 8-bit Adam on a stack of ``k`` same-shape directions ``g``
     (``(k, *shape)``, any float dtype) whose moments are the ``(k, …)`` stacks of codes and
     absmax blocked along ``dim`` (updated in place, each matrix blocked as alone); returns
-    the fp32 directions ``(k, *shape)``. One op for the whole stack: on CUDA (or under
+    the fp32 directions ``(k, *shape)`` (``bf16``: rounded to bf16, for a consumer that
+    rounds them so). One op for the whole stack: on CUDA (or under
     ``GALORE2_KERNELS=triton``) the fused kernel
     (:func:`galore2.kernels.adam8bit.adam8bit_step_stack`), one launch; else the torch
     path matrix by matrix (:func:`torch_quantized`: the CPU's chunks,
-    bitsandbytes elsewhere) — the bits of a per-tensor ``update`` either way. On meta
-    tensors it is one op that writes the moments and returns the directions (what the
-    roofline counts)."""
+    bitsandbytes elsewhere) — the bits of a per-tensor ``update`` either way. ``keep``:
+    a deferred step's flags, one per matrix (``keep_at``: their positions in it,
+    :mod:`galore2.kernels.keep`); a matrix flagged False has neither its moments nor its
+    direction written (the torch path reads the flags on the host). On meta tensors it is
+    one op that writes the moments and returns the directions (what the roofline counts)."""
     device = g.device
+    k = g.shape[0]
+    check("adam8bit_stack_", keep, k, device, keep_at)
+    dtype = torch.bfloat16 if bf16 else torch.float32
     out = run_kernel(
         "adam8bit",
         g,
@@ -293,19 +316,20 @@ def _adam8bit_stack(
             code_m=DYNAMIC8.code(device), code_v=UDYNAMIC8.code(device),
             bounds_m=DYNAMIC8.bounds(device), bounds_v=UDYNAMIC8.bounds(device),
             beta1=beta1, beta2=beta2, eps=eps, step=step,
+            out=torch.empty(g.shape, dtype=dtype, device=device), keep=keep, keep_at=keep_at,
         ),  # fmt: skip
     )
     if out is not None:
         return out
     group = {"betas": (beta1, beta2), "eps": eps}
     axis = torch.tensor(dim)
-    out = torch.empty(g.shape, dtype=torch.float32, device=device)
-    for j in range(g.shape[0]):
+    out = torch.empty(g.shape, dtype=torch.float32, device=device)  # flagged out: unused
+    for j in kept(keep, k, keep_at):
         state = {"adam.exp_avg": m_codes[j], "adam.exp_avg.absmax": m_absmax[j],
                  "adam.exp_avg_sq": v_codes[j], "adam.exp_avg_sq.absmax": v_absmax[j],
                  AXIS: axis}  # fmt: skip
         out[j] = torch_quantized(g[j], DYNAMIC8, UDYNAMIC8, step, state, group)
-    return out
+    return out.to(dtype)
 
 
 adam8bit_stack_op = torch.library.custom_op(
@@ -317,9 +341,11 @@ adam8bit_stack_op = torch.library.custom_op(
 @adam8bit_stack_op.register_fake
 def _(
     g: Tensor, m_codes: Tensor, m_absmax: Tensor, v_codes: Tensor, v_absmax: Tensor, dim: int,
-    beta1: float, beta2: float, eps: float, step: int,
+    beta1: float, beta2: float, eps: float, step: int, keep: Tensor | None = None,
+    keep_at: list[int] | None = None, bf16: bool = False,
 ) -> Tensor:  # fmt: skip
-    return g.new_empty(g.shape, dtype=torch.float32)
+    check("adam8bit_stack_", keep, g.shape[0], g.device, keep_at)
+    return g.new_empty(g.shape, dtype=torch.bfloat16 if bf16 else torch.float32)
 
 
 #: the op as galore2 calls it: its implementation directly in plain eager calls, the op
@@ -395,6 +421,7 @@ __all__ = [
     "code_bounds",
     "dequantize",
     "dynamic_code",
+    "local_on_stacks",
     "quantize_",
     "step_batch",
     "torch_quantized",

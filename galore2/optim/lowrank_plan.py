@@ -119,8 +119,9 @@ def deferrable(
     (:mod:`galore2.core.deferred`): every matrix in a shape batch of last step's plan (no
     single, no plain tensor), none due for a refresh, each batch along the data on the
     grouped kernels (bf16 weights and gradients, factored updates: ``addmm_each_`` takes
-    the flags) with its inner state stacked, and the one inner rule writing its stack's
-    directions by a kernel that takes them (its ``defers_directions``)?"""
+    the flags), and the one inner rule writing the batch's directions by a kernel that
+    takes them (its ``defers_directions``, told whether the batch's inner state stacks:
+    float32 moments must, 8-bit ones never do)?"""
     plan = kept(plans, states, ctxs)
     if (
         plan is None
@@ -144,11 +145,15 @@ def deferrable(
             us[first].dtype != torch.bfloat16
             or ctxs[first].param.dtype != torch.bfloat16
             or not lowrank_batch.along_data(us[first])
-            or batch.stacked_state(keys) is None
-            or not ask(batch.states, group, us[first].device)
+            or not ask(batch.states, group, us[first].device, stacks(batch, keys))
         ):
             return False
     return True
+
+
+def stacks(batch: lowrank_batch.ShapeBatch, keys: tuple[str, ...]) -> bool:
+    """Does ``batch``'s inner state (its ``keys``) stack into one entry?"""
+    return batch.stacked_state(keys) is not None
 
 
 def split(plan: lowrank_batch.BatchPlan, counters: Counters) -> Split:
@@ -280,6 +285,8 @@ def run_inner(
     else None)."""
     stacked = [st for st in stacks if st.state is not None]
     none: list[Tensor | None] = [None] * len(stacks)
+    if len(inner) == 1:  # along the data, an unstacked batch's N is rounded as a stack's is
+        ctxs = _rounded_members(stacks, ctxs)
     if not stacked:
         return run_chain(inner, inner_in, states, group, ctxs), none, (
             list(range(len(states)))
@@ -313,6 +320,21 @@ def run_inner(
     for st in stacked:
         order += st.idx
     return results, stacked_out, order, masks
+
+
+def _rounded_members(stacks: list[Stacked], ctxs: list[Context]) -> list[Context]:
+    """``ctxs`` with the members of each batch along the data whose state is not stacked
+    (8-bit moments: one entry per matrix) rounded to the weights' dtype
+    (:meth:`~galore2.core.module.Context.rounded_to`), as a stacked entry's are."""
+    unstacked = [st for st in stacks if st.state is None and st.along]
+    if not unstacked:
+        return ctxs
+    out = list(ctxs)
+    for st in unstacked:
+        dtype = ctxs[st.idx[0]].param.dtype
+        for i in st.idx:
+            out[i] = ctxs[i].rounded_to(dtype)
+    return out
 
 
 def back_stacks(

@@ -23,6 +23,7 @@ import galore2
 from galore2 import _numerics
 from galore2.core import deferred
 from galore2.kernels import dispatch, ops, tables
+from galore2.storage import dynamic8
 
 from ..kernels.test_triton_kernels import DEVICE
 
@@ -31,6 +32,14 @@ from ..kernels.test_triton_kernels import DEVICE
 # products in another summation order, not the bits the grouped kernel gives it)
 MATRICES = ((40, 24), (40, 24), (40, 24), (24, 56), (24, 56), (24, 56))
 PLAIN = ((24,), (56,), (30, 8))
+# GaLoreAdamW8bit: 8-bit moments need 4096 elements (R is 32 x 128 or 128 x 32 at rank 32),
+# and the plain group's 64 x 64 tensor has them too (one galore2::adamw8bit_ launch; its
+# gradient is the unusable one at step 3)
+SHAPES = {
+    "adamw": (galore2.GaLoreAdamW, MATRICES, PLAIN, 4),
+    "adamw8bit": (galore2.GaLoreAdamW8bit, ((64, 128),) * 3 + ((128, 64),) * 3,
+                  ((64, 64), (24,), (30, 8)), 32),
+}  # fmt: skip
 STEPS = 9
 # (step, kind, index, value): matrices and plain tensors whose gradient is unusable
 BAD = {(3, "m", 1, float("nan")), (3, "p", 0, float("inf")), (6, "m", 5, float("-inf")),
@@ -45,15 +54,26 @@ def kernels_on_cpu(monkeypatch):
     tables.clear()
 
 
-def _run(defer: bool, monkeypatch, bad=BAD, reads: list | None = None, steps: int = STEPS):
+@pytest.fixture(params=list(SHAPES))
+def preset(request) -> str:
+    """GaLoreAdamW, and GaLoreAdamW8bit (8-bit moments of every shape batch by
+    galore2::adam8bit_stack_, its plain group's 8-bit tensor by galore2::adamw8bit_)."""
+    return request.param
+
+
+def _run(defer: bool, monkeypatch, bad=BAD, reads: list | None = None, steps: int = STEPS,
+         preset: str = "adamw"):  # fmt: skip
     monkeypatch.setattr(deferred, "DEVICES", frozenset({DEVICE} if defer else ()))
+    make, matrices, shapes, rank = SHAPES[preset]
+    if preset == "adamw8bit":  # 8-bit moments by CUDA's path: stacks on the fused kernel
+        monkeypatch.setattr(dynamic8, "use_torch", lambda t: False)
     g = torch.Generator().manual_seed(0)
     mats = [torch.nn.Parameter(torch.randn(s, generator=g).to(DEVICE, torch.bfloat16))
-            for s in MATRICES]  # fmt: skip
+            for s in matrices]  # fmt: skip
     plain = [torch.nn.Parameter(torch.randn(s, generator=g).to(DEVICE, torch.bfloat16))
-             for s in PLAIN]  # fmt: skip
-    opt = galore2.GaLoreAdamW(
-        [{"params": mats, "rank": 4, "update_proj_gap": 4}, {"params": plain}],
+             for s in shapes]  # fmt: skip
+    opt = make(
+        [{"params": mats, "rank": rank, "update_proj_gap": 4}, {"params": plain}],
         lr=5e-2, weight_decay=0.1, foreach=True,
     )  # fmt: skip
     gg = torch.Generator().manual_seed(1)
@@ -106,7 +126,7 @@ def _spy_records(monkeypatch) -> list:
     return records
 
 
-def test_a_deferred_skip_leaves_what_the_skip_leaves(kernels_on_cpu, monkeypatch):
+def test_a_deferred_skip_leaves_what_the_skip_leaves(kernels_on_cpu, monkeypatch, preset):
     """Step 3 has a NaN gradient in a matrix (a shape batch of three) and an Inf one in a
     plain tensor, and defers (its flags unread): those two keep their weights and state bit
     for bit; every other parameter gets the bits it gets in a run without the unusable
@@ -115,11 +135,11 @@ def test_a_deferred_skip_leaves_what_the_skip_leaves(kernels_on_cpu, monkeypatch
     shape batch, and a new batch may round the others apart by an ulp: the deferred step
     keeps the batch whole.)"""
     records = _spy_records(monkeypatch)
-    later, _ = _run(True, monkeypatch, steps=3)
+    later, _ = _run(True, monkeypatch, steps=3, preset=preset)
     assert len(records) == 4, records  # steps 2 and 3: both groups deferred
-    clean, _ = _run(False, monkeypatch, bad=set(), steps=3)
-    now, _ = _run(False, monkeypatch, steps=3)
-    skipped = {1, len(MATRICES)}  # matrix 1, plain tensor 0
+    clean, _ = _run(False, monkeypatch, bad=set(), steps=3, preset=preset)
+    now, _ = _run(False, monkeypatch, steps=3, preset=preset)
+    skipped = {1, len(SHAPES[preset][1])}  # matrix 1, plain tensor 0
     (w2, _, s2), (w3, skips, s3) = later[1], later[2]
     assert skips == now[2][1] == 2
     for j, (a, b) in enumerate(zip(w3, clean[2][0], strict=True)):
@@ -132,20 +152,23 @@ def test_a_deferred_skip_leaves_what_the_skip_leaves(kernels_on_cpu, monkeypatch
             assert torch.equal(_bits(a), _bits(want)), (j, key)
 
 
-def test_deferred_steps_count_as_the_skip_path_counts(kernels_on_cpu, monkeypatch):
+# GaLoreAdamW8bit's nine steps under the interpreter take ~30 s: -m slow (its skip above and
+# its reads below run by default)
+@pytest.mark.parametrize("preset", ["adamw", pytest.param("adamw8bit", marks=pytest.mark.slow)])
+def test_deferred_steps_count_as_the_skip_path_counts(kernels_on_cpu, monkeypatch, preset):
     """Nine steps with unusable gradients at steps 3 and 6 (both shape batches, two plain
     tensors): after every step the skip count and every step counter are the host-indexed
     run's, every state tensor is finite, and the weights stay within two bf16 roundings of
     it (the runs part by an ulp at a skip, see above; a skip missed or an update applied
     twice at lr 5e-2 moves a weight by about 0.05)."""
     records = _spy_records(monkeypatch)
-    later, _ = _run(True, monkeypatch)
+    later, _ = _run(True, monkeypatch, preset=preset)
     # both groups defer at every step but the first and the refreshes: 5 and 9, and 6 for
     # the matrix skipped at step 3 (its count a step behind, as the skip leaves it) — after
     # a skip too, its shape batch's members counting different steps (each with its own
     # bias corrections in the directions kernel): steps 2, 3, 4, 7 and 8
     assert len(records) == 2 * 5, records
-    now, _ = _run(False, monkeypatch)
+    now, _ = _run(False, monkeypatch, preset=preset)
     assert later[-1][1] == 4  # every unusable gradient skipped, counted once
     for step, ((wa, sa, sta), (wb, sb, stb)) in enumerate(zip(later, now, strict=True), 1):
         assert sa == sb, step
@@ -160,7 +183,7 @@ def test_deferred_steps_count_as_the_skip_path_counts(kernels_on_cpu, monkeypatc
                 assert bool(torch.isfinite(a).all()), (step, j, key)
 
 
-def test_a_deferred_step_reads_only_the_last_steps_flags(kernels_on_cpu, monkeypatch):
+def test_a_deferred_step_reads_only_the_last_steps_flags(kernels_on_cpu, monkeypatch, preset):
     """Where every batch of a step defers, its host reads (``_numerics.host_list``, the one
     read of a step) are of the flags the step before recorded — its host copies
     (:meth:`DeferredSkips.record`), one per batch — and of nothing this step computed:
@@ -179,7 +202,7 @@ def test_a_deferred_step_reads_only_the_last_steps_flags(kernels_on_cpu, monkeyp
 
     monkeypatch.setattr(deferred.DeferredSkips, "record", record)
     monkeypatch.setattr(_numerics, "host_list", host_list)
-    _run(True, monkeypatch, bad=set(), reads=log, steps=4)
+    _run(True, monkeypatch, bad=set(), reads=log, steps=4, preset=preset)
     full = [s for s in range(1, 4) if sum(e == "record" for e, _ in log[s]) == 2]
     assert len(full) == 3, [[e for e, _ in step] for step in log]  # steps 2, 3 and 4
     for s in full:
