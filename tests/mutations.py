@@ -1536,6 +1536,63 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the narrowing: APOLLO along the data fails on float64 weights)",
         where="_channel_norms",
     ),
+    Mutation(
+        "adam8bit_keep_ignored",
+        "galore2/kernels/adam8bit.py",
+        "n_other = tl.where(tl.load(keep_ptr + flag_at) != 0, n_other, 0)",
+        "n_other = n_other",
+        ("tests/kernels/test_keep_flags.py::test_adam8bit_stack_writes_only_the_kept_members",),
+        "the 8-bit kernel writes a matrix flagged out (a deferred step's unusable gradient)",
+        where="_adam8bit_kernel",
+    ),
+    Mutation(
+        "adam8bit_bf16_truncated",
+        "galore2/kernels/adam8bit.py",
+        "tl.store(out_ptr + offs, to_bf16(d), mask=mask)",
+        "tl.store(out_ptr + offs, d.to(tl.bfloat16), mask=mask)",
+        ("tests/kernels/test_keep_flags.py::test_adam8bit_stack_writes_only_the_kept_members",),
+        "the 8-bit kernel's bf16 directions cast without rounding to nearest (the "
+        "interpreter truncates)",
+        where="_adam8bit_kernel",
+    ),
+    Mutation(
+        "adam8bit_stacked_keep_dropped",
+        "galore2/optim/adam8bit.py",
+        "keep, at = run[0].keep, None",
+        "keep, at = None, None",
+        ("tests/core/test_deferred.py::test_a_deferred_skip_leaves_what_the_skip_leaves",),
+        "a deferred step's 8-bit shape stacks are stepped without their flags: a skipped "
+        "matrix's moments take its NaN gradient",
+        where="_step_stacked",
+    ),
+    Mutation(
+        "adamw8bit_group_wrong_flags",
+        "galore2/optim/adamw8bit_step.py",
+        "flags = keep.index_select(0, positions(rest, keep.device))",
+        "flags = keep.index_select(0, positions(list(range(len(rest))), keep.device))",
+        ("tests/core/test_deferred.py::test_a_deferred_skip_leaves_what_the_skip_leaves",),
+        "the plain group's float32-moment tensors read the flags of the group's first tensors, "
+        "not their own",
+        where="adamw8bit_group",
+    ),
+    Mutation(
+        "adamw8bit_group_keep_dropped",
+        "galore2/optim/adamw8bit_step.py",
+        "group[\"eps\"], steps[i], lr, decay, keep,",
+        "group[\"eps\"], steps[i], lr, decay, None,",
+        ("tests/core/test_deferred.py::test_a_deferred_skip_leaves_what_the_skip_leaves",),
+        "a deferred step's plain tensor with 8-bit moments is stepped without its flag",
+        where="adamw8bit_group",
+    ),
+    Mutation(
+        "eightbit_directions_not_rounded",
+        "galore2/optim/lowrank_plan.py",
+        "ctxs = _rounded_members(stacks, ctxs)",
+        "ctxs = list(ctxs)",
+        ("tests/benchmarks/test_roofline.py::test_350m_8bit_step_on_fused_ops",),
+        "8-bit shape stacks write float32 directions that the back-projection then casts",
+        where="run_inner",
+    ),
 )
 
 

@@ -16,6 +16,9 @@ if sys.platform != "linux":  # triton ships Linux wheels only
     pytest.skip("triton is only installed on Linux", allow_module_level=True)
 
 from galore2.kernels import dispatch, ops, ops_lowrank, tables
+from galore2.optim.adam8bit import adam8bit_stack_
+from galore2.optim.adamw8bit_step import adamw8bit_
+from galore2.storage import dynamic8
 
 from .test_triton_kernels import DEVICE
 
@@ -160,3 +163,75 @@ def test_directions_at_each_members_own_step(mode):
     for j, (mj, vj, oj) in enumerate(alone):
         ops.adam_directions_([u[j].contiguous()], [mj], [vj], [oj], steps[j], 0.9, 0.999, 1e-8)
         assert _same(m[j], mj) and _same(v[j], vj) and _same(out[j], oj), j
+
+
+def _codes(k: int, shape: tuple[int, int], dim: int, seed: int) -> list[torch.Tensor]:
+    """Random 8-bit moments of ``k`` matrices: codes and absmax stacks (m, ma, v, va)."""
+    g = torch.Generator().manual_seed(seed)
+    scales = dynamic8.absmax_shape(shape, dim)
+    return [
+        torch.randint(0, 256, (k, *shape), generator=g, dtype=torch.uint8).to(DEVICE),
+        ((torch.rand((k, *scales), generator=g) + 0.5) * 0.1).to(DEVICE),
+        torch.randint(0, 256, (k, *shape), generator=g, dtype=torch.uint8).to(DEVICE),
+        ((torch.rand((k, *scales), generator=g) + 0.5) * 0.01).to(DEVICE),
+    ]
+
+
+@pytest.mark.parametrize("at", [False, True], ids=["flags", "keep_at"])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_adam8bit_stack_writes_only_the_kept_members(mode, at, bf16):
+    """A shape stack's 8-bit Adam (galore2::adam8bit_stack_, three 8 x 300 members blocked
+    along rows): member 1, flagged out with a NaN direction, keeps its codes and absmax;
+    the others are the bits of a call on each alone, their directions too (in bf16: the
+    float32 ones rounded). Its flags in order, or at positions of a longer tensor."""
+    g = torch.Generator().manual_seed(4)
+    u = torch.randn(3, 8, 300, generator=g).to(DEVICE, torch.bfloat16)
+    u[1, 2, 3] = float("nan")
+    state = _codes(3, (8, 300), 1, 5)
+    before = [t.clone() for t in state]
+    if at:
+        flags, keep_at = _flags([False, True, False, True]), [1, 2, 3]
+    else:
+        flags, keep_at = _flags([True, False, True]), None
+    out = adam8bit_stack_(u, *state, 1, 0.9, 0.999, 1e-8, 3, flags, keep_at, bf16)
+    assert out.dtype == (torch.bfloat16 if bf16 else torch.float32)
+    for j in (0, 2):
+        alone = [t[j : j + 1].clone() for t in before]
+        want = adam8bit_stack_(u[j : j + 1].contiguous(), *alone, 1, 0.9, 0.999, 1e-8, 3)
+        assert _same(out[j], want[0].to(out.dtype))
+        assert all(torch.equal(t[j], a[0]) for t, a in zip(state, alone, strict=True)), j
+    assert all(torch.equal(t[1], b[1]) for t, b in zip(state, before, strict=True))
+
+
+@pytest.mark.parametrize("at", [False, True], ids=["flag", "keep_at"])
+def test_adamw8bit_writes_nothing_flagged_out(mode, at):
+    """A plain group's tensor with 8-bit moments (galore2::adamw8bit_, 64 x 64): flagged
+    out (a NaN gradient), its weight and moments keep their bits; flagged in, the bits of
+    a call without flags, which are the 8-bit step's direction (the op of a one-matrix
+    stack, same codes and absmax) followed by the decay and the update of the weight —
+    within one bf16 rounding of that pass's result (the kernel's fused multiply-add may
+    round where torch's CPU add does not)."""
+    g = torch.Generator().manual_seed(6)
+    p = torch.randn(64, 64, generator=g).to(DEVICE, torch.bfloat16)
+    grad = torch.randn(64, 64, generator=g).to(DEVICE, torch.bfloat16)
+    state = [t[0] for t in _codes(1, (64, 64), 1, 7)]
+    hyper = (1, 0.9, 0.999, 1e-8, 3, 1e-2, 0.99)
+    flag, keep_at = (_flags([True, False]), [1]) if at else (_flags([False]), None)
+    bad, bad_state = p.clone(), [t.clone() for t in state]
+    nan_grad = grad.clone()
+    nan_grad[5, 5] = float("nan")
+    adamw8bit_(bad, nan_grad, *bad_state, *hyper, flag, keep_at)
+    assert _same(bad, p) and all(map(torch.equal, bad_state, state))
+    kept_p, kept_state = p.clone(), [t.clone() for t in state]
+    adamw8bit_(kept_p, grad, *kept_state, *hyper, _flags([True]))
+    plain_p, plain_state = p.clone(), [t.clone() for t in state]
+    adamw8bit_(plain_p, grad, *plain_state, *hyper)
+    assert _same(kept_p, plain_p) and all(map(torch.equal, kept_state, plain_state))
+    passes = [t.unsqueeze(0).clone() for t in state]
+    d = adam8bit_stack_(grad.unsqueeze(0), *passes, *hyper[:5])[0]
+    assert all(torch.equal(a[0], b) for a, b in zip(passes, plain_state, strict=True))
+    want = p.clone()
+    want.mul_(0.99)
+    want.add_(d, alpha=-1e-2)
+    ulp = 2.0 ** (torch.floor(torch.log2(want.float().abs().clamp_min(2.0**-126))) - 7)
+    assert bool(((plain_p.float() - want.float()).abs() <= ulp).all())
