@@ -1593,6 +1593,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         "8-bit shape stacks write float32 directions that the back-projection then casts",
         where="run_inner",
     ),
+    Mutation(
+        "adamw8bit_decay_unrounded",
+        "galore2/kernels/adam8bit.py",
+        "p = to_bf16(p.to(tl.float32) * decay)",
+        "p = p.to(tl.float32) * decay",
+        ("tests/kernels/test_adam8bit_fused.py::test_adamw8bit_step_is_adam8bit_step_then_the_torch_passes",),
+        "the fused 8-bit AdamW step decays the weight without its own rounding to bf16 (the "
+        "separate multiply's)",
+        where="_adam8bit_kernel",
+    ),
+    Mutation(
+        "adam8bit_strided_out_uninitialised",
+        "galore2/kernels/adam8bit.py",
+        "res = out.contiguous()",
+        "res = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)",
+        ("tests/kernels/test_adam8bit_fused.py::test_stack_keep_leaves_a_strided_out_entry_unwritten",),
+        "a strided out goes through an uninitialised buffer copied back whole: a flagged-out "
+        "member's entries get garbage",
+        where="_step",
+    ),
 )
 
 

@@ -343,8 +343,9 @@ def _step(
                 f"out must be float32 or bfloat16 {tuple(g.shape)}, got {out.dtype} "
                 f"{tuple(out.shape)}"
             )
-        res = out if out.is_contiguous() else torch.empty_like(
-            out, memory_format=torch.contiguous_format)  # fmt: skip
+        # a strided out through a contiguous copy of it (a flagged-out member's entries
+        # are copied back as they were)
+        res = out.contiguous()
     p_ptr, lr, decay = weight if weight is not None else (res, 0.0, 1.0)
 
     bc1 = 1 - beta1**step

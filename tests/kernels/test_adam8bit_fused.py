@@ -125,12 +125,6 @@ def test_stack_all_flags_true_is_the_call_without_flags():
         assert all(_bits(got[k], plain[k]) for k in STATE)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kernel bug: a non-contiguous out is written through a torch.empty_like buffer "
-    "copied back whole (_step: out.copy_(res)), so a flagged-out member's out entry gets "
-    "that buffer's uninitialised memory",
-)
 def test_stack_keep_leaves_a_strided_out_entry_unwritten():
     """The contract holds for any ``out`` the call takes: a non-contiguous fp32 ``out``
     (a transposed view) keeps a flagged-out member's sentinel entries. (A sentinel and
