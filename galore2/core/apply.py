@@ -67,17 +67,13 @@ def apply_updates(params: list[Tensor], updates: list[Update], lr: float, decay:
         targets = [params[i].view(first.A.shape[0], first.B.shape[1]) for i in idx]
         As = [updates[i].A for i in idx]  # type: ignore[union-attr]
         Bs = [updates[i].B for i in idx]  # type: ignore[union-attr]
-        keep, at = first.keep, None  # a deferred step's flags: the batch's, one tensor
-        if keep is not None:
-            at = [p for i in idx for p in updates[i].keep_at]  # type: ignore[union-attr]
-            if any(updates[i].keep is not keep for i in idx):  # type: ignore[union-attr]
-                raise RuntimeError("a shape batch's updates carry flags of different steps")
-        addmm_each_(targets, As, Bs, -lr * first.scale, decay, keep, at)
+        addmm_each_(targets, As, Bs, -lr * first.scale, decay, *_flags(updates, idx))
     scaled = _scaled_lists(params, updates)
     for idx in scaled:
         Gs = [updates[i].G for i in idx]  # type: ignore[union-attr]
         factors = [updates[i].factor for i in idx]  # type: ignore[union-attr]
-        scaled_add_each_([params[i] for i in idx], Gs, _factors(factors), -lr, decay)
+        scaled_add_each_([params[i] for i in idx], Gs, _factors(factors), -lr, decay,
+                         *_flags(updates, idx))  # fmt: skip
     residual = _residual_lists(params, updates)
     for idx in residual:
         lows = [updates[i].low for i in idx]  # type: ignore[union-attr]
@@ -85,13 +81,24 @@ def apply_updates(params: list[Tensor], updates: list[Update], lr: float, decay:
         targets = [params[i].view(highs[0].G.shape) for i in idx]
         addmm_scaled_each_(targets, [u.A for u in lows], [u.B for u in lows],
                            [u.G for u in highs], _factors([u.factor for u in highs]),
-                           -lr * lows[0].scale, decay, -lr)  # fmt: skip
+                           -lr * lows[0].scale, decay, -lr, *_flags(updates, idx))  # fmt: skip
     done = {i for idx in grouped + scaled + residual for i in idx}
     for i, (p, u) in enumerate(zip(params, updates, strict=True)):
-        if i not in done and isinstance(u, LowRankUpdate) and u.keep is not None:
-            raise RuntimeError("a deferred step's low-rank update left its shape batch's addmm_")
+        if i not in done and isinstance(u, FACTORED) and u.keep is not None:
+            raise RuntimeError("a deferred step's factored update left its shape batch's launch")
         if i not in done and (len(dense) <= 1 or isinstance(u, FACTORED)):
             apply_update(p, u, lr, decay)
+
+
+def _flags(updates: list[Update], idx: list[int]) -> tuple[Tensor | None, list[int] | None]:
+    """(keep, keep_at) of a shape batch's factored updates at ``idx``: a deferred step's
+    flags (one tensor, each update's position in it), or (None, None) on other steps."""
+    keep = updates[idx[0]].keep  # type: ignore[union-attr]
+    if keep is None:
+        return None, None
+    if any(updates[i].keep is not keep for i in idx):  # type: ignore[union-attr]
+        raise RuntimeError("a shape batch's updates carry flags of different steps")
+    return keep, [p for i in idx for p in updates[i].keep_at]  # type: ignore[union-attr]
 
 
 def _low_rank_lists(params: list[Tensor], updates: list[Update]) -> list[list[int]]:
@@ -123,7 +130,7 @@ def _scaled_lists(params: list[Tensor], updates: list[Update]) -> list[list[int]
     for i, (p, u) in enumerate(zip(params, updates, strict=True)):
         if isinstance(u, ScaledUpdate) and p.is_contiguous() and u.G.dim() == 2:
             key = (u.G.shape, u.G.stride(), u.G.dtype, u.factor.shape, u.factor.dtype,
-                   p.dtype, p.device)  # fmt: skip
+                   p.dtype, p.device, u.keep is None)  # fmt: skip
             by.setdefault(key, []).append(i)
     return [idx for idx in by.values() if len(idx) > 1]
 

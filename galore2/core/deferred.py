@@ -41,7 +41,7 @@ from torch import Tensor
 from .. import _numerics
 from .module import Context
 from .nonfinite import SKIPS
-from .transform import LowRankUpdate
+from .transform import FACTORED
 
 #: the device types whose batches may defer: CUDA, and meta (a count of the CUDA step);
 #: tests add "cpu", with Triton's interpreter
@@ -119,8 +119,9 @@ class DeferredSkips:
 
 def flagged(u: Any) -> bool:
     """Does a deferred step's update carry its flags to the kernel that applies it (a
-    low-rank update of a shape batch, :func:`~galore2.core.apply.apply_updates`)?"""
-    return isinstance(u, LowRankUpdate) and u.keep is not None
+    factored update of a shape batch — low-rank, APOLLO's scaled gradient, Fira's sum of
+    both —, :func:`~galore2.core.apply.apply_updates`)?"""
+    return isinstance(u, FACTORED) and u.keep is not None
 
 
 @contextmanager

@@ -86,6 +86,10 @@ class ScaledUpdate:
     G: Tensor
     factor: Tensor
     shape: torch.Size
+    #: a deferred step's flags, as :class:`LowRankUpdate`'s (the grouped ``addcmul_`` that
+    #: applies it writes nothing where it is False); None on other steps
+    keep: Tensor | None = None
+    keep_at: tuple[int, ...] = ()
 
     def dense(self) -> Tensor:
         return torch.mul(self.G, self.factor).view(self.shape)
@@ -101,6 +105,15 @@ class ResidualUpdate:
 
     low: LowRankUpdate
     scaled: ScaledUpdate
+
+    @property
+    def keep(self) -> Tensor | None:
+        """A deferred step's flags: its low-rank part's (the two parts carry the same)."""
+        return self.low.keep
+
+    @property
+    def keep_at(self) -> tuple[int, ...]:
+        return self.low.keep_at
 
     def dense(self) -> Tensor:
         return self.low.dense().float().add_(self.scaled.dense())

@@ -210,18 +210,22 @@ def supported_scaled_list(
 
 def addmm_scaled_list(
     ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], Gs: list[Tensor], factor: Tensor,
-    *, alpha: float, beta: float, gamma: float,
+    *, alpha: float, beta: float, gamma: float, keep: Tensor | None = None,
+    keep_at: list[int] | None = None,
 ) -> bool:  # fmt: skip
     """``ps[i] ← beta·ps[i] + alpha·(As[i] @ Bs[i]) + gamma·Gs[i] ⊙ factor[i]`` in place for
     every i in one launch (Fira's step along the data: the back-projection plus the scaled
     residual term), formed in float32 (the product accumulated in fp32) and rounded once to
     ps' dtype; with ``beta == 0`` the ps are not read. The inputs as
     :func:`supported_scaled_list` takes them (a ValueError naming what is wrong otherwise,
-    before anything is written). CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``.
-    Returns True (it ran)."""
+    before anything is written). ``keep`` / ``keep_at``: as :func:`lowrank_list` takes them.
+    CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``. Returns True (it ran)."""
     problem = _scaled_problem(ps, As, Bs, Gs, factor)
     if problem is not None:
         raise ValueError(f"addmm_scaled_list: {problem}")
+    if not keeps(keep, len(ps), ps[0].device, keep_at):
+        raise ValueError("addmm_scaled_list: keep must be one bool flag per weight (keep_at: "
+                         "their positions in it), contiguous, on the weights' device")
     p, a, b, g = ps[0], As[0], Bs[0], Gs[0]
     M, K = a.shape
     N = b.shape[1]
@@ -230,13 +234,16 @@ def addmm_scaled_list(
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     table = offsets("lowrank_list", (As, Bs, ps, ps, Gs))
     interpreted = p.device.type == "cpu"
+    flags, _ = pointer(keep, table)
+    at = table if keep_at is None else positions(keep_at, p.device)
     with launch_device(p):
         _lowrank_list_kernel[(tiles * len(ps),)](
             a, b, p, p, table, len(ps), tiles, M, N, K, a.stride(0), a.stride(1),
             b.stride(0), b.stride(1), p.stride(0), p.stride(1), p.stride(0), p.stride(1),
-            float(alpha), float(beta), table, table, g, g.stride(0), g.stride(1), factor,
+            float(alpha), float(beta), flags, at, g, g.stride(0), g.stride(1), factor,
             factor.stride(0), factor.stride(1), factor.stride(2), float(gamma),
-            BETA_ZERO=beta == 0, HAS_KEEP=False, HAS_AT=False, PRECISION=precision,
+            BETA_ZERO=beta == 0, HAS_KEEP=keep is not None, HAS_AT=keep_at is not None,
+            PRECISION=precision,
             # the interpreter multiplies bf16 as raw integers (see lowrank_update)
             UPCAST=p.dtype != torch.float32 and interpreted, GROUP_M=8,
             A_BF16=a.dtype != p.dtype, B_BF16=b.dtype != p.dtype, SCALED=True,

@@ -98,24 +98,32 @@ def _addmm_each(
 
 def _addmm_scaled_each(
     ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], Gs: list[Tensor], factor: Tensor,
-    alpha: float, beta: float, gamma: float,
+    alpha: float, beta: float, gamma: float, keep: Tensor | None = None,
+    keep_at: list[int] | None = None,
 ) -> None:  # fmt: skip
     """``ps[i] ← beta·ps[i] + alpha·(As[i] @ Bs[i]) + gamma·Gs[i] ⊙ factor[i]`` in place for
     each i (2-D ``ps``; ``factor``: a float32 ``(k, 1, n)``, ``(k, m, 1)`` or ``(k, 1, 1)``
     stack): Fira's update along the data, the residual's scaled gradient in the
     back-projection's epilogue (one rounding of each weight where the grouped kernel runs;
-    elsewhere an ``addmm_`` then an ``addcmul_`` per weight)."""
+    elsewhere an ``addmm_`` then an ``addcmul_`` per weight). ``keep`` / ``keep_at``: as
+    :func:`addmm_each_` takes them (a weight flagged False is not written)."""
     _check_gradients(ps, Gs, factor)
+    if keep is not None or keep_at is not None:
+        check("addmm_scaled_each_", keep, len(ps), ps[0].device, keep_at)
     if len(ps) > 1:
         done = run_kernel(
             "lowrank_list", *ps, *As, *Bs, *Gs, factor,
             supported=lambda k: k.supported_scaled_list(ps, As, Bs, Gs, factor),
             kernel=lambda k: partial(k.addmm_scaled_list, ps, As, Bs, Gs, factor,
-                                     alpha=alpha, beta=beta, gamma=gamma),
+                                     alpha=alpha, beta=beta, gamma=gamma, keep=keep,
+                                     keep_at=keep_at),
         )  # fmt: skip
         if done is not None:
             return
-    for p, a, b, g, f in zip(ps, As, Bs, Gs, factor.unbind(0), strict=True):
+    taken = set(kept(keep, len(ps), keep_at))
+    for i, (p, a, b, g, f) in enumerate(zip(ps, As, Bs, Gs, factor.unbind(0), strict=True)):
+        if i not in taken:
+            continue
         p.addmm_(_in(a, p.dtype), _in(b, p.dtype), beta=beta, alpha=alpha)
         p.addcmul_(g, f, value=gamma)
 
@@ -178,10 +186,13 @@ def _addmm_each_meta(
 @addmm_scaled_each_op.register_fake
 def _addmm_scaled_each_meta(
     ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], Gs: list[Tensor], factor: Tensor,
-    alpha: float, beta: float, gamma: float,
+    alpha: float, beta: float, gamma: float, keep: Tensor | None = None,
+    keep_at: list[int] | None = None,
 ) -> None:  # fmt: skip
     _check("addmm_scaled_each_", ps, As, Bs)
     _check_gradients(ps, Gs, factor)
+    if keep is not None or keep_at is not None:
+        check("addmm_scaled_each_", keep, len(ps), ps[0].device, keep_at)
 
 
 mm_each_ = direct(mm_each_op, _mm_each, mutated=(2,))

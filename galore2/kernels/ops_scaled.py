@@ -33,6 +33,7 @@ from torch import Tensor
 
 from .direct import direct
 from .dispatch import run_kernel
+from .keep import check, kept
 
 
 def _norms_shape(Gs: list[Tensor], dim: int) -> tuple[int, int, int]:
@@ -90,7 +91,10 @@ def _residual_norms(
     return out
 
 
-def _check_scaled(ps: list[Tensor], Gs: list[Tensor], factor: Tensor) -> None:
+def _check_scaled(
+    ps: list[Tensor], Gs: list[Tensor], factor: Tensor, keep: Tensor | None = None,
+    keep_at: list[int] | None = None,
+) -> None:  # fmt: skip
     if len(ps) != len(Gs) or factor.dim() != 3 or factor.shape[0] != len(ps):
         raise ValueError(
             f"scaled_add_each_: {len(ps)} weights, {len(Gs)} gradients and a factor of shape "
@@ -112,27 +116,36 @@ def _check_scaled(ps: list[Tensor], Gs: list[Tensor], factor: Tensor) -> None:
                 f"scaled_add_each_: a factor of shape {tuple(factor.shape)} for {m} × {n} "
                 "gradients; it takes (k, 1, n), (k, m, 1) or (k, 1, 1)"
             )
+        if keep is not None or keep_at is not None:
+            check("scaled_add_each_", keep, len(ps), ps[0].device, keep_at)
 
 
 def _scaled_add_each(
-    ps: list[Tensor], Gs: list[Tensor], factor: Tensor, alpha: float, beta: float
+    ps: list[Tensor], Gs: list[Tensor], factor: Tensor, alpha: float, beta: float,
+    keep: Tensor | None = None, keep_at: list[int] | None = None,
 ) -> None:  # fmt: skip
     """``ps[i] ← beta·ps[i] + alpha·Gs[i] ⊙ factor[i]`` in place for each i (a weight
     viewed as its gradient's shape; ``beta·p`` rounded to p's dtype first, as ``mul_``
-    does, then one rounding)."""
-    _check_scaled(ps, Gs, factor)
+    does, then one rounding). ``keep``: one bool flag per weight on their device, or
+    (``keep_at``) their positions in it (a deferred step's, :mod:`~galore2.kernels.keep`);
+    a weight flagged False is not written (the torch path reads the flags on the host)."""
+    _check_scaled(ps, Gs, factor, keep, keep_at)
     targets = [p.view(g.shape) for p, g in zip(ps, Gs, strict=True)]
     if len(ps) > 1:
         done = run_kernel(
             "scaled_list", *targets, *Gs, factor,
             supported=lambda k: k.supported_scaled(targets, Gs, factor),
             kernel=lambda k: partial(
-                k.scaled_add_list, targets, Gs, factor, alpha=alpha, beta=beta
+                k.scaled_add_list, targets, Gs, factor, alpha=alpha, beta=beta, keep=keep,
+                keep_at=keep_at,
             ),
         )  # fmt: skip
         if done is not None:
             return
-    for t, g, f in zip(targets, Gs, factor.unbind(0), strict=True):
+    taken = set(kept(keep, len(ps), keep_at))
+    for i, (t, g, f) in enumerate(zip(targets, Gs, factor.unbind(0), strict=True)):
+        if i not in taken:
+            continue
         if beta != 1.0:
             t.mul_(beta)
         t.addcmul_(g, f, value=alpha)
@@ -165,9 +178,10 @@ def _channel_norms_meta(Gs: list[Tensor], dim: int) -> Tensor:
 
 @scaled_add_op.register_fake
 def _scaled_add_meta(
-    ps: list[Tensor], Gs: list[Tensor], factor: Tensor, alpha: float, beta: float
+    ps: list[Tensor], Gs: list[Tensor], factor: Tensor, alpha: float, beta: float,
+    keep: Tensor | None = None, keep_at: list[int] | None = None,
 ) -> None:  # fmt: skip
-    _check_scaled(ps, Gs, factor)
+    _check_scaled(ps, Gs, factor, keep, keep_at)
 
 
 channel_norms_each = direct(channel_norms_op, _channel_norms, mutated=())

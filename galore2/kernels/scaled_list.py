@@ -44,6 +44,7 @@ from torch import Tensor
 
 from .checks import factor_problem, norms_problem
 from .dispatch import launch_device
+from .keep import check, pointer, positions
 from .lowrank import DTYPES, small_strides
 from .rounding import to_bf16
 from .tables import capturing, offsets
@@ -98,15 +99,20 @@ def _norms_kernel(
 @triton.jit
 def _scaled_kernel(
     p_ptr, g_ptr, f_ptr, table, count, tiles, tiles_n, M, N, s_pm, s_pn, s_gm, s_gn, s_fe,
-    s_fm, s_fn, alpha, beta, BETA_ONE: tl.constexpr, F_ROWS: tl.constexpr,
-    F_COLS: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    s_fm, s_fn, alpha, beta, keep_ptr, at_ptr, BETA_ONE: tl.constexpr, F_ROWS: tl.constexpr,
+    F_COLS: tl.constexpr, RNE_BF16: tl.constexpr, HAS_KEEP: tl.constexpr,
+    HAS_AT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Tile ``pid % tiles`` of entry ``pid // tiles``: ``p ← round(q + α·g·f)``, q = p or
     round(β·p). ``F_ROWS`` / ``F_COLS``: the factor varies along the rows / the columns
-    (neither: one per matrix)."""
+    (neither: one per matrix). ``HAS_KEEP``: entry e's flag is ``keep[e]`` (``HAS_AT``:
+    ``keep[at[e]]``); 0 leaves it unwritten (a deferred step's unusable gradient)."""
     pid = tl.program_id(0)
     e = pid // tiles
+    if HAS_KEEP:  # a constexpr branch: no load without flags
+        flag = tl.load(at_ptr + e) if HAS_AT else e
+        if tl.load(keep_ptr + flag) == 0:
+            return
     t = pid % tiles
     m0 = (t // tiles_n) * BLOCK_M
     n0 = (t % tiles_n) * BLOCK_N
@@ -237,30 +243,37 @@ def channel_norms_list(Gs: list[Tensor], dim: int, out: Tensor) -> bool:
 
 
 def scaled_add_list(
-    ps: list[Tensor], Gs: list[Tensor], factor: Tensor, *, alpha: float, beta: float
-) -> bool:
+    ps: list[Tensor], Gs: list[Tensor], factor: Tensor, *, alpha: float, beta: float,
+    keep: Tensor | None = None, keep_at: list[int] | None = None,
+) -> bool:  # fmt: skip
     """``ps[i] ← beta·ps[i] + alpha·Gs[i] ⊙ factor[i]`` in place for every i in one launch:
     what ``p.mul_(beta); p.addcmul_(G, f, value=alpha)`` gives (β·p rounded to p's dtype
     first unless β = 1; the rest formed in float32 with one FMA and rounded once). The inputs
     as :func:`supported_scaled` takes them (a ValueError naming what is wrong otherwise,
-    before anything is written). CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``.
-    Returns True (it ran)."""
+    before anything is written). ``keep``: one bool flag per weight on the device
+    (``keep_at``: their positions in it; :mod:`~galore2.kernels.keep`); a weight flagged
+    False is not written. CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``. Returns
+    True (it ran)."""
     problem = _scaled_problem(ps, Gs, factor)
     if problem is not None:
         raise ValueError(f"scaled_add_list: {problem}")
+    check("scaled_add_list", keep, len(ps), ps[0].device, keep_at)
     p, g = ps[0], Gs[0]
     M, N = p.shape
     tiles_n = triton.cdiv(N, BLOCK)
     tiles = triton.cdiv(M, BLOCK) * tiles_n
     table = offsets("scaled_add_list", (ps, Gs))
     f_rows, f_cols = factor.shape[1] != 1, factor.shape[2] != 1
+    flags, has_keep = pointer(keep, table)
+    at = table if keep_at is None else positions(keep_at, p.device)
     with launch_device(p):
         _scaled_kernel[(tiles * len(ps),)](
             p, g, factor, table, len(ps), tiles, tiles_n, M, N, p.stride(0), p.stride(1),
             g.stride(0), g.stride(1), factor.stride(0), factor.stride(1), factor.stride(2),
-            float(alpha), float(beta), BETA_ONE=beta == 1, F_ROWS=f_rows, F_COLS=f_cols,
-            RNE_BF16=p.dtype == torch.bfloat16 and p.device.type == "cpu",
-            BLOCK_M=BLOCK, BLOCK_N=BLOCK, num_warps=NUM_WARPS,
+            float(alpha), float(beta), flags, at, BETA_ONE=beta == 1, F_ROWS=f_rows,
+            F_COLS=f_cols, RNE_BF16=p.dtype == torch.bfloat16 and p.device.type == "cpu",
+            HAS_KEEP=has_keep, HAS_AT=keep_at is not None, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
+            num_warps=NUM_WARPS,
             enable_fp_fusion=False,  # β·p is rounded before the sum: no contraction across it
         )  # fmt: skip
     return True

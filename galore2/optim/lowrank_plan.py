@@ -35,6 +35,7 @@ from ..core.transform import (
     run_chain,
     walk,
 )
+from ..kernels import ops
 from ..projectors import NONE, TUCKER, Plan, get_projector
 from . import lowrank_batch, residual
 from . import refresh as schedule
@@ -118,15 +119,15 @@ def deferrable(
     """May this step of a group's lists defer its non-finite flags
     (:mod:`galore2.core.deferred`): every matrix in a shape batch of last step's plan (no
     single, no plain tensor), none due for a refresh, each batch along the data on the
-    grouped kernels (bf16 weights and gradients, factored updates: ``addmm_each_`` takes
-    the flags), and the one inner rule writing the batch's directions by a kernel that
+    grouped kernels (bf16 weights and gradients, factored updates — low-rank, APOLLO's
+    scaled gradients, Fira's sums of both —, whose grouped launches take the flags, as
+    the norm-growth limiter does), and the one inner rule writing the batch's directions by a kernel that
     takes them (its ``defers_directions``, told whether the batch's inner state stacks:
     float32 moments must, 8-bit ones never do)?"""
     plan = kept(plans, states, ctxs)
     if (
         plan is None
         or group["rank"] is None
-        or residual.active(group)
         or not plan.batches
         or plan.singles
         or len(plan.batched) != len(states)
@@ -433,14 +434,20 @@ def combine_many(
         # factors in the weights' dtype, from the bases as the back-projection reads them
         G = st.G if st.G is not None else [us[i] for i in st.idx]
         factors = None
+        dtype = ctxs[st.idx[0]].param.dtype
+        if st.G is None and Ns.dtype != dtype and _rounds(inner, us[st.idx[0]]):
+            # along the data N is rounded to the weights' dtype where galore2's ops run
+            # (run_inner asks the rule for it): rounded here where the rule's path could
+            # not (a stack of moments that is not contiguous: a host-indexed step that left
+            # a matrix out), so φ does not depend on the path
+            Ns = Ns.to(dtype)
         if st.G is None and fira:
-            dtype = ctxs[st.idx[0]].param.dtype
             factors = partial(lowrank_batch.factor_lists, st.batch.kind, _back_bases(st, dtype),
                               dtype=dtype)  # fmt: skip
         buckets.append(residual.Bucket(st.batch.kind.left, G, st.R, Ns, B, st_states,
                                        [bias[i] for i in st.idx],
                                        owned=st.G is not None and packing.writable(st.G),
-                                       factors=factors))  # fmt: skip
+                                       factors=factors, keep=_keeps(ctxs, st.idx)))  # fmt: skip
         order.append(st.idx)
     keyed: dict[tuple[Any, ...], list[int]] = {}
     for i in idx:
@@ -463,7 +470,12 @@ def combine_many(
     for same, s in zip(order, out, strict=True):
         whole = len(done) < n_stacked  # a shape batch's: 2-D matrices as they are
         if isinstance(s, (residual.Scaled, residual.Residual)):  # applied as operands
-            done.update(zip(same, s.updates([us[i].shape for i in same]), strict=True))
+            ups = s.updates([us[i].shape for i in same])
+            for i, up in zip(same, ups, strict=True):  # a deferred step's flags
+                parts = (up.low, up.scaled) if isinstance(up, ResidualUpdate) else (up,)
+                for part in parts:
+                    part.keep, part.keep_at = ctxs[i].keep, ctxs[i].keep_at
+            done.update(zip(same, ups, strict=True))
         elif whole:
             done.update(zip(same, s.unbind(0), strict=True))
         else:
@@ -471,6 +483,19 @@ def combine_many(
     for i in idx:
         states[i]["galore.step"] += 1
     return done
+
+
+def _rounds(inner: list[Transform], u: Tensor) -> bool:
+    """Is a batch's N along the data rounded to the weights' dtype by its rule (one inner
+    rule, on a device where galore2's ops run: not the CPU, which keeps its arithmetic)?"""
+    return len(inner) == 1 and u.device.type in ops.FUSED_OP_DEVICES and ops.triton_would_run()
+
+
+def _keeps(ctxs: list[Context], idx: list[int]) -> tuple[Tensor, list[int]] | None:
+    """A deferred step's flags of the matrices ``idx`` (one tensor, their positions in it):
+    the norm-growth limiter keeps a flagged-out matrix's last norm. None on other steps."""
+    keep = ctxs[idx[0]].keep
+    return None if keep is None else (keep, [ctxs[i].keep_at[0] for i in idx])
 
 
 def sharded_svds(

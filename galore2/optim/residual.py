@@ -70,6 +70,7 @@ from torch import Tensor
 
 from ..core.options import Choice, Option, Optional, Real
 from ..core.transform import LowRankUpdate, ResidualUpdate, ScaledUpdate
+from ..kernels.keep import positions
 from ..kernels.ops_scaled import channel_norms_each, residual_norms_each
 from ..projectors import LEFT, RIGHT, Plan
 from .projection import Projection
@@ -243,6 +244,9 @@ class Bucket(NamedTuple):
     # Fira along the data: a low-rank stack X to the factors (A_i, B_i) of each matrix's
     # P·X (X·Qᵀ) in the weights' dtype (.lowrank_batch.factor_lists); None otherwise
     factors: Callable[[Tensor], tuple[list[Tensor], list[Tensor]]] | None = None
+    # a deferred step's flags (one tensor, the matrices' positions in it): the limiter keeps
+    # a flagged-out matrix's last norm; None on other steps
+    keep: tuple[Tensor, list[int]] | None = None
 
 
 class Residual(NamedTuple):
@@ -464,7 +468,12 @@ def _limit_buckets(norms: list[Tensor], buckets: list[Bucket], group: dict[str, 
     prev = torch.stack(prevs)
     ratio = torch.clamp(norm / (prev + _EPS), min=gamma).div_(gamma)
     limiter = ratio.masked_fill_(prev <= 0, 1.0)  # no previous norm: no limit
-    torch._foreach_copy_(prevs, list(norm.div_(limiter).unbind()))
+    new = norm.div_(limiter)
+    if buckets[0].keep is not None:  # a deferred step: a flagged-out matrix keeps its norm
+        keep = buckets[0].keep[0]
+        at = [j for b in buckets for j in b.keep[1]]  # type: ignore[index]
+        new = torch.where(keep.index_select(0, positions(at, keep.device)), new, prev)
+    torch._foreach_copy_(prevs, list(new.unbind()))
     return limiter.reciprocal_().float()
 
 

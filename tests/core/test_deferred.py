@@ -39,6 +39,9 @@ SHAPES = {
     "adamw": (galore2.GaLoreAdamW, MATRICES, PLAIN, 4),
     "adamw8bit": (galore2.GaLoreAdamW8bit, ((64, 128),) * 3 + ((128, 64),) * 3,
                   ((64, 64), (24,), (30, 8)), 32),
+    # the norm-growth limiter on (their default): a skipped matrix keeps its last norm
+    "apollo": (galore2.APOLLO, MATRICES, PLAIN, 4),
+    "fira": (galore2.Fira, MATRICES, PLAIN, 4),
 }  # fmt: skip
 STEPS = 9
 # (step, kind, index, value): matrices and plain tensors whose gradient is unusable
@@ -154,7 +157,9 @@ def test_a_deferred_skip_leaves_what_the_skip_leaves(kernels_on_cpu, monkeypatch
 
 # GaLoreAdamW8bit's nine steps under the interpreter take ~30 s: -m slow (its skip above and
 # its reads below run by default)
-@pytest.mark.parametrize("preset", ["adamw", pytest.param("adamw8bit", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "preset", ["adamw", pytest.param("adamw8bit", marks=pytest.mark.slow), "apollo", "fira"]
+)
 def test_deferred_steps_count_as_the_skip_path_counts(kernels_on_cpu, monkeypatch, preset):
     """Nine steps with unusable gradients at steps 3 and 6 (both shape batches, two plain
     tensors): after every step the skip count and every step counter are the host-indexed

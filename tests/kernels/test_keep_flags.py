@@ -15,7 +15,7 @@ import torch
 if sys.platform != "linux":  # triton ships Linux wheels only
     pytest.skip("triton is only installed on Linux", allow_module_level=True)
 
-from galore2.kernels import dispatch, ops, ops_lowrank, tables
+from galore2.kernels import dispatch, ops, ops_lowrank, ops_scaled, tables
 from galore2.optim.adam8bit import adam8bit_stack_
 from galore2.optim.adamw8bit_step import adamw8bit_
 from galore2.storage import dynamic8
@@ -235,3 +235,36 @@ def test_adamw8bit_writes_nothing_flagged_out(mode, at):
     want.add_(d, alpha=-1e-2)
     ulp = 2.0 ** (torch.floor(torch.log2(want.float().abs().clamp_min(2.0**-126))) - 7)
     assert bool(((plain_p.float() - want.float()).abs() <= ulp).all())
+
+
+@pytest.mark.parametrize("at", [False, True], ids=["flags", "keep_at"])
+def test_scaled_updates_write_only_the_kept_weights(mode, at):
+    """APOLLO's and Fira's grouped updates along the data (galore2::scaled_add_each_:
+    G ⊙ f into each weight; galore2::addmm_scaled_each_: A·B + G ⊙ f): three weights, the
+    middle one flagged out with a NaN gradient and factor, keeps its bits; the others are
+    the bits of a call on them alone (flags in order, or at positions)."""
+    g = torch.Generator().manual_seed(8)
+    ps = [torch.randn(33, 20, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3)]
+    Gs = [torch.randn(33, 20, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3)]
+    As = [torch.randn(33, 4, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3)]
+    Bs = [torch.randn(4, 20, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3)]
+    factor = torch.rand(3, 1, 20, generator=g).to(DEVICE)
+    Gs[1][2, 3] = float("nan")
+    factor[1, 0, 0] = float("inf")
+    if at:
+        flags, keep_at = _flags([False, True, False, True]), [3, 0, 1]
+    else:
+        flags, keep_at = _flags([True, False, True]), None
+    for fused in (False, True):
+        given = [p.clone() for p in ps]
+        alone = [ps[i].clone() for i in (0, 2)]
+        if fused:
+            ops_lowrank.addmm_scaled_each_(given, As, Bs, Gs, factor, -0.5, 0.99, -0.1,
+                                           flags, keep_at)  # fmt: skip
+            ops_lowrank.addmm_scaled_each_(alone, [As[0], As[2]], [Bs[0], Bs[2]],
+                                           [Gs[0], Gs[2]], factor[0::2], -0.5, 0.99, -0.1)  # fmt: skip
+        else:
+            ops_scaled.scaled_add_each_(given, Gs, factor, -0.1, 0.99, flags, keep_at)
+            ops_scaled.scaled_add_each_(alone, [Gs[0], Gs[2]], factor[0::2], -0.1, 0.99)
+        assert _same(given[0], alone[0]) and _same(given[2], alone[1]), fused
+        assert _same(given[1], ps[1]), fused
