@@ -80,6 +80,8 @@ TASKS: dict[str, Task] = {
                      "Roofline (CPU-counted): kernels, bytes and FLOPs of a step at Llama-350M / 7B widths"),
     "overhead": Task("overhead", "overhead",
                      "Host overhead of a step: CPU proxies (24-layer hidden-64 Llama, kernels)"),
+    "gpu_host": Task("gpu_host", "gpu_host",
+                     "Host time of the CUDA step, measured on the CPU (kernels stubbed)"),
     "gpu_throughput": Task("gpu_throughput", "gpu_throughput",
                            "Training throughput at Llama-350M shapes, every optimizer (GPU)",
                            needs_cuda=True),

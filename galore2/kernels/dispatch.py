@@ -95,6 +95,24 @@ def _is_distributed(t: Tensor) -> bool:
     return hasattr(t, "to_local")  # DTensor (and a Parameter holding one)
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _local_cuda(tensors: tuple[Tensor, ...]) -> bool:
+    """Every tensor a local (not distributed) CUDA tensor on a capable GPU: one pass,
+    each device's capability looked up once in a row (a step's lists hold hundreds)."""
+    last = None
+    for t in tensors:
+        device = t.device
+        if device.type != "cuda" or (type(t) not in _PLAIN and _is_distributed(t)):
+            return False
+        if device.index != last:
+            if not _capable(device.index or 0):
+                return False
+            last = device.index
+    return True
+
+
 def use_triton(*tensors: Tensor) -> bool:
     """Whether the Triton kernel should run on ``tensors`` (see the module docstring).
 
@@ -104,14 +122,9 @@ def use_triton(*tensors: Tensor) -> bool:
     mode = kernel_mode()
     if mode == "torch":
         return False
+    if mode == "auto":  # one walk of the tensors, stopped at the first that fails
+        return _local_cuda(tensors) and triton_available()
     cuda = all(t.device.type == "cuda" for t in tensors)
-    if mode == "auto":  # each test only where the last passed (a CPU call walks no list)
-        return (
-            cuda
-            and not any(_is_distributed(t) for t in tensors)
-            and all(_capable(t.device.index or 0) for t in tensors)
-            and triton_available()
-        )
     plain = not any(_is_distributed(t) for t in tensors)
     error = triton_import_error()
     if error is not None:

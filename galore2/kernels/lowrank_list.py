@@ -89,8 +89,12 @@ AUTO = True
 
 
 def _same(ts: list[Tensor], first: Tensor) -> bool:
-    shape, strides = first.shape, first.stride()
-    return all(t.shape == shape and t.stride() == strides for t in ts)
+    """Every tensor of ``ts`` of ``first``'s shape, strides, device and dtype (one pass)."""
+    shape, strides, device, dtype = first.shape, first.stride(), first.device, first.dtype
+    return all(
+        t.shape == shape and t.stride() == strides and t.device == device and t.dtype == dtype
+        for t in ts
+    )
 
 
 def supported_list(
@@ -119,10 +123,7 @@ def supported_list(
         return False
     if not small_strides(*firsts):
         return False
-    return all(
-        _same(ts, t) and all(x.device == device and x.dtype == t.dtype for x in ts)
-        for ts, t in zip((outs, ps, As, Bs), firsts, strict=True)
-    )
+    return all(_same(ts, t) for ts, t in zip((outs, ps, As, Bs), firsts, strict=True))
 
 
 def lowrank_list(
@@ -142,6 +143,16 @@ def lowrank_list(
             "and device, each list's entries of one shape and strides, A @ B of p's shape, "
             "outside a CUDA graph's capture"
         )
+    return launch_list(outs, ps, As, Bs, alpha=alpha, beta=beta, keep=keep, keep_at=keep_at)
+
+
+def launch_list(
+    outs: list[Tensor], ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], *,
+    alpha: float, beta: float, keep: Tensor | None = None, keep_at: list[int] | None = None,
+) -> bool:  # fmt: skip
+    """:func:`lowrank_list` for lists :func:`supported_list` has taken already, and flags
+    checked (the ops' path: their dispatch asked, so a step's hundreds of tensors are not
+    walked twice)."""
     o, p, a, b = outs[0], ps[0], As[0], Bs[0]
     M, K = a.shape
     N = b.shape[1]
@@ -187,8 +198,6 @@ def _scaled_problem(
             f"Gs must be {k} tensors of ps' shape {tuple(p.shape)} on {p.device}, of one "
             f"dtype among {DTYPES} and one strides"
         )
-    if any(t.dtype != g.dtype or t.device != g.device for t in Gs):
-        return "Gs must share one dtype and device"
     problem = factor_problem(factor, k, *p.shape, p.device)
     if problem is not None:
         return problem
@@ -253,4 +262,7 @@ def addmm_scaled_list(
     return True
 
 
-__all__ = ["addmm_scaled_list", "lowrank_list", "supported_list", "supported_scaled_list"]
+__all__ = [
+    "addmm_scaled_list", "launch_list", "lowrank_list", "supported_list",
+    "supported_scaled_list",
+]  # fmt: skip

@@ -47,8 +47,8 @@ def _grouped(outs: list[Tensor], ps: list[Tensor], As: list[Tensor], Bs: list[Te
     done = run_kernel(
         "lowrank_list", *(t for ts in lists for t in ts),
         supported=lambda k: k.supported_list(*lists),
-        kernel=lambda k: partial(
-            k.lowrank_list, *lists, alpha=alpha, beta=beta, keep=keep, keep_at=keep_at
+        kernel=lambda k: partial(  # supported_list took them; the op checked the flags
+            k.launch_list, *lists, alpha=alpha, beta=beta, keep=keep, keep_at=keep_at
         ),
     )  # fmt: skip
     return done is not None

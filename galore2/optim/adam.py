@@ -180,8 +180,10 @@ class ScaleByAdam(MomentRule, Transform):
         ``device``, ``stacked``: one stacked entry) come from galore2's op, which takes a
         deferred step's flags (:func:`adam_rounded`)? Where that op runs
         (:func:`rounded_path`'s devices, the kernels on), moments kept in float32 (not
-        8-bit) and stacked, eager."""
-        if self.moments != "state_dtype" or group.get("compile") or not states or not stacked:
+        8-bit: an 8-bit rule's directions too small for them qualify) and stacked, eager."""
+        if group.get("compile") or not states or not stacked:
+            return False
+        if any(is_quantized(s, "adam.exp_avg") for s in states):
             return False
         if group["state_dtype"] != "float32" or group.get("capturable"):
             return False
@@ -457,7 +459,11 @@ class ScaleByAdam8bit(ScaleByAdam):
         """Do the directions of a GaLore shape batch's states (its matrices' own: 8-bit
         moments do not stack) come from the fused 8-bit kernel, which takes a deferred
         step's flags (:func:`~galore2.optim.adam8bit.step_batch`): every state's moments
-        8-bit on the kernel's path, on ``device`` where galore2's ops run, eager?"""
+        8-bit on the kernel's path, on ``device`` where galore2's ops run, eager? A batch
+        whose directions are too small for 8-bit moments (float32 ones, stacked): as
+        :meth:`ScaleByAdam.defers_directions` says."""
+        if not any(is_quantized(s, "adam.exp_avg") for s in states):
+            return super().defers_directions(states, group, device, stacked)
         if stacked or not states or group.get("compile") or group.get("capturable"):
             return False
         if device.type not in ops.FUSED_OP_DEVICES or not ops.triton_would_run():

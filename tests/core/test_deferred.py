@@ -39,6 +39,9 @@ SHAPES = {
     "adamw": (galore2.GaLoreAdamW, MATRICES, PLAIN, 4),
     "adamw8bit": (galore2.GaLoreAdamW8bit, ((64, 128),) * 3 + ((128, 64),) * 3,
                   ((64, 64), (24,), (30, 8)), 32),
+    # GaLoreAdamW8bit where every direction is too small for 8-bit moments: float32 ones,
+    # stacked, on GaLoreAdamW's kernels
+    "adamw8bit_small": (galore2.GaLoreAdamW8bit, MATRICES, PLAIN, 4),
     # the norm-growth limiter on (their default): a skipped matrix keeps its last norm
     "apollo": (galore2.APOLLO, MATRICES, PLAIN, 4),
     "fira": (galore2.Fira, MATRICES, PLAIN, 4),
