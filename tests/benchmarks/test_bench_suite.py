@@ -211,8 +211,8 @@ def test_registry_lists_every_task_and_resolves_each():
     expected = {"peers", "state_7b", "footprint", "convergence", "targets", "per_byte", "refresh",
                 "step_time", "step_counts", "memory_7b", "traffic_7b", "recipe_tiny",
                 "recipe_memory_7b", "throughput", "ranger21", "basis_quant", "low_memory", "kernels",
-                "gpu_step", "refresh_schedule", "proj_precision", "overhead", "gpu_host", "gpu_throughput",
-                "adafactor_step", "compile_step", "scale_check", "build_memory", "fit_24gb",
+                "gpu_step", "refresh_schedule", "proj_precision", "overhead", "gpu_host",
+                "gpu_throughput", "adafactor_step", "compile_step", "scale_check", "build_memory", "fit_24gb",
                 "fit_16gb", "roofline", "int8_weights"}  # fmt: skip
     assert set(run.TASKS) == expected
     assert set(run.DEFAULT) == {"peers", "state_7b", "footprint", "convergence"}
