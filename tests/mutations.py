@@ -1232,8 +1232,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "lowrank_list_stale_table",
         "galore2/kernels/tables.py",
-        "return kept((name, len(lists), *sizes, *addresses), device, make)",
-        "return kept((name, len(addresses)), device, make)",
+        "return kept((name, len(lists), *sizes, *deltas), device, make)",
+        "return kept((name, len(deltas)), device, make)",
         ("tests/kernels/test_lowrank_list.py::test_a_moved_list_gets_a_new_table",),
         "the list kernels' tables are kept by the lists' length alone: gradients that "
         "moved are read at the old addresses",
@@ -1455,8 +1455,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "scaled_table_by_address_only",
         "galore2/kernels/tables.py",
-        "return kept((name, len(lists), *sizes, *addresses), device, make)",
-        "return kept((name, len(lists), *addresses), device, make)",
+        "return kept((name, len(lists), *sizes, *deltas), device, make)",
+        "return kept((name, len(lists), *deltas), device, make)",
         ("tests/kernels/test_scaled_list.py",),
         "a kept offsets table reused for tensors of another element size at the same addresses",
         where="offsets",

@@ -21,6 +21,7 @@ the same: the same implementation runs.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,6 +30,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 _PLAIN = (Tensor, torch.nn.Parameter)
+_PLAIN_TYPES = frozenset(_PLAIN)
+_IS_META = operator.attrgetter("is_meta")
 
 
 def _tensors(args: tuple) -> Iterator[Any]:
@@ -48,7 +51,11 @@ def plain_eager(args: tuple) -> bool:
         or torch._C._is_torch_function_mode_enabled()
     ):
         return False
-    return all(type(t) in _PLAIN and not t.is_meta for t in _tensors(args))
+    for a in args:  # each list walked by C-level maps (a step's lists hold hundreds)
+        ts = a if isinstance(a, (list, tuple)) else (a,) if isinstance(a, Tensor) else ()
+        if not _PLAIN_TYPES.issuperset(map(type, ts)) or any(map(_IS_META, ts)):
+            return False
+    return True
 
 
 def bump_versions(tensors: list[Tensor]) -> None:

@@ -125,7 +125,7 @@ def use_triton(*tensors: Tensor) -> bool:
     if mode == "auto":  # one walk of the tensors, stopped at the first that fails
         return _local_cuda(tensors) and triton_available()
     cuda = all(t.device.type == "cuda" for t in tensors)
-    plain = not any(_is_distributed(t) for t in tensors)
+    plain = all(type(t) in _PLAIN or not _is_distributed(t) for t in tensors)
     error = triton_import_error()
     if error is not None:
         raise RuntimeError(

@@ -32,6 +32,8 @@ order). Not while a CUDA graph is captured (the table's copy): the ops launch pe
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import triton
 import triton.language as tl
@@ -88,12 +90,16 @@ def _lowrank_list_kernel(
 AUTO = True
 
 
+_LAYOUT = operator.attrgetter("shape", "dtype", "device")
+_STRIDES = operator.methodcaller("stride")
+
+
 def _same(ts: list[Tensor], first: Tensor) -> bool:
-    """Every tensor of ``ts`` of ``first``'s shape, strides, device and dtype (one pass)."""
-    shape, strides, device, dtype = first.shape, first.stride(), first.device, first.dtype
-    return all(
-        t.shape == shape and t.stride() == strides and t.device == device and t.dtype == dtype
-        for t in ts
+    """Every tensor of ``ts`` of ``first``'s shape, strides, device and dtype (C-level maps
+    over the list: a step's lists hold hundreds)."""
+    layout, strides = _LAYOUT(first), first.stride()
+    return all(map(layout.__eq__, map(_LAYOUT, ts))) and all(
+        map(strides.__eq__, map(_STRIDES, ts))
     )
 
 

@@ -62,25 +62,30 @@ def upload(
 def offsets(name: str, lists: Sequence[Sequence[Tensor]]) -> Tensor:
     """The table of a list kernel (``name``, for its errors and its key): each entry's
     element offset from its list's first entry, list by list, on the first tensor's device
-    (int64). Kept (:func:`kept`) by the lists' count, element sizes and addresses: the same
-    tensors at the same places reuse it; moved ones, another number of lists or the same
-    bytes read as another dtype get their own."""
+    (int64). Kept (:func:`kept`) by the lists' count, element sizes and those byte offsets
+    — the table's own values: the kernel adds them to the first entries' addresses, which
+    it is handed at each launch — so lists laid out alike reuse it wherever they are (a
+    step's new stacks of R and N, views at the same strides of a buffer allocated anew);
+    entries placed otherwise, another number of lists or the same bytes read as another
+    dtype get their own."""
     sizes = [ts[0].element_size() for ts in lists]
-    addresses = [t.data_ptr() for ts in lists for t in ts]
+    deltas = []
+    for ts in lists:
+        base = ts[0].data_ptr()
+        deltas += [a - base for a in map(Tensor.data_ptr, ts)]
     device = lists[0][0].device
 
     def make() -> Tensor:
-        values = []
+        values, at = [], 0
         for ts, size in zip(lists, sizes, strict=True):
-            base = ts[0].data_ptr()
-            for t in ts:
-                delta = t.data_ptr() - base
+            for delta in deltas[at : at + len(ts)]:
                 if delta % size:
                     raise ValueError(f"{name}: an entry is not aligned to its dtype's size")
                 values.append(delta // size)
+            at += len(ts)
         return upload(values, device)
 
-    return kept((name, len(lists), *sizes, *addresses), device, make)
+    return kept((name, len(lists), *sizes, *deltas), device, make)
 
 
 def clear() -> None:

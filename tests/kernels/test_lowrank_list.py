@@ -149,6 +149,24 @@ def test_a_moved_list_gets_a_new_table(triton_mode, launches):
         assert bool(((out.double() - a.double() @ b.double()).abs() <= tol).all())
 
 
+def test_a_new_stack_laid_out_alike_reuses_the_table(triton_mode, launches):
+    """Each step's outputs are views of a stack allocated anew (R, N): the table holds the
+    entries' offsets from the first, so a new stack at the same strides reuses it — no new
+    table, no upload — and each result is still its own entry's."""
+    ps, As, Bs = _entries(40, 30, 5, torch.float32, 3, 9)
+    alive = []  # the earlier stacks kept: each new one lies elsewhere
+    for step in range(3):
+        stack = torch.full((3, 40, 30), float("nan"), device=DEVICE)
+        alive.append(stack)
+        outs = list(stack.unbind(0))
+        ops_lowrank.mm_each_(As, Bs, outs)
+        assert len(tables._TABLES) == 1, step
+        for out, a, b in zip(outs, As, Bs, strict=True):
+            tol = _lowrank_tolerance(torch.zeros_like(out), a, b, 1.0, 0.0, torch.float32)
+            assert bool(((out.double() - a.double() @ b.double()).abs() <= tol).all())
+    assert len(launches) == 3 and len({s.data_ptr() for s in alive}) == 3
+
+
 def test_lists_it_does_not_take_run_the_torch_path(triton_mode, launches):
     """Mixed shapes, strides or dtypes, one entry, an empty rank: no grouped launch (the op
     takes an ``mm`` per entry); the kernel itself refuses them before writing anything."""
