@@ -1660,7 +1660,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "along_n_unrounded_on_host_skip",
-        "galore2/optim/lowrank_plan.py",
+        "galore2/optim/lowrank_combine.py",
         "            Ns = Ns.to(dtype)",
         "            Ns = Ns",
         ("tests/core/test_deferred.py::test_deferred_steps_count_as_the_skip_path_counts",),

@@ -67,7 +67,7 @@ from ..projectors import KINDS as PROJECTOR_KINDS
 from ..projectors import OPTIONS as PROJECTOR_OPTIONS
 from ..storage.basis import OPTIONS as BASIS_OPTIONS
 from ..storage.basis import validate_basis_options
-from . import lowrank_plan, lowrank_screen, residual
+from . import lowrank_combine, lowrank_plan, lowrank_screen, residual
 from . import refresh as schedule
 from .projection import Projection, plan_for, projection_for
 from .seeds import SEED
@@ -272,7 +272,7 @@ class GaLore(Transform):
         )
         # back: the batches' at once (Fira / APOLLO: every unsharded matrix's), the rest alone
         if residual.active(group):
-            done = lowrank_plan.combine_many(
+            done = lowrank_combine.combine_many(
                 self.inner, projections, stacks, stacked_N, N, us, inner_in, states, group,
                 ctxs, order, decay,
             )  # fmt: skip
