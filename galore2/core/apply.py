@@ -54,13 +54,14 @@ def apply_updates(params: list[Tensor], updates: list[Update], lr: float, decay:
     ``addcmul_`` (:func:`_scaled_lists`), their sums (:class:`ResidualUpdate`) by one grouped
     ``addmm_`` with the scaled gradient in its epilogue, the other factored ones one by one
     (one fused pass each)."""
+    kinds = set(map(type, updates))  # which groupings can find anything (one C-level pass)
     dense = [i for i, u in enumerate(updates) if not isinstance(u, FACTORED)]
     if len(dense) > 1:
         ps = [params[i] for i in dense]
         if decay != 1.0:
             torch._foreach_mul_(ps, decay)
         torch._foreach_add_(ps, [updates[i] for i in dense], alpha=-lr)  # type: ignore[misc]
-    grouped = _low_rank_lists(params, updates)
+    grouped = _low_rank_lists(params, updates) if LowRankUpdate in kinds else []
     for idx in grouped:
         first = updates[idx[0]]
         assert isinstance(first, LowRankUpdate)
@@ -68,13 +69,13 @@ def apply_updates(params: list[Tensor], updates: list[Update], lr: float, decay:
         As = [updates[i].A for i in idx]  # type: ignore[union-attr]
         Bs = [updates[i].B for i in idx]  # type: ignore[union-attr]
         addmm_each_(targets, As, Bs, -lr * first.scale, decay, *_flags(updates, idx))
-    scaled = _scaled_lists(params, updates)
+    scaled = _scaled_lists(params, updates) if ScaledUpdate in kinds else []
     for idx in scaled:
         Gs = [updates[i].G for i in idx]  # type: ignore[union-attr]
         factors = [updates[i].factor for i in idx]  # type: ignore[union-attr]
         scaled_add_each_([params[i] for i in idx], Gs, _factors(factors), -lr, decay,
                          *_flags(updates, idx))  # fmt: skip
-    residual = _residual_lists(params, updates)
+    residual = _residual_lists(params, updates) if ResidualUpdate in kinds else []
     for idx in residual:
         lows = [updates[i].low for i in idx]  # type: ignore[union-attr]
         highs = [updates[i].scaled for i in idx]  # type: ignore[union-attr]
@@ -147,8 +148,6 @@ def _residual_lists(params: list[Tensor], updates: list[Update]) -> list[list[in
     gradient in its epilogue applies (``galore2::addmm_scaled_each_``): two or more whose
     low-rank parts :func:`_low_rank_lists` and scaled parts :func:`_scaled_lists` would
     group alike."""
-    if not any(isinstance(u, ResidualUpdate) for u in updates):
-        return []
     lows = [u.low if isinstance(u, ResidualUpdate) else None for u in updates]
     highs = [u.scaled if isinstance(u, ResidualUpdate) else None for u in updates]
     by_low = {i: n for n, idx in enumerate(_low_rank_lists(params, lows)) for i in idx}  # type: ignore[arg-type]
