@@ -37,6 +37,7 @@ codes and absmax in place.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -251,27 +252,10 @@ def adam8bit_step_stack(
 
 
 def adamw8bit_step(
-    p: Tensor,
-    g: Tensor,
-    m_codes: Tensor,
-    m_absmax: Tensor,
-    v_codes: Tensor,
-    v_absmax: Tensor,
-    *,
-    dim: int,
-    code_m: Tensor,
-    code_v: Tensor,
-    bounds_m: Tensor,
-    bounds_v: Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    step: int,
-    lr: float,
-    decay: float,
-    keep: Tensor | None = None,
-    keep_at: list[int] | None = None,
-) -> bool:
+    p: Tensor, g: Tensor, m_codes: Tensor, m_absmax: Tensor, v_codes: Tensor,
+    v_absmax: Tensor, *, lr: float, decay: float, keep: Tensor | None = None,
+    keep_at: list[int] | None = None, **adam: Any,
+) -> bool:  # fmt: skip
     """The whole AdamW step of one bf16 weight ``p`` (updated in place) with 8-bit moments,
     in one pass: :func:`adam8bit_step`'s moments and direction d, then ``p ← p·decay``
     rounded to bf16 and ``p − lr·d`` (one multiply-add) rounded again — what the direction
@@ -279,7 +263,8 @@ def adamw8bit_step(
     :func:`galore2.kernels.adamw.adamw_step` writes its weight. Per element: the gradient
     and the weight read (2 + 2 bytes), the weight written (2), both codes read and written
     (4): 10 bytes, no direction stored. ``p`` contiguous bf16 of ``g``'s shape (the codes'
-    layout). ``keep``: a one-entry flag (``keep_at``: its position in a longer one); False
+    layout). ``adam``: :func:`adam8bit_step`'s keywords (``dim``, the code maps and their
+    bounds, ``beta1``, ``beta2``, ``eps``, ``step``). ``keep``: a one-entry flag (``keep_at``: its position in a longer one); False
     leaves the weight and its moments unwritten. Returns True."""
     if p.dtype != torch.bfloat16 or p.shape != g.shape or not p.is_contiguous():
         raise ValueError(
@@ -289,10 +274,19 @@ def adamw8bit_step(
     if g.dim() < 1 or g.numel() == 0:
         raise ValueError(f"the gradient must be a non-empty tensor, got shape {tuple(g.shape)}")
     check("adamw8bit_step", keep, 1, g.device, keep_at)
-    _step(g, (m_codes, m_absmax, v_codes, v_absmax), False, dim, None, None,
-          (code_m, code_v, bounds_m, bounds_v), beta1, beta2, eps, step,
-          weight=(p, lr, decay), keep=keep, keep_at=keep_at)  # fmt: skip
+    missing = [k for k in _ADAM if k not in adam]
+    if missing or len(adam) != len(_ADAM):
+        extra = sorted(set(adam) - set(_ADAM))
+        raise TypeError(f"adamw8bit_step: missing keywords {missing}, unknown {extra}")
+    dim, maps = adam["dim"], tuple(adam[k] for k in _ADAM[1:5])
+    _step(g, (m_codes, m_absmax, v_codes, v_absmax), False, dim, None, None, maps,  # type: ignore[arg-type]
+          adam["beta1"], adam["beta2"], adam["eps"], adam["step"], weight=(p, lr, decay),
+          keep=keep, keep_at=keep_at)  # fmt: skip
     return True
+
+
+#: the keywords :func:`adam8bit_step` takes besides its tensors (adamw8bit_step's ``adam``)
+_ADAM = ("dim", "code_m", "code_v", "bounds_m", "bounds_v", "beta1", "beta2", "eps", "step")
 
 
 def _step(

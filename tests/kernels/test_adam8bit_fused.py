@@ -359,6 +359,13 @@ def test_adamw8bit_step_refuses_what_it_does_not_take():
     _refused(lambda: adamw8bit_step(p, grad, *(state[k] for k in STATE), dim=dim, step=0,
                                     lr=LR, decay=DECAY, **_kernel_maps(DEVICE)),
              r"step counts this step \(>= 1\), got 0", *tensors)  # fmt: skip
+    maps = _kernel_maps(DEVICE)
+    for kw in ({k: v for k, v in maps.items() if k != "eps"}, {**maps, "beta3": 0.5}):
+        before = [t.clone() for t in tensors]
+        with pytest.raises(TypeError, match=r"adamw8bit_step: missing keywords .* unknown"):
+            adamw8bit_step(p, grad, *(state[k] for k in STATE), dim=dim, step=3, lr=LR,
+                           decay=DECAY, **kw)  # fmt: skip
+        assert all(_bits(t, b) for t, b in zip(tensors, before, strict=True))
 
 
 def test_stack_refuses_bad_flags_and_step_zero():
