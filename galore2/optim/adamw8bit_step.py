@@ -5,11 +5,13 @@ decay and the weight's update in one pass), the small ones (float32 moments) by
 :class:`~galore2.optim.adam.ScaleByAdam8bit`'s ``torch_adamw`` takes instead of the chain
 where :func:`fused_path` allows it.
 
-The chain's step of such a tensor on CUDA was four passes: its gradient stacked with the
-group's others of its shape, the 8-bit kernel writing a float32 direction, the decay and
-the update of the weight (``apply_updates``) — 4 + 2 + 4 + 4 + 2 + 6 = 22 bytes an
-element for a bf16 weight. ``adamw8bit_`` reads the gradient, the weight and both codes
-and writes the weight and both codes once: 10 (torch's fused AdamW with bf16 moments: 14).
+The chain's step of such a tensor on CUDA was three passes: its gradient stacked with the
+group's others of its shape (2 bytes an element read, 2 written), the 8-bit kernel (the
+gradient and both codes read, both codes and a float32 direction written: 10) and the
+update of the weight (``apply_updates``: the weight and the direction read, the weight
+written: 8) — 22 bytes an element for a bf16 weight. ``adamw8bit_`` reads the gradient, the
+weight and both codes and writes the weight and both codes once: 10 (torch's fused AdamW
+with bf16 moments: 14).
 Its arithmetic is those passes' (:func:`galore2.kernels.adam8bit.adamw8bit_step`), and it
 takes a deferred step's flag (:mod:`galore2.core.deferred`), as ``adamw_`` does.
 """

@@ -118,9 +118,9 @@ def deferrable(
     single, no plain tensor), none due for a refresh, each batch along the data on the
     grouped kernels (bf16 weights and gradients, factored updates — low-rank, APOLLO's
     scaled gradients, Fira's sums of both —, whose grouped launches take the flags, as
-    the norm-growth limiter does), and the one inner rule writing the batch's directions by a kernel that
-    takes them (its ``defers_directions``, told whether the batch's inner state stacks:
-    float32 moments must, 8-bit ones never do)?"""
+    the norm-growth limiter does), and the one inner rule writing the batch's directions
+    by a kernel that takes them (its ``defers_directions``, told whether the batch's
+    inner state stacks: float32 moments must, 8-bit ones never do)?"""
     plan = kept(plans, states, ctxs)
     if (
         plan is None
