@@ -10,6 +10,7 @@ apply, its flags and decay factors device tensors (:mod:`galore2.core.masked`).
 
 from __future__ import annotations
 
+import operator
 from functools import partial
 
 import torch
@@ -35,6 +36,8 @@ def chunks(params: list[Tensor], foreach: bool | None = None) -> list[list[int]]
     if foreach is False:
         return [[i] for i in range(len(params))]
     if foreach:
+        if len(set(map(_DEVICE, params))) <= 1:  # one device (the usual case): one pass in C
+            return [list(range(len(params)))] if params else []
         by_device: dict[torch.device, list[int]] = {}
         for i, p in enumerate(params):
             by_device.setdefault(p.device, []).append(i)
@@ -45,6 +48,7 @@ def chunks(params: list[Tensor], foreach: bool | None = None) -> list[list[int]]
 
 
 Update = Tensor | LowRankUpdate | ScaledUpdate | ResidualUpdate
+_DEVICE = operator.attrgetter("device")
 
 
 def apply_updates(params: list[Tensor], updates: list[Update], lr: float, decay: float) -> None:
