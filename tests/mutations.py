@@ -1568,8 +1568,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "adamw8bit_group_wrong_flags",
         "galore2/optim/adamw8bit_step.py",
-        "flags = keep.index_select(0, positions(rest, keep.device))",
-        "flags = keep.index_select(0, positions(list(range(len(rest))), keep.device))",
+        "flags = keep.index_select(0, upload(rest, keep.device))",
+        "flags = keep.index_select(0, upload(list(range(len(rest))), keep.device))",
         ("tests/core/test_deferred.py::test_a_deferred_skip_leaves_what_the_skip_leaves",),
         "the plain group's float32-moment tensors read the flags of the group's first tensors, "
         "not their own",
@@ -1652,7 +1652,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "limiter_keep_ignored",
         "galore2/optim/residual.py",
-        "new = torch.where(keep.index_select(0, positions(at, keep.device)), new, prev)",
+        "new = torch.where(keep.index_select(0, upload(at, keep.device)), new, prev)",
         "new = new",
         ("tests/core/test_deferred.py::test_a_deferred_skip_leaves_what_the_skip_leaves",),
         "a deferred step's norm-growth limiter records a flagged-out matrix's (NaN) norm",

@@ -28,7 +28,8 @@ from ..core.transform import Group, State, members
 from ..kernels import ops
 from ..kernels.direct import direct
 from ..kernels.dispatch import run_kernel
-from ..kernels.keep import check, kept, positions
+from ..kernels.keep import check, kept
+from ..kernels.tables import upload
 from ..storage.dynamic8 import DYNAMIC8, UDYNAMIC8
 from ..storage.moments import is_quantized
 from .adam8bit import AXIS, local_on_stacks, torch_quantized
@@ -86,7 +87,7 @@ def adamw8bit_group(
     if rest:
         flags = keep
         if keep is not None and len(rest) < len(params):  # their flags, no host wait
-            flags = keep.index_select(0, positions(rest, keep.device))
+            flags = keep.index_select(0, upload(rest, keep.device))  # not kept: see residual
         ps, gs, ss, ts = ([xs[i] for i in rest] for xs in (params, grads, states, steps))
         adamw_fused(ps, gs, ss, group, ts, mixed=True, keep=flags)
     beta1, beta2 = group["betas"]

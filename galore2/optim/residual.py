@@ -70,8 +70,8 @@ from torch import Tensor
 
 from ..core.options import Choice, Option, Optional, Real
 from ..core.transform import LowRankUpdate, ResidualUpdate, ScaledUpdate
-from ..kernels.keep import positions
 from ..kernels.ops_scaled import channel_norms_each, residual_norms_each
+from ..kernels.tables import upload
 from ..projectors import LEFT, RIGHT, Plan
 from .projection import Projection
 
@@ -472,7 +472,9 @@ def _limit_buckets(norms: list[Tensor], buckets: list[Bucket], group: dict[str, 
     if buckets[0].keep is not None:  # a deferred step: a flagged-out matrix keeps its norm
         keep = buckets[0].keep[0]
         at = [j for b in buckets for j in b.keep[1]]  # type: ignore[index]
-        new = torch.where(keep.index_select(0, positions(at, keep.device)), new, prev)
+        # the positions uploaded anew (not a kept table: a step's memory must not depend on
+        # which steps ran before it in the process, as the planner measures it)
+        new = torch.where(keep.index_select(0, upload(at, keep.device)), new, prev)
     torch._foreach_copy_(prevs, list(new.unbind()))
     return limiter.reciprocal_().float()
 

@@ -186,3 +186,21 @@ def test_a_measurement_is_reused_for_the_same_shapes_and_settings_only(monkeypat
     step_memory(spec, model("meta"), "all-linear", {"rank": 2 * RANK}, False, 5)
     step_memory(spec, model("meta", dtype=torch.float32), "all-linear", {"rank": RANK}, False, 5)
     assert len(runs) == 4
+
+
+@pytest.mark.parametrize("name", ["apollo_mini", "galore_adamw8bit_int4"])
+def test_a_step_measures_the_same_whatever_ran_before(name, monkeypatch):
+    """The plan of a step does not depend on what the process ran before: the plan
+    extrapolated from 2, 3 and 4 layers, made once (every cache of the process it fills
+    now warm for those depths) and made again, still equals the whole 5-layer step's. A
+    process-wide cache filled inside the step (a deferred step's index tensors kept as
+    tables) made the second plan miss an upload the 5-layer step made."""
+    m = model("meta")
+    spec = OPTIMIZERS[name]
+    args = (spec, m, "all-linear", {"rank": RANK}, False, 5)
+    planner_module._step_memory(*args)  # the 2-, 3- and 4-layer steps once
+    real = planner_module.by_depth
+    monkeypatch.setattr(planner_module, "by_depth", lambda run, n: real(run, n, depths=(n,)))
+    direct = planner_module._step_memory(*args)
+    monkeypatch.setattr(planner_module, "by_depth", real)
+    assert planner_module._step_memory(*args) == direct
