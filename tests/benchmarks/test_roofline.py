@@ -43,7 +43,7 @@ BUDGETS = {
     # galore2::adam_directions_, the residual's channel norms by one grouped launch, never
     # made, and P·X + G ⊙ φ into each weight by one: galore2::residual_norms_each /
     # addmm_scaled_each_; before: 3.9, 70); the flags deferred (before: 1.0, 54)
-    "Fira": (1.0, 56),
+    "Fira": (1.0, 57),
     # issue 38 item 6: the random bases drawn once per refresh, S = G·φ made from the bf16
     # gradient in one pass (before: 3.0, 103; 2.5, 99); then G ⊙ φ applied by one addcmul_
     # per weight, never made, and the channel norms by vector_norm off the CPU (before:
@@ -52,9 +52,10 @@ BUDGETS = {
     # galore2::adam_directions_, G's channel norms and G ⊙ φ by one grouped launch per
     # shape batch (galore2::channel_norms_each / scaled_add_each_; before: 1.4, 85; 1.2, 88);
     # then the flags deferred (no host read), the limiter keeping a flagged-out matrix's
-    # norm by a gather of the flags and a where (two launches more: 51, 54)
-    "APOLLO": (0.9, 53),
-    "APOLLOMini": (0.8, 56),
+    # norm by the members' positions uploaded, a gather of the flags and a where (three
+    # launches more: 51, 54)
+    "APOLLO": (0.9, 54),
+    "APOLLOMini": (0.8, 57),
     "GaLoreMuon": (1.1, 59),
     # +12 kernels (114 -> 126 at 4 layers): a masked parameter's device step counters put
     # back after its step, a stack, a stack, a where and a _foreach_copy_ per group (issue 38
