@@ -41,7 +41,7 @@ from torch import Tensor
 
 from .checks import factor_problem
 from .dispatch import launch_device
-from .keep import keeps, pointer, positions
+from .keep import check, keeps, pointer, positions
 from .lowrank import DTYPES, config, lowrank_tile, matmul_precision, small_strides
 from .ops_lowrank import operand_dtypes
 from .tables import capturing, offsets
@@ -159,25 +159,47 @@ def launch_list(
     """:func:`lowrank_list` for lists :func:`supported_list` has taken already, and flags
     checked (the ops' path: their dispatch asked, so a step's hundreds of tensors are not
     walked twice)."""
+    return _launch(outs, ps, As, Bs, alpha, beta, keep, keep_at)
+
+
+def _launch(
+    outs: list[Tensor], ps: list[Tensor], As: list[Tensor], Bs: list[Tensor], alpha: float,
+    beta: float, keep: Tensor | None, keep_at: list[int] | None,
+    scaled: tuple[list[Tensor], Tensor, float] | None = None,
+) -> bool:  # fmt: skip
+    """The one launch of :func:`lowrank_list` and (``scaled``: the gradients, the factor
+    stack and γ) :func:`addmm_scaled_list`, their inputs checked already."""
     o, p, a, b = outs[0], ps[0], As[0], Bs[0]
     M, K = a.shape
     N = b.shape[1]
     precision = matmul_precision(o.dtype)
     cfg = config(o.dtype, precision)
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
-    table = offsets("lowrank_list", (As, Bs, ps, outs))
+    lists = (As, Bs, ps, outs) if scaled is None else (As, Bs, ps, outs, scaled[0])
+    table = offsets("lowrank_list", lists)
     flags, _ = pointer(keep, table)
     at = table if keep_at is None else positions(keep_at, o.device)
+    interpreted = o.device.type == "cpu"
+    if scaled is None:  # no scaled term: its pointers stand in, never read
+        g, f, gamma = o, o, 0.0
+        g_strides, f_strides = (0, 0), (0, 0, 0)
+    else:
+        Gs, f, gamma = scaled
+        g, g_strides, f_strides = Gs[0], Gs[0].stride(), f.stride()
     with launch_device(o):
         _lowrank_list_kernel[(tiles * len(outs),)](
             a, b, p, o, table, len(outs), tiles, M, N, K, a.stride(0), a.stride(1),
             b.stride(0), b.stride(1), p.stride(0), p.stride(1), o.stride(0), o.stride(1),
-            alpha, beta, flags, at, o, 0, 0, o, 0, 0, 0, 0.0, BETA_ZERO=beta == 0,
-            HAS_KEEP=keep is not None, HAS_AT=keep_at is not None, PRECISION=precision,
+            float(alpha), float(beta), flags, at, g, *g_strides, f, *f_strides, float(gamma),
+            BETA_ZERO=beta == 0, HAS_KEEP=keep is not None, HAS_AT=keep_at is not None,
+            PRECISION=precision,
             # the interpreter multiplies bf16 as raw integers (see lowrank_update)
-            UPCAST=o.dtype != torch.float32 and o.device.type == "cpu",
-            GROUP_M=8, A_BF16=a.dtype != o.dtype, B_BF16=b.dtype != o.dtype, SCALED=False,
-            F_ROWS=False, F_COLS=False, RNE_BF16=False, enable_fp_fusion=True, **cfg,
+            UPCAST=o.dtype != torch.float32 and interpreted, GROUP_M=8,
+            A_BF16=a.dtype != o.dtype, B_BF16=b.dtype != o.dtype, SCALED=scaled is not None,
+            F_ROWS=scaled is not None and f.shape[1] != 1,
+            F_COLS=scaled is not None and f.shape[2] != 1,
+            RNE_BF16=scaled is not None and o.dtype == torch.bfloat16 and interpreted,
+            enable_fp_fusion=True, **cfg,
         )  # fmt: skip
     return True
 
@@ -238,34 +260,8 @@ def addmm_scaled_list(
     problem = _scaled_problem(ps, As, Bs, Gs, factor)
     if problem is not None:
         raise ValueError(f"addmm_scaled_list: {problem}")
-    if not keeps(keep, len(ps), ps[0].device, keep_at):
-        raise ValueError("addmm_scaled_list: keep must be one bool flag per weight (keep_at: "
-                         "their positions in it), contiguous, on the weights' device")
-    p, a, b, g = ps[0], As[0], Bs[0], Gs[0]
-    M, K = a.shape
-    N = b.shape[1]
-    precision = matmul_precision(p.dtype)
-    cfg = config(p.dtype, precision)
-    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
-    table = offsets("lowrank_list", (As, Bs, ps, ps, Gs))
-    interpreted = p.device.type == "cpu"
-    flags, _ = pointer(keep, table)
-    at = table if keep_at is None else positions(keep_at, p.device)
-    with launch_device(p):
-        _lowrank_list_kernel[(tiles * len(ps),)](
-            a, b, p, p, table, len(ps), tiles, M, N, K, a.stride(0), a.stride(1),
-            b.stride(0), b.stride(1), p.stride(0), p.stride(1), p.stride(0), p.stride(1),
-            float(alpha), float(beta), flags, at, g, g.stride(0), g.stride(1), factor,
-            factor.stride(0), factor.stride(1), factor.stride(2), float(gamma),
-            BETA_ZERO=beta == 0, HAS_KEEP=keep is not None, HAS_AT=keep_at is not None,
-            PRECISION=precision,
-            # the interpreter multiplies bf16 as raw integers (see lowrank_update)
-            UPCAST=p.dtype != torch.float32 and interpreted, GROUP_M=8,
-            A_BF16=a.dtype != p.dtype, B_BF16=b.dtype != p.dtype, SCALED=True,
-            F_ROWS=factor.shape[1] != 1, F_COLS=factor.shape[2] != 1,
-            RNE_BF16=p.dtype == torch.bfloat16 and interpreted, enable_fp_fusion=True, **cfg,
-        )  # fmt: skip
-    return True
+    check("addmm_scaled_list", keep, len(ps), ps[0].device, keep_at)
+    return _launch(ps, ps, As, Bs, alpha, beta, keep, keep_at, (Gs, factor, gamma))
 
 
 __all__ = [

@@ -13,6 +13,17 @@ from galore2.kernels import tables
 from .test_triton_kernels import DEVICE
 
 K = 3  # entries per list
+
+#: the (weight dtype, gradient dtype) pairs the scaled kernels are tested at
+WEIGHT_AND_GRADIENT_DTYPES = pytest.mark.parametrize(
+    "p_dtype,g_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+    ],
+    ids=["fp32", "bf16", "fp32_bf16grad"],
+)
 U32 = 2.0**-24  # a float32 rounding, relative
 
 

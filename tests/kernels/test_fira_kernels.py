@@ -24,6 +24,7 @@ if sys.platform != "linux":  # triton ships Linux wheels only
 from galore2.kernels import lowrank_list as L
 from galore2.kernels import residual_list as RL
 
+from . import lists
 from .lists import U32, K, factors, fresh_tables, gen, matrices, unchanged_frame  # noqa: F401
 from .test_triton_kernels import DEVICE, _Spy
 
@@ -73,15 +74,7 @@ def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     [("column", 0.9), ("row", 1.0), ("matrix", 0.0)],
     ids=["column_decay", "row_beta1", "matrix_beta0"],
 )
-@pytest.mark.parametrize(
-    "p_dtype,g_dtype",
-    [
-        (torch.float32, torch.float32),
-        (torch.bfloat16, torch.bfloat16),
-        (torch.float32, torch.bfloat16),
-    ],
-    ids=["fp32", "bf16", "fp32_bf16grad"],
-)
+@lists.WEIGHT_AND_GRADIENT_DTYPES
 @pytest.mark.parametrize("side,m,n,r", CASES[:2], ids=["left", "right"])
 def test_addmm_scaled_matches_float64(side, m, n, r, p_dtype, g_dtype, kind, beta, launches):
     """``p ← β·p + α·(A @ B) + γ·G ⊙ f`` in one launch: within one rounding to p's dtype of

@@ -22,6 +22,7 @@ if sys.platform != "linux":  # triton ships Linux wheels only
 from galore2.kernels import scaled_list as S
 from galore2.kernels import tables
 
+from . import lists
 from .lists import U32, K, factors, fresh_tables, gen, matrices, unchanged_frame  # noqa: F401
 from .test_triton_kernels import DEVICE, _Spy
 
@@ -71,15 +72,7 @@ def test_channel_norms_match_float64(m, n, dtype, dim, layout, launches):
 # ---- scaled update -------------------------------------------------------------------
 @pytest.mark.parametrize("beta", [1.0, 0.9])
 @pytest.mark.parametrize("kind", ["column", "row", "matrix"])
-@pytest.mark.parametrize(
-    "p_dtype,g_dtype",
-    [
-        (torch.float32, torch.float32),
-        (torch.bfloat16, torch.bfloat16),
-        (torch.float32, torch.bfloat16),
-    ],
-    ids=["fp32", "bf16", "fp32_bf16grad"],
-)
+@lists.WEIGHT_AND_GRADIENT_DTYPES
 def test_scaled_add_matches_torch_and_float64(p_dtype, g_dtype, kind, beta, launches):
     """``p ← round(q + α·g·f)`` with q = p (β = 1) or torch's ``p.mul_(β)``: within one
     rounding of p's dtype of torch's ``mul_`` + ``addcmul_`` and of float64 math on the same
