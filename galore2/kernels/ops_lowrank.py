@@ -200,12 +200,13 @@ addmm_scaled_each_ = direct(addmm_scaled_each_op, _addmm_scaled_each, mutated=(0
 addmm_each_ = direct(addmm_each_op, _addmm_each, mutated=(0,))
 
 
-def grouped_would_run(t: Tensor) -> bool:
-    """Would a list of matrices like ``t`` take the grouped kernel (one launch per list)?
-    On meta tensors: whether it would on an NVIDIA GPU of this setup (what a step on meta
-    tensors stands for, as :func:`~galore2.kernels.ops.triton_would_run` says). In ``auto``
-    mode not when the kernel opted out (``AUTO = False`` in
-    :mod:`galore2.kernels.lowrank_list`) or was switched off after a failure."""
+def grouped_would_run(t: Tensor, name: str = "lowrank_list") -> bool:
+    """Would a list of matrices like ``t`` take the grouped kernel ``name`` (one launch per
+    list; a module of :mod:`galore2.kernels`)? On meta tensors: whether it would on an
+    NVIDIA GPU of this setup (what a step on meta tensors stands for, as
+    :func:`~galore2.kernels.ops.triton_would_run` says). In ``auto`` mode not when the
+    kernel opted out (``AUTO = False`` in its module) or was switched off after a
+    failure."""
     mode = kernel_mode()
     if t.is_meta:
         runs = mode != "torch" and triton_available()
@@ -216,9 +217,9 @@ def grouped_would_run(t: Tensor) -> bool:
             return False
     if not runs or mode != "auto":
         return runs
-    if "lowrank_list" in disabled_kernels():
+    if name in disabled_kernels():
         return False
-    return getattr(importlib.import_module(f"{__package__}.lowrank_list"), "AUTO", True)
+    return getattr(importlib.import_module(f"{__package__}.{name}"), "AUTO", True)
 
 
 __all__ = ["addmm_each_", "addmm_scaled_each_", "grouped_would_run", "mm_each_", "operand_dtypes"]

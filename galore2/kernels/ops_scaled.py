@@ -11,12 +11,16 @@ is one grouped launch:
   what the norm-growth limiter needs of G;
 * ``galore2::residual_norms_each`` (:func:`residual_norms_each`) — the same norms of
   ``G_i + c·(A_i @ B_i)``: Fira's residual G − P·R, for its limiter, never made;
+* ``galore2::project_norms_each`` (:func:`project_norms_each`) — Fira's projection of a
+  shape batch (R = PᵀG or G·Q into given outputs) with both norms its step needs, the
+  residuals' and R's, by channel: each gradient read once;
 * ``galore2::scaled_add_each_`` (:func:`scaled_add_each_`) — ``p_i ← β·p_i + α·G_i ⊙ f_i``
   into each weight (``f``: a float32 ``(k, 1, n)``, ``(k, m, 1)`` or ``(k, 1, 1)`` stack),
   the weight read and written once.
 
 Where :mod:`~galore2.kernels.dispatch` runs Triton, one launch per list
-(:mod:`galore2.kernels.scaled_list`, :mod:`galore2.kernels.residual_list`); elsewhere the torch ops per matrix that the stacked
+(:mod:`galore2.kernels.scaled_list`, :mod:`galore2.kernels.residual_list`,
+:mod:`galore2.kernels.project_norms_list`); elsewhere the torch ops per matrix that the stacked
 path runs (``vector_norm``; ``mul_`` and ``addcmul_``, as
 :func:`galore2.core.apply.apply_update` applies one
 :class:`~galore2.core.transform.ScaledUpdate`). On meta tensors they only check shapes: a
@@ -34,6 +38,7 @@ from torch import Tensor
 from .direct import direct
 from .dispatch import run_kernel
 from .keep import check, kept
+from .ops_lowrank import mm_each_
 
 
 def _norms_shape(Gs: list[Tensor], dim: int) -> tuple[int, int, int]:
@@ -89,6 +94,59 @@ def _residual_norms(
         residual = torch.addmm(g.float(), a.float(), b.float(), alpha=c)
         torch.linalg.vector_norm(residual, dim=dim, keepdim=True, out=o)
     return out
+
+
+def _project_norms_shapes(Gs: list[Tensor], Bs: list[Tensor], outs: list[Tensor], dim: int):
+    """Refuse lists :func:`_project_norms` does not take (before anything is written)."""
+    if dim not in (0, 1) or isinstance(dim, bool):
+        raise ValueError(
+            f"project_norms_each: dim must be 0 (a left basis) or 1 (a right one), got {dim}"
+        )
+    if not Gs or len(Bs) != len(Gs) or len(outs) != len(Gs):
+        raise ValueError("project_norms_each: one basis and one output per gradient (1 or more)")
+    m, n = _norms_shape(Gs, 1)[1], _norms_shape(Gs, 0)[2]
+    for b, o in zip(Bs, outs, strict=True):
+        rows, r = (m, b.shape[-1]) if dim == 0 else (n, b.shape[-1])
+        want = (r, n) if dim == 0 else (m, r)
+        if b.dim() != 2 or b.shape[0] != rows or o.dim() != 2 or tuple(o.shape) != want:
+            raise ValueError(
+                f"project_norms_each: {m} × {n} gradients take "
+                f"{'P (m × r) and outputs r × n' if dim == 0 else 'Q (n × r) and outputs m × r'}"
+                f"; got a basis {tuple(b.shape)} and an output {tuple(o.shape)}"
+            )
+
+
+def _project_norms(
+    Gs: list[Tensor], Bs: list[Tensor], outs: list[Tensor], c: float, dim: int
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Fira's projection of a shape batch with the norms its step needs of it, in one pass
+    over the gradients where the kernel runs: ``outs[i] ← P_iᵀ @ G_i`` (``dim=0``: a left
+    basis ``Bs[i] = P_i``) or ``G_i @ Q_i`` (``dim=1``: ``Bs[i] = Q_i``), in the outputs'
+    dtype; returns the float32 channel norms (columns for ``dim=0``, ``(k, 1, n)``; rows
+    for ``dim=1``, ``(k, m, 1)``) of the residuals ``G_i + c·P_i @ outs[i]`` (``G_i +
+    c·outs[i] @ Q_iᵀ``) and of the ``outs[i]`` themselves, each as rounded to its dtype.
+    Elsewhere: the grouped projection (``galore2::mm_each_``), the residuals' norms
+    (``galore2::residual_norms_each``) and one ``vector_norm`` per output."""
+    _project_norms_shapes(Gs, Bs, outs, dim)
+    norms = torch.empty(_norms_shape(Gs, dim), dtype=torch.float32, device=Gs[0].device)
+    r_norms = torch.empty_like(norms)
+    if len(Gs) > 1:
+        done = run_kernel(
+            "project_norms_list", *Gs, *Bs, *outs, norms,
+            supported=lambda k: k.supported_project_norms(Gs, Bs, outs, dim, norms, r_norms),
+            kernel=lambda k: partial(k.project_norms_list, Gs, Bs, outs, c, dim, norms, r_norms),
+        )  # fmt: skip
+        if done is not None:
+            return norms, r_norms
+    if dim == 0:  # R = PᵀG; the residual G + c·P·R
+        mm_each_([b.mT for b in Bs], Gs, outs)
+        norms.copy_(_residual_norms(Gs, Bs, outs, c, 0))
+    else:  # R = G·Q; the residual G + c·R·Qᵀ
+        mm_each_(Gs, Bs, outs)
+        norms.copy_(_residual_norms(Gs, outs, [b.mT for b in Bs], c, 1))
+    for o, n in zip(outs, r_norms.unbind(0), strict=True):
+        torch.linalg.vector_norm(o, dim=dim, keepdim=True, dtype=torch.float32, out=n)
+    return norms, r_norms
 
 
 def _check_scaled(
@@ -164,6 +222,20 @@ residual_norms_op = torch.library.custom_op(
 )
 
 
+project_norms_op = torch.library.custom_op(
+    "galore2::project_norms_each", _project_norms, mutates_args=("outs",)
+)
+
+
+@project_norms_op.register_fake
+def _project_norms_meta(
+    Gs: list[Tensor], Bs: list[Tensor], outs: list[Tensor], c: float, dim: int
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    _project_norms_shapes(Gs, Bs, outs, dim)
+    norms = Gs[0].new_empty(_norms_shape(Gs, dim), dtype=torch.float32)
+    return norms, torch.empty_like(norms)
+
+
 @residual_norms_op.register_fake
 def _residual_norms_meta(
     Gs: list[Tensor], As: list[Tensor], Bs: list[Tensor], c: float, dim: int
@@ -186,6 +258,7 @@ def _scaled_add_meta(
 
 channel_norms_each = direct(channel_norms_op, _channel_norms, mutated=())
 residual_norms_each = direct(residual_norms_op, _residual_norms, mutated=())
+project_norms_each = direct(project_norms_op, _project_norms, mutated=(2,))
 scaled_add_each_ = direct(scaled_add_op, _scaled_add_each, mutated=(0,))
 
-__all__ = ["channel_norms_each", "residual_norms_each", "scaled_add_each_"]
+__all__ = ["channel_norms_each", "project_norms_each", "residual_norms_each", "scaled_add_each_"]

@@ -281,8 +281,9 @@ class ShapeBatch:
 
     def project(
         self, us: list[Tensor], projector: Projector, live: list[int] | None,
-        stack: bool = True,
-    ) -> tuple[Tensor | None, Tensor | list[Tensor], Tensor | list[Tensor], Tensor]:  # fmt: skip
+        stack: bool = True, residual: float | None = None,
+    ) -> tuple[Tensor | None, Tensor | list[Tensor], Tensor | list[Tensor], Tensor,
+               tuple[Tensor, Tensor] | None]:  # fmt: skip
         """(the stacked gradients G, the stacked bases B as stored, B in the projection's
         operand dtype Y (B itself when that is its dtype: a back-projection in that dtype
         reads Y rather than casting B again), R = PᵀG or G·Q): one ``bmm`` at the
@@ -295,16 +296,25 @@ class ShapeBatch:
         R — and G is None; and bases stored in another dtype than the projection's are cast
         straight into Y (:meth:`_cast_each`), which B then is too — or, where the grouped
         kernels run, not stacked at all: B and Y are then the list of the stored bases
-        (:meth:`_stored_each`)."""
+        (:meth:`_stored_each`). Last, Fira's channel norms of the residuals and of R
+        (:meth:`.Projection.project_norms_each`) where ``residual`` (its c) is given and
+        one grouped launch takes the projection and both norms (the gradients in R's dtype:
+        each read once); else None."""
         idx = self.idx if live is None else [self.idx[j] for j in live]
         listed = [us[i] for i in idx]
         dtype = self.dtype
         at, context = projection_precision(listed[0], self.plan.precision)
         held = None if stack else self._stored_each(projector, at, live, listed[0])
+        if held is not None and residual is not None and listed[0].dtype == at == dtype and (
+            grouped_would_run(listed[0], "project_norms_list")
+        ):  # fmt: skip
+            with context:
+                R, *norms = self.kind.project_norms_each(listed, held, residual)
+            return None, held, held, R, (norms[0], norms[1])
         if held is not None:  # the stored bases as they are, read by one grouped launch
             with context:
                 R = self.kind.project_each([g if g.dtype == at else g.to(at) for g in listed], held)
-            return None, held, held, (R if R.dtype == dtype else R.to(dtype))
+            return None, held, held, (R if R.dtype == dtype else R.to(dtype)), None
         cast = None if stack else self._cast_each(projector, at, live)
         if cast is not None:  # the live bases straight from the state into a stack in ``at``
             B = Y = cast
@@ -321,13 +331,13 @@ class ShapeBatch:
         if G is None and not stack:
             with context:  # a gradient not in ``at`` is cast alone (fp32 ones at bf16)
                 R = self.kind.project_each([g if g.dtype == at else g.to(at) for g in listed], Y)
-            return None, B, Y, (R if R.dtype == dtype else R.to(dtype))
+            return None, B, Y, (R if R.dtype == dtype else R.to(dtype)), None
         if G is None:
             G = torch.stack(listed)
         X = G if G.dtype == at else G.to(at)
         with context:
             R = self.kind.project_stack(X, Y)
-        return G, B, Y, (R if R.dtype == dtype else R.to(dtype))
+        return G, B, Y, (R if R.dtype == dtype else R.to(dtype)), None
 
 
 class _InnerStacks:

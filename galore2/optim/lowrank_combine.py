@@ -90,7 +90,8 @@ def combine_many(
         buckets.append(residual.Bucket(st.batch.kind.left, G, st.R, Ns, B, st_states,
                                        [bias[i] for i in st.idx],
                                        owned=st.G is not None and packing.writable(st.G),
-                                       factors=factors, keep=_keeps(ctxs, st.idx)))  # fmt: skip
+                                       factors=factors, keep=_keeps(ctxs, st.idx),
+                                       norms=st.norms))  # fmt: skip
         order.append(st.idx)
     keyed: dict[tuple[Any, ...], list[int]] = {}
     for i in idx:

@@ -34,7 +34,7 @@ from ..core.transform import (
     walk,
 )
 from ..projectors import NONE, TUCKER, Plan, get_projector
-from . import lowrank_batch
+from . import lowrank_batch, residual
 from . import refresh as schedule
 from .projection import Projection, plan_for
 
@@ -55,6 +55,9 @@ class Stacked(NamedTuple):
     R: Tensor  # the stacked projected gradients
     state: StackedState | None  # the inner chain's state of them as one stacked entry
     along: bool  # along the data: G not stacked (see along)
+    # Fira's channel norms of the residuals and of R, taken by the projection's launch
+    # (.lowrank_batch.ShapeBatch.project); None otherwise
+    norms: tuple[Tensor, Tensor] | None = None
 
 
 class Split(NamedTuple):
@@ -222,16 +225,17 @@ def project_live(
     once, by its own matmul."""
     projector = get_projector(group["projector"])
     may = along(group, ctxs)
+    c = residual.projected_norms(group)
     stacks: list[Stacked] = []
     for batch, rest in live:
         flat = may and lowrank_batch.along_data(us[batch.idx[0]])
-        G, B, Y, R = batch.project(us, projector, rest, not flat)
+        G, B, Y, R, norms = batch.project(us, projector, rest, not flat, c if flat else None)
         idx = batch.idx if rest is None else [batch.idx[j] for j in rest]
         stacked = batch.stacked_state(keys) if keys is not None and rest is None else None
         if stacked is None:  # its matrices go through the chain one by one
             for i, r in zip(idx, R.unbind(0), strict=True):
                 inner_in[i] = r
-        stacks.append(Stacked(batch, idx, G, B, Y, R, stacked, flat))
+        stacks.append(Stacked(batch, idx, G, B, Y, R, stacked, flat, norms))
     return stacks
 
 

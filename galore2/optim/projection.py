@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ..core.transform import Context, LowRankUpdate, State
 from ..kernels.ops_lowrank import mm_each_
+from ..kernels.ops_scaled import project_norms_each
 from ..placement import Collective
 from ..projectors import (
     FULL,
@@ -130,6 +131,14 @@ class Projection:
         in the gradients' dtype: one matmul per matrix into its entry of R (the gradients
         are read where they are, not stacked first; ``stackable`` only)."""
         raise NotImplementedError("only a stackable projection batches its products")
+
+    @staticmethod
+    def project_norms_each(
+        Gs: list[Tensor], B: list[Tensor], c: float
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """:meth:`project_each` of the stored bases with Fira's channel norms (of the
+        residuals ``G + c·(the part in the subspace)`` and of R): (R, those, R's)."""
+        raise NotImplementedError("only a one-sided projection has channels")
 
     @staticmethod
     def factors_stack(N: Tensor, B: Tensor | list[Tensor]) -> tuple[Any, Any]:
@@ -239,6 +248,16 @@ class LeftProjection(Projection):
         return R
 
     @staticmethod
+    def project_norms_each(
+        Gs: list[Tensor], B: list[Tensor], c: float
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """:meth:`project_each` with Fira's norms of each column: (R, of G + c·P·R, of R),
+        the norms k × 1 × n in float32 (one grouped launch where
+        :mod:`galore2.kernels.ops_scaled` runs Triton: each gradient read once)."""
+        R = Gs[0].new_empty((len(Gs), B[0].shape[1], Gs[0].shape[1]))
+        return R, *project_norms_each(Gs, B, list(R.unbind(0)), c, 0)
+
+    @staticmethod
     def factors_stack(N: Tensor, B: Tensor | list[Tensor]) -> tuple[Any, Any]:
         """(P, N): the update P·N."""
         return B, N
@@ -279,6 +298,15 @@ class RightProjection(Projection):
         R = Gs[0].new_empty((len(Gs), Gs[0].shape[0], Qs[0].shape[1]))
         mm_each_(Gs, Qs, list(R.unbind(0)))
         return R
+
+    @staticmethod
+    def project_norms_each(
+        Gs: list[Tensor], B: list[Tensor], c: float
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """:meth:`project_each` with Fira's norms of each row: (R, of G + c·R·Qᵀ, of R),
+        the norms k × m × 1 in float32 (grouped as the left's)."""
+        R = Gs[0].new_empty((len(Gs), Gs[0].shape[0], B[0].shape[1]))
+        return R, *project_norms_each(Gs, B, list(R.unbind(0)), c, 1)
 
     @staticmethod
     def factors_stack(N: Tensor, B: Tensor | list[Tensor]) -> tuple[Any, Any]:

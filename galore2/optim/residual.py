@@ -108,6 +108,19 @@ def active(group: dict[str, Any]) -> bool:
     return group.get("residual", "none") != "none" or group.get("scale_type") is not None
 
 
+def residual_c(group: dict[str, Any]) -> float:
+    """Fira's c of the residual G + c·P·R: −1 (the paper's), or −α ("fira_reference")."""
+    return -float(group["scale"]) if group["residual"] == "fira_reference" else -1.0
+
+
+def projected_norms(group: dict[str, Any]) -> float | None:
+    """Fira's c where its step takes the channel norms of the residuals and of R with the
+    projection (its norm-growth limiter on, φ per channel: :class:`Bucket`'s ``norms``);
+    None otherwise."""
+    fira = group["residual"] != "none" and group["scale_type"] is None
+    return residual_c(group) if fira and group["norm_growth_limit"] is not None else None
+
+
 def validate(group: dict[str, Any]) -> None:
     """Checks across keys: one of Fira / APOLLO, a side with channels, an orthonormal basis."""
     residual, scale_type = group["residual"], group["scale_type"]
@@ -184,7 +197,7 @@ def combine(
     if scale_type is not None:  # APOLLO: the raw gradient, scaled
         S = G.float() * phi
     else:  # Fira: the residual G − P·R, scaled ("fira_reference": fira 1.0.2's G − α·P·R)
-        c = -alpha if group["residual"] == "fira_reference" else -1.0
+        c = residual_c(group)
         if plan.side == LEFT:
             S = torch.addmm(G.float(), P.float(), R, alpha=c).mul_(phi)  # type: ignore[union-attr]
         else:
@@ -247,6 +260,9 @@ class Bucket(NamedTuple):
     # a deferred step's flags (one tensor, the matrices' positions in it): the limiter keeps
     # a flagged-out matrix's last norm; None on other steps
     keep: tuple[Tensor, list[int]] | None = None
+    # Fira along the data: the float32 channel norms of the residuals G + c·P·R and of R,
+    # taken by the projection's launch (.lowrank_batch.ShapeBatch.project); None otherwise
+    norms: tuple[Tensor, Tensor] | None = None
 
 
 class Residual(NamedTuple):
@@ -305,7 +321,7 @@ def combine_buckets(
     """
     alpha, scale_type = float(group["scale"]), group["scale_type"]
     limit = group["norm_growth_limit"] is not None
-    c_res = -alpha if group["residual"] == "fira_reference" else -1.0  # as in combine()
+    c_res = residual_c(group)
     # APOLLO's and the gradients along the data read only N's and R's norms (and X, small):
     # off the CPU in their dtype (float32 sums, no float32 copy); Fira's stacked products
     # read them in float32
@@ -317,7 +333,8 @@ def combine_buckets(
     # rows of a right basis's m×r
     dims = [(1, 2) if scale_type == "tensor" else 1 if b.left else 2 for b in buckets]
     num = [_norms(n, d) for n, d in zip(Ns, dims, strict=True)]
-    den = [_norms(r, d) for r, d in zip(Rs, dims, strict=True)]
+    den = [_norms(r, d) if b.norms is None else b.norms[1]
+           for b, r, d in zip(buckets, Rs, dims, strict=True)]  # fmt: skip
     torch._foreach_add_(den, _EPS)
     phis = torch._foreach_div(num, den)
     S, norms = [], []
@@ -444,7 +461,9 @@ def _scaled_norm_each(
     pass — columns for ``dim`` 1, rows for 2; a per-matrix φ takes the columns', whose
     norm is the matrix's."""
     side = 1 if dim == 2 else 0
-    if b.factors is None:
+    if b.norms is not None:  # taken with the projection
+        channel = b.norms[0]
+    elif b.factors is None:
         channel = channel_norms_each(b.G, side)
     else:
         channel = residual_norms_each(b.G, *b.factors(R), c, side)
@@ -492,5 +511,7 @@ __all__ = [
     "combine",
     "combine_buckets",
     "init_state",
+    "projected_norms",
+    "residual_c",
     "validate",
 ]
