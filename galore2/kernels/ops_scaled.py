@@ -98,7 +98,7 @@ def _residual_norms(
 
 def _project_norms_shapes(Gs: list[Tensor], Bs: list[Tensor], outs: list[Tensor], dim: int):
     """Refuse lists :func:`_project_norms` does not take (before anything is written)."""
-    if dim not in (0, 1) or isinstance(dim, bool):
+    if dim not in (0, 1):
         raise ValueError(
             f"project_norms_each: dim must be 0 (a left basis) or 1 (a right one), got {dim}"
         )

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from galore2.kernels.ops_scaled import channel_norms_each, scaled_add_each_
+from galore2.kernels.ops_scaled import channel_norms_each, project_norms_each, scaled_add_each_
 
 
 def _mats(k: int, m: int, n: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
@@ -89,8 +89,60 @@ def test_one_dispatch_per_call_on_meta():
     each op is one dispatch for the whole list, with its output's shape."""
     ps = [torch.empty(6, 4, device="meta", dtype=torch.bfloat16) for _ in range(5)]
     f = torch.empty(5, 1, 4, device="meta")
+    Ps = [torch.empty(6, 2, device="meta") for _ in range(5)]
+    Rs = [torch.empty(2, 4, device="meta", dtype=torch.bfloat16) for _ in range(5)]
     with _Ops() as seen:
         out = channel_norms_each(ps, 0)
         scaled_add_each_(ps, ps, f, -1.0, 0.5)
-    assert seen.names == ["channel_norms_each", "scaled_add_each_"]
+        both = project_norms_each(ps, Ps, Rs, -1.0, 0)
+    assert seen.names == ["channel_norms_each", "scaled_add_each_", "project_norms_each"]
     assert out.shape == (5, 1, 4) and out.dtype == torch.float32
+    assert [(t.shape, t.dtype) for t in both] == [((5, 1, 4), torch.float32)] * 2
+
+
+@pytest.mark.parametrize("dim", [0, 1], ids=["left", "right"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_project_norms_torch_path(dim, dtype):
+    """``galore2::project_norms_each`` off the kernel: R = PᵀG (left) or G·Q (right) into
+    the given outputs, the bits of ``torch.mm`` on the operands rounded to R's dtype; the
+    norms per channel of G + c·P·R (G + c·R·Qᵀ) and of R, with R as rounded, within a few
+    float32 roundings (relative to the summed magnitudes) of float64 math on those values."""
+    m, n, r, c = 9, 7, 3, -0.5
+    Gs = _mats(3, m, n, dtype)
+    g = torch.Generator().manual_seed(5)
+    Bs = [torch.linalg.qr(torch.randn(m if dim == 0 else n, r, generator=g)).Q for _ in Gs]
+    Rs = [torch.full((r, n) if dim == 0 else (m, r), float("nan"), dtype=dtype) for _ in Gs]
+    norms, r_norms = project_norms_each(Gs, Bs, Rs, c, dim)
+    assert norms.shape == r_norms.shape == ((3, 1, n) if dim == 0 else (3, m, 1))
+    for G, B, R, nm, rn in zip(Gs, Bs, Rs, norms.unbind(0), r_norms.unbind(0), strict=True):
+        b = B.to(dtype)
+        assert torch.equal(R, b.T @ G if dim == 0 else G @ b)
+        b64, R64 = b.double(), R.double()
+        part = b64 @ R64 if dim == 0 else R64 @ b64.T
+        ref = torch.linalg.vector_norm(G.double() + c * part, dim=dim, keepdim=True)
+        spread = (r + 2) * 2.0**-24 * torch.linalg.vector_norm(
+            G.double().abs() + abs(c) * ((b64.abs() @ R64.abs()) if dim == 0 else
+                                         (R64.abs() @ b64.abs().T)), dim=dim, keepdim=True
+        )  # fmt: skip
+        reduced = G.shape[dim]
+        assert bool(((nm.double() - ref).abs() <= spread + (reduced + 2) * 2.0**-24 * ref).all())
+        ref_r = torch.linalg.vector_norm(R64, dim=dim, keepdim=True)
+        torch.testing.assert_close(rn.double(), ref_r, rtol=(R.shape[dim] + 2) * 2.0**-24, atol=0)
+
+
+def test_project_norms_refuses_before_writing():
+    """Bad dims, list lengths and shapes: a ValueError naming what it takes, the outputs
+    untouched."""
+    Gs = _mats(2, 5, 4, torch.float32)
+    Ps = [torch.ones(5, 2) for _ in Gs]
+    Rs = [torch.full((2, 4), float("nan")) for _ in Gs]
+    bad = [
+        ((Gs, Ps, Rs, -1.0, 2), "dim must be 0"),
+        ((Gs, Ps[:1], Rs, -1.0, 0), "one basis and one output per gradient"),
+        ((Gs, Ps, Rs, -1.0, 1), r"Q \(n × r\)"),
+        ((Gs, Ps, [x.T for x in Rs], -1.0, 0), r"P \(m × r\) and outputs r × n"),
+    ]
+    for args, match in bad:
+        with pytest.raises(ValueError, match=f"project_norms_each: .*{match}"):
+            project_norms_each(*args)
+        assert all(bool(x.isnan().all()) for x in Rs)
