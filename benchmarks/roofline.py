@@ -77,12 +77,17 @@ WRITE_ONLY = frozenset(
 #: torch's fused Adam kernels: the arguments they write (weights, exp_avgs, exp_avg_sqs)
 FUSED_ADAM = {"_fused_adam_": (0, 2, 3), "_fused_adamw_": (0, 2, 3)}
 #: ops whose written arguments (by name) are only written, never read (galore2's custom ops)
-WRITE_ONLY_ARGS = {"adam_directions_": frozenset({"outs"}), "mm_each_": frozenset({"outs"})}
+WRITE_ONLY_ARGS = {"adam_directions_": frozenset({"outs"}), "mm_each_": frozenset({"outs"}),
+                   "project_norms_each": frozenset({"outs"})}  # fmt: skip
 #: galore2's grouped matmuls: the arguments holding each entry's two factors and its output
 #: (whose dtype the product runs at: a float32 basis is rounded to a bf16 output's)
 LIST_MATMULS = {"mm_each_": ("As", "Bs", "outs"), "addmm_each_": ("As", "Bs", "ps"),
                 "addmm_scaled_each_": ("As", "Bs", "ps"),
-                "residual_norms_each": ("As", "Bs", "Gs")}  # fmt: skip
+                "residual_norms_each": ("As", "Bs", "Gs"),
+                "project_norms_each": ("Gs", "Bs", "outs")}  # fmt: skip
+#: grouped ops taking more than one product per entry (Fira's projection, then P·R for
+#: its residual's norms: two of the same size)
+PRODUCTS = {"project_norms_each": 2}
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
            torch.float64: "fp64"}  # fmt: skip
 #: the recipe configs whose widths and ranks are measured (rank 256, 1024)
@@ -165,8 +170,9 @@ class RooflineCounter(StepCounter):
         if name in LIST_MATMULS:  # one product per entry of the lists
             names = [a.name for a in schema]
             xs, ys, outs = (values[names.index(n)] for n in LIST_MATMULS[name])
+            times = PRODUCTS.get(name, 1)
             for x, y, o in zip(xs, ys, outs, strict=True):
-                c.flops[_flop_dtype(o)] += 2 * x.numel() * y.shape[-1]
+                c.flops[_flop_dtype(o)] += 2 * times * x.numel() * y.shape[-1]
         elif name in MATMULS:  # its factors: an ``out=`` tensor (written, kwarg-only) is not one
             operands = [v for i, v in enumerate(values) if i not in not_read]
             mats = [t for t in _tensors(operands) if t.dim() >= 2]

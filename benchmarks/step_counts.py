@@ -53,7 +53,8 @@ from .timing import llama
 
 MATMULS = frozenset(
     {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "matmul", "_grouped_mm",
-     "mm_each_", "addmm_each_", "addmm_scaled_each_", "residual_norms_each"}
+     "mm_each_", "addmm_each_", "addmm_scaled_each_", "residual_norms_each",
+     "project_norms_each"}
 )  # fmt: skip
 NOT_LAUNCHES = frozenset(
     {
