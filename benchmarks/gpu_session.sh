@@ -97,7 +97,8 @@ torchtitan_part() {
 # tests on the GPU (off the GPU they run under Triton's interpreter)
 GPU_TEST_FILES=(tests/kernels/test_triton_kernels.py tests/kernels/test_lowrank_list.py
     tests/kernels/test_keep_flags.py tests/core/test_deferred.py tests/kernels/test_scaled_list.py
-    tests/kernels/test_fira_kernels.py tests/kernels/test_adam8bit_fused.py
+    tests/kernels/test_fira_kernels.py tests/kernels/test_project_norms_list.py
+    tests/kernels/test_adam8bit_fused.py
     tests/core/test_capture.py
     tests/core/test_gpu_step.py tests/recipes/test_recipe_gpu.py)
 QUICK=()

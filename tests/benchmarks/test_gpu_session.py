@@ -38,7 +38,8 @@ def test_script_parses_and_its_dry_run_lists_every_part(tmp_path):
     assert (f"part gpu_tests 110s: {py} -m pytest -q -p no:cacheprovider -o addopts= -m not slow "
             "tests/kernels/test_triton_kernels.py tests/kernels/test_lowrank_list.py "
             "tests/kernels/test_keep_flags.py tests/core/test_deferred.py "
-            "tests/kernels/test_scaled_list.py tests/kernels/test_fira_kernels.py tests/kernels/test_adam8bit_fused.py "
+            "tests/kernels/test_scaled_list.py tests/kernels/test_fira_kernels.py "
+            "tests/kernels/test_project_norms_list.py tests/kernels/test_adam8bit_fused.py "
             "tests/core/test_capture.py "
             "tests/core/test_gpu_step.py tests/recipes/test_recipe_gpu.py\n") in plan  # fmt: skip
     assert f"part fit_16gb 200s: {py} -m benchmarks.run --tasks fit_16gb --no-write\n" in plan
