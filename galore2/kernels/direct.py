@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 _PLAIN = (Tensor, torch.nn.Parameter)
 _PLAIN_TYPES = frozenset(_PLAIN)
 _IS_META = operator.attrgetter("is_meta")
+_NUMBERS = (int, float)  # bool too
 
 
 def _tensors(args: tuple) -> Iterator[Any]:
@@ -52,7 +53,11 @@ def plain_eager(args: tuple) -> bool:
     ):
         return False
     for a in args:  # each list walked by C-level maps (a step's lists hold hundreds)
-        ts = a if isinstance(a, (list, tuple)) else (a,) if isinstance(a, Tensor) else ()
+        if isinstance(a, (list, tuple)):
+            # a list of numbers (a deferred step's flag positions) holds no tensor
+            ts = a if a and not isinstance(a[0], _NUMBERS) else ()
+        else:
+            ts = (a,) if isinstance(a, Tensor) else ()
         if not _PLAIN_TYPES.issuperset(map(type, ts)) or any(map(_IS_META, ts)):
             return False
     return True

@@ -60,6 +60,15 @@ def test_a_tensor_subclass_goes_through_the_op():
         assert plain_eager(([torch.zeros(2)], 3, 0.5))
 
 
+def test_a_list_of_numbers_is_no_obstacle():
+    """A deferred step's flag positions (a list of ints) and other number lists hold no
+    tensor: the call stays direct (a list of tensors is still walked)."""
+    with torch.no_grad():
+        assert plain_eager(([torch.zeros(2)], torch.ones(1, dtype=torch.bool), [0, 3, 1]))
+        assert plain_eager(([torch.zeros(2)], [0.5, 1.0], [], None))
+        assert not plain_eager(([torch.zeros(2)], [0, 1], [torch.zeros(1, device="meta")]))
+
+
 def test_mutated_arguments_are_marked_written():
     calls = _Calls()
     f = calls.make()
