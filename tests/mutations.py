@@ -1672,8 +1672,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "project_norms_kernel_residual_sign",
         "galore2/kernels/project_norms_list.py",
-        "x = g + c * tl.dot(p, r_op, input_precision=PRECISION)",
-        "x = g - c * tl.dot(p, r_op, input_precision=PRECISION)",
+        "x = x + c * tl.dot(p, r_op, input_precision=PRECISION)",
+        "x = x - c * tl.dot(p, r_op, input_precision=PRECISION)",
         ("tests/kernels/test_project_norms_list.py",),
         "the fused projection's kernel measures G − c·P·R, not Fira's residual G + c·P·R",
         where="_project_norms_kernel",
@@ -1701,7 +1701,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "galore2/optim/lowrank_batch.py",
         "            return None, held, held, R, (norms[0], norms[1])",
         "            return None, held, held, R, (norms[1], norms[0])",
-        ("tests/optim/test_batched_rules.py::test_fira_norms_taken_with_the_projection",),
+        ("tests/optim/test_batched_rules.py::test_norms_taken_with_the_projection",),
         "Fira's φ divides by the residual's norms and its limiter measures R's",
         where="ShapeBatch.project",
     ),
@@ -1710,9 +1710,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         "galore2/optim/residual.py",
         "    den = [_norms(r, d) if b.norms is None else b.norms[1]",
         "    den = [_norms(r, d) if b.norms is None else b.norms[0]",
-        ("tests/optim/test_batched_rules.py::test_fira_norms_taken_with_the_projection",),
+        ("tests/optim/test_batched_rules.py::test_norms_taken_with_the_projection",),
         "Fira's φ = ‖N‖/‖R‖ takes the residual's norms for R's where the projection took both",
         where="combine_buckets",
+    ),
+    Mutation(
+        "adam_entries_share_a_path",
+        "galore2/optim/adam.py",
+        "        if unmasked and not rounded and len(us) > 1 and keeps is None:",
+        "        if False:",
+        ("tests/core/test_deferred.py::test_a_skip_leaves_the_other_shape_batches_bits",),
+        "a host-indexed skip step's batch that lost a matrix sends every entry of Adam's "
+        "batch down its foreach path: the other shape batches' bits change",
+        where="ScaleByAdam._directions",
     ),
 )
 

@@ -119,8 +119,8 @@ def _project_norms_shapes(Gs: list[Tensor], Bs: list[Tensor], outs: list[Tensor]
 def _project_norms(
     Gs: list[Tensor], Bs: list[Tensor], outs: list[Tensor], c: float, dim: int
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Fira's projection of a shape batch with the norms its step needs of it, in one pass
-    over the gradients where the kernel runs: ``outs[i] ← P_iᵀ @ G_i`` (``dim=0``: a left
+    """Fira's (and APOLLO's, ``c = 0``) projection of a shape batch with the norms its step
+    needs of it, in one pass over the gradients where the kernel runs: ``outs[i] ← P_iᵀ @ G_i`` (``dim=0``: a left
     basis ``Bs[i] = P_i``) or ``G_i @ Q_i`` (``dim=1``: ``Bs[i] = Q_i``), in the outputs'
     dtype; returns the float32 channel norms (columns for ``dim=0``, ``(k, 1, n)``; rows
     for ``dim=1``, ``(k, m, 1)``) of the residuals ``G_i + c·P_i @ outs[i]`` (``G_i +
@@ -140,9 +140,13 @@ def _project_norms(
             return norms, r_norms
     if dim == 0:  # R = PᵀG; the residual G + c·P·R
         mm_each_([b.mT for b in Bs], Gs, outs)
-        norms.copy_(_residual_norms(Gs, Bs, outs, c, 0))
     else:  # R = G·Q; the residual G + c·R·Qᵀ
         mm_each_(Gs, Bs, outs)
+    if c == 0.0:  # G's own norms (APOLLO's)
+        norms.copy_(_channel_norms(Gs, dim))
+    elif dim == 0:
+        norms.copy_(_residual_norms(Gs, Bs, outs, c, 0))
+    else:
         norms.copy_(_residual_norms(Gs, outs, [b.mT for b in Bs], c, 1))
     for o, n in zip(outs, r_norms.unbind(0), strict=True):
         torch.linalg.vector_norm(o, dim=dim, keepdim=True, dtype=torch.float32, out=n)

@@ -24,7 +24,8 @@ are) and all r rows of R for them:
    ``BLOCK_K`` rows ``x = g + c·(P's tile @ R)`` with the rounded R kept in registers (never
    reloaded from memory), ``x²`` summed per channel in float32, the square root at the end.
 
-So the norms are those of ``G + c·P·R`` for the R stored (its rounding included), the basis
+With ``c = 0`` they are G's own channel norms (APOLLO's limiter: phase 2 then reads no
+basis and multiplies nothing). So the norms are those of ``G + c·P·R`` for the R stored (its rounding included), the basis
 as rounded to G's dtype, G upcast, products accumulated in fp32. No two programs write one
 output and nothing is accumulated across programs (deterministic, no atomics). A right
 basis is the left case on the transposes (``Gᵀ``, ``Rᵀ = Qᵀ Gᵀ``): the same kernel with the
@@ -80,6 +81,7 @@ def _project_norms_kernel(
     s_gc, s_or, s_oc, s_ne, s_nc, s_re, s_rc, c, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_K: tl.constexpr, P_BF16: tl.constexpr, RNE_BF16: tl.constexpr,
+    RESIDUAL: tl.constexpr,
 ):  # fmt: skip
     """Channels ``c0 … c0+BLOCK_C−1`` of entry ``e`` (P: K × RANK, G: K × C, R: RANK × C by
     their strides): ``R ← Pᵀ G`` rounded to R's dtype, ``‖R‖`` per channel, and
@@ -117,13 +119,14 @@ def _project_norms_kernel(
     sq = tl.zeros((BLOCK_K, BLOCK_C), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + lk) < K
-        p = tl.load(p_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        if P_BF16:
-            p = to_bf16(p)
-        if UPCAST:
-            p = p.to(tl.float32)
-        g = tl.load(g_ptrs, mask=k_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
-        x = g + c * tl.dot(p, r_op, input_precision=PRECISION)  # zero outside the matrix
+        x = tl.load(g_ptrs, mask=k_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        if RESIDUAL:  # a constexpr branch: c = 0 (G's own norms) reads no basis
+            p = tl.load(p_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+            if P_BF16:
+                p = to_bf16(p)
+            if UPCAST:
+                p = p.to(tl.float32)
+            x = x + c * tl.dot(p, r_op, input_precision=PRECISION)  # zero outside the matrix
         sq += x * x
         p_ptrs += BLOCK_K * s_pk
         g_ptrs += BLOCK_K * s_gk
@@ -223,7 +226,8 @@ def project_norms_list(
             PRECISION=precision,
             # the interpreter multiplies bf16 as raw integers (see lowrank.lowrank_update)
             UPCAST=g.dtype != torch.float32 and interpreted, P_BF16=b.dtype != g.dtype,
-            RNE_BF16=g.dtype == torch.bfloat16 and interpreted, enable_fp_fusion=True,
+            RNE_BF16=g.dtype == torch.bfloat16 and interpreted, RESIDUAL=c != 0.0,
+            enable_fp_fusion=True,
             **cfg,
         )  # fmt: skip
     return True

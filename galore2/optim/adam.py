@@ -300,6 +300,10 @@ class ScaleByAdam(MomentRule, Transform):
         unmasked = not masks or masks[0] is None
         given = us
         rounded = unmasked and rounded_path(us, states, rounding(ctxs))
+        if unmasked and not rounded and len(us) > 1 and keeps is None:
+            split = self._split_rounded(us, states, group, ctxs)
+            if split is not None:
+                return split
         counts: list[list[int]] | None = [] if rounded else None  # per entry: its steps
         exp_avgs, exp_avg_sqs, us, scale, shift, t = self._batch(
             us, states, group, not rounded, counts
@@ -317,6 +321,26 @@ class ScaleByAdam(MomentRule, Transform):
             flags: list[Tensor] = masks  # type: ignore[assignment]
             weights, decays = masked_weights(flags, exp_avgs[0].dtype, beta1, beta2)
         return adam_foreach(us, exp_avgs, exp_avg_sqs, weights, decays, 1 - beta2, scale, shift)
+
+    def _split_rounded(
+        self, us: list[Tensor], states: list[State], group: Group, ctxs: list[Context]
+    ) -> list[Tensor] | None:  # fmt: skip
+        """A batch of which some entries take galore2's bf16-direction op and others not (a
+        host-indexed skip step's shape batch that lost a matrix: its moments no longer one
+        contiguous stack) stepped as two batches, so each entry's arithmetic is its own and
+        not its neighbours': the others' bits as on a step without the skip. None when
+        every entry or none takes the op."""
+        ok = [rounded_path([u], [s], c.rounds_to) for u, s, c in zip(us, states, ctxs, strict=True)]
+        if all(ok) or not any(ok):
+            return None
+        out: list[Tensor | None] = [None] * len(us)
+        for want in (True, False):
+            idx = [i for i, k in enumerate(ok) if k is want]
+            part = self._directions([us[i] for i in idx], [states[i] for i in idx], group,
+                                    [ctxs[i] for i in idx], batched=True)  # fmt: skip
+            for i, r in zip(idx, part, strict=True):
+                out[i] = r
+        return out  # type: ignore[return-value]
 
     def _batch(
         self, us: list[Tensor], states: list[State], group: Group, cast: bool = True,

@@ -296,18 +296,20 @@ class ShapeBatch:
         R — and G is None; and bases stored in another dtype than the projection's are cast
         straight into Y (:meth:`_cast_each`), which B then is too — or, where the grouped
         kernels run, not stacked at all: B and Y are then the list of the stored bases
-        (:meth:`_stored_each`). Last, Fira's channel norms of the residuals and of R
-        (:meth:`.Projection.project_norms_each`) where ``residual`` (its c) is given and
-        one grouped launch takes the projection and both norms (the gradients in R's dtype:
-        each read once); else None."""
+        (:meth:`_stored_each`). Last, the channel norms of ``G + c·P·R`` and of R
+        (:meth:`.Projection.project_norms_each`; Fira's residual's, or APOLLO's G's for
+        c = 0: :func:`.residual.projected_norms`) where ``residual`` (c) is given, the
+        gradients are not stacked and one grouped launch takes the projection and both
+        norms (the gradients in R's dtype: each read once); else None."""
         idx = self.idx if live is None else [self.idx[j] for j in live]
         listed = [us[i] for i in idx]
         dtype = self.dtype
         at, context = projection_precision(listed[0], self.plan.precision)
         held = None if stack else self._stored_each(projector, at, live, listed[0])
-        if held is not None and residual is not None and listed[0].dtype == at == dtype and (
+        fuse = residual is not None and not stack and listed[0].dtype == at == dtype and (
             grouped_would_run(listed[0], "project_norms_list")
-        ):  # fmt: skip
+        )  # fmt: skip
+        if held is not None and fuse:
             with context:
                 R, *norms = self.kind.project_norms_each(listed, held, residual)
             return None, held, held, R, (norms[0], norms[1])
@@ -328,6 +330,10 @@ class ShapeBatch:
         # the gradients as they are when they form a stack (the masked copies of a
         # capturable step): no copy; the caller must then not write G
         G = packing.stacked_view(listed)
+        if G is None and fuse:  # the stack Y's entries, read by the one launch
+            with context:
+                R, *norms = self.kind.project_norms_each(listed, entries(Y), residual)
+            return None, B, Y, R, (norms[0], norms[1])
         if G is None and not stack:
             with context:  # a gradient not in ``at`` is cast alone (fp32 ones at bf16)
                 R = self.kind.project_each([g if g.dtype == at else g.to(at) for g in listed], Y)

@@ -114,11 +114,15 @@ def residual_c(group: dict[str, Any]) -> float:
 
 
 def projected_norms(group: dict[str, Any]) -> float | None:
-    """Fira's c where its step takes the channel norms of the residuals and of R with the
-    projection (its norm-growth limiter on, φ per channel: :class:`Bucket`'s ``norms``);
-    None otherwise."""
-    fira = group["residual"] != "none" and group["scale_type"] is None
-    return residual_c(group) if fira and group["norm_growth_limit"] is not None else None
+    """The c of the channel norms of ``G + c·P·R`` and of R that a step takes with its
+    projection where it needs both (:class:`Bucket`'s ``norms``: the norm-growth limiter
+    on, φ per channel): Fira's residual's (:func:`residual_c`), APOLLO's gradient's own
+    (0); None otherwise (no limiter, or APOLLO-Mini's per-tensor φ)."""
+    if group["norm_growth_limit"] is None:
+        return None
+    if group["residual"] != "none" and group["scale_type"] is None:
+        return residual_c(group)
+    return 0.0 if group["scale_type"] == "channel" else None
 
 
 def validate(group: dict[str, Any]) -> None:
@@ -260,8 +264,9 @@ class Bucket(NamedTuple):
     # a deferred step's flags (one tensor, the matrices' positions in it): the limiter keeps
     # a flagged-out matrix's last norm; None on other steps
     keep: tuple[Tensor, list[int]] | None = None
-    # Fira along the data: the float32 channel norms of the residuals G + c·P·R and of R,
-    # taken by the projection's launch (.lowrank_batch.ShapeBatch.project); None otherwise
+    # along the data: the float32 channel norms of the residuals G + c·P·R (Fira) or of G
+    # (APOLLO) and of R, taken by the projection's launch
+    # (.lowrank_batch.ShapeBatch.project, projected_norms); None otherwise
     norms: tuple[Tensor, Tensor] | None = None
 
 

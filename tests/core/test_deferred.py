@@ -219,3 +219,21 @@ def test_a_deferred_step_reads_only_the_last_steps_flags(kernels_on_cpu, monkeyp
         before = [t for e, t in log[s - 1] if e == "record"]
         reads = [t for e, t in log[s] if e == "read"]
         assert len(reads) == 2 and all(any(t is r for r in before) for t in reads), s
+
+
+def test_a_skip_leaves_the_other_shape_batches_bits(kernels_on_cpu, monkeypatch, preset):
+    """At step 3 one matrix of the first shape batch is unusable: the host-indexed step
+    leaves it out (its batch's moments then no longer one contiguous stack), the deferred
+    step keeps the batch whole. The other shape batch's weights and state are the same bits
+    either way: each entry of Adam's batch takes its own arithmetic, not its neighbours'
+    (``ScaleByAdam._split_rounded``)."""
+    later, _ = _run(True, monkeypatch, steps=3, preset=preset)
+    now, _ = _run(False, monkeypatch, steps=3, preset=preset)
+    n = len(SHAPES[preset][1])
+    other = range(n // 2, n)  # the second shape batch (no unusable gradient at step 3)
+    (wa, _, sa), (wb, _, sb) = later[2], now[2]
+    for j in other:
+        assert torch.equal(_bits(wa[j]), _bits(wb[j])), j
+        for key in ("adam.exp_avg", "adam.exp_avg_sq"):
+            if (j, key) in sa:
+                assert torch.equal(_bits(sa[j, key]), _bits(sb[j, key])), (j, key)

@@ -100,14 +100,16 @@ def test_one_dispatch_per_call_on_meta():
     assert [(t.shape, t.dtype) for t in both] == [((5, 1, 4), torch.float32)] * 2
 
 
+@pytest.mark.parametrize("c", [-0.5, 0.0], ids=["residual", "gradient"])
 @pytest.mark.parametrize("dim", [0, 1], ids=["left", "right"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_project_norms_torch_path(dim, dtype):
+def test_project_norms_torch_path(dim, dtype, c):
     """``galore2::project_norms_each`` off the kernel: R = PᵀG (left) or G·Q (right) into
     the given outputs, the bits of ``torch.mm`` on the operands rounded to R's dtype; the
     norms per channel of G + c·P·R (G + c·R·Qᵀ) and of R, with R as rounded, within a few
-    float32 roundings (relative to the summed magnitudes) of float64 math on those values."""
-    m, n, r, c = 9, 7, 3, -0.5
+    float32 roundings (relative to the summed magnitudes) of float64 math on those values;
+    with c = 0, G's own norms (APOLLO's)."""
+    m, n, r = 9, 7, 3
     Gs = _mats(3, m, n, dtype)
     g = torch.Generator().manual_seed(5)
     Bs = [torch.linalg.qr(torch.randn(m if dim == 0 else n, r, generator=g)).Q for _ in Gs]

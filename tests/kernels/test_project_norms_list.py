@@ -35,12 +35,14 @@ ROUND = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-
 TINY = {torch.float32: 2.0**-150, torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}
 #: (m, n, r, c, layout, orthonormal): tiles with remainders and a K loop of several steps;
 #: one tile, a short rank and a random basis; a single row (a random basis: r > 1 row for a
-#: left one); a rank of 129–256 (R's 256-row tile, its 32 channels) at a small m × n
+#: left one); a rank of 129–256 (R's 256-row tile, its 32 channels) at a small m × n; c = 0
 CASES = {
     "100x70_r24": (100, 70, 24, -1.0, "stack", True),
     "67x45_r13_random": (67, 45, 13, -0.25, "separate_t", False),
     "1x70_r3": (1, 70, 3, -1.0, "stack", True),
     "24x40_r150": (24, 40, 150, -0.25, "separate_t", True),
+    # c = 0: G's own channel norms (APOLLO's limiter), a random basis as APOLLO's
+    "70x45_r13_c0": (70, 45, 13, 0.0, "stack", False),
 }
 
 

@@ -115,17 +115,18 @@ def test_along_the_data_equals_per_tensor_path(name, one_thread, monkeypatch):
         assert_f32_close(b, l_, steps=STEPS, flips=flips, what=f"{name} parameter {k}")
 
 
-@pytest.mark.parametrize("name", ["fira", "fira_reference"])
-def test_fira_norms_taken_with_the_projection(name, one_thread, monkeypatch):
-    """Where one grouped launch takes Fira's projection with its channel norms (a GPU's
-    ``galore2::project_norms_each``; here its torch path, the grouped kernels said to run):
-    the residuals' and R's norms come from that launch — ``residual_norms_each`` is never
-    called on a non-refresh step's shape batch — and the weights are the per-tensor path's
-    within float32's rounding of the reordered arithmetic, limiter on."""
+@pytest.mark.parametrize("name", ["fira", "fira_reference", "apollo"])
+def test_norms_taken_with_the_projection(name, one_thread, monkeypatch):
+    """Where one grouped launch takes the projection with the channel norms the limiter
+    and φ need (a GPU's ``galore2::project_norms_each``; here its torch path, the grouped
+    kernels said to run): Fira's residuals' (APOLLO's gradients') and R's norms come from
+    that launch — ``residual_norms_each`` / ``channel_norms_each`` are never called — and
+    the weights are the per-tensor path's within float32's rounding of the reordered
+    arithmetic, limiter on."""
     from galore2.kernels import ops_lowrank
     from galore2.optim import lowrank_batch, projection, residual
 
-    calls = {"project_norms_each": 0, "residual_norms_each": 0}
+    calls = {"project_norms_each": 0, "residual_norms_each": 0, "channel_norms_each": 0}
 
     def counted(module, op):
         fn = getattr(module, op)
@@ -138,12 +139,14 @@ def test_fira_norms_taken_with_the_projection(name, one_thread, monkeypatch):
 
     counted(projection, "project_norms_each")
     counted(residual, "residual_norms_each")
+    counted(residual, "channel_norms_each")
     monkeypatch.setattr(lowrank_batch, "MIN_ALONG_DATA_ELEMENTS", 0)
     # the grouped kernels "run" (their ops take their torch paths on the CPU)
     monkeypatch.setattr(lowrank_batch, "grouped_would_run", lambda t, name="": True)
     monkeypatch.setattr(ops_lowrank, "grouped_would_run", lambda t, name="": True)
     fused = run(CONFIGS[name], foreach=True)
-    assert calls["project_norms_each"] > 0 and calls["residual_norms_each"] == 0, calls
+    others = calls["residual_norms_each"] + calls["channel_norms_each"]
+    assert calls["project_norms_each"] > 0 and others == 0, calls
     monkeypatch.undo()
     looped = run(CONFIGS[name], foreach=False)
     for k, (b, l_) in enumerate(zip(fused, looped, strict=True)):
