@@ -14,6 +14,10 @@
   shape batch, tile by tile, never made (``galore2::residual_norms_each``); its update
   P·X + G ⊙ φ is ``lowrank_list``'s grouped matmul with the scaled gradient in its epilogue
   (``galore2::addmm_scaled_each_`` of :mod:`galore2.kernels.ops_lowrank`).
+* :mod:`galore2.kernels.project_norms_list` — Fira's (APOLLO's) projection of a shape batch
+  with the channel norms of its residuals (its gradients) and of R, each gradient read
+  once (``galore2::project_norms_each`` of :mod:`galore2.kernels.ops_scaled`): what the
+  grouped projection and ``residual_list`` (``channel_norms_each``) do in two passes.
 * :mod:`galore2.kernels.hadamard` — the blockwise random Hadamard rotation of quantized
   bases (``rotate`` / ``unrotate``).
 * :mod:`galore2.kernels.adamw` — AdamW of a bf16 weight with float32 moments in one pass
