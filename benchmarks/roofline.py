@@ -85,9 +85,10 @@ LIST_MATMULS = {"mm_each_": ("As", "Bs", "outs"), "addmm_each_": ("As", "Bs", "p
                 "addmm_scaled_each_": ("As", "Bs", "ps"),
                 "residual_norms_each": ("As", "Bs", "Gs"),
                 "project_norms_each": ("Gs", "Bs", "outs")}  # fmt: skip
-#: grouped ops taking more than one product per entry (Fira's projection, then P·R for
-#: its residual's norms: two of the same size)
-PRODUCTS = {"project_norms_each": 2}
+#: grouped ops taking a second product per entry where their argument ``c`` is not 0 (Fira's
+#: projection, then P·R for its residual's norms, of the same size; APOLLO's c = 0: G's
+#: own norms, no second product)
+SECOND_PRODUCT = frozenset({"project_norms_each"})
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
            torch.float64: "fp64"}  # fmt: skip
 #: the recipe configs whose widths and ranks are measured (rank 256, 1024)
@@ -170,7 +171,7 @@ class RooflineCounter(StepCounter):
         if name in LIST_MATMULS:  # one product per entry of the lists
             names = [a.name for a in schema]
             xs, ys, outs = (values[names.index(n)] for n in LIST_MATMULS[name])
-            times = PRODUCTS.get(name, 1)
+            times = 2 if name in SECOND_PRODUCT and values[names.index("c")] != 0 else 1
             for x, y, o in zip(xs, ys, outs, strict=True):
                 c.flops[_flop_dtype(o)] += 2 * times * x.numel() * y.shape[-1]
         elif name in MATMULS:  # its factors: an ``out=`` tensor (written, kwarg-only) is not one
