@@ -301,17 +301,17 @@ def _run(steps: int, monkeypatch, mode: str, preset: str, **group) -> list[torch
     return [w.detach() for w in ws]
 
 
-#: (preset, group options, the kernel functions its batches launch along the data)
+#: (preset, group options, the kernel functions its batches launch along the data: the
+#: limiter's norms — APOLLO's per-channel φ and Fira's with the projection — and the update)
+_WITH_PROJECTION = ("project_norms_list", "project_norms_list")
 ALONG = {
     "apollo_channel": ("APOLLO", {"scale_type": "channel"},
-                       (("scaled_list", "channel_norms_list"), ("scaled_list", "scaled_add_list"))),
+                       (_WITH_PROJECTION, ("scaled_list", "scaled_add_list"))),
     "apollo_tensor": ("APOLLO", {"scale_type": "tensor"},
                       (("scaled_list", "channel_norms_list"), ("scaled_list", "scaled_add_list"))),
-    "fira": ("Fira", {}, (("residual_list", "residual_norms_list"),
-                          ("lowrank_list", "addmm_scaled_list"))),
+    "fira": ("Fira", {}, (_WITH_PROJECTION, ("lowrank_list", "addmm_scaled_list"))),
     "fira_reference": ("Fira", {"residual": "fira_reference", "scale": 0.5},
-                       (("residual_list", "residual_norms_list"),
-                        ("lowrank_list", "addmm_scaled_list"))),
+                       (_WITH_PROJECTION, ("lowrank_list", "addmm_scaled_list"))),
 }  # fmt: skip
 
 
@@ -319,7 +319,8 @@ ALONG = {
 def test_along_the_data_on_the_grouped_kernels(case, monkeypatch):
     """Where the grouped kernels run, APOLLO's and Fira's shape batches go along the data:
     at each non-refresh step each batch's channel norms (of the gradients; Fira: of the
-    residuals, never made) and its update are one launch each (2 batches × 3 steps after
+    residuals, never made; with the projection where φ is per channel) and its update are
+    one launch each (2 batches × 3 steps after
     the refresh; APOLLO's refresh step applies its stacked updates per shape by one launch
     too), and the weights match the torch path along the data (per matrix norms, ``mul_``
     and ``addcmul_``, ``addmm_``) within float32's rounding of the reordered sums (4 steps
