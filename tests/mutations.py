@@ -214,7 +214,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "sums = sums",
         ("tests/fsdp/test_fsdp_lowrank.py::test_lowrank_modules_match_single_process",),
         "FSDP: APOLLO-Mini's ‖N‖_F/‖R‖_F of a RIGHT matrix from this rank's rows only",
-        where="combine",
+        where="_combine",
     ),
     Mutation(
         "muon_gram_local",
@@ -1723,6 +1723,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a host-indexed skip step's batch that lost a matrix sends every entry of Adam's "
         "batch down its foreach path: the other shape batches' bits change",
         where="ScaleByAdam._directions",
+    ),
+    Mutation(
+        "fira_per_matrix_basis_unrounded",
+        "galore2/optim/residual.py",
+        "        P, Q = (None if B is None else B.to(rounded) for B in (P, Q))",
+        "        P, Q = (None if B is None else B for B in (P, Q))",
+        ("tests/optim/test_residual.py::test_per_matrix_products_at_the_kernels_arithmetic",),
+        "Fira's per-matrix products under TF32 read the float32 basis (TF32 rounds it to 10 "
+        "bits, not the kernels' bf16 operand)",
+        where="_combine",
     ),
 )
 

@@ -151,7 +151,9 @@ def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 @contextmanager
-def _tf32(allow: bool) -> Iterator[None]:
+def tf32_matmuls(allow: bool) -> Iterator[None]:
+    """CUDA's fp32 matmuls with TF32 allowed or not (torch's global flag) inside, put back
+    after."""
     flags = torch.backends.cuda.matmul
     before = flags.allow_tf32
     flags.allow_tf32 = allow
@@ -177,7 +179,7 @@ def projection_precision(G: Tensor, precision: str) -> tuple[torch.dtype, Any]:
     if G.device.type == "cuda" and G.dtype == torch.float32:
         allow = precision == "tf32"
         if torch.backends.cuda.matmul.allow_tf32 != allow:
-            return G.dtype, _tf32(allow)
+            return G.dtype, tf32_matmuls(allow)
     return G.dtype, nullcontext()
 
 

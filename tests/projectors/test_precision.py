@@ -15,7 +15,7 @@ from torch import nn
 
 import galore2
 from galore2.projectors import FULL, LEFT, RIGHT, TUCKER, Plan, TuckerProjector, get_projector
-from galore2.projectors.base import _tf32, projection_precision
+from galore2.projectors.base import projection_precision, tf32_matmuls
 
 BF16_PROJECTION_TOL = 5e-3  # ‖R_bf16 − R_fp32‖ / ‖R_fp32‖
 BF16_TRAINING_TOL = 3e-2  # ‖ΔW_bf16 − ΔW_fp32‖ / ‖ΔW_fp32‖ after 10 steps
@@ -101,7 +101,7 @@ def test_unknown_precision_is_refused_naming_the_option():
 def test_tf32_switch_is_put_back():
     flags = torch.backends.cuda.matmul
     before = flags.allow_tf32
-    with _tf32(not before):
+    with tf32_matmuls(not before):
         assert flags.allow_tf32 is (not before)
     assert flags.allow_tf32 is before
 
