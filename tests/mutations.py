@@ -736,7 +736,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "else bmm(Gs, r, Bs.mT, alpha=-c_res)",
         ("tests/optim/test_batched_rules.py",),
         "batched Fira: a right basis's residual is G + R·Qᵀ",
-        where="combine_buckets",
+        where="_combine_buckets",
     ),
     Mutation(
         "stacked_entry_one_correction",
@@ -853,7 +853,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "kept = False",
         ("tests/core/test_packing.py",),
         "Fira / APOLLO write their residual into gradients viewed as a stack",
-        where="combine_buckets",
+        where="_combine_buckets",
     ),
     Mutation(
         "batch_bases_stale",
@@ -1468,7 +1468,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "X = torch.addcmul(Ns[j], Rs[j], factor, value=-c_res / scale,",
         ("tests/optim/test_batched_rules.py::test_along_the_data_equals_per_tensor_path",),
         "Fira along the data adds the residual's in-subspace part P·R instead of removing it",
-        where="combine_buckets",
+        where="_combine_buckets",
     ),
     Mutation(
         "fira_limiter_residual_sign",
@@ -1712,7 +1712,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    den = [_norms(r, d) if b.norms is None else b.norms[0]",
         ("tests/optim/test_batched_rules.py::test_norms_taken_with_the_projection",),
         "Fira's φ = ‖N‖/‖R‖ takes the residual's norms for R's where the projection took both",
-        where="combine_buckets",
+        where="_combine_buckets",
     ),
     Mutation(
         "adam_entries_share_a_path",
@@ -1725,14 +1725,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         where="ScaleByAdam._directions",
     ),
     Mutation(
-        "fira_per_matrix_basis_unrounded",
+        "fira_products_at_float32_fma",
         "galore2/optim/residual.py",
-        "        P, Q = (None if B is None else B.to(rounded) for B in (P, Q))",
-        "        P, Q = (None if B is None else B for B in (P, Q))",
-        ("tests/optim/test_residual.py::test_per_matrix_products_at_the_kernels_arithmetic",),
-        "Fira's per-matrix products under TF32 read the float32 basis (TF32 rounds it to 10 "
-        "bits, not the kernels' bf16 operand)",
-        where="_combine",
+        "        return tf32_matmuls(True)",
+        "        return nullcontext()",
+        ("tests/optim/test_residual.py::test_fira_products_run_as_tf32_where_the_ops_run",),
+        "Fira's float32 products outside the along-data kernels run at float32 FMA's rate "
+        "on a GPU (a seventh of TF32's)",
+        where="_products",
     ),
 )
 

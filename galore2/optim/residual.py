@@ -188,32 +188,28 @@ def combine(
     right basis; ``bias``: the inner rule's bias-correction factor (see the module doc).
     """
     assert plan.side in (LEFT, RIGHT), plan.side  # validate() refuses full and Tucker
-    rounded, context = _products(G)
-    with context:
-        return _combine(G, R, N, P, Q, state, group, plan, bias, rounded)
+    with _products(G):
+        return _combine(G, R, N, P, Q, state, group, plan, bias)
 
 
-def _products(G: Tensor) -> tuple[torch.dtype | None, Any]:
-    """How :func:`combine` multiplies: (the dtype its bases are rounded to first, the
-    context of its matmuls). Where galore2's ops run (CUDA; meta counts that step) with a
-    16-bit gradient: TF32 with the basis in G's dtype, which TF32 holds exactly, as R is —
-    the along-data kernels' arithmetic (operands in G's dtype, float32 sums) at the tensor
-    cores' rate, not float32 FMA's (494 against 67 TFLOP/s on an H100: Fira's per-matrix
-    step at Llama-7B widths, where no matrix batches, was bound by it). Elsewhere (None, no
-    context): float32 as it is (the CPU keeps its arithmetic)."""
+def _products(G: Tensor) -> Any:
+    """The context of Fira's float32 products (the residual G − P·R, the update P·N) of a
+    gradient like ``G``: where galore2's ops run (CUDA; meta counts that step) and G is
+    16-bit, TF32 — G and R are exact in it, the basis and N rounded to 10 bits (the
+    along-data kernels round the basis and X to bf16's 8) — at the tensor cores' rate,
+    not float32 FMA's (494 against 67 TFLOP/s on an H100: Fira's step at Llama-7B widths,
+    where no matrix batches, was bound by it); elsewhere none (float32 as it is: the CPU
+    keeps its arithmetic, and a float32 gradient keeps torch's setting)."""
     if G.dtype in (torch.bfloat16, torch.float16) and G.device.type in ops.FUSED_OP_DEVICES:
-        return G.dtype, tf32_matmuls(True)
-    return None, nullcontext()
+        return tf32_matmuls(True)
+    return nullcontext()
 
 
 def _combine(
     G: Tensor, R: Tensor, N: Tensor, P: Tensor | None, Q: Tensor | None,
     state: dict[str, Tensor], group: dict[str, Any], plan: Plan, bias: float,
-    rounded: torch.dtype | None,
 ) -> Tensor:  # fmt: skip
-    """:func:`combine`'s arithmetic, its bases rounded to ``rounded`` first (if given)."""
-    if rounded is not None:
-        P, Q = (None if B is None else B.to(rounded) for B in (P, Q))
+    """:func:`combine`'s arithmetic."""
     R, N = R.float(), N.float()
     alpha = float(group["scale"])
     scale_type = group["scale_type"]
@@ -349,10 +345,21 @@ def combine_buckets(
     """:func:`combine` of each :class:`Bucket`'s matrices, times ``decay``: one stacked
     update (k × m × n, float32) per bucket, or for APOLLO's gradients of up to 32 bits its
     operands (:class:`Scaled`: the update is never made). Every op runs once per bucket —
-    the channel norms, Fira's two products (``baddbmm``), the scaling — or once for all of
-    them (ratios, the limiter's scalars); no host read. A stack's tensors may be written in
-    place (the caller's stacks are temporaries).
+    the channel norms, Fira's two products (``baddbmm``, in :func:`_products`' context
+    where the buckets' gradients share a dtype), the scaling — or once for all of them (ratios,
+    the limiter's scalars); no host read. A stack's tensors may be written in place (the
+    caller's stacks are temporaries).
     """
+    firsts = [b.G if isinstance(b.G, Tensor) else b.G[0] for b in buckets]
+    mixed = len({g.dtype for g in firsts}) > 1  # a float32 bucket keeps torch's setting
+    with nullcontext() if mixed else _products(firsts[0]):
+        return _combine_buckets(buckets, group, decay)
+
+
+def _combine_buckets(
+    buckets: list[Bucket], group: dict[str, Any], decay: float
+) -> list[Tensor | Scaled]:  # fmt: skip
+    """:func:`combine_buckets`' arithmetic."""
     alpha, scale_type = float(group["scale"]), group["scale_type"]
     limit = group["norm_growth_limit"] is not None
     c_res = residual_c(group)

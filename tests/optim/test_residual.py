@@ -167,54 +167,52 @@ def test_limit_norm_is_counted_and_resumes():
         galore2.GaLoreAdamW(galore_groups(TinyNet(), rank=4)).load_state_dict(saved)
 
 
-@pytest.mark.parametrize("side", ["left", "right"])
-def test_per_matrix_products_at_the_kernels_arithmetic(side, monkeypatch):
-    """Fira's per-matrix update (``residual.combine``: refresh steps, sharded matrices,
-    matrices too large to batch) where galore2's ops run with a bf16 gradient: TF32 matmuls
-    (counted so on meta) with the basis rounded to bf16 — the along-data kernels' operands
-    — so within float32 sums of float64 math on those rounded operands; on the CPU the
-    float32 basis as it is (the bf16-rounded one then differs by ~2⁻⁹ relative)."""
+@pytest.mark.parametrize("path", ["per_matrix", "stacked"])
+def test_fira_products_run_as_tf32_where_the_ops_run(path, monkeypatch):
+    """Fira's float32 products outside the along-data kernels (``residual.combine`` per
+    matrix: refresh steps, sharded matrices; ``combine_buckets``' stacked ``baddbmm``: the
+    matrices too large to batch along the data, Llama-7B's) run with TF32 allowed where
+    galore2's ops run and the gradients are 16-bit (the flag seen inside each product, put
+    back after); with float32 gradients, or on the CPU, torch's setting is left alone — and
+    the CPU's weights are those of a step without the context (bit for bit)."""
     from galore2.kernels import ops
-    from galore2.optim import residual
-    from galore2.projectors import RIGHT, Plan
-    from galore2.projectors.base import tf32_matmuls  # noqa: F401  (the context's flag)
 
-    g = torch.Generator().manual_seed(3)
-    m, n, r = 24, 40, 6
-    G = torch.randn(m, n, generator=g).bfloat16()
-    rows = m if side == "left" else n
-    B = torch.linalg.qr(torch.randn(rows, r, generator=g, dtype=torch.float64)).Q.float()
-    R = (B.bfloat16().T @ G if side == "left" else G @ B.bfloat16()).float()
-    N = torch.randn(R.shape, generator=g)
-    group = {"scale": 0.5, "scale_type": None, "residual": "fira", "norm_growth_limit": None}
-    plan = Plan(LEFT if side == "left" else RIGHT, m, n, r, G.device)
-    P, Q = (B, None) if side == "left" else (None, B)
+    seen: list[bool] = []
+    for name in ("addmm", "baddbmm", "baddbmm_"):
+        real = getattr(torch.Tensor, name, None) if name.endswith("_") else getattr(torch, name)
 
-    def run() -> torch.Tensor:
-        return residual.combine(G, R, N, P, Q, {}, group, plan, 1.0)
+        def spy(*a, _real=real, **k):
+            seen.append(torch.backends.cuda.matmul.allow_tf32)
+            return _real(*a, **k)
 
-    on_cpu = run()
-    seen = []
-    real = residual._combine
-    monkeypatch.setattr(residual, "_combine", lambda *a: seen.append(
-        torch.backends.cuda.matmul.allow_tf32) or real(*a))
-    monkeypatch.setattr(ops, "FUSED_OP_DEVICES", ("cpu", "cuda", "meta"))
-    fast = run()
-    assert seen == [True]  # TF32 inside, the global flag put back after
-    assert residual._products(G.to("meta"))[0] == torch.bfloat16
-    assert residual._products(G.float().to("meta"))[0] is None
-    b = B.bfloat16().double()
-    r64, n64, g64 = R.double(), N.double(), G.double()
-    if side == "left":
-        S, back = g64 - b @ r64, b @ n64
-        mags = g64.abs() + b.abs() @ r64.abs() + 0.5 * (b.abs() @ n64.abs())
-    else:
-        S, back = g64 - r64 @ b.T, n64 @ b.T
-        mags = g64.abs() + r64.abs() @ b.abs().T + 0.5 * (n64.abs() @ b.abs().T)
-    dim = 0 if side == "left" else 1
-    phi = torch.linalg.vector_norm(n64, dim=dim, keepdim=True) / (
-        torch.linalg.vector_norm(r64, dim=dim, keepdim=True) + 1e-8)
-    ref = S * phi + 0.5 * back
-    bound = (r + 4) * 2.0**-24 * mags * (1 + phi) + 2.0**-20 * ref.abs()
-    assert bool(((fast.double() - ref).abs() <= bound).all())
-    assert not torch.equal(fast, on_cpu)  # the CPU keeps its float32 basis
+        if name.endswith("_"):
+            monkeypatch.setattr(torch.Tensor, name, spy)
+        else:
+            monkeypatch.setattr(torch, name, spy)
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        def run(dtype: torch.dtype) -> list[torch.Tensor]:
+            seen.clear()
+            g = torch.Generator().manual_seed(3)
+            shapes = [(24, 40), (24, 40), (40, 24)] if path == "stacked" else [(24, 40)]
+            ws = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+            opt = galore2.Fira([{"params": ws, "rank": 4, "update_proj_gap": 2}], lr=1e-2,
+                               foreach=path == "stacked")  # fmt: skip
+            for _ in range(3):
+                for w in ws:
+                    w.grad = torch.randn(w.shape, generator=g).to(dtype)
+                opt.step()
+            return [w.detach().clone() for w in ws]
+
+        plain = run(torch.bfloat16)
+        assert seen and not any(seen)  # the CPU: torch's setting
+        monkeypatch.setattr(ops, "FUSED_OP_DEVICES", ("cpu", "cuda", "meta"))
+        fast = run(torch.bfloat16)
+        assert seen and all(seen), seen  # TF32 inside every product of Fira's
+        assert torch.backends.cuda.matmul.allow_tf32 is False  # put back
+        run(torch.float32)
+        assert seen and not any(seen)  # a float32 gradient: torch's setting
+        assert all(torch.equal(a, b) for a, b in zip(fast, plain, strict=True))  # the CPU
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
