@@ -1726,13 +1726,22 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "fira_products_at_float32_fma",
-        "galore2/optim/residual.py",
+        "galore2/optim/products.py",
         "        return tf32_matmuls(True)",
         "        return nullcontext()",
-        ("tests/optim/test_residual.py::test_fira_products_run_as_tf32_where_the_ops_run",),
-        "Fira's float32 products outside the along-data kernels run at float32 FMA's rate "
-        "on a GPU (a seventh of TF32's)",
-        where="_products",
+        ("tests/optim/test_products.py",),
+        "Fira's and Muon's float32 products outside galore2's kernels run at float32 FMA's "
+        "rate on a GPU (a seventh of TF32's)",
+        where="fast_float32",
+    ),
+    Mutation(
+        "muon_newton_schulz_at_float32_fma",
+        "galore2/optim/muon.py",
+        "                with fast_float32(given[0]) if same else nullcontext():",
+        "                with nullcontext():",
+        ("tests/optim/test_products.py",),
+        "Muon's batched Newton–Schulz runs at float32 FMA's rate on a GPU",
+        where="ScaleByMuon.update_many",
     ),
 )
 

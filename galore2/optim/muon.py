@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -50,6 +51,7 @@ from ..core.transform import Context, Group, StackedState, State, Transform
 from ..placement import Placement
 from ..storage.dtype import STATE_DTYPE, STATE_DTYPES
 from .adam import ScaleByAdam
+from .products import fast_float32
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Muon's quintic (torch.optim.Muon's default)
 NS_EPS = 1e-7  # torch.optim.Muon's floor of ‖X‖_F
@@ -173,6 +175,7 @@ class ScaleByMuon(Transform):
     def update(self, u: Tensor, state: State, group: Group, ctx: Context) -> Tensor:
         buf = state["muon.momentum"]
         beta = group["momentum"]
+        fast = fast_float32(u)  # TF32 for a 16-bit direction where galore2's ops run
         u = u.to(buf.dtype)
         buf.lerp_(u, 1 - beta)
         x = u.lerp(buf, beta) if group["nesterov"] else buf
@@ -184,7 +187,8 @@ class ScaleByMuon(Transform):
         if group["orthogonalize"] == "polar":
             ortho = polar(X, reduce)
         else:
-            ortho = newton_schulz(X, group["ns_steps"], reduce)
+            with fast:
+                ortho = newton_schulz(X, group["ns_steps"], reduce)
         if transpose:
             ortho = ortho.mT
         return ortho * _adjust(rows, cols, group)
@@ -238,7 +242,10 @@ class ScaleByMuon(Transform):
             if group["orthogonalize"] == "polar":
                 ortho = polar(X)
             else:
-                ortho = newton_schulz(X, group["ns_steps"])
+                given = [us[whole[j]] for j in js]  # one dtype: its context (see update())
+                same = len({u.dtype for u in given}) == 1
+                with fast_float32(given[0]) if same else nullcontext():
+                    ortho = newton_schulz(X, group["ns_steps"])
             # the adjustment of "original" depends on which side is longer: a bucket may
             # hold two (one per shape)
             shapes = [tuple(xs[j].shape[-2:]) for j in js]

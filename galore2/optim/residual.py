@@ -71,11 +71,10 @@ from torch import Tensor
 
 from ..core.options import Choice, Option, Optional, Real
 from ..core.transform import LowRankUpdate, ResidualUpdate, ScaledUpdate
-from ..kernels import ops
 from ..kernels.ops_scaled import channel_norms_each, residual_norms_each
 from ..kernels.tables import upload
 from ..projectors import LEFT, RIGHT, Plan
-from ..projectors.base import tf32_matmuls
+from .products import fast_float32
 from .projection import Projection
 
 RESIDUAL = Option(
@@ -188,21 +187,8 @@ def combine(
     right basis; ``bias``: the inner rule's bias-correction factor (see the module doc).
     """
     assert plan.side in (LEFT, RIGHT), plan.side  # validate() refuses full and Tucker
-    with _products(G):
+    with fast_float32(G):  # TF32 where the ops run with 16-bit gradients
         return _combine(G, R, N, P, Q, state, group, plan, bias)
-
-
-def _products(G: Tensor) -> Any:
-    """The context of Fira's float32 products (the residual G − P·R, the update P·N) of a
-    gradient like ``G``: where galore2's ops run (CUDA; meta counts that step) and G is
-    16-bit, TF32 — G and R are exact in it, the basis and N rounded to 10 bits (the
-    along-data kernels round the basis and X to bf16's 8) — at the tensor cores' rate,
-    not float32 FMA's (494 against 67 TFLOP/s on an H100: Fira's step at Llama-7B widths,
-    where no matrix batches, was bound by it); elsewhere none (float32 as it is: the CPU
-    keeps its arithmetic, and a float32 gradient keeps torch's setting)."""
-    if G.dtype in (torch.bfloat16, torch.float16) and G.device.type in ops.FUSED_OP_DEVICES:
-        return tf32_matmuls(True)
-    return nullcontext()
 
 
 def _combine(
@@ -345,14 +331,14 @@ def combine_buckets(
     """:func:`combine` of each :class:`Bucket`'s matrices, times ``decay``: one stacked
     update (k × m × n, float32) per bucket, or for APOLLO's gradients of up to 32 bits its
     operands (:class:`Scaled`: the update is never made). Every op runs once per bucket —
-    the channel norms, Fira's two products (``baddbmm``, in :func:`_products`' context
-    where the buckets' gradients share a dtype), the scaling — or once for all of them (ratios,
-    the limiter's scalars); no host read. A stack's tensors may be written in place (the
-    caller's stacks are temporaries).
+    the channel norms, Fira's two products (``baddbmm``, in
+    :func:`~.products.fast_float32`'s context where the buckets' gradients share a
+    dtype), the scaling — or once for all of them (ratios, the limiter's scalars); no host
+    read. A stack's tensors may be written in place (the caller's stacks are temporaries).
     """
     firsts = [b.G if isinstance(b.G, Tensor) else b.G[0] for b in buckets]
     mixed = len({g.dtype for g in firsts}) > 1  # a float32 bucket keeps torch's setting
-    with nullcontext() if mixed else _products(firsts[0]):
+    with nullcontext() if mixed else fast_float32(firsts[0]):
         return _combine_buckets(buckets, group, decay)
 
 
