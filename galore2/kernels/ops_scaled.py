@@ -13,15 +13,16 @@ is one grouped launch:
   ``G_i + c·(A_i @ B_i)``: Fira's residual G − P·R, for its limiter, never made;
 * ``galore2::project_norms_each`` (:func:`project_norms_each`) — Fira's projection of a
   shape batch (R = PᵀG or G·Q into given outputs) with both norms its step needs, the
-  residuals' and R's, by channel: each gradient read once;
+  residuals' (APOLLO's: the gradients', ``c = 0``) and R's, by channel: each gradient
+  read once;
 * ``galore2::scaled_add_each_`` (:func:`scaled_add_each_`) — ``p_i ← β·p_i + α·G_i ⊙ f_i``
   into each weight (``f``: a float32 ``(k, 1, n)``, ``(k, m, 1)`` or ``(k, 1, 1)`` stack),
   the weight read and written once.
 
 Where :mod:`~galore2.kernels.dispatch` runs Triton, one launch per list
 (:mod:`galore2.kernels.scaled_list`, :mod:`galore2.kernels.residual_list`,
-:mod:`galore2.kernels.project_norms_list`); elsewhere the torch ops per matrix that the stacked
-path runs (``vector_norm``; ``mul_`` and ``addcmul_``, as
+:mod:`galore2.kernels.project_norms_list`); elsewhere the torch ops per matrix that the
+stacked path runs (``vector_norm``; ``mul_`` and ``addcmul_``, as
 :func:`galore2.core.apply.apply_update` applies one
 :class:`~galore2.core.transform.ScaledUpdate`). On meta tensors they only check shapes: a
 dispatch mode sees one op per call (how ``benchmarks/roofline.py`` counts a step where the
@@ -104,7 +105,9 @@ def _project_norms_shapes(Gs: list[Tensor], Bs: list[Tensor], outs: list[Tensor]
         )
     if not Gs or len(Bs) != len(Gs) or len(outs) != len(Gs):
         raise ValueError("project_norms_each: one basis and one output per gradient (1 or more)")
-    m, n = _norms_shape(Gs, 1)[1], _norms_shape(Gs, 0)[2]
+    if any(g.dim() != 2 or g.shape != Gs[0].shape for g in Gs):
+        raise ValueError("project_norms_each: it takes 2-D gradients of one shape")
+    m, n = Gs[0].shape
     for b, o in zip(Bs, outs, strict=True):
         rows, r = (m, b.shape[-1]) if dim == 0 else (n, b.shape[-1])
         want = (r, n) if dim == 0 else (m, r)
@@ -120,9 +123,9 @@ def _project_norms(
     Gs: list[Tensor], Bs: list[Tensor], outs: list[Tensor], c: float, dim: int
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Fira's (and APOLLO's, ``c = 0``) projection of a shape batch with the norms its step
-    needs of it, in one pass over the gradients where the kernel runs: ``outs[i] ← P_iᵀ @ G_i`` (``dim=0``: a left
-    basis ``Bs[i] = P_i``) or ``G_i @ Q_i`` (``dim=1``: ``Bs[i] = Q_i``), in the outputs'
-    dtype; returns the float32 channel norms (columns for ``dim=0``, ``(k, 1, n)``; rows
+    needs of it, in one pass over the gradients where the kernel runs: ``outs[i] ←
+    P_iᵀ @ G_i`` (``dim=0``: a left basis ``Bs[i] = P_i``) or ``G_i @ Q_i`` (``dim=1``:
+    ``Bs[i] = Q_i``), in the outputs' dtype; returns the float32 channel norms (columns for ``dim=0``, ``(k, 1, n)``; rows
     for ``dim=1``, ``(k, m, 1)``) of the residuals ``G_i + c·P_i @ outs[i]`` (``G_i +
     c·outs[i] @ Q_iᵀ``) and of the ``outs[i]`` themselves, each as rounded to its dtype.
     Elsewhere: the grouped projection (``galore2::mm_each_``), the residuals' norms

@@ -143,6 +143,7 @@ def test_project_norms_refuses_before_writing():
         ((Gs, Ps[:1], Rs, -1.0, 0), "one basis and one output per gradient"),
         ((Gs, Ps, Rs, -1.0, 1), r"Q \(n × r\)"),
         ((Gs, Ps, [x.T for x in Rs], -1.0, 0), r"P \(m × r\) and outputs r × n"),
+        (([Gs[0], Gs[1].T], Ps, Rs, -1.0, 0), "2-D gradients of one shape"),
     ]
     for args, match in bad:
         with pytest.raises(ValueError, match=f"project_norms_each: .*{match}"):
