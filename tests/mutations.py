@@ -1743,6 +1743,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         "Muon's batched Newton–Schulz runs at float32 FMA's rate on a GPU",
         where="ScaleByMuon.update_many",
     ),
+    Mutation(
+        "matrices_alone_unrounded",
+        "galore2/optim/galore.py",
+        "        rounds = len(self.inner) == 1 and not residual.active(group)",
+        "        rounds = False",
+        ("tests/benchmarks/test_roofline.py::test_7b_matrices_alone_write_rounded_directions",),
+        "a matrix projected alone has Adam write a float32 direction its update casts to bf16 "
+        "(zeroed, written, read and cast: 1.49x fused AdamW's bytes a layer at Llama-7B)",
+        where="GaLore.update_many",
+    ),
+    Mutation(
+        "sharded_matrices_rounded",
+        "galore2/optim/lowrank_plan.py",
+        "        and not projection.plan.placement.distributed\n",
+        "\n",
+        ("tests/optim/test_batch_plan.py::test_which_matrices_alone_have_their_direction_rounded",),
+        "a sharded matrix's N rounded before its all-gather (the gather's dtype changes)",
+        where="rounds_alone",
+    ),
 )
 
 

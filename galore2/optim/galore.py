@@ -266,7 +266,8 @@ class GaLore(Transform):
             self, plan, split, us, states, group, ctxs
         )
         # the inner chain: one run, each stacked batch as one entry
-        inner_ctxs = lowrank_plan.inner_contexts(ctxs, projections, stacks)
+        rounds = len(self.inner) == 1 and not residual.active(group)  # N read by _back alone
+        inner_ctxs = lowrank_plan.inner_contexts(ctxs, projections, stacks, rounds)
         N, stacked_N, order, masks = lowrank_plan.run_inner(
             self.inner, inner_in, states, group, inner_ctxs, stacks
         )

@@ -33,7 +33,7 @@ from ..core.transform import (
     run_chain,
     walk,
 )
-from ..projectors import NONE, TUCKER, Plan, get_projector
+from ..projectors import NONE, TUCKER, Plan, Projector, get_projector
 from . import lowrank_batch, residual
 from . import refresh as schedule
 from .projection import Projection, plan_for
@@ -240,18 +240,38 @@ def project_live(
 
 
 def inner_contexts(
-    ctxs: list[Context], projections: dict[int, Projection], stacks: list[Stacked]
-) -> list[Context]:
+    ctxs: list[Context], projections: dict[int, Projection], stacks: list[Stacked],
+    rounds: bool = False,
+) -> list[Context]:  # fmt: skip
     """The contexts the inner rules see: each projected direction's layout, as at init
-    (plain: the parameter's)."""
+    (plain: the parameter's). ``rounds`` (one inner rule, GaLore's own back-projection):
+    a matrix projected on its own whose update rounds N to its weight's dtype
+    (:func:`rounds_alone`) says so (:meth:`~galore2.core.module.Context.rounded_to`), as a
+    shape batch along the data does: its rule may write N in that dtype."""
     out = list(ctxs)
     for i, p in projections.items():
         out[i] = ctxs[i].inner_view(p.layout)
+        if rounds and rounds_alone(p, ctxs[i]):
+            out[i] = out[i].rounded_to(ctxs[i].param.dtype)
     for st in stacks:
         if st.state is None:  # its matrices go through the chain one by one
             for i in st.idx:
                 out[i] = ctxs[i].inner_view(st.batch.kind.layout)
     return out
+
+
+def rounds_alone(projection: Projection, ctx: Context) -> bool:
+    """Does the update of a matrix projected on its own round its N to the weight's dtype
+    before anything else reads it? A local one-sided or two-sided projection (not Tucker,
+    not sharded: a sharded one gathers N first, in the inner rule's dtype) of a 16-bit
+    weight whose projector's factors are the base ones (:meth:`Projector.back_factors`:
+    N cast to the weight's dtype)."""
+    return (
+        ctx.param.dtype in (torch.bfloat16, torch.float16)
+        and projection.side != TUCKER
+        and not projection.plan.placement.distributed
+        and type(projection.projector).back_factors is Projector.back_factors
+    )
 
 
 def stacked_ctxs(stacked: list[Stacked], ctxs: list[Context]) -> list[Context]:

@@ -187,3 +187,32 @@ def test_plans_are_not_pickled():
     assert "_plans" not in galore.__getstate__()
     clone = pickle.loads(pickle.dumps(galore))
     assert not getattr(clone, "_plans", {})
+
+
+def test_which_matrices_alone_have_their_direction_rounded():
+    """``lowrank_plan.rounds_alone``: a matrix projected on its own has its inner rule write
+    N in its weight's dtype only where its update rounds N so before anything else reads it
+    — a local, one- or two-sided projection of a 16-bit weight by a projector with the base
+    factors; not a sharded one (it all-gathers N first, in the rule's dtype), not Tucker,
+    not a float32 weight, not a projector with factors of its own."""
+    from types import SimpleNamespace as NS
+
+    from galore2.optim.lowrank_plan import rounds_alone
+    from galore2.projectors import LEFT, RIGHT, TUCKER, Projector, get_projector
+
+    base = get_projector("svd")
+
+    class OwnFactors(Projector):
+        def back_factors(self, N, state, plan, dtype):  # pragma: no cover - never called
+            raise AssertionError
+
+    def case(side=LEFT, distributed=False, dtype=torch.bfloat16, projector=base):
+        p = NS(side=side, plan=NS(placement=NS(distributed=distributed)), projector=projector)
+        return rounds_alone(p, NS(param=torch.empty(0, dtype=dtype)))  # type: ignore[arg-type]
+
+    assert case() and case(side=RIGHT) and case(dtype=torch.float16)
+    assert type(base).back_factors is Projector.back_factors
+    assert not case(distributed=True)
+    assert not case(side=TUCKER)
+    assert not case(dtype=torch.float32)
+    assert not case(projector=OwnFactors.__new__(OwnFactors))
