@@ -70,6 +70,20 @@ def tile_product(
 
 
 @triton.jit
+def channel_block(table, count, tiles, BLOCK_C: tl.constexpr, x_ptr, y_ptr, z_ptr):
+    """A list kernel's program over channel blocks: (its entry ``e``, the block's first
+    channel ``c0``, and entry ``e``'s three tensors ``x``, ``y``, ``z`` — the first entry's
+    pointers plus their element offsets, the table's first three lists of ``count``)."""
+    pid = tl.program_id(0)
+    e = pid // tiles
+    c0 = (pid % tiles) * BLOCK_C
+    x_e = x_ptr + tl.load(table + e)
+    y_e = y_ptr + tl.load(table + count + e)
+    z_e = z_ptr + tl.load(table + 2 * count + e)
+    return e, c0, x_e, y_e, z_e
+
+
+@triton.jit
 def lowrank_tile(
     a_ptr, b_ptr, p_ptr, out_ptr, pid, M, N, K, s_am, s_ak, s_bk, s_bn, s_pm, s_pn, s_om,
     s_on, alpha, beta, BETA_ZERO: tl.constexpr, PRECISION: tl.constexpr,

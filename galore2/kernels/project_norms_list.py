@@ -44,7 +44,7 @@ from torch import Tensor
 
 from .checks import norms_problem
 from .dispatch import launch_device
-from .lowrank import matmul_precision, small_strides, tile_product
+from .lowrank import channel_block, matmul_precision, small_strides, tile_product
 from .lowrank_list import supported_list
 from .rounding import to_bf16
 from .tables import offsets
@@ -86,12 +86,7 @@ def _project_norms_kernel(
     """Channels ``c0 … c0+BLOCK_C−1`` of entry ``e`` (P: K × RANK, G: K × C, R: RANK × C by
     their strides): ``R ← Pᵀ G`` rounded to R's dtype, ``‖R‖`` per channel, and
     ``sqrt(Σ_k (G[k, ch] + c·(P @ R)[k, ch])²)`` over the K reduced indices, in float32."""
-    pid = tl.program_id(0)
-    e = pid // tiles
-    c0 = (pid % tiles) * BLOCK_C
-    p_e = p_ptr + tl.load(table + e)
-    g_e = g_ptr + tl.load(table + count + e)
-    o_e = o_ptr + tl.load(table + 2 * count + e)
+    e, c0, p_e, g_e, o_e = channel_block(table, count, tiles, BLOCK_C, p_ptr, g_ptr, o_ptr)
     lr = tl.arange(0, BLOCK_R)
     lc = tl.arange(0, BLOCK_C)
     lk = tl.arange(0, BLOCK_K)

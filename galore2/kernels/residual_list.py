@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .checks import norms_problem
 from .dispatch import launch_device
-from .lowrank import matmul_precision, small_strides, tile_product
+from .lowrank import channel_block, matmul_precision, small_strides, tile_product
 from .lowrank_list import supported_list
 from .tables import offsets
 
@@ -59,12 +59,7 @@ def _residual_norms_kernel(
 ):  # fmt: skip
     """Channels ``c0 … c0+BLOCK_C−1`` of entry ``e``: ``sqrt(Σ_r (G[r, ch] + c·(A @ B)[r, ch])²)``
     over the R reduced indices, in float32 (A: R × K, B: K × C, G: R × C by their strides)."""
-    pid = tl.program_id(0)
-    e = pid // tiles
-    c0 = (pid % tiles) * BLOCK_C
-    a_e = a_ptr + tl.load(table + e)
-    b_e = b_ptr + tl.load(table + count + e)
-    g_e = g_ptr + tl.load(table + 2 * count + e)
+    e, c0, a_e, b_e, g_e = channel_block(table, count, tiles, BLOCK_C, a_ptr, b_ptr, g_ptr)
     lr = tl.arange(0, BLOCK_R)
     lc = tl.arange(0, BLOCK_C)
     c_ok = (c0 + lc) < C
