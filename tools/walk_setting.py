@@ -2,11 +2,13 @@
 
     python -m tools.walk_setting                 # --optim.rank 7 (tiny, 1 step, CPU)
     python -m tools.walk_setting --key update_proj_gap --value 9
+    python -m tools.walk_setting --key proj_precision --value bf16 --until projection_precision
 
 Runs one step of the tiny recipe under a profiler and lists, in call order, every Python
 function of the checkout (galore2/, recipes/; run from its root) that is handed the
-setting, up to the first call of ``GaLore.init`` (where the value becomes the subspace's
-shape): a call is handed it when an argument is the value itself (the command-line string
+setting, up to the first call of ``--until`` (default ``GaLore.init``, where a rank becomes
+the subspace's shape; ``projection_precision`` is where a precision sets the projection's
+matmuls): a call is handed it when an argument is the value itself (the command-line string
 or the parsed int) or holds it (a mapping such as a param group or ``optim.options``, an
 object whose ``KEY`` attribute or ``options[KEY]`` is it, a list of such groups); with
 ``--readers`` a holder counts only when the function's code names ``KEY`` (a constant, an
@@ -28,15 +30,18 @@ ROOT = Path.cwd().resolve()  # the checkout walked (run from its root)
 PACKAGES = ("galore2", "recipes")
 
 
-def _is(v: Any, value: int, text: str) -> bool:
+def _is(v: Any, value: int | str, text: str) -> bool:
     return type(v) in (int, str) and v in (value, text)
 
 
-def _holds(x: Any, key: str, value: int, text: str, depth: int = 0) -> bool:
+def _holds(x: Any, key: str, value: int | str, text: str, depth: int = 0) -> bool:
     if isinstance(x, str):
         return x == text
     if isinstance(x, Mapping):
-        return _is(x.get(key), value, text)
+        try:  # a check's view (galore2.core.options.Seen) refuses a key it does not declare
+            return _is(x.get(key), value, text)
+        except (KeyError, AttributeError):  # (AttributeError: a view not yet made)
+            return False
     if isinstance(x, (list, tuple)) and depth == 0:
         return any(_holds(v, key, value, text, 1) for v in x[:8])
     if isinstance(x, type):
@@ -46,11 +51,11 @@ def _holds(x: Any, key: str, value: int, text: str, depth: int = 0) -> bool:
     return in_options or _is(getattr(x, key, None), value, text)
 
 
-def walk(key: str, value: int, text: str, readers: bool) -> list[tuple[str, str]]:
-    from galore2.optim.galore import GaLore
+def walk(
+    key: str, value: int | str, text: str, readers: bool, until: str = "GaLore.init"
+) -> list[tuple[str, str]]:
     from recipes.pretrain import main
 
-    stop = GaLore.init.__code__
     steps: list[tuple[str, str]] = []
     done = False
 
@@ -73,7 +78,7 @@ def walk(key: str, value: int, text: str, readers: bool) -> list[tuple[str, str]
         holds = any(_holds(a, key, value, text) for a in args)
         if handed or (holds and (reads or not readers)):
             steps.append((str(rel), code.co_qualname))
-        if code is stop:
+        if code.co_qualname == until:
             done = True
 
     with tempfile.TemporaryDirectory() as out:
@@ -90,11 +95,14 @@ def walk(key: str, value: int, text: str, readers: bool) -> list[tuple[str, str]
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--key", default="rank")
-    p.add_argument("--value", type=int, default=7)
+    p.add_argument("--value", default="7", help="as on the command line (an int is parsed)")
+    p.add_argument("--until", default="GaLore.init",
+                   help="the qualified name of the function where the walk ends (the math)")  # fmt: skip
     p.add_argument("--readers", action="store_true",
                    help="only calls given the value itself or whose code names KEY")  # fmt: skip
     ns = p.parse_args(argv)
-    steps = walk(ns.key, ns.value, str(ns.value), ns.readers)
+    value = int(ns.value) if ns.value.lstrip("-").isdigit() else ns.value
+    steps = walk(ns.key, value, ns.value, ns.readers, ns.until)
     changes, last = 0, None
     for path, name in steps:
         moved = last is not None and path != last

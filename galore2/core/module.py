@@ -10,7 +10,7 @@ acts (``update``, ``apply_``, ``lr``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..placement import LOCAL, Placement
-from .options import Option
+from .options import CrossCheck, Option, check_across
 
 State = dict[str, Tensor]
 Group = dict[str, Any]
@@ -112,9 +112,14 @@ class Module:
     #: the accounting kind of each state key (``"moments"``, ``"basis"``, ``"other"``)
     kinds: ClassVar[dict[str, str]] = {}
 
+    #: checks that involve several keys (each key alone was checked against its
+    #: :class:`~galore2.core.options.Option` already), each with every key it reads
+    checks: tuple[CrossCheck, ...] = ()
+
     def validate(self, group: Group) -> None:
-        """Checks that involve several of this module's keys (each key alone was checked
-        against its :class:`~galore2.core.options.Option` already); ``ValueError`` naming them."""
+        """Run :attr:`checks` on ``group`` (a module applied by hand; the optimizer runs
+        them when it resolves a group): ``ValueError`` naming the keys."""
+        check_across(self.checks, group)
 
     def complex_problem(self, group: Group) -> str | None:
         """Why this module cannot act on complex parameters in ``group`` (None: it can; a
@@ -131,6 +136,19 @@ class Module:
     ) -> None:
         """Create this module's state for a parameter (or direction) of global ``shape``
         (``ref`` gives the device; default: none)."""
+
+
+def refuse_validate_overrides(modules: Iterable[Any]) -> None:
+    """A module written for an earlier galore2 may override ``validate(group)``, which the
+    optimizer does not call (it runs every module's ``checks``): refused, never skipped."""
+    for m in modules:
+        own = getattr(m if isinstance(m, type) else type(m), "validate", None)
+        if own is not None and own is not Module.validate:
+            raise TypeError(
+                f"{getattr(m, '__name__', type(m).__name__)} overrides validate(group), which "
+                "galore2 optimizers do not call: declare its checks across keys as checks = "
+                "(CrossCheck(keys, fn),) (galore2.core.options), keys naming every key fn reads"
+            )
 
 
 def complex_problem(module: Any) -> str:

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from .module import Context, Group, Module, State
-from .options import Option, Real
+from .options import CrossCheck, Option, Real
 from .state import counter
 from .transform import Transform, walk
 
@@ -131,10 +131,8 @@ class DecoupledWeightDecay:
 
     name: ClassVar[str] = "weight_decay"
     options: ClassVar[tuple[Option, ...]] = (WEIGHT_DECAY,)
+    checks: ClassVar[tuple[CrossCheck, ...]] = ()  # nothing beyond weight_decay's own check
     kinds: ClassVar[dict[str, str]] = {}
-
-    def validate(self, group: Group) -> None:
-        """Nothing beyond ``weight_decay``'s own check."""
 
     def complex_problem(self, group: Group) -> str | None:
         """None: a real factor scales the real and imaginary parts alike."""

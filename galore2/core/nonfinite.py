@@ -112,7 +112,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -121,7 +121,7 @@ from torch import Tensor
 from .. import _numerics
 from .._numerics import norms_within
 from ..placement import Placement
-from .options import Bool, Choice, Option
+from .options import Bool, Choice, CrossCheck, Option
 
 NONFINITE = Option(
     "nonfinite",
@@ -187,6 +187,15 @@ def read_flags(flags: Sequence[Tensor | None]) -> list[list[bool] | None]:
     return out
 
 
+def _host_sees_raise(group: Mapping[str, Any]) -> None:
+    if group["capturable"] and group["nonfinite"] == "raise":
+        raise ValueError(
+            "capturable=True keeps the non-finite decision on the device, but "
+            "nonfinite='raise' needs the host to see it; use nonfinite='skip' (masked "
+            "on the device) or 'ignore' with capturable=True"
+        )
+
+
 class NonFinitePolicy:
     """Decides which parameters of a step are updated; see the module docstring.
 
@@ -194,18 +203,12 @@ class NonFinitePolicy:
     groups' flags at once (:func:`read_flags`) and hands each group's to :meth:`keep`."""
 
     options: ClassVar[tuple[Option, ...]] = (NONFINITE, CAPTURABLE)
+    checks: ClassVar[tuple[CrossCheck, ...]] = (
+        CrossCheck(("capturable", "nonfinite"), _host_sees_raise),
+    )
     kinds: ClassVar[dict[str, str]] = {SKIPS: "other"}
     #: made at a parameter's first skip: a checkpoint may lack it
     optional_keys: ClassVar[frozenset[str]] = frozenset({SKIPS})
-
-    @staticmethod
-    def validate(group: dict[str, Any]) -> None:
-        if group["capturable"] and group["nonfinite"] == "raise":
-            raise ValueError(
-                "capturable=True keeps the non-finite decision on the device, but "
-                "nonfinite='raise' needs the host to see it; use nonfinite='skip' (masked "
-                "on the device) or 'ignore' with capturable=True"
-            )
 
     @staticmethod
     def raise_if_any(

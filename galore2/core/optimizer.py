@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from ..fsdp.detect import is_dtensor  # cheap: imports nothing distributed
+from .module import refuse_validate_overrides
 from .modules import (
     WEIGHT_DECAY,
     DecoupledWeightDecay,
@@ -55,7 +56,7 @@ from .resume import (
 from .state import counter
 from .step import StepEngine, indexed
 from .stored import store_of
-from .transform import Context, Transform, init_chain, state_kind, walk
+from .transform import Transform, state_kind, walk
 
 #: Group keys that are not options but are accepted (and left alone): torch's LR
 #: schedulers' ``initial_lr``, torch's ``param_names`` (named parameters) and a free-form
@@ -136,6 +137,9 @@ class ChainOptimizer(torch.optim.Optimizer):
             *([self._schedule] if self._schedule is not None else []),
         ]
         self.declared = self.declared_options(self._all_modules)
+        modules = [NonFinitePolicy, *walk(self._all_modules)]
+        refuse_validate_overrides(modules)
+        self._checks = tuple(c for m in modules for c in m.checks)
         self._engine = StepEngine(
             self,
             self._chain,
@@ -143,7 +147,6 @@ class ChainOptimizer(torch.optim.Optimizer):
             self._param_transforms,
             self._decay,
             self._schedule,
-            self._fill_state,
             self._warn_once,
         )
         self._settings = Settings(self.declared, walk(self._all_modules))
@@ -206,10 +209,8 @@ class ChainOptimizer(torch.optim.Optimizer):
             self.defaults,
             passthrough=PASSTHROUGH_KEYS,
             owner=f"{type(self).__name__}{hint}",
+            checks=self._checks,
         )
-        NonFinitePolicy.validate(group)
-        for module in walk(self._all_modules):
-            module.validate(group)
         if group.get("weight_decay") and not any(
             WEIGHT_DECAY in m.options for m in walk(self._all_modules)
         ):  # accepted (a preset's switched-off module declares it) but read by no module
@@ -230,9 +231,11 @@ class ChainOptimizer(torch.optim.Optimizer):
         params = group["params"] = [params] if isinstance(params, Tensor) else list(params)
         tensors = [p[1] if isinstance(p, tuple) else p for p in params]  # (name, p): named
         bad = [p for p in tensors if isinstance(p, Tensor) and p.is_complex()]
+        if not bad:
+            return
         problems = [m.complex_problem(group) for m in walk(self._all_modules)]
         problems = [why for why in problems if why is not None]
-        if bad and problems:
+        if problems:
             shapes = [f"{tuple(p.shape)} {str(p.dtype)[6:]}" for p in bad]
             raise ValueError(
                 f"{type(self).__name__}: complex parameters ({', '.join(shapes)}) in a group "
@@ -253,16 +256,8 @@ class ChainOptimizer(torch.optim.Optimizer):
         shapes, dtypes; CPU counters are real): what :meth:`load_state_dict` compares with."""
         ctx = self._engine.context(p, index)
         state: dict[str, Tensor] = {}
-        self._fill_state(state, group, replace(ctx, param=ctx.param.to("meta")))
+        self._engine.fill_state(state, group, replace(ctx, param=ctx.param.to("meta")))
         return state
-
-    def _fill_state(self, state: dict[str, Tensor], group: dict[str, Any], ctx: Context) -> None:
-        state[SKIPS] = counter()
-        if self._schedule is not None:
-            self._schedule.init(ctx.global_shape, ctx.param, group, state, ctx)
-        for hook in (*self._grad_transforms, *self._param_transforms):
-            hook.init(ctx.global_shape, ctx.param, group, state, ctx)
-        init_chain(self._chain, ctx.global_shape, ctx.param, group, state, ctx)
 
     def _indexed_params(self) -> Iterable[tuple[int, dict[str, Any], Tensor]]:
         return indexed(self.param_groups)

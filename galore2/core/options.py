@@ -9,16 +9,18 @@ unknown key is an error naming it). ``param_groups``, the Hugging Face integrati
 table read the same declarations (:func:`describe` renders one row per option).
 
 A check normalizes a value or raises ``ValueError``; ``parse`` turns the string form
-(command lines, ``optim_args``) into a value the check accepts. Checks that involve
-several keys (``power_iters`` depends on ``projector``) live in the owning module's
-``validate(group)``, which runs after every single-key check has passed.
+(command lines, ``optim_args``) into a value the check accepts. A check that involves
+several keys (``power_iters`` depends on ``projector``) is a :class:`CrossCheck`, listed by
+its owner (a module's ``checks``) with every key it reads: :func:`resolve` runs it after
+every single-key check has passed, on a view of the group holding only those keys
+(:class:`Seen`), so a check cannot depend on another owner's option without saying so.
 """
 
 from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -299,6 +301,60 @@ class Option:
         return self.check.alternative(self.default)
 
 
+@dataclass(frozen=True)
+class CrossCheck:
+    """A check across keys of a parameter group: ``fn(group)`` raises ``ValueError`` naming
+    them. ``keys`` are every key it reads (its owner's options, others' it depends on,
+    ``"params"``); it is handed the group through :class:`Seen`, which refuses any other."""
+
+    keys: tuple[str, ...]
+    fn: Callable[[Mapping[str, Any]], None]
+
+
+class Seen(Mapping[str, Any]):
+    """A parameter group as a :class:`CrossCheck` sees it: only its declared ``keys``.
+
+    Reading any other key (``[]``, ``get``, ``in``) raises ``KeyError`` naming the check
+    and the key: a check's dependence on another owner's option is declared, never found."""
+
+    __slots__ = ("_group", "_keys", "_owner")
+
+    def __init__(self, group: Mapping[str, Any], keys: Iterable[str], owner: str) -> None:
+        self._group, self._keys, self._owner = group, frozenset(keys), owner
+
+    def _declared(self, key: str) -> None:
+        if key not in self._keys:
+            raise KeyError(
+                f"{self._owner} reads {key!r}, which its CrossCheck does not declare "
+                f"(its keys: {sorted(self._keys)})"
+            )
+
+    def __getitem__(self, key: str) -> Any:
+        self._declared(key)
+        return self._group[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self._declared(key)
+        return self._group.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self._declared(key)  # type: ignore[arg-type]
+        return key in self._group
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k in self._group if k in self._keys)
+
+    def __len__(self) -> int:
+        return sum(1 for k in self._group if k in self._keys)
+
+
+def check_across(checks: Iterable[CrossCheck], group: Mapping[str, Any]) -> None:
+    """Run ``checks`` on ``group``, each seeing only its keys (the views are made first)."""
+    seen = [(c.fn, Seen(group, c.keys, c.fn.__qualname__)) for c in checks]
+    for fn, view in seen:
+        fn(view)
+
+
 def collect(sources: Iterable[Sequence[Option]]) -> dict[str, Option]:
     """Merge option lists; one name must always mean one declaration (the same object)."""
     out: dict[str, Option] = {}
@@ -340,9 +396,11 @@ def resolve(
     *,
     passthrough: Iterable[str] = (),
     owner: str = "the optimizer",
+    checks: Iterable[CrossCheck] = (),
 ) -> dict[str, Any]:
     """``group`` with every option filled in (from ``defaults``, else the declared default)
-    and validated; keys that are neither options nor ``passthrough`` raise ``ValueError``."""
+    and validated, then ``checks`` run on it (:func:`check_across`); keys that are neither
+    options nor ``passthrough`` raise ``ValueError``."""
     unknown = sorted(set(group) - set(options) - set(passthrough))
     if unknown:
         raise ValueError(
@@ -353,4 +411,5 @@ def resolve(
     for name, option in options.items():
         value = out.get(name, (defaults or {}).get(name, option.default))
         out[name] = option.validate(value)
+    check_across(checks, out)
     return out

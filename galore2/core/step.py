@@ -49,11 +49,12 @@ from .modules import (
     run_grad_transforms,
     run_param_transforms,
 )
-from .nonfinite import NonFinitePolicy, read_flags
+from .nonfinite import SKIPS, NonFinitePolicy, read_flags
 from .options import Bool, LearningRate, Option, Optional
+from .state import counter
 from .step_masked import MaskedPath
 from .stored import Writes, parts, refuse, store_of
-from .transform import Context, Transform, run_chain
+from .transform import Context, Transform, init_chain, run_chain
 
 LR = Option("lr", 1e-3, LearningRate(), "learning rate (LR schedulers write it every step)")
 MAXIMIZE = Option("maximize", False, Bool(), "maximize the objective instead of minimizing it")
@@ -70,8 +71,8 @@ class StepEngine:
     """Gathers, batches and steps an optimizer's parameters through its modules.
 
     ``optimizer`` is read for its ``state`` and ``param_groups`` (both may be replaced:
-    ``load_state_dict``, ``add_param_group``); ``fill_state(state, group, ctx)`` creates a
-    parameter's state, ``warn_once`` is handed to every :class:`Context`.
+    ``load_state_dict``, ``add_param_group``); :meth:`fill_state` creates a parameter's
+    state, ``warn_once`` is handed to every :class:`Context`.
     """
 
     #: the options the engine reads (the optimizer declares them with the non-finite policy's)
@@ -85,13 +86,12 @@ class StepEngine:
         param_transforms: list[ParamTransform],
         decay: DecoupledWeightDecay | None,
         schedule: LRSchedule | None,
-        fill_state: Callable[[State, Group, Context], None],
         warn_once: Callable[[str], None],
     ) -> None:
         self.opt = optimizer
         self.chain, self.decay, self.schedule = chain, decay, schedule
         self.grad_transforms, self.param_transforms = grad_transforms, param_transforms
-        self.fill_state, self.warn_once = fill_state, warn_once
+        self.warn_once = warn_once
         modules = [*grad_transforms, *chain, *([decay] if decay else []), *param_transforms,
                    *([schedule] if schedule else [])]  # fmt: skip
         self.masked = MaskedPath(optimizer, chain, modules, self.decay_factor)
@@ -170,6 +170,15 @@ class StepEngine:
             placement=placement,
             shape=torch.Size((*p.shape, 2)) if p.is_complex() else p.shape,
         )
+
+    def fill_state(self, state: State, group: Group, ctx: Context) -> None:
+        """Create a parameter's state (``ctx``'s): its skip counter, then every module's."""
+        state[SKIPS] = counter()
+        if self.schedule is not None:
+            self.schedule.init(ctx.global_shape, ctx.param, group, state, ctx)
+        for hook in (*self.grad_transforms, *self.param_transforms):
+            hook.init(ctx.global_shape, ctx.param, group, state, ctx)
+        init_chain(self.chain, ctx.global_shape, ctx.param, group, state, ctx)
 
     def init_param_state(self, p: Tensor, group: Group, index: int) -> None:
         ctx = self.context(p, index)  # validates a DTensor's placement before any state exists

@@ -53,6 +53,7 @@ from ..core.transform import (
     init_chain,
     run_chain,
 )
+from ..projectors import CHECKS as PROJECTOR_CHECKS
 from ..projectors import (
     FULL,
     LEFT,
@@ -61,12 +62,11 @@ from ..projectors import (
     TUCKER,
     Plan,
     choose_side,
-    validate_projector_options,
 )
 from ..projectors import KINDS as PROJECTOR_KINDS
 from ..projectors import OPTIONS as PROJECTOR_OPTIONS
+from ..storage.basis import CHECKS as BASIS_CHECKS
 from ..storage.basis import OPTIONS as BASIS_OPTIONS
-from ..storage.basis import validate_basis_options
 from . import lowrank_combine, lowrank_plan, lowrank_screen, residual
 from . import refresh as schedule
 from .projection import Projection, plan_for, projection_for
@@ -142,6 +142,8 @@ class GaLore(Transform):
 
     name = "galore"
     options = OPTIONS
+    #: the checks across keys of its options' owners: projector, basis storage, residual, schedule
+    checks = (*PROJECTOR_CHECKS, *BASIS_CHECKS, *residual.CHECKS, *schedule.CHECKS)
     takes_decay = True  # folds the step's decoupled decay into projected updates (_back)
     #: advanced by a masked or deferred step for a skipped parameter too, set back when the
     #: skips are read (:mod:`galore2.core.nonfinite`, :mod:`galore2.core.deferred`)
@@ -163,16 +165,6 @@ class GaLore(Transform):
             raise ValueError("GaLore needs at least one inner transform (e.g. ScaleByAdam())")
         self.inner: list[Transform] = list(inner)
         self._counters = Counters()  # the batched matrices' host counters, packed
-
-    def validate(self, group: Group) -> None:
-        """Check the options that involve several keys: projector, basis storage, residual and
-        the schedule's; ``ValueError`` naming them.
-        """
-        validate_projector_options(group)
-        validate_basis_options(group)
-        residual.validate(group)
-        schedule.validate(group)
-        super().validate(group)
 
     def capture_problem(self, group: Group) -> str | None:
         """Why a non-refresh step cannot replay from a CUDA graph (None: it can, see

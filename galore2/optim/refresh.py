@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..core.options import Bool, Choice, Int, Option, Optional, Real
+from ..core.options import Bool, Choice, CrossCheck, Int, Option, Optional, Real
 from ..core.state import counter
 from ..core.transform import Group, State
 
@@ -81,6 +81,10 @@ def validate(group: Group) -> None:
             f"max_update_proj_gap must be None (8 x update_proj_gap) or an int >= "
             f"update_proj_gap ({gap}), got {cap!r}"
         )
+
+
+#: the schedule's check across keys (GaLore runs it)
+CHECKS = (CrossCheck(("max_update_proj_gap", "update_proj_gap"), validate),)
 
 
 def init_state(state: State, group: Group) -> None:

@@ -69,7 +69,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..core.options import Choice, Option, Optional, Real
+from ..core.options import Choice, CrossCheck, Option, Optional, Real
 from ..core.transform import LowRankUpdate, ResidualUpdate, ScaledUpdate
 from ..kernels.ops_scaled import channel_norms_each, residual_norms_each
 from ..kernels.tables import upload
@@ -161,6 +161,16 @@ def validate(group: dict[str, Any]) -> None:
                 f"{shape[0]} × {int(torch.Size(shape[1:]).numel())}) or put it in a group "
                 "without rank"
             )
+
+
+#: the residual's check across keys (GaLore runs it): its own options and the projection's
+CHECKS = (
+    CrossCheck(
+        ("residual", "scale_type", "proj_type", "projector", "rank", "tensor_projection",
+         "params"),
+        validate,
+    ),
+)  # fmt: skip
 
 
 def init_state(state: dict[str, Tensor], group: dict[str, Any], ref: Tensor) -> None:
@@ -526,6 +536,7 @@ def _limit_buckets(norms: list[Tensor], buckets: list[Bucket], group: dict[str, 
 
 
 __all__ = [
+    "CHECKS",
     "LIMIT_KEY",
     "NORM_GROWTH_LIMIT",
     "OPTIONS",

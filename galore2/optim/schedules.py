@@ -23,13 +23,14 @@ the value returned is the lr of the next step. For a group with base lr ``base``
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from ..core.modules import LRSchedule
-from ..core.options import Bool, Int, Option, Optional, Real
+from ..core.options import Bool, CrossCheck, Int, Option, Optional, Real
 
 _TOL = 1e-9  # float slack for ⌈·⌉/⌊·⌋ of values like 2/(1 − 0.999) = 1999.9999999999982
 
@@ -159,8 +160,9 @@ class WarmupWarmdown(LRSchedule):
             "warmdown_start": warmdown_start,
             "min_lr": min_lr,
         }
+        self.checks = (CrossCheck(("num_iterations",), self._needs_iterations),)
 
-    def validate(self, group: dict[str, Any]) -> None:
+    def _needs_iterations(self, group: Mapping[str, Any]) -> None:
         if (self.warmup or self.warmdown) and group["num_iterations"] is None:
             raise ValueError(
                 "num_iterations (the run's optimizer steps) is required for the warmup / "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..core.options import Choice, Int, Option
+from ..core.options import Choice, CrossCheck, Int, Option
 from .base import (
     FULL,
     LEFT,
@@ -64,6 +64,10 @@ def validate_projector_options(group: dict) -> None:
         )
 
 
+#: the projector's checks across keys (GaLore runs them; :class:`~galore2.core.options.CrossCheck`)
+CHECKS = (CrossCheck(("power_iters", "projector", "basis_dtype"), validate_projector_options),)
+
+
 def get_projector(name: str) -> Projector:
     """The projector for a group's ``projector`` key (validated earlier by the optimizer)."""
     try:
@@ -73,6 +77,7 @@ def get_projector(name: str) -> Projector:
 
 
 __all__ = [
+    "CHECKS",
     "FULL",
     "KINDS",
     "LEFT",

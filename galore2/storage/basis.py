@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from .._numerics import mix_seed
-from ..core.options import Bool, Choice, Int, Option
+from ..core.options import Bool, Choice, CrossCheck, Int, Option
 from .format import BF16, FP32, Spec, TensorFormat, Zeros
 from .hadamard import next_power_of_two, padded_length, random_signs, rotate, unrotate
 
@@ -345,3 +345,9 @@ def validate_basis_options(group: dict) -> None:
         raise ValueError(
             f"basis_group_size must be a power of two when basis_hadamard=True, got {size}"
         )
+
+
+#: the basis storage's check across keys (GaLore runs it)
+CHECKS = (
+    CrossCheck(("basis_dtype", "basis_group_size", "basis_hadamard"), validate_basis_options),
+)
