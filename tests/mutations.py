@@ -1762,6 +1762,63 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a sharded matrix's N rounded before its all-gather (the gather's dtype changes)",
         where="rounds_alone",
     ),
+    Mutation(
+        "cross_checks_skipped",
+        "galore2/core/options.py",
+        "    check_across(checks, out)\n",
+        "",
+        ("tests/core/test_errors.py", "tests/core/test_cross_checks.py"),
+        "a group is added without its checks across keys (power_iters=0 with the power "
+        "projector, capturable with nonfinite='raise'...)",
+        where="resolve",
+    ),
+    Mutation(
+        "view_not_strict",
+        "galore2/core/options.py",
+        "        if key not in self._keys:",
+        "        if False:",
+        ("tests/core/test_cross_checks.py",),
+        "a check's view hands out keys its check does not declare (an undeclared dependence "
+        "on another owner's option goes unnoticed)",
+        where="Seen._declared",
+    ),
+    Mutation(
+        "nonfinite_check_dropped",
+        "galore2/core/nonfinite.py",
+        'CrossCheck(("capturable", "nonfinite"), _host_sees_raise),',
+        "",
+        ("tests/core/test_capturable.py",),
+        "capturable=True with nonfinite='raise' accepted (the host never sees the decision)",
+        where="NonFinitePolicy",
+    ),
+    Mutation(
+        "galore_checks_partial",
+        "galore2/optim/galore.py",
+        "*residual.CHECKS, *schedule.CHECKS)",
+        "*schedule.CHECKS)",
+        ("tests/optim/test_residual.py",),
+        "GaLore runs its projector, basis and schedule checks but not the residual's (Fira "
+        "and APOLLO together, Fira on a random basis accepted)",
+        where="GaLore",
+    ),
+    Mutation(
+        "validate_override_ignored",
+        "galore2/core/module.py",
+        "        if own is not None and own is not Module.validate:",
+        "        if False:",
+        ("tests/core/test_cross_checks.py",),
+        "a module's overridden validate(group) is silently never called",
+        where="refuse_validate_overrides",
+    ),
+    Mutation(
+        "complex_check_eager",
+        "galore2/core/optimizer.py",
+        "        if not bad:\n            return\n",
+        "",
+        ("tests/core/test_cross_checks.py",),
+        "every module is asked its complex problem for every group, complex or not",
+        where="ChainOptimizer._check_complex",
+    ),
 )
 
 
