@@ -58,18 +58,24 @@ def walk(
 
     steps: list[tuple[str, str]] = []
     done = False
+    where: dict[str, Path | None] = {}  # a code object's file, relative to ROOT (None: not ours)
+
+    def _ours(filename: str) -> Path | None:
+        try:
+            rel = Path(filename).resolve().relative_to(ROOT)
+        except ValueError:
+            return None
+        return rel if rel.parts[0] in PACKAGES else None
 
     def profile(frame, event, arg):
         nonlocal done
         if done or event != "call":
             return
         code = frame.f_code
-        path = Path(code.co_filename)
-        try:
-            rel = path.resolve().relative_to(ROOT)
-        except ValueError:
-            return
-        if rel.parts[0] not in PACKAGES:
+        if code.co_filename not in where:
+            where[code.co_filename] = _ours(code.co_filename)
+        rel = where[code.co_filename]
+        if rel is None:
             return
         names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
         args = [frame.f_locals.get(n) for n in names]
@@ -80,6 +86,7 @@ def walk(
             steps.append((str(rel), code.co_qualname))
         if code.co_qualname == until:
             done = True
+            sys.setprofile(None)  # the rest of the run is not walked
 
     with tempfile.TemporaryDirectory() as out:
         argv = ["--config", "tiny", "--steps", "1", "--out", out, "--train.progress", "false",
